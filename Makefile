@@ -1,0 +1,27 @@
+# `make train` and `make test` work on a fresh machine: they create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+NPROC ?= 2
+ARGS ?=
+
+.PHONY: train test bench clean
+
+$(BIN)/llmtrain: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned: an unpinned torch would pull the multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+train: $(BIN)/llmtrain
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m llmtrain train --config debug_cpu $(ARGS)
+
+test: $(BIN)/llmtrain
+	$(BIN)/python -m pytest tests $(ARGS)
+
+bench: $(BIN)/llmtrain
+	$(BIN)/python benchmarks/step_overhead.py
+
+clean:
+	rm -rf runs .pytest_cache

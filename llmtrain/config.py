@@ -1,0 +1,318 @@
+"""JobConfig: every setting of a run, one dataclass per section.
+
+A run's config is built from a packaged TOML preset (or a TOML file), then dotted
+overrides from the command line (``--optim.lr 3e-4``). Everything is checked before any
+process group starts: an unknown key, a wrong type or an out-of-range value raises
+:class:`ConfigError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the field and what is allowed."""
+
+
+def _f(default: Any, *, choices: tuple | None = None, ge: float | None = None,
+       gt: float | None = None, le: float | None = None, lt: float | None = None,
+       doc: str = "") -> Any:
+    """A config field with its allowed values, checked by :func:`_check_field`."""
+    return field(default=default, metadata={"choices": choices, "ge": ge, "gt": gt,
+                                            "le": le, "lt": lt, "doc": doc})
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-3-style decoder."""
+    name: str = _f("debug", doc="label used in logs")
+    dim: int = _f(256, ge=8)
+    n_layers: int = _f(4, ge=1)
+    n_heads: int = _f(8, ge=1)
+    n_kv_heads: int = _f(4, ge=1, doc="grouped-query attention: must divide n_heads")
+    vocab_size: int = _f(256, ge=2)
+    ffn_dim_multiplier: float = _f(1.0, gt=0)
+    multiple_of: int = _f(64, ge=1, doc="SwiGLU hidden size is rounded up to this")
+    norm_eps: float = _f(1e-5, gt=0)
+    rope_theta: float = _f(500000.0, gt=0)
+    max_seq_len: int = _f(2048, ge=1)
+    tie_embeddings: bool = _f(False)
+    init_std: float = _f(0.02, gt=0)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how samples are cut."""
+    source: str = _f("embedded", choices=("embedded", "tokens"),
+                     doc="embedded: the Python stdlib sources, byte-tokenized into the run dir; "
+                         "tokens: pre-tokenized shards under data.path")
+    path: str = _f("", doc="fsspec URL of a directory of *.bin token shards (source=tokens)")
+    seq_len: int = _f(256, ge=1)
+    seed: int = _f(0, ge=0, doc="seeds the per-epoch sample order")
+    embedded_max_bytes: int = _f(8_000_000, ge=10_000,
+                                 doc="how much stdlib source the embedded corpus takes")
+
+
+@dataclass
+class ParallelismConfig:
+    """Devices, process groups and how the model is sharded."""
+    device: str = _f("auto", choices=("auto", "cpu", "cuda"))
+    backend: str = _f("auto", choices=("auto", "gloo", "nccl"),
+                      doc="auto: nccl on cuda, gloo on cpu")
+    dp_replicate: int = _f(1, ge=1, doc="replica groups (HSDP); 1 is plain FSDP")
+    dp_shard: int = _f(-1, ge=-1, doc="ranks each parameter is sharded over; -1: the rest")
+    param_dtype: str = _f("bfloat16", choices=("bfloat16", "float32"))
+    reduce_dtype: str = _f("float32", choices=("float32", "bfloat16"))
+    reshard_after_forward: bool = _f(True)
+    fp8: str = _f("none", choices=("none", "tensorwise", "rowwise", "rowwise_with_gw_hp"),
+                  doc="torchao float8 training recipe")
+    activation_checkpoint: str = _f("none", choices=("none", "full", "selective"))
+    compile: bool = _f(False, doc="torch.compile each transformer block")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+    lr: float = _f(3e-4, gt=0)
+    min_lr_ratio: float = _f(0.1, ge=0, le=1)
+    warmup_steps: int = _f(100, ge=0)
+    weight_decay: float = _f(0.1, ge=0)
+    beta1: float = _f(0.9, ge=0, lt=1)
+    beta2: float = _f(0.95, ge=0, lt=1)
+    eps: float = _f(1e-8, gt=0)
+    max_grad_norm: float = _f(1.0, ge=0, doc="0 disables clipping")
+
+
+@dataclass
+class TrainingConfig:
+    """The run: where it lives, how long, and its batch."""
+    run_dir: str = _f("runs/debug_cpu", doc="fsspec URL of the run's directory")
+    steps: int = _f(300, ge=1)
+    global_batch_size: int = _f(32, ge=1, doc="sequences per optimizer step, at any world size")
+    micro_batch_size: int = _f(8, ge=1, doc="sequences per rank per forward pass")
+    seed: int = _f(0, ge=0, doc="seeds weight init and every RNG")
+
+
+@dataclass
+class ReliabilityConfig:
+    """Timeouts of the process groups."""
+    init_timeout_s: float = _f(300.0, gt=0, doc="rendezvous and process-group creation")
+    collective_timeout_s: float = _f(600.0, gt=0, doc="one collective during training")
+
+
+@dataclass
+class MetricsConfig:
+    """What rank 0 reports, and how often."""
+    log_every: int = _f(10, ge=1, doc="steps between loss/throughput reports")
+    progress: str = _f("auto", choices=("auto", "bar", "plain"),
+                       doc="auto: a progress bar on a terminal, plain lines otherwise")
+    peak_tflops: float = _f(0.0, ge=0, doc="per-device peak for MFU; 0: known GPUs only")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "parallelism": ParallelismConfig,
+    "optim": OptimConfig,
+    "training": TrainingConfig,
+    "reliability": ReliabilityConfig,
+    "metrics": MetricsConfig,
+}
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """A short hash of every setting, to tell runs and checkpoints apart."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) for ``world_size`` ranks, or ConfigError."""
+        p = self.parallelism
+        shard = p.dp_shard if p.dp_shard != -1 else world_size // p.dp_replicate
+        if p.dp_replicate * shard != world_size:
+            raise ConfigError(
+                f"parallelism.dp_replicate={p.dp_replicate} x parallelism.dp_shard="
+                f"{p.dp_shard} does not fit a world of {world_size} ranks: their product "
+                f"must equal the world size (set dp_shard=-1 to use all the rest)")
+        return p.dp_replicate, shard
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step that keep the global batch fixed."""
+        t = self.training
+        per_step = t.micro_batch_size * world_size
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+                f"training.micro_batch_size={t.micro_batch_size} x {world_size} ranks "
+                f"= {per_step}; choose a global batch divisible by {per_step}")
+        return t.global_batch_size // per_step
+
+    def validate(self, world_size: int = 1) -> None:
+        """Checks that span fields; per-field ranges are checked while loading."""
+        m, d = self.model, self.data
+        if m.dim % m.n_heads:
+            raise ConfigError(f"model.dim={m.dim} must be divisible by model.n_heads={m.n_heads}")
+        if (m.dim // m.n_heads) % 2:
+            raise ConfigError(f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even "
+                              f"(rotary embeddings rotate pairs)")
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide "
+                              f"model.n_heads={m.n_heads}")
+        if d.seq_len > m.max_seq_len:
+            raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len="
+                              f"{m.max_seq_len}; lower data.seq_len or raise model.max_seq_len")
+        if d.source == "tokens" and not d.path:
+            raise ConfigError("data.path is empty but data.source='tokens' needs it: give "
+                              "the fsspec URL of a directory of token shards")
+        if d.source == "embedded" and m.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for the byte "
+                              f"tokenizer of data.source='embedded': it needs >= 256")
+        if self.parallelism.backend == "nccl" and self.parallelism.device == "cpu":
+            raise ConfigError("parallelism.backend='nccl' needs parallelism.device "
+                              "'cuda' or 'auto', not 'cpu'")
+        self.mesh_shape(world_size)
+        self.accumulation_steps(world_size)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml")
+                  for p in resources.files("llmtrain.configs").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def _read_preset(preset: str) -> dict[str, Any]:
+    path = Path(preset)
+    if path.suffix == ".toml" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {preset!r} does not exist")
+        text = path.read_text()
+    else:
+        res = resources.files("llmtrain.configs").joinpath(f"{preset}.toml")
+        if not res.is_file():
+            raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(preset_names())}"
+                              f" (or give the path of a .toml file)")
+        text = res.read_text()
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {preset!r} is not valid TOML: {e}") from None
+
+
+def _unknown(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
+
+
+def _coerce(name: str, ftype: str, value: Any) -> Any:
+    """``value`` (from TOML or a command-line string) as the field's type."""
+    from_cli = isinstance(value, str) and ftype != "str"
+    try:
+        if ftype == "bool":
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if from_cli and value.lower() in ("false", "0", "no", "off"):
+                return False
+        elif ftype == "int":
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if from_cli:
+                return int(value)
+        elif ftype == "float":
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if from_cli:
+                out = float(value)
+                if math.isfinite(out):
+                    return out
+        elif ftype == "str" and isinstance(value, str):
+            return value
+    except ValueError:
+        pass
+    kind = {"bool": "true or false", "int": "an integer", "float": "a finite number",
+            "str": "a string"}[ftype]
+    raise ConfigError(f"config field {name!r} expects {kind}, got {value!r}")
+
+
+def _check_field(name: str, f: dataclasses.Field, value: Any) -> None:
+    md = f.metadata
+    if md.get("choices") and value not in md["choices"]:
+        raise ConfigError(f"config field {name!r} = {value!r} is not allowed; "
+                          f"choose one of: {', '.join(map(repr, md['choices']))}")
+    for op, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                         ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
+        bound = md.get(op)
+        if bound is not None and not ok(value, bound):
+            raise ConfigError(f"config field {name!r} = {value!r} is out of range: "
+                              f"it must be {word} {bound}")
+
+
+def _apply(cfg: JobConfig, key: str, value: Any) -> None:
+    section_name, _, field_name = key.partition(".")
+    if section_name not in SECTIONS:
+        raise _unknown(key, list(SECTIONS))
+    section = getattr(cfg, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if field_name not in fields:
+        raise _unknown(key, [f"{section_name}.{n}" for n in fields])
+    f = fields[field_name]
+    value = _coerce(key, f.type, value)
+    _check_field(key, f, value)
+    setattr(section, field_name, value)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``['--optim.lr', '3e-4', '--training.steps=5']`` as ``[(key, value), ...]``."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"expected an override like --section.field VALUE, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg!r} has no value")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        out.append((key, value))
+    return out
+
+
+def load_config(preset: str = "debug_cpu", overrides: list[tuple[str, Any]] = ()) -> JobConfig:
+    """The preset (packaged name or TOML path), then ``overrides`` on top, field-checked."""
+    cfg = JobConfig()
+    for section_name, table in _read_preset(preset).items():
+        if not isinstance(table, dict):
+            raise _unknown(section_name, list(SECTIONS))
+        for key, value in table.items():
+            _apply(cfg, f"{section_name}.{key}", value)
+    for key, value in overrides:
+        _apply(cfg, key, value)
+    return cfg

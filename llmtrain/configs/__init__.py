@@ -1,0 +1,1 @@
+"""Packaged TOML presets, loaded by :func:`llmtrain.config.load_config`."""

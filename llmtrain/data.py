@@ -1,0 +1,316 @@
+"""Tokens on disk, samples out of them, and the order ranks read them in.
+
+Token shard format (``*.bin``), little-endian throughout::
+
+    offset  size  field
+         0     8  magic  b"LLMTOK01"
+         8     4  uint32 itemsize: 2 (uint16 tokens) or 4 (uint32 tokens)
+        12     4  uint32 reserved, 0
+        16     8  uint64 token count
+        24     8  zero padding (keeps the tokens 32-byte aligned)
+        32     …  the tokens, ``count * itemsize`` bytes, nothing after them
+
+The header carries the count so a shard cut short by a crashed copy is caught when the
+dataset opens, not when a sample from its tail is read hours into a run.
+
+Sample order is a function of the *global* sample index only (see :class:`GlobalSampler`),
+so a run resumed on a different number of ranks sees exactly the data it would have seen.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import posixpath
+import struct
+import sysconfig
+import uuid
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from llmtrain.config import DataConfig
+
+MAGIC = b"LLMTOK01"
+HEADER = struct.Struct("<8sIIQ8x")  # magic, itemsize, reserved, count, padding: 32 bytes
+EMBEDDED_SHARD_TOKENS = 4 * 1024 * 1024
+# Directories of the stdlib that are not representative library code (or not stdlib).
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
+              "__pycache__"}
+
+
+class ShardError(ValueError):
+    """Token shards that cannot be used; the message names the file and the fix."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: vocab 256, nothing to download, any text round-trips.
+
+    EOS is 0, the NUL byte: Python source (and text in general) never contains it, so
+    it can separate documents without stealing a byte that real text uses.
+    """
+
+    vocab_size = 256
+    eos_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        # A model can emit a byte sequence that is not valid UTF-8; show it, don't crash.
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _join(url: str, name: str) -> str:
+    return f"{url.rstrip('/')}/{name}"
+
+
+def _write_atomic(url: str, data: bytes) -> None:
+    """Write then rename, so a reader (or another rank) never sees a partial file."""
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
+
+
+def write_shard(url: str, tokens: np.ndarray) -> None:
+    """Write ``tokens`` as one shard, uint16 when they fit, else uint32."""
+    tokens = np.asarray(tokens).reshape(-1)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
+        raise ValueError(f"tokens for {url} must lie in [0, 2**32), "
+                         f"got [{tokens.min()}, {tokens.max()}]")
+    dtype = np.dtype("<u2") if not tokens.size or tokens.max() < 2**16 else np.dtype("<u4")
+    header = HEADER.pack(MAGIC, dtype.itemsize, 0, tokens.size)
+    _write_atomic(url, header + tokens.astype(dtype).tobytes())
+
+
+class _Shard:
+    """One validated shard; reads token ranges by memmap (local) or range reads."""
+
+    def __init__(self, url: str):
+        self.url = url
+        fix = "re-create it with llmtrain.data.write_shard"
+        self.fs, self.path = fsspec.core.url_to_fs(url)
+        try:
+            size = self.fs.size(self.path)
+        except FileNotFoundError:
+            raise ShardError(f"shard {url} does not exist; check data.path") from None
+        if size < HEADER.size:
+            raise ShardError(f"shard {url} is truncated: it has {size} bytes, less than "
+                             f"the {HEADER.size}-byte header; {fix}")
+        magic, itemsize, _, count = HEADER.unpack(self.fs.cat_file(self.path, 0, HEADER.size))
+        if magic != MAGIC:
+            raise ShardError(f"shard {url} is not a token shard: it starts with {magic!r}, "
+                             f"not {MAGIC!r}; {fix}")
+        if itemsize not in (2, 4):
+            raise ShardError(f"shard {url} has token size {itemsize} bytes, but only 2 and "
+                             f"4 are valid; {fix}")
+        expected = HEADER.size + count * itemsize
+        if size != expected:
+            what = "truncated" if size < expected else "longer than its header says"
+            raise ShardError(f"shard {url} is {what}: header says {count} tokens "
+                             f"({expected} bytes) but the file has {size} bytes; {fix}")
+        self.dtype = np.dtype(f"<u{itemsize}")
+        self.count = count
+        self.memmap = None
+        if isinstance(self.fs, LocalFileSystem) and count:
+            self.memmap = np.memmap(self.path, dtype=self.dtype, mode="r",
+                                    offset=HEADER.size, shape=(count,))
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if self.memmap is not None:
+            return self.memmap[start:stop]
+        size = self.dtype.itemsize
+        raw = self.fs.cat_file(self.path, HEADER.size + start * size,
+                               HEADER.size + stop * size)
+        return np.frombuffer(raw, dtype=self.dtype)
+
+
+class TokenDataset:
+    """Fixed-length samples cut from token shards; ``ds[i]`` has ``seq_len + 1`` tokens.
+
+    Samples never cross a shard boundary, so two documents in different shards are never
+    glued into one sample and each sample needs a single contiguous read.
+    """
+
+    def __init__(self, urls: list[str], seq_len: int):
+        self.seq_len = seq_len
+        shards = [_Shard(u) for u in urls]  # validates every shard now, at start-up
+        self.shards, self.starts = [], []
+        total = 0
+        for shard in shards:
+            n = max(0, (shard.count - 1) // seq_len)
+            if n:
+                self.shards.append(shard)
+                self.starts.append(total)
+                total += n
+        self.num_samples = total
+        if not total:
+            largest = max((s.count for s in shards), default=0)
+            raise ShardError(
+                f"the {len(urls)} shard(s) hold fewer than seq_len+1 = {seq_len + 1} tokens "
+                f"each (the largest has {largest}), so there is not one sample (samples "
+                f"never cross shards); lower data.seq_len or check data.path")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
+        k = bisect.bisect_right(self.starts, i) - 1
+        start = (i - self.starts[k]) * self.seq_len
+        tokens = self.shards[k].read(start, start + self.seq_len + 1)
+        return torch.from_numpy(tokens.astype(np.int64))
+
+
+def _stdlib_bytes(max_bytes: int) -> bytes:
+    """The stdlib's own sources, each followed by EOS, in a fixed order, cut at max_bytes."""
+    root = sysconfig.get_paths()["stdlib"]
+    rel_paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        rel = os.path.relpath(dirpath, root)
+        rel_paths += [os.path.normpath(os.path.join(rel, f)) for f in filenames
+                      if f.endswith(".py")]
+    parts, size = [], 0
+    for rel in sorted(rel_paths):
+        with open(os.path.join(root, rel), "rb") as f:
+            parts.append(f.read() + bytes([ByteTokenizer.eos_id]))
+        size += len(parts[-1])
+        if size >= max_bytes:
+            break
+    return b"".join(parts)[:max_bytes]
+
+
+def prepare_embedded_corpus(data_dir_url: str, max_bytes: int) -> list[str]:
+    """Byte-tokenize the stdlib sources into shards under ``data_dir_url``; their URLs.
+
+    Every rank may call this at once without a barrier: each builds the same bytes and
+    every file is written atomically, so racing writers only replace a shard with an
+    identical one. ``corpus.json`` is written last, so when it exists the shards it lists
+    are complete, and later calls reuse them.
+    """
+    fs, dir_path = fsspec.core.url_to_fs(data_dir_url)
+    manifest_path = _join(dir_path, "corpus.json")
+    if fs.exists(manifest_path):
+        manifest = json.loads(fs.cat_file(manifest_path))
+        names = [s["name"] for s in manifest["shards"]]
+        if manifest["max_bytes"] == max_bytes and all(
+                fs.exists(_join(dir_path, n)) for n in names):
+            return [_join(data_dir_url, n) for n in names]
+    tokens = np.frombuffer(_stdlib_bytes(max_bytes), dtype=np.uint8).astype(np.uint16)
+    shards = []
+    for i, start in enumerate(range(0, len(tokens), EMBEDDED_SHARD_TOKENS)):
+        chunk = tokens[start:start + EMBEDDED_SHARD_TOKENS]
+        name = f"embedded-{i:05d}.bin"
+        write_shard(_join(data_dir_url, name), chunk)
+        shards.append({"name": name, "tokens": len(chunk)})
+    manifest = {"max_bytes": max_bytes, "shards": shards,
+                "sha256": hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest()}
+    _write_atomic(_join(data_dir_url, "corpus.json"), json.dumps(manifest, indent=1).encode())
+    return [_join(data_dir_url, s["name"]) for s in shards]
+
+
+def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
+    """The shard URLs a run reads, in a fixed order (the sample index depends on it)."""
+    if data_cfg.source == "embedded":
+        return prepare_embedded_corpus(_join(run_dir_url, "data/embedded"),
+                                       data_cfg.embedded_max_bytes)
+    fs, root = fsspec.core.url_to_fs(data_cfg.path)
+    if not fs.isdir(root):
+        raise ShardError(f"data.path={data_cfg.path!r} is not a directory; check data.path")
+    names = sorted(posixpath.basename(p) for p in fs.glob(_join(root, "*.bin")))
+    if not names:
+        raise ShardError(f"data.path={data_cfg.path!r} holds no *.bin token shards; check "
+                         f"data.path, or write shards with llmtrain.data.write_shard")
+    return [_join(data_cfg.path, n) for n in names]
+
+
+class GlobalSampler:
+    """This rank's share of a global sample order that no world size can change.
+
+    Global sample ``g`` is position ``g % num_samples`` of epoch ``g // num_samples``'s
+    permutation. Step ``k`` takes global samples ``[k*B, (k+1)*B)`` and rank ``r`` of
+    ``W`` the ``r``-th contiguous ``B/W`` of them, so the union over ranks of a step is
+    the same for any ``W``, and the checkpointed state is a single global counter.
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int,
+                 dp_rank: int, dp_world: int):
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if global_batch_size % dp_world:
+            raise ValueError(f"global batch size {global_batch_size} is not divisible by "
+                             f"{dp_world} data-parallel ranks; choose a multiple of "
+                             f"{dp_world}")
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_world})")
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.local_batch_size = global_batch_size // dp_world
+        self.consumed_samples = 0
+        self._epoch, self._perm = -1, None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = rng.permutation(self.num_samples)
+        return self._perm
+
+    def next_batch_indices(self) -> list[int]:
+        """Dataset indices of this rank's slice of the next global batch; advances."""
+        start = self.consumed_samples + self.dp_rank * self.local_batch_size
+        out = []
+        for g in range(start, start + self.local_batch_size):
+            epoch, pos = divmod(g, self.num_samples)
+            out.append(int(self._permutation(epoch)[pos]))
+        self.consumed_samples += self.global_batch_size
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed,
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd["seed"] != self.seed or sd["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"the data changed since the checkpoint: it was saved with data.seed="
+                f"{sd['seed']} over {sd['num_samples']} samples, this run has data.seed="
+                f"{self.seed} over {self.num_samples} samples; resume with the same "
+                f"data.seed, shards and data.seq_len, or start a new run")
+        self.consumed_samples = int(sd["consumed_samples"])
+
+
+class BatchIterator:
+    """One optimizer step's worth of this rank's micro-batches at a time."""
+
+    def __init__(self, dataset: TokenDataset, sampler: GlobalSampler, micro_batch_size: int):
+        if sampler.local_batch_size % micro_batch_size:
+            raise ValueError(f"this rank's {sampler.local_batch_size} samples per step do "
+                             f"not split into micro-batches of {micro_batch_size}")
+        self.dataset = dataset
+        self.sampler = sampler
+        self.micro_batch_size = micro_batch_size
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``[(inputs, targets), ...]``, each ``[micro_batch_size, seq_len]`` int64."""
+        samples = torch.stack([self.dataset[i] for i in self.sampler.next_batch_indices()])
+        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
+                for mb in samples.split(self.micro_batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(sd)

@@ -1,0 +1,1 @@
+"""Process groups, the DeviceMesh and model parallelization."""

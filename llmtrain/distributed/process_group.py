@@ -1,0 +1,90 @@
+"""Process-group start-up from torchrun's environment, and the data-parallel DeviceMesh.
+
+The backend follows the device (NCCL on CUDA, gloo on CPU) unless the config pins one.
+Two timeouts: a short one for rendezvous and group creation, where a missing peer should
+fail fast, and a longer one for collectives during training.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from llmtrain.config import ParallelismConfig, ReliabilityConfig
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Who this process is in the job, read from torchrun's environment."""
+    rank: int
+    world_size: int
+    local_rank: int
+    host: str
+
+    @classmethod
+    def from_env(cls) -> "WorldInfo":
+        return cls(rank=int(os.environ.get("RANK", 0)),
+                   world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                   local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                   host=socket.gethostname())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _standalone_env() -> None:
+    """Lets ``llmtrain train`` run as one process without torchrun."""
+    if "RANK" in os.environ:
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def resolve_device(p: ParallelismConfig, local_rank: int) -> torch.device:
+    if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("parallelism.device='cuda' but no CUDA device is visible; "
+                               "use parallelism.device='cpu' or 'auto'")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(p: ParallelismConfig, r: ReliabilityConfig,
+                       world: WorldInfo) -> torch.device:
+    """Joins the job's default process group; returns this rank's device."""
+    _standalone_env()
+    device = resolve_device(p, world.local_rank)
+    backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=r.init_timeout_s),
+        # Binding the device makes NCCL create its communicator now and lets later
+        # subgroups split it instead of running a fresh rendezvous each.
+        device_id=device if device.type == "cuda" else None,
+    )
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=r.collective_timeout_s))
+    return device
+
+
+def build_mesh(device: torch.device, shape: tuple[int, int]) -> DeviceMesh:
+    """A 1-D ``dp_shard`` mesh for FSDP, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+    replicate, shard = shape
+    if replicate == 1:
+        return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device.type, (replicate, shard),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

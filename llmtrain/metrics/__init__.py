@@ -1,0 +1,1 @@
+"""What a run reports: the event log and the console."""

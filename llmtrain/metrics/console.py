@@ -1,0 +1,55 @@
+"""Rank 0's console: a live progress bar on a terminal, plain lines in logs (Slurm, CI)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+from llmtrain.config import MetricsConfig
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    tokens_per_s: float
+    step_time_s: float
+    lr: float
+    grad_norm: float | None
+    mfu: float | None
+    memory_gb: float
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class ConsoleReporter:
+    def __init__(self, cfg: MetricsConfig, total_steps: int, stream: TextIO = sys.stdout):
+        self.total = total_steps
+        self.stream = stream
+        self.bar = cfg.progress == "bar" or (cfg.progress == "auto" and stream.isatty())
+
+    def step(self, r: StepReport) -> None:
+        eta = _duration((self.total - r.step) * r.step_time_s)
+        mfu = f" | mfu {r.mfu:.1%}" if r.mfu is not None else ""
+        if self.bar:
+            done = int(30 * r.step / self.total)
+            line = (f"\r[{'#' * done}{'.' * (30 - done)}] {r.step}/{self.total} "
+                    f"loss {r.loss:.4f} | {r.tokens_per_s:,.0f} tok/s{mfu} | ETA {eta}  ")
+            self.stream.write(line)
+        else:
+            gnorm = f" | gnorm {r.grad_norm:.3f}" if r.grad_norm is not None else ""
+            self.stream.write(
+                f"step {r.step}/{self.total} | loss {r.loss:.4f} | lr {r.lr:.2e}{gnorm} | "
+                f"{r.tokens_per_s:,.0f} tok/s | {r.step_time_s * 1000:.0f} ms/step{mfu} | "
+                f"mem {r.memory_gb:.2f} GB | ETA {eta}\n")
+        self.stream.flush()
+
+    def line(self, text: str) -> None:
+        """A message that must not be overwritten by the bar."""
+        self.stream.write(("\n" if self.bar else "") + text + "\n")
+        self.stream.flush()

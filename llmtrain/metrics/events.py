@@ -1,0 +1,41 @@
+"""The run's event log: one JSON object a line in ``<run dir>/events.jsonl``.
+
+Everything a person or a tool needs after the fact (steps, losses, start-up phases, and
+later checkpoints, hangs, restarts) lands here through fsspec, so it sits next to the
+checkpoints on whatever storage the run uses and survives restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import fsspec
+
+
+class EventLog:
+    """Appends events; each line is flushed at once so a crash loses at most one."""
+
+    def __init__(self, run_dir: str, rank: int):
+        self.rank = rank
+        self.url = f"{run_dir.rstrip('/')}/events.jsonl"
+        self._file = None  # opened on the first event: most ranks may never write one
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self._file is None:
+            self._file = fsspec.open(self.url, "a").open()
+        record = {"ts": round(time.time(), 6), "event": event, "rank": self.rank, **fields}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def read_events(run_dir: str, event: str | None = None) -> list[dict[str, Any]]:
+    """The run's events, optionally only those named ``event``."""
+    with fsspec.open(f"{run_dir.rstrip('/')}/events.jsonl", "r") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if event is None or r["event"] == event]

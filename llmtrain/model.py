@@ -1,0 +1,230 @@
+"""Llama-3-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Parameter names follow Meta's reference (``layers.N.attention.wq.weight``, ...) so that
+checkpoints and sharding plans written for Llama map onto this model by name. The blocks
+live in an ``nn.ModuleDict`` keyed ``"0"``, ``"1"``, ... so that FSDP2 and activation
+checkpointing can wrap each block by replacing its entry without renumbering anything.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from llmtrain.config import ModelConfig
+
+
+def ffn_hidden_dim(cfg: ModelConfig) -> int:
+    """SwiGLU hidden size by Llama's rule.
+
+    Two thirds of the classic 4*dim keeps the three SwiGLU matrices at the cost of a
+    two-matrix MLP; the multiplier and the rounding to ``multiple_of`` reproduce the
+    published Llama 3 shapes (8B: 14336, 70B: 28672, 405B: 53248).
+    """
+    hidden = int(2 * 4 * cfg.dim / 3)
+    hidden = int(cfg.ffn_dim_multiplier * hidden)
+    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
+
+
+def count_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
+    """Parameter count from the config alone, so it can size models too big to build.
+
+    With ``exclude_embedding`` the input embedding table is left out (it is a lookup, not
+    compute); a tied output projection then goes with it, as it is the same tensor.
+    """
+    head_dim = cfg.dim // cfg.n_heads
+    kv_dim = cfg.n_kv_heads * head_dim
+    attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim
+    feed_forward = 3 * cfg.dim * ffn_hidden_dim(cfg)
+    block = attention + feed_forward + 2 * cfg.dim
+    embedding = cfg.vocab_size * cfg.dim
+    output = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    total = cfg.n_layers * block + cfg.dim + output
+    return total if exclude_embedding else total + embedding
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token, forward and backward: 6*N + 12*n_layers*dim*seq_len.
+
+    N counts the weights that take part in a matmul: every non-embedding parameter plus
+    the output projection, also when it is tied to the embedding (the lookup is free, the
+    projection onto the vocabulary is not). Each such weight costs 2 FLOPs per token
+    forward and 4 backward. The second term is the attention score and value matmuls
+    (QK^T and AV), counted over the full ``seq_len`` without halving for the causal mask,
+    as in PaLM's appendix B and torchtitan, so MFU figures compare across codebases.
+    """
+    matmul_params = count_params(cfg, exclude_embedding=True)
+    if cfg.tie_embeddings:
+        matmul_params += cfg.vocab_size * cfg.dim
+    return float(6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq_len)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 so bf16 activations keep their scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's rotation angles, [max_seq_len, head_dim // 2], fp32.
+
+    Float32 because bf16 cannot tell apart angles of neighbouring positions late in a
+    long sequence.
+    """
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                            / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates adjacent pairs of ``x`` [B, T, heads, head_dim] by the angles of its positions.
+
+    Pairs are adjacent (Meta's interleaved layout) rather than split halves, so Llama
+    checkpoints load without permuting wq and wk. The rotation runs in float32 and the
+    result is cast back to the activations' dtype.
+    """
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: n_kv_heads key/value heads shared by n_heads queries."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the projections' outputs (-1), not the config, so a
+        # tensor-parallel plan that splits heads across ranks needs no change here.
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block; the unit that FSDP2, checkpointing and compile wrap."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder: tokens [B, T] -> logits [B, T, vocab_size].
+
+    Built on a real device it is initialized at once (from the global RNG); built on
+    ``meta`` it holds no storage until ``to_empty`` and ``init_weights``, which is how
+    models too big for one device are sharded before they are materialized.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from the config, so checkpoints need not carry it and
+        # FSDP2 leaves it a plain tensor that every rank holds whole.
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta,
+                               self.tok_embeddings.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Sets every parameter, re-ties the output projection and recomputes the rope tables.
+
+        Each parameter is drawn whole, in float32, in ``named_parameters`` order from one
+        generator, and a sharded (DTensor) parameter keeps only its own shard. So a seed
+        gives the same weights however the model was built (directly, or on ``meta`` then
+        ``to_empty``) and whatever it is sharded over. Drawing into the local shard
+        instead would give every rank the same numbers on CPU, where DTensor has no RNG
+        tracker. Residual-branch outputs (wo, w2) get std / sqrt(2 * n_layers) so the
+        residual stream's variance does not grow with depth (GPT-2's scheme).
+        """
+        if self.cfg.tie_embeddings:
+            # ``to_empty`` from meta gives each module a new Parameter, which unties them.
+            self.output.weight = self.tok_embeddings.weight
+        device = self.tok_embeddings.weight.device
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                value = torch.ones(param.shape, device=device)
+            else:
+                residual = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+                std = residual_std if residual else self.cfg.init_std
+                value = torch.empty(param.shape, device=device)
+                value.normal_(0.0, std, generator=generator)
+            if isinstance(param, DTensor):
+                value = distribute_tensor(value, param.device_mesh, param.placements,
+                                          src_data_rank=None)
+            param.copy_(value)
+        self.rope_cos, self.rope_sin = rope_tables(
+            self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
+            self.rope_cos.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        if seqlen > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {seqlen} tokens exceeds model.max_seq_len="
+                             f"{self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))

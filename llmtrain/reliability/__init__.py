@@ -1,0 +1,1 @@
+"""Keeping the job alive and saying what broke."""

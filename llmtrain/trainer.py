@@ -1,0 +1,208 @@
+"""The trainer: builds every component from a JobConfig and runs the training loop."""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from llmtrain.config import ConfigError, JobConfig
+from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
+from llmtrain.distributed.parallelize import parallelize
+from llmtrain.distributed.process_group import (WorldInfo, build_mesh, init_process_group,
+                                                shutdown)
+from llmtrain.metrics.console import ConsoleReporter, StepReport
+from llmtrain.metrics.events import EventLog
+from llmtrain.model import Transformer, count_params, flops_per_token
+
+# Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
+_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def _peak_flops(cfg: JobConfig, device: torch.device) -> float | None:
+    if cfg.metrics.peak_tflops:
+        return cfg.metrics.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
+    return peak * 2 if peak and cfg.parallelism.fp8 != "none" else peak
+
+
+def _memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warmup to the peak, then cosine decay to ``min_ratio`` of it."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+@dataclass
+class Summary:
+    steps: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    first_loss: float
+    final_loss: float
+    memory_gb: float
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.world = WorldInfo.from_env()
+        cfg.validate(self.world.world_size)
+        t = cfg.training
+        self.accum_steps = cfg.accumulation_steps(self.world.world_size)
+
+        try:
+            fs, path = fsspec.core.url_to_fs(t.run_dir)
+            fs.makedirs(path, exist_ok=True)
+        except (OSError, ValueError, ImportError) as e:
+            raise ConfigError(f"training.run_dir={t.run_dir!r} cannot be created ({e}); "
+                              f"give a writable local path or fsspec URL") from None
+        # Data first: a missing or truncated shard fails before any process group starts.
+        dataset = TokenDataset(shard_urls(cfg.data, t.run_dir), cfg.data.seq_len)
+        sampler = GlobalSampler(len(dataset), t.global_batch_size, cfg.data.seed,
+                                self.world.rank, self.world.world_size)
+        self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
+
+        self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world)
+        self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
+
+        torch.manual_seed(t.seed)
+        model = Transformer(cfg.model)
+        model.init_weights(t.seed)  # on every rank, so any world size starts identical
+        self.model = parallelize(model, self.mesh, cfg.parallelism)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
+
+        self.step = 0
+        self.grad_norm: torch.Tensor | None = None
+        self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops = _peak_flops(cfg, self.device)
+        self.is_logger = self.world.rank == 0
+        self.events = EventLog(t.run_dir, self.world.rank)
+        self.console = ConsoleReporter(cfg.metrics, t.steps)
+        if self.is_logger:
+            self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
+                             params=count_params(cfg.model), device=str(self.device))
+            self.console.line(
+                f"llmtrain: {cfg.model.name} model, {count_params(cfg.model) / 1e6:.1f}M params, "
+                f"{self.world.world_size} rank(s) on {self.device.type} "
+                f"({dist.get_backend()}), {self.accum_steps} micro-batch(es) per step, "
+                f"run dir {t.run_dir}")
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Norm gains and other vectors are not decayed: shrinking them only hurts.
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                 fused=self.device.type == "cuda")
+
+    # -- one step ---------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches, then one optimizer step.
+        Returns this rank's mean loss (a tensor, so reading it costs no sync)."""
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, targets in micro_batches:
+            loss = self.loss(inputs.to(self.device), targets.to(self.device))
+            (loss / len(micro_batches)).backward()
+            loss_sum += loss.detach()
+        self.grad_norm = self.clip_gradients()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / len(micro_batches)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+    def clip_gradients(self) -> torch.Tensor | None:
+        max_norm = self.cfg.optim.max_grad_norm
+        if not max_norm:
+            return None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # sums the shards' partial norms across ranks
+        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, norm)
+        return norm
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> Summary:
+        t = self.cfg.training
+        log_every = self.cfg.metrics.log_every
+        start = last_time = time.perf_counter()
+        last_step, first_loss, loss = self.step, float("nan"), float("nan")
+        for step in range(self.step + 1, t.steps + 1):
+            micro_batches = self.data.next_step()
+            local_loss = self.train_step(micro_batches)
+            self.step = step
+            if step % log_every == 0 or step in (1, t.steps):
+                loss = self.global_mean(local_loss)  # the only host sync of the step
+                now = time.perf_counter()
+                self.report(step, loss, (now - last_time) / (step - last_step))
+                last_step, last_time = step, now
+                if step == 1:
+                    first_loss = loss
+        wall = time.perf_counter() - start
+        return self.finish(Summary(
+            steps=t.steps, tokens=t.steps * self.tokens_per_step, wall_s=wall,
+            tokens_per_s=t.steps * self.tokens_per_step / wall, first_loss=first_loss,
+            final_loss=loss, memory_gb=_memory_gb(self.device)))
+
+    def global_mean(self, value: torch.Tensor) -> float:
+        """The mean over all ranks (every rank holds an equal share of the batch)."""
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value.item() / self.world.world_size
+
+    def report(self, step: int, loss: float, step_time: float) -> None:
+        if not self.is_logger:
+            return
+        tokens_per_s = self.tokens_per_step / step_time
+        mfu = (self.flops_per_token * tokens_per_s / self.world.world_size / self.peak_flops
+               if self.peak_flops else None)
+        r = StepReport(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
+                       lr=self.scheduler.get_last_lr()[0], mfu=mfu,
+                       grad_norm=None if self.grad_norm is None else self.grad_norm.item(),
+                       memory_gb=_memory_gb(self.device))
+        self.events.emit("step", **asdict(r))
+        self.console.step(r)
+
+    def finish(self, s: Summary) -> Summary:
+        if self.is_logger:
+            self.events.emit("run_end", **asdict(s))
+            self.console.line(
+                f"done: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
+                f"({s.tokens_per_s:,.0f} tok/s); loss {s.first_loss:.3f} -> {s.final_loss:.3f}; "
+                f"peak memory {s.memory_gb:.2f} GB per rank")
+        return s
+
+    def close(self) -> None:
+        self.events.close()
+        shutdown()

@@ -1,0 +1,97 @@
+import subprocess
+import sys
+
+import pytest
+
+from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
+from llmtrain.model import count_params
+from llmtrain.reliability.elastic import ExitCode
+
+
+def load(*args: str, preset: str = "debug_cpu"):
+    return load_config(preset, parse_overrides(list(args)))
+
+
+def test_presets_load_with_published_llama3_shapes():
+    assert {"debug_cpu", "llama3_8b", "llama3_70b", "llama3_405b"} <= set(preset_names())
+    sizes = {"llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.9e9}
+    for name, params in sizes.items():
+        cfg = load("--data.path", "memory://tokens", preset=name)
+        cfg.validate(world_size=64)
+        assert cfg.model.vocab_size == 128256 and cfg.model.n_kv_heads == 8
+        assert count_params(cfg.model) == pytest.approx(params, rel=1e-3)
+
+
+def test_overrides_in_both_forms_and_types():
+    cfg = load("--optim.lr", "1e-4", "--training.steps=7", "--model.tie_embeddings", "true",
+               "--parallelism.fp8", "rowwise")
+    assert cfg.optim.lr == 1e-4 and cfg.training.steps == 7
+    assert cfg.model.tie_embeddings is True and cfg.parallelism.fp8 == "rowwise"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--optim.lrr", "1"], ["'optim.lrr'", "did you mean 'optim.lr'"]),
+    (["--nosuch.field", "1"], ["'nosuch.field'", "valid keys"]),
+    (["--training.steps", "ten"], ["'training.steps'", "an integer", "'ten'"]),
+    (["--optim.lr", "nan"], ["'optim.lr'", "finite number"]),
+    (["--model.tie_embeddings", "maybe"], ["'model.tie_embeddings'", "true or false"]),
+    (["--optim.lr", "-1"], ["'optim.lr'", "-1.0", "out of range", "> 0"]),
+    (["--optim.beta2", "1.0"], ["'optim.beta2'", "< 1"]),
+    (["--parallelism.fp8", "fp4"], ["'parallelism.fp8'", "'fp4'", "'tensorwise'"]),
+    (["--data.seq_len", "0"], ["'data.seq_len'", ">= 1"]),
+    (["--optim.lr"], ["has no value"]),
+    (["optim.lr=1"], ["--section.field"]),
+])
+def test_bad_field_names_the_field_value_and_allowed(args, words):
+    with pytest.raises(ConfigError) as e:
+        load(*args)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("args, world, words", [
+    (["--model.n_heads", "3"], 1, ["model.dim=128", "model.n_heads=3"]),
+    (["--model.n_kv_heads", "3"], 1, ["model.n_kv_heads=3", "divide"]),
+    (["--data.seq_len", "512"], 1, ["data.seq_len=512", "model.max_seq_len=256"]),
+    (["--data.source", "tokens"], 1, ["data.path", "empty"]),
+    (["--training.global_batch_size", "12"], 2, ["global_batch_size=12", "16"]),
+    (["--parallelism.dp_replicate", "3"], 2, ["dp_replicate=3", "2 ranks"]),
+    (["--model.vocab_size", "100"], 1, ["model.vocab_size=100", ">= 256"]),
+])
+def test_inconsistent_fields_fail_validation(args, world, words):
+    cfg = load(*args)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(world)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_accumulation_keeps_global_batch():
+    cfg = load("--training.global_batch_size", "32", "--training.micro_batch_size", "4")
+    assert [cfg.accumulation_steps(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+
+
+def test_toml_file_and_its_errors(tmp_path):
+    good = tmp_path / "run.toml"
+    good.write_text('[optim]\nlr = 1e-3\n[training]\nsteps = 3\n')
+    assert load_config(str(good)).training.steps == 3
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[optim]\nlr = "fast"\n')
+    with pytest.raises(ConfigError, match="'optim.lr' expects a finite number"):
+        load_config(str(bad))
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[optim\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(broken))
+    with pytest.raises(ConfigError, match="unknown preset 'llama9'"):
+        load_config("llama9")
+
+
+def test_cli_config_error_is_fatal_before_any_process_group(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmtrain", "train", "--optim.warmup_steps", "-5",
+         "--training.run_dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.FATAL
+    assert "optim.warmup_steps" in proc.stderr and ">= 0" in proc.stderr
+    assert not (tmp_path / "run").exists()  # failed before touching anything

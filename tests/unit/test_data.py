@@ -1,0 +1,232 @@
+import json
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import fsspec
+import numpy as np
+import pytest
+import torch
+
+from llmtrain import data
+from llmtrain.config import DataConfig
+from llmtrain.data import (BatchIterator, ByteTokenizer, GlobalSampler, ShardError,
+                           TokenDataset, prepare_embedded_corpus, shard_urls, write_shard)
+
+
+def test_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "def f(x):\n    return 'héllo ✓'\n"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < tok.vocab_size == 256
+    assert tok.decode(ids) == text
+    assert tok.eos_id == 0 and tok.eos_id not in ids
+    assert tok.decode([0xFF]) == "\ufffd"
+
+
+@pytest.mark.parametrize("high, itemsize", [(65535, 2), (70000, 4)])
+def test_shard_round_trip(tmp_path, high, itemsize):
+    tokens = np.random.default_rng(0).integers(0, high + 1, size=1001)
+    tokens[0] = high
+    url = str(tmp_path / "s.bin")
+    write_shard(url, tokens)
+    raw = open(url, "rb").read()
+    assert raw[:8] == b"LLMTOK01" and len(raw) == 32 + 1001 * itemsize
+    assert int.from_bytes(raw[8:12], "little") == itemsize
+    assert int.from_bytes(raw[16:24], "little") == 1001
+    assert not [p for p in os.listdir(tmp_path) if p != "s.bin"]  # temp file renamed away
+
+    ds = TokenDataset([url], seq_len=10)
+    assert len(ds) == 100
+    for j in (0, 57, 99):
+        assert ds[j].dtype == torch.int64
+        assert ds[j].tolist() == tokens[j * 10:j * 10 + 11].tolist()
+    with pytest.raises(IndexError):
+        ds[100]
+
+
+def test_samples_do_not_cross_shards(tmp_path):
+    a, b = np.arange(10), np.arange(100, 107)
+    write_shard(str(tmp_path / "a.bin"), a)
+    write_shard(str(tmp_path / "b.bin"), b)
+    write_shard(str(tmp_path / "c.bin"), np.arange(3))  # too short for a sample
+    ds = TokenDataset([str(tmp_path / n) for n in ("a.bin", "c.bin", "b.bin")], seq_len=3)
+    assert len(ds) == 9 // 3 + 6 // 3
+    assert ds[2].tolist() == [6, 7, 8, 9]
+    assert ds[3].tolist() == [100, 101, 102, 103]
+    assert ds[4].tolist() == [103, 104, 105, 106]
+
+
+def test_truncated_shard(tmp_path):
+    url = str(tmp_path / "cut.bin")
+    write_shard(url, np.arange(1000))
+    with open(url, "r+b") as f:
+        f.truncate(1500)
+    with pytest.raises(ShardError, match="truncated") as e:
+        TokenDataset([url], seq_len=8)
+    msg = str(e.value)
+    assert "cut.bin" in msg and "1000 tokens (2032 bytes)" in msg and "1500 bytes" in msg
+    with open(url, "r+b") as f:
+        f.truncate(20)  # not even a whole header
+    with pytest.raises(ShardError, match="cut.bin.*truncated"):
+        TokenDataset([url], seq_len=8)
+
+
+def test_bad_magic(tmp_path):
+    url = str(tmp_path / "bad.bin")
+    write_shard(url, np.arange(100))
+    with open(url, "r+b") as f:
+        f.write(b"NOTTOKEN")
+    with pytest.raises(ShardError, match="bad.bin.*NOTTOKEN"):
+        TokenDataset([url], seq_len=8)
+
+
+def test_too_short_for_any_sample(tmp_path):
+    write_shard(str(tmp_path / "s.bin"), np.arange(8))
+    with pytest.raises(ShardError, match="seq_len\\+1 = 9"):
+        TokenDataset([str(tmp_path / "s.bin")], seq_len=8)
+
+
+def test_shard_urls_tokens(tmp_path):
+    for name in ("b.bin", "a.bin"):
+        write_shard(str(tmp_path / name), np.arange(50))
+    (tmp_path / "notes.txt").write_text("not a shard")
+    cfg = DataConfig(source="tokens", path=str(tmp_path))
+    assert shard_urls(cfg, "unused") == [f"{tmp_path}/a.bin", f"{tmp_path}/b.bin"]
+
+    missing = DataConfig(source="tokens", path=str(tmp_path / "nope"))
+    with pytest.raises(ShardError, match="data.path.*nope"):
+        shard_urls(missing, "unused")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardError, match="data.path.*no \\*.bin"):
+        shard_urls(DataConfig(source="tokens", path=str(tmp_path / "empty")), "unused")
+
+
+def test_memory_filesystem_matches_local(tmp_path):
+    root = f"memory://shards-{uuid.uuid4().hex}"
+    shards = [np.random.default_rng(i).integers(0, 70000 if i else 500, size=n)
+              for i, n in enumerate((300, 171))]
+    try:
+        for i, tokens in enumerate(shards):
+            write_shard(f"{root}/{i}.bin", tokens)
+            write_shard(str(tmp_path / f"{i}.bin"), tokens)
+        urls = shard_urls(DataConfig(source="tokens", path=root), "unused")
+        assert urls == [f"{root}/0.bin", f"{root}/1.bin"]
+        remote = TokenDataset(urls, seq_len=16)
+        assert all(s.memmap is None for s in remote.shards)  # range reads, not memmap
+        local = TokenDataset([str(tmp_path / "0.bin"), str(tmp_path / "1.bin")], 16)
+        assert all(s.memmap is not None for s in local.shards)
+        assert len(remote) == len(local) == 299 // 16 + 170 // 16
+        for i in range(len(local)):
+            assert torch.equal(remote[i], local[i])
+    finally:
+        fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+def _global_steps(world, steps, num_samples=10, batch=4, seed=3, state=None):
+    """Per step, the concatenation over ranks of each rank's indices."""
+    samplers = [GlobalSampler(num_samples, batch, seed, r, world) for r in range(world)]
+    if state is not None:
+        for s in samplers:
+            s.load_state_dict(state)
+    return [sum((s.next_batch_indices() for s in samplers), []) for _ in range(steps)]
+
+
+def test_sampler_order_independent_of_world_size():
+    ref = _global_steps(1, 12)  # 48 samples over 10: steps straddle epoch boundaries
+    assert _global_steps(2, 12) == ref and _global_steps(4, 12) == ref
+    flat = sum(ref, [])
+    assert flat[:4] == np.random.default_rng([3, 0]).permutation(10)[:4].tolist()
+    for e in range(4):
+        assert sorted(flat[e * 10:(e + 1) * 10]) == list(range(10))
+
+
+def test_sampler_epochs_use_new_permutations():
+    s = GlobalSampler(50, 50, seed=0, dp_rank=0, dp_world=1)
+    e0, e1 = s.next_batch_indices(), s.next_batch_indices()
+    assert sorted(e0) == sorted(e1) == list(range(50)) and e0 != e1
+    assert e1 == np.random.default_rng([0, 1]).permutation(50).tolist()
+
+
+def test_sampler_resume_across_world_sizes():
+    ref = _global_steps(1, 10)
+    samplers = [GlobalSampler(10, 4, 3, r, 2) for r in range(2)]
+    for _ in range(3):
+        for s in samplers:
+            s.next_batch_indices()
+    state = samplers[1].state_dict()
+    assert state == {"consumed_samples": 12, "seed": 3, "num_samples": 10}
+    assert _global_steps(4, 7, state=state) == ref[3:]
+    assert _global_steps(1, 7, state=state) == ref[3:]
+
+
+def test_sampler_rejects_changed_data_and_bad_batch():
+    state = GlobalSampler(10, 4, 3, 0, 1).state_dict()
+    for other in (GlobalSampler(11, 4, 3, 0, 1), GlobalSampler(10, 4, 4, 0, 1)):
+        with pytest.raises(ValueError, match="the data changed since the checkpoint"):
+            other.load_state_dict(state)
+    with pytest.raises(ValueError, match="not divisible by 3"):
+        GlobalSampler(10, 4, 0, 0, 3)
+
+
+def test_batch_iterator(tmp_path):
+    write_shard(str(tmp_path / "s.bin"), np.arange(1000))
+    ds = TokenDataset([str(tmp_path / "s.bin")], seq_len=16)
+    it = BatchIterator(ds, GlobalSampler(len(ds), 8, 0, dp_rank=1, dp_world=2), 2)
+    expected = GlobalSampler(len(ds), 8, 0, dp_rank=1, dp_world=2).next_batch_indices()
+    batches = it.next_step()
+    assert len(batches) == 2
+    rows = []
+    for inputs, targets in batches:
+        assert inputs.shape == targets.shape == (2, 16)
+        assert inputs.dtype == targets.dtype == torch.int64
+        assert torch.equal(targets, inputs + 1)  # arange tokens: shifted by one
+        rows += inputs[:, 0].tolist()
+    assert rows == [ds[i][0].item() for i in expected]
+    assert it.state_dict()["consumed_samples"] == 8
+    with pytest.raises(ValueError, match="micro-batches of 3"):
+        BatchIterator(ds, GlobalSampler(len(ds), 8, 0, 0, 2), 3)
+
+
+def test_embedded_corpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "EMBEDDED_SHARD_TOKENS", 40_000)
+    urls = prepare_embedded_corpus(str(tmp_path / "a"), 100_000)
+    assert [os.path.basename(u) for u in urls] == [
+        "embedded-00000.bin", "embedded-00001.bin", "embedded-00002.bin"]
+    manifest = json.loads((tmp_path / "a" / "corpus.json").read_text())
+    assert manifest["max_bytes"] == 100_000
+    assert [s["tokens"] for s in manifest["shards"]] == [40_000, 40_000, 20_000]
+
+    ds = TokenDataset(urls, seq_len=99)
+    tokens = torch.cat([ds[i] for i in range(len(ds))])
+    assert int(tokens.max()) < 256 and (tokens == 0).any()  # EOS between files
+    assert "import " in ByteTokenizer().decode(tokens.tolist())  # real Python source
+
+    # Another directory builds the same bytes; a second call in the same one reuses them.
+    again = prepare_embedded_corpus(str(tmp_path / "b"), 100_000)
+    assert json.loads((tmp_path / "b" / "corpus.json").read_text())["sha256"] == \
+        manifest["sha256"]
+    assert [open(u, "rb").read() for u in again] == [open(u, "rb").read() for u in urls]
+
+    def no_rebuild(_):
+        raise AssertionError("rebuilt an existing corpus")
+    monkeypatch.setattr(data, "_stdlib_bytes", no_rebuild)
+    assert prepare_embedded_corpus(str(tmp_path / "a"), 100_000) == urls
+    with pytest.raises(AssertionError, match="rebuilt"):  # a new size does rebuild
+        prepare_embedded_corpus(str(tmp_path / "a"), 50_000)
+
+
+def test_embedded_corpus_concurrent_callers(tmp_path):
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: prepare_embedded_corpus(str(tmp_path), 60_000),
+                                range(4)))
+    assert all(r == results[0] for r in results)
+    assert sorted(os.listdir(tmp_path)) == ["corpus.json", "embedded-00000.bin"]
+    assert len(TokenDataset(results[0], seq_len=64)) == 59_999 // 64
+
+
+def test_shard_urls_embedded(tmp_path):
+    cfg = DataConfig(source="embedded", embedded_max_bytes=20_000)
+    urls = shard_urls(cfg, str(tmp_path))
+    assert urls == [f"{tmp_path}/data/embedded/embedded-00000.bin"]
+    assert len(TokenDataset(urls, 100)) == 19_999 // 100
