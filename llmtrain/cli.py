@@ -11,6 +11,7 @@ import json
 import sys
 
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
+from llmtrain.data import ShardError
 from llmtrain.reliability.elastic import ExitCode
 
 
@@ -61,4 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args, rest))
     except ConfigError as e:
         print(f"llmtrain: configuration error: {e}", file=sys.stderr)
+        return ExitCode.FATAL
+    except ShardError as e:
+        print(f"llmtrain: data error: {e}", file=sys.stderr)
         return ExitCode.FATAL

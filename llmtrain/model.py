@@ -64,7 +64,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 so bf16 activations keep their scale."""
+    """Root-mean-square norm, computed in float32: a bf16 mean of squares over thousands
+    of channels is too coarse."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -92,9 +93,9 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates adjacent pairs of ``x`` [B, T, heads, head_dim] by the angles of its positions.
 
-    Pairs are adjacent (Meta's interleaved layout) rather than split halves, so Llama
-    checkpoints load without permuting wq and wk. The rotation runs in float32 and the
-    result is cast back to the activations' dtype.
+    Pairs are adjacent (Meta's interleaved layout) rather than split halves, so Meta's
+    original Llama checkpoints load without permuting wq and wk. The rotation runs in
+    float32 and the result is cast back to the activations' dtype.
     """
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
@@ -167,7 +168,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -84,12 +84,20 @@ class Trainer:
         self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
 
         self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world)
+        if self.device.type == "cpu":
+            # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
+            # training, when gradients get small; flushing them costs no accuracy that matters.
+            torch.set_flush_denormal(True)
         self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
 
+        # Built on meta and sharded before any storage exists, so no rank ever holds the
+        # whole model; each then draws only its shards, the same weights at any world size.
         torch.manual_seed(t.seed)
-        model = Transformer(cfg.model)
-        model.init_weights(t.seed)  # on every rank, so any world size starts identical
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
         self.model = parallelize(model, self.mesh, cfg.parallelism)
+        self.model.to_empty(device=self.device)
+        self.model.init_weights(t.seed)
         self.optimizer = self._build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))

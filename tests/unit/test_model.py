@@ -5,8 +5,18 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.config import ModelConfig
-from llmtrain.model import (Attention, Transformer, apply_rope, count_params, ffn_hidden_dim,
-                            flops_per_token, rope_tables)
+from llmtrain.model import (Attention, RMSNorm, Transformer, apply_rope, count_params,
+                            ffn_hidden_dim, flops_per_token, rope_tables)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: intra-op threads only add sync cost, which on a loaded
+    machine turned the training test from 0.1 s into 25 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -73,6 +83,23 @@ def test_grouped_query_attention_matches_repeated_kv_reference(n_kv_heads):
     expected = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, seq, cfg.dim))
 
     torch.testing.assert_close(attn(x, cos, sin), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_scales_by_root_mean_square_and_weight():
+    norm = RMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.arange(1.0, 9.0))
+    x = torch.randn(3, 8) * 5
+    expected = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+
+
+def test_rope_tables_use_theta():
+    cos, sin = rope_tables(head_dim=8, max_seq_len=4, theta=500000.0)
+    assert cos.shape == sin.shape == (4, 4) and cos.dtype == torch.float32
+    angle = 3 * 500000.0 ** (-2 / 8)  # position 3, second pair
+    assert cos[3, 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+    assert sin[3, 1].item() == pytest.approx(math.sin(angle), abs=1e-6)
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -199,4 +226,4 @@ def test_loss_falls_on_a_repeated_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(cfg.vocab_size), rel=0.05)
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[-1] < 0.2 * losses[0], losses

@@ -1,0 +1,114 @@
+"""llmtrain's training step vs a bare hand-written PyTorch loop, same model, same batch.
+
+Both loops run in this process on the same process group, alternating in segments so
+that drift in machine speed hits both alike. The bare loop is what a person would write:
+the same FSDP2-sharded model, AdamW, cross-entropy, gradient clipping, one fixed batch.
+llmtrain's loop adds its data pipeline, LR schedule, gradient accumulation, the periodic
+loss all-reduce, console and event log. A second baseline without FSDP2 shows what
+sharding itself costs on one rank.
+
+    python benchmarks/step_overhead.py                       # one rank
+    torchrun --nproc-per-node 2 benchmarks/step_overhead.py  # two ranks
+    ... [--segments 6] [--steps 20] [--section.field VALUE ...]
+
+Prints a table, then one JSON line: {"llmtrain_over_bare": ..., ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmtrain.config import load_config, parse_overrides
+from llmtrain.distributed.parallelize import parallelize
+from llmtrain.model import Transformer
+from llmtrain.trainer import Trainer
+
+
+def bare_loop(model: torch.nn.Module, cfg, device: torch.device):
+    """A closure running ``n`` plain steps on one fixed batch; returns seconds per step."""
+    o, t = cfg.optim, cfg.training
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
+                            weight_decay=o.weight_decay)
+    accum = cfg.accumulation_steps(dist.get_world_size())
+    tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, cfg.data.seq_len + 1),
+                           device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            for _ in range(accum):
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+                (loss / accum).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        loss.item()
+        return (time.perf_counter() - start) / n
+    return run
+
+
+def llmtrain_loop(trainer: Trainer):
+    def run(n: int) -> float:
+        trainer.cfg.training.steps = trainer.step + n
+        start = time.perf_counter()
+        trainer.run()
+        return (time.perf_counter() - start) / n
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="debug_cpu")
+    parser.add_argument("--segments", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="steps per segment")
+    args, rest = parser.parse_known_args()
+    cfg = load_config(args.config, parse_overrides(
+        ["--training.run_dir", "runs/bench_step_overhead", "--metrics.progress", "plain",
+         "--training.steps", str(10**6), "--metrics.log_every", "10", *rest]))
+    trainer = Trainer(cfg)
+    torch.manual_seed(0)
+    sharded = parallelize(Transformer(cfg.model), trainer.mesh, cfg.parallelism)
+    plain = Transformer(cfg.model).to(trainer.device)
+    loops = {"llmtrain": llmtrain_loop(trainer),
+             "bare (FSDP2)": bare_loop(sharded, cfg, trainer.device),
+             "bare (no FSDP)": bare_loop(plain, cfg, trainer.device)}
+    if dist.get_world_size() > 1:
+        del loops["bare (no FSDP)"]  # unsharded replicas would need DDP, another baseline
+    for run in loops.values():
+        run(3)  # warm-up: allocator, first-call paths
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(args.segments):
+        for name, run in loops.items():
+            times[name].append(run(args.steps))
+    trainer.close()
+    if trainer.world.rank != 0:
+        return
+
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    base = median["bare (FSDP2)"]
+    print(f"\nstep time, median of {args.segments} segments x {args.steps} steps, "
+          f"{trainer.world.world_size} rank(s), {cfg.model.name} model")
+    print(f"{'loop':<16}{'ms/step':>10}{'min':>10}{'max':>10}{'vs bare':>10}")
+    for name, ts in times.items():
+        print(f"{name:<16}{median[name] * 1e3:>10.1f}{min(ts) * 1e3:>10.1f}"
+              f"{max(ts) * 1e3:>10.1f}{median[name] / base:>10.3f}")
+    figures = {"llmtrain_over_bare": round(median["llmtrain"] / base, 4),
+               "llmtrain_ms": round(median["llmtrain"] * 1e3, 2),
+               "bare_ms": round(base * 1e3, 2),
+               "world_size": trainer.world.world_size}
+    if "bare (no FSDP)" in median:
+        figures["fsdp_over_plain"] = round(base / median["bare (no FSDP)"], 4)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
