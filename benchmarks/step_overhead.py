@@ -73,7 +73,7 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     cfg = load_config(args.config, parse_overrides(
         ["--training.run_dir", "runs/bench_step_overhead", "--metrics.progress", "plain",
-         "--training.steps", str(10**6), "--metrics.log_every", "10", *rest]))
+         "--training.steps", str(10**6), "--metrics.log_every", "10", "--checkpoint.enable", "false", *rest]))
     trainer = Trainer(cfg)
     torch.manual_seed(0)
     sharded = parallelize(Transformer(cfg.model), trainer.mesh, cfg.parallelism)

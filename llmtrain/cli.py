@@ -27,7 +27,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         trainer.run()
     finally:
         trainer.close()
-    return ExitCode.CLEAN
+    return ExitCode.RETRYABLE if trainer.preempted else ExitCode.CLEAN
 
 
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
@@ -41,6 +41,52 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
                       "mesh_shape": cfg.mesh_shape(args.world_size)}
     print(json.dumps(out, indent=2))
     return ExitCode.CLEAN
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
+    from llmtrain.checkpoint import storage
+    if rest:
+        raise ConfigError(f"unexpected arguments {rest}")
+    if args.action == "list":
+        ckpts = storage.list_checkpoints(args.url)
+        print(f"{'step':>10}  {'state':<10} {'size':>10} {'files':>6} {'world':>6} {'age':>7}")
+        for c in ckpts:
+            state = "committed" if c.committed else "incomplete"
+            print(f"{c.step:>10}  {state:<10} {c.bytes / 2**20:>8.1f}MB "
+                  f"{len(c.manifest.get('files', {})) or '-':>6} "
+                  f"{c.manifest.get('world_size', '-'):>6} {_age(c.age_s):>7}")
+        if not ckpts:
+            print(f"no checkpoints under {args.url}")
+        return ExitCode.CLEAN
+    # verify / inspect: a checkpoint directory, or every committed one under a root
+    manifest = storage.read_manifest(args.url)
+    urls = ([args.url] if manifest is not None or args.action == "inspect"
+            else [c.url for c in storage.list_checkpoints(args.url) if c.committed])
+    if not urls:
+        print(f"no committed checkpoints under {args.url}", file=sys.stderr)
+        return 1
+    failed = False
+    for url in urls:
+        problems = storage.verify(url, checksums=not args.sizes_only)
+        failed |= bool(problems)
+        print(f"{url}: {'FAILED' if problems else 'ok'}")
+        for p in problems:
+            print(f"  {p}")
+        if args.action == "inspect" and not problems:
+            m = storage.read_manifest(url)
+            print(json.dumps({k: v for k, v in m.items() if k != "files"}, indent=1))
+            for name, meta in storage.tensor_index(url).items():
+                print(f"  {name:<60} {meta}")
+    return 1 if failed else ExitCode.CLEAN
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=func)
     sub.choices["config"].add_argument("--world-size", type=int, default=1,
                                        help="check batch and mesh fit this many ranks")
+    ckpt = sub.add_parser("ckpt", help="list, verify or inspect checkpoints")
+    ckpt.add_argument("action", choices=("list", "verify", "inspect"))
+    ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
+    ckpt.add_argument("--sizes-only", action="store_true", help="skip the sha256 checks")
+    ckpt.set_defaults(func=cmd_ckpt)
     args, rest = parser.parse_known_args(argv)
     try:
         return int(args.func(args, rest))

@@ -104,10 +104,30 @@ class TrainingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When and where checkpoints go, how many stay, and how a run resumes."""
+    enable: bool = _f(True)
+    url: str = _f("", doc="fsspec URL of the checkpoint directory; empty: <run_dir>/checkpoints")
+    interval_steps: int = _f(100, ge=0, doc="save every N steps; 0: not by steps")
+    interval_seconds: float = _f(0.0, ge=0, doc="save every T seconds; 0: not by time")
+    mode: str = _f("async_thread", choices=("async_thread", "async_process", "sync"),
+                   doc="async: training blocks only while the state is staged to host memory")
+    if_busy: str = _f("wait", choices=("wait", "skip"),
+                      doc="when a save is due while the previous one still writes")
+    keep_last: int = _f(3, ge=1, doc="committed checkpoints kept")
+    keep_every: int = _f(0, ge=0, doc="also keep every checkpoint whose step is a multiple; 0: none")
+    verify_checksums: bool = _f(True, doc="check sha256 of every file before resuming (sizes always)")
+    resume: bool = _f(True, doc="resume from the newest checkpoint that verifies")
+    save_on_signal: bool = _f(True, doc="SIGTERM/SIGUSR1: save, then exit RETRYABLE")
+    writer_threads: int = _f(1, ge=1, doc="DCP write threads per rank")
+
+
+@dataclass
 class ReliabilityConfig:
-    """Timeouts of the process groups."""
+    """Timeouts of the process groups, and injected faults."""
     init_timeout_s: float = _f(300.0, gt=0, doc="rendezvous and process-group creation")
     collective_timeout_s: float = _f(600.0, gt=0, doc="one collective during training")
+    faults: str = _f("", doc="faults to inject, see llmtrain/reliability/faults.py")
 
 
 @dataclass
@@ -125,6 +145,7 @@ SECTIONS: dict[str, type] = {
     "parallelism": ParallelismConfig,
     "optim": OptimConfig,
     "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
     "reliability": ReliabilityConfig,
     "metrics": MetricsConfig,
 }
@@ -137,6 +158,7 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -147,6 +169,10 @@ class JobConfig:
         """A short hash of every setting, to tell runs and checkpoints apart."""
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def checkpoint_url(self) -> str:
+        return self.checkpoint.url or f"{self.training.run_dir.rstrip('/')}/checkpoints"
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for ``world_size`` ranks, or ConfigError."""

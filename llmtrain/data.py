@@ -26,15 +26,14 @@ import os
 import posixpath
 import struct
 import sysconfig
-import uuid
 from typing import Any
 
 import fsspec
 import numpy as np
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
 from llmtrain.config import DataConfig
+from llmtrain.fsio import is_local, join, write_atomic
 
 MAGIC = b"LLMTOK01"
 HEADER = struct.Struct("<8sIIQ8x")  # magic, itemsize, reserved, count, padding: 32 bytes
@@ -66,19 +65,6 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def _join(url: str, name: str) -> str:
-    return f"{url.rstrip('/')}/{name}"
-
-
-def _write_atomic(url: str, data: bytes) -> None:
-    """Write then rename, so a reader (or another rank) never sees a partial file."""
-    fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    fs.pipe_file(tmp, data)
-    fs.mv(tmp, path)
-
-
 def write_shard(url: str, tokens: np.ndarray) -> None:
     """Write ``tokens`` as one shard, uint16 when they fit, else uint32."""
     tokens = np.asarray(tokens).reshape(-1)
@@ -87,7 +73,7 @@ def write_shard(url: str, tokens: np.ndarray) -> None:
                          f"got [{tokens.min()}, {tokens.max()}]")
     dtype = np.dtype("<u2") if not tokens.size or tokens.max() < 2**16 else np.dtype("<u4")
     header = HEADER.pack(MAGIC, dtype.itemsize, 0, tokens.size)
-    _write_atomic(url, header + tokens.astype(dtype).tobytes())
+    write_atomic(url, header + tokens.astype(dtype).tobytes())
 
 
 class _Shard:
@@ -119,7 +105,7 @@ class _Shard:
         self.dtype = np.dtype(f"<u{itemsize}")
         self.count = count
         self.memmap = None
-        if isinstance(self.fs, LocalFileSystem) and count:
+        if is_local(self.fs) and count:
             self.memmap = np.memmap(self.path, dtype=self.dtype, mode="r",
                                     offset=HEADER.size, shape=(count,))
 
@@ -198,39 +184,39 @@ def prepare_embedded_corpus(data_dir_url: str, max_bytes: int) -> list[str]:
     are complete, and later calls reuse them.
     """
     fs, dir_path = fsspec.core.url_to_fs(data_dir_url)
-    manifest_path = _join(dir_path, "corpus.json")
+    manifest_path = join(dir_path, "corpus.json")
     if fs.exists(manifest_path):
         manifest = json.loads(fs.cat_file(manifest_path))
         names = [s["name"] for s in manifest["shards"]]
         if manifest["max_bytes"] == max_bytes and all(
-                fs.exists(_join(dir_path, n)) for n in names):
-            return [_join(data_dir_url, n) for n in names]
+                fs.exists(join(dir_path, n)) for n in names):
+            return [join(data_dir_url, n) for n in names]
     tokens = np.frombuffer(_stdlib_bytes(max_bytes), dtype=np.uint8).astype(np.uint16)
     shards = []
     for i, start in enumerate(range(0, len(tokens), EMBEDDED_SHARD_TOKENS)):
         chunk = tokens[start:start + EMBEDDED_SHARD_TOKENS]
         name = f"embedded-{i:05d}.bin"
-        write_shard(_join(data_dir_url, name), chunk)
+        write_shard(join(data_dir_url, name), chunk)
         shards.append({"name": name, "tokens": len(chunk)})
     manifest = {"max_bytes": max_bytes, "shards": shards,
                 "sha256": hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest()}
-    _write_atomic(_join(data_dir_url, "corpus.json"), json.dumps(manifest, indent=1).encode())
-    return [_join(data_dir_url, s["name"]) for s in shards]
+    write_atomic(join(data_dir_url, "corpus.json"), json.dumps(manifest, indent=1).encode())
+    return [join(data_dir_url, s["name"]) for s in shards]
 
 
 def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
     """The shard URLs a run reads, in a fixed order (the sample index depends on it)."""
     if data_cfg.source == "embedded":
-        return prepare_embedded_corpus(_join(run_dir_url, "data/embedded"),
+        return prepare_embedded_corpus(join(run_dir_url, "data/embedded"),
                                        data_cfg.embedded_max_bytes)
     fs, root = fsspec.core.url_to_fs(data_cfg.path)
     if not fs.isdir(root):
         raise ShardError(f"data.path={data_cfg.path!r} is not a directory; check data.path")
-    names = sorted(posixpath.basename(p) for p in fs.glob(_join(root, "*.bin")))
+    names = sorted(posixpath.basename(p) for p in fs.glob(join(root, "*.bin")))
     if not names:
         raise ShardError(f"data.path={data_cfg.path!r} holds no *.bin token shards; check "
                          f"data.path, or write shards with llmtrain.data.write_shard")
-    return [_join(data_cfg.path, n) for n in names]
+    return [join(data_cfg.path, n) for n in names]
 
 
 class GlobalSampler:

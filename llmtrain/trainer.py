@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from llmtrain.checkpoint.manager import CheckpointManager
+from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
@@ -20,6 +22,7 @@ from llmtrain.distributed.process_group import (WorldInfo, build_mesh, init_proc
                                                 shutdown)
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.events import EventLog
+from llmtrain.reliability import faults
 from llmtrain.model import Transformer, count_params, flops_per_token
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
@@ -69,6 +72,7 @@ class Trainer:
         self.world = WorldInfo.from_env()
         cfg.validate(self.world.world_size)
         t = cfg.training
+        faults.install(cfg.reliability.faults, self.world.rank)
         self.accum_steps = cfg.accumulation_steps(self.world.world_size)
 
         try:
@@ -104,12 +108,26 @@ class Trainer:
 
         self.step = 0
         self.grad_norm: torch.Tensor | None = None
+        self.preempted = False
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = _peak_flops(cfg, self.device)
         self.is_logger = self.world.rank == 0
         self.events = EventLog(t.run_dir, self.world.rank)
         self.console = ConsoleReporter(cfg.metrics, t.steps)
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
+                                self.world.rank)
+        self.checkpoints = None
+        if cfg.checkpoint.enable:
+            self.checkpoints = CheckpointManager(
+                cfg.checkpoint, cfg.checkpoint_url, events=self.events, device=self.device,
+                manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
+                               "mesh": list(cfg.mesh_shape(self.world.world_size))})
+            if cfg.checkpoint.resume:
+                self.step = self.checkpoints.resume(self.state)
+                if self.step and self.is_logger:
+                    self.console.line(f"resumed from the checkpoint of step {self.step} "
+                                      f"in {cfg.checkpoint_url}")
         if self.is_logger:
             self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
                              params=count_params(cfg.model), device=str(self.device))
@@ -165,23 +183,39 @@ class Trainer:
         t = self.cfg.training
         log_every = self.cfg.metrics.log_every
         start = last_time = time.perf_counter()
-        last_step, first_loss, loss = self.step, float("nan"), float("nan")
+        first_step = last_step = self.step
+        first_loss = loss = float("nan")
         for step in range(self.step + 1, t.steps + 1):
+            faults.point("step", step)
             micro_batches = self.data.next_step()
             local_loss = self.train_step(micro_batches)
             self.step = step
-            if step % log_every == 0 or step in (1, t.steps):
+            if step % log_every == 0 or step in (first_step + 1, t.steps):
                 loss = self.global_mean(local_loss)  # the only host sync of the step
                 now = time.perf_counter()
                 self.report(step, loss, (now - last_time) / (step - last_step))
                 last_step, last_time = step, now
-                if step == 1:
+                if math.isnan(first_loss):
                     first_loss = loss
+            if self.checkpoint(step):
+                break
         wall = time.perf_counter() - start
+        tokens = (self.step - first_step) * self.tokens_per_step
         return self.finish(Summary(
-            steps=t.steps, tokens=t.steps * self.tokens_per_step, wall_s=wall,
-            tokens_per_s=t.steps * self.tokens_per_step / wall, first_loss=first_loss,
+            steps=self.step, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+            first_loss=first_loss,
             final_loss=loss, memory_gb=_memory_gb(self.device)))
+
+    def checkpoint(self, step: int) -> bool:
+        """Saves when due (always after the last step); True when the run must stop now."""
+        if self.checkpoints is None:
+            return False
+        due, stop = self.checkpoints.due(step)
+        last = step == self.cfg.training.steps
+        if due or last:
+            self.checkpoints.save(step, self.state, final=stop or last)
+        self.preempted = stop
+        return stop
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean over all ranks (every rank holds an equal share of the batch)."""
@@ -212,5 +246,7 @@ class Trainer:
         return s
 
     def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         self.events.close()
         shutdown()

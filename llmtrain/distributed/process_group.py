@@ -59,15 +59,34 @@ def resolve_device(p: ParallelismConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _store(world: WorldInfo, timeout: timedelta) -> dist.Store:
+    """The rendezvous store, namespaced by restart attempt.
+
+    By default torchrun's agent shares its own TCPStore with the workers and keeps it
+    across restarts, so a restarted worker would read the dead workers' gloo/NCCL
+    addresses left in it and fail to connect. A prefix per attempt keeps every attempt's
+    keys apart. (Setting TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun, as the
+    launchers do, gives each attempt a fresh store instead; the prefix is harmless then.)
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
+        is_master=not agent_store and world.rank == 0, timeout=timeout,
+        wait_for_workers=False, multi_tenant=True, use_libuv=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"llmtrain/attempt-{attempt}", store)
+
+
 def init_process_group(p: ParallelismConfig, r: ReliabilityConfig,
                        world: WorldInfo) -> torch.device:
     """Joins the job's default process group; returns this rank's device."""
     _standalone_env()
     device = resolve_device(p, world.local_rank)
     backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    timeout = timedelta(seconds=r.init_timeout_s)
     dist.init_process_group(
-        backend=backend,
-        timeout=timedelta(seconds=r.init_timeout_s),
+        backend=backend, store=_store(world, timeout), rank=world.rank,
+        world_size=world.world_size, timeout=timeout,
         # Binding the device makes NCCL create its communicator now and lets later
         # subgroups split it instead of running a fresh rendezvous each.
         device_id=device if device.type == "cuda" else None,

@@ -8,6 +8,7 @@ checkpoints on whatever storage the run uses and survives restarts.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from typing import Any
 
@@ -21,13 +22,15 @@ class EventLog:
         self.rank = rank
         self.url = f"{run_dir.rstrip('/')}/events.jsonl"
         self._file = None  # opened on the first event: most ranks may never write one
+        self._lock = threading.Lock()  # background checkpoint threads emit too
 
     def emit(self, event: str, **fields: Any) -> None:
-        if self._file is None:
-            self._file = fsspec.open(self.url, "a").open()
         record = {"ts": round(time.time(), 6), "event": event, "rank": self.rank, **fields}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with self._lock:
+            if self._file is None:
+                self._file = fsspec.open(self.url, "a").open()
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:

@@ -1,0 +1,1 @@
+"""Sharded async checkpoints: storage and commit protocol, train state, manager."""

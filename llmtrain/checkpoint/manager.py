@@ -1,0 +1,201 @@
+"""CheckpointManager: when to save, saving without stalling training, retention, resume.
+
+A save blocks the training thread only while DCP stages the state into host memory
+(buffers reused from save to save, pinned on GPU); the write, the commit and the
+retention run in the background (DCP's thread or process executor) on a gloo group of
+their own, so checkpoint collectives never interleave with training ones. One save is in
+flight at most. A failed save, whatever the error, leaves every committed checkpoint as
+it was: the failure becomes an event and the next interval tries again.
+
+Decisions every rank must take together (a time-based or signal-triggered save, which
+checkpoint to resume from) go through a small all-reduce or broadcast on a second gloo
+group that only the training thread uses.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.api import CheckpointException
+
+from llmtrain.checkpoint import storage
+from llmtrain.checkpoint.state import TrainState
+from llmtrain.config import CheckpointConfig
+from llmtrain.metrics.events import EventLog
+
+# DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
+SAVE_ERRORS = (Exception, CheckpointException)
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
+                 events: EventLog, device: torch.device):
+        self.cfg, self.url, self.events = cfg, url, events
+        self.manifest_base = manifest_base
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.io_group = dist.new_group(backend="gloo")
+        self.control_group = dist.new_group(backend="gloo")
+        self.stager = None
+        if cfg.mode != "sync":
+            cuda = device.type == "cuda"
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=cfg.mode == "async_process",
+                use_async_staging=False, use_non_blocking_copy=cuda))
+        self.inflight: Future | None = None
+        self.last_save_time = time.monotonic()
+        self.signal: int | None = None
+        if cfg.save_on_signal:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._on_signal)
+
+    def _emit0(self, event: str, **fields) -> None:
+        """Events every rank would report alike are written once, by rank 0."""
+        if self.rank == 0:
+            self.events.emit(event, **fields)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal = signum
+
+    # -- when -------------------------------------------------------------------------
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """(save now, then stop): by step interval, by time, or because of a signal.
+
+        Time and signals differ between ranks, so ranks agree with one all-reduce.
+        """
+        c = self.cfg
+        by_step = bool(c.interval_steps) and step % c.interval_steps == 0
+        if not (c.interval_seconds or c.save_on_signal):
+            return by_step, False
+        flags = torch.tensor([
+            int(bool(c.interval_seconds)
+                and time.monotonic() - self.last_save_time >= c.interval_seconds),
+            int(self.signal is not None)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
+        by_time, by_signal = bool(flags[0]), bool(flags[1])
+        return by_step or by_time or by_signal, by_signal
+
+    # -- save -------------------------------------------------------------------------
+
+    def save(self, step: int, state: TrainState, *, final: bool = False) -> None:
+        """Stages ``state`` and starts writing it; ``final`` waits for the commit."""
+        if self.inflight is not None and not self.inflight.done():
+            if self.cfg.if_busy == "skip" and not final:
+                self._emit0("checkpoint_skipped", step=step, reason="previous still writing")
+                return
+            waited = time.perf_counter()
+            self.wait()
+            self._emit0("checkpoint_wait", step=step, seconds=time.perf_counter() - waited)
+        self.last_save_time = time.monotonic()
+        start = time.perf_counter()
+        writer = storage.CommitWriter(storage.step_dir(self.url, step),
+                                      {**self.manifest_base, "step": step, "world_size": self.world},
+                                      thread_count=self.cfg.writer_threads)
+        try:
+            state_dict = state.state_dict(step)
+            if self.cfg.mode == "sync":
+                dcp.save(state_dict, storage_writer=writer, process_group=self.io_group)
+                future: Future = Future()
+                future.set_result(None)
+            else:
+                kind = (AsyncCheckpointerType.PROCESS if self.cfg.mode == "async_process"
+                        else AsyncCheckpointerType.THREAD)
+                future = dcp.async_save(state_dict, storage_writer=writer,
+                                        process_group=self.io_group,
+                                        async_checkpointer_type=kind, async_stager=self.stager)
+        except SAVE_ERRORS as e:
+            self._failed(step, e)
+            return
+        blocked = time.perf_counter() - start
+        self._emit0("checkpoint_staged", step=step, blocking_s=blocked)
+        # ``inflight`` completes only after the bookkeeping of ``_done``, so that waiting
+        # for it means the save is recorded and retention has run.
+        self.inflight = Future()
+
+        def finished(write: Future) -> None:
+            try:
+                self._done(write, step, start, blocked)
+            finally:
+                self.inflight.set_result(None)
+        future.add_done_callback(finished)
+        if final:
+            self.wait()
+
+    def _done(self, future: Future, step: int, start: float, blocked: float) -> None:
+        """Runs when the background write ends: record it, then apply retention."""
+        try:
+            future.result()
+        except SAVE_ERRORS as e:
+            self._failed(step, e)
+            return
+        if self.rank == 0:
+            manifest = storage.read_manifest(storage.step_dir(self.url, step)) or {}
+            self.events.emit("checkpoint_committed", step=step, blocking_s=blocked,
+                             total_s=time.perf_counter() - start, bytes=manifest.get("bytes"))
+            self.apply_retention()
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        self.events.emit("checkpoint_failed", step=step,
+                         error=f"{type(error).__name__}: {error}"[:2000])
+
+    def wait(self) -> None:
+        if self.inflight is not None:
+            self.inflight.result()
+
+    def apply_retention(self) -> None:
+        for c in storage.retention_victims(storage.list_checkpoints(self.url),
+                                           self.cfg.keep_last, self.cfg.keep_every):
+            storage.remove(c.url)
+            self.events.emit("checkpoint_removed", step=c.step, committed=c.committed)
+
+    # -- resume -----------------------------------------------------------------------
+
+    def resume(self, state: TrainState) -> int:
+        """Loads the newest committed checkpoint that verifies; returns its step (0: none).
+
+        Every rank checks a share of the files, and all agree before DCP reads any of
+        them; a checkpoint that fails is named with its reason and the previous one is
+        tried.
+        """
+        candidates = [None]
+        if self.rank == 0:
+            candidates = [[c.step for c in storage.list_checkpoints(self.url) if c.committed]]
+        dist.broadcast_object_list(candidates, src=0, group=self.control_group)
+        for step in reversed(candidates[0]):
+            url = storage.step_dir(self.url, step)
+            mine = storage.verify(url, checksums=self.cfg.verify_checksums,
+                                  part=(self.rank, self.world))
+            problems: list = [None] * self.world
+            dist.all_gather_object(problems, mine, group=self.control_group)
+            problems = [p for rank_problems in problems for p in rank_problems]
+            if problems:
+                self._reject(step, problems)
+                continue
+            start = time.perf_counter()
+            try:
+                loaded_step, had_rng = state.load(url, self.io_group)
+            except SAVE_ERRORS as e:
+                self._reject(step, [f"load failed: {type(e).__name__}: {e}"[:2000]])
+                continue
+            self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
+                             rng_restored=had_rng)
+            return loaded_step
+        return 0
+
+    def _reject(self, step: int, problems: list[str]) -> None:
+        if self.rank == 0:
+            self.events.emit("checkpoint_rejected", step=step, problems=problems[:20])
+            storage.reject(storage.step_dir(self.url, step), problems)
+
+    def close(self) -> None:
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()

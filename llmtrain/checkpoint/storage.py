@@ -1,0 +1,263 @@
+"""Checkpoint storage: DCP files through fsspec, a manifest that commits them, verification.
+
+Layout of one checkpoint, ``<checkpoint url>/step-00000100/``::
+
+    __0_0.distcp ...   DCP shards, one or more per rank (some may be empty: DCP writes
+                       a replicated tensor once)
+    .metadata          DCP's index of the shards (a pickle)
+    MANIFEST.json      written last, by rank 0, once every rank's files are written:
+                       step, world, config digest, timings, and each file's size and sha256
+
+The commit protocol: each rank hashes its shards *while writing them* (no read-back) and
+hands the sums to the coordinator inside DCP's own gather of write results; after DCP has
+written ``.metadata``, the coordinator writes ``MANIFEST.json`` with
+:func:`llmtrain.fsio.write_atomic` (see there for what each storage kind guarantees). A
+directory without a manifest is incomplete and never loaded.
+
+Security rule: ``.metadata`` and the shards are unpickled by DCP, so loading them can run
+code. :func:`verify` checks every file against the manifest before DCP opens any of
+them, which protects against corruption and files swapped in from elsewhere; it cannot
+protect against someone able to rewrite the manifest too. Only resume from storage the
+job's own identity controls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import posixpath
+import re
+import time
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
+from torch.futures import Future
+
+from llmtrain.fsio import join, write_atomic
+from llmtrain.reliability import faults
+
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return join(root, f"step-{step:08d}")
+
+
+class _HashingStream:
+    """Passes writes through while computing the file's sha256 and size."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return self._stream.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's fsspec filesystem, recording {file name: size, sha256} of what it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashed = _HashingStream(stream)
+            yield hashed
+            self.sums[posixpath.basename(os.fspath(path))] = {
+                "size": hashed.size, "sha256": hashed.sha.hexdigest()}
+
+
+class CommitWriter(FsspecWriter):
+    """An fsspec DCP writer whose ``finish`` also commits the checkpoint's manifest."""
+
+    def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1):
+        super().__init__(url, thread_count=thread_count, sync_files=True, overwrite=True)
+        hashing = _HashingFileSystem()
+        hashing.fs = self.fs.fs
+        self.fs = hashing
+        self.url = url
+        self.manifest = manifest
+
+    def prepare_global_plan(self, plans):
+        # A save of this step may have failed here before: start from an empty directory
+        # so no stale shard or old manifest survives next to the new files. Nothing of
+        # this save is written yet (every rank has only made the directory).
+        fs = self.fs.fs
+        if fs.exists(self.path):
+            fs.rm(os.fspath(self.path), recursive=True)
+        self.fs.mkdir(self.path)
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan, planner):
+        faults.point("checkpoint_write", step=self.manifest["step"])
+        results = super().write_data(plan, planner).wait()
+        # Carry each file's sums to the coordinator inside DCP's gather of the results;
+        # ``finish`` takes them out again before DCP's metadata is pickled.
+        sums = self.fs.sums
+        tagged = [dataclasses.replace(r, storage_data=(r.storage_data,
+                                                       sums[r.storage_data.relative_path]))
+                  for r in results]
+        fut: Future = Future()
+        fut.set_result(tagged)
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        plain = []
+        for rank_results in results:
+            plain.append([])
+            for r in rank_results:
+                info, sums = r.storage_data
+                files[info.relative_path] = sums
+                plain[-1].append(dataclasses.replace(r, storage_data=info))
+        super().finish(metadata, plain)
+        files[".metadata"] = self.fs.sums[".metadata.tmp"]
+        manifest = {**self.manifest, "files": dict(sorted(files.items())),
+                    "bytes": sum(f["size"] for f in files.values()),
+                    "committed_at": time.time()}
+        write_atomic(join(self.url, MANIFEST), json.dumps(manifest, indent=1).encode())
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    url: str
+    committed: bool
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.manifest.get("bytes", 0)
+
+    @property
+    def age_s(self) -> float | None:
+        at = self.manifest.get("committed_at")
+        return time.time() - at if at else None
+
+
+def read_manifest(url: str) -> dict[str, Any] | None:
+    """The checkpoint's manifest, or None when it has none (incomplete) or it is unreadable."""
+    fs, path = fsspec.core.url_to_fs(join(url, MANIFEST))
+    try:
+        return json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+    except (ValueError, OSError):
+        return {"unreadable": True}
+
+
+def list_checkpoints(root: str) -> list[CheckpointInfo]:
+    """Every ``step-N`` directory under ``root``, oldest first."""
+    fs, path = fsspec.core.url_to_fs(root)
+    if not fs.exists(path):
+        return []
+    out = []
+    for entry in fs.ls(path, detail=False):
+        match = _STEP_DIR.match(posixpath.basename(entry.rstrip("/")))
+        if match:
+            url = join(root, posixpath.basename(entry.rstrip("/")))
+            manifest = read_manifest(url)
+            out.append(CheckpointInfo(step=int(match.group(1)), url=url,
+                                      committed=manifest is not None, manifest=manifest or {}))
+    return sorted(out, key=lambda c: c.step)
+
+
+def retention_victims(ckpts: list[CheckpointInfo], keep_last: int,
+                      keep_every: int) -> list[CheckpointInfo]:
+    """What retention deletes: committed checkpoints beyond the newest ``keep_last`` that
+    are not a multiple of ``keep_every``, and incomplete ones older than the newest
+    committed (newer ones may still be being written). The newest committed always stays.
+    """
+    committed = [c for c in ckpts if c.committed]
+    if not committed:
+        return []
+    keep = {c.step for c in committed[-keep_last:]}
+    if keep_every:
+        keep |= {c.step for c in committed if c.step % keep_every == 0}
+    newest = committed[-1].step
+    return [c for c in ckpts if c.step not in keep and (c.committed or c.step < newest)]
+
+
+def _sha256(fs, path: str) -> str:
+    sha = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with the checkpoint at ``url`` (empty when it verifies).
+
+    Sizes are always checked, sha256 sums when ``checksums``. ``part=(i, n)`` checks only
+    every n-th file starting at i, so n ranks can share the reading of a large checkpoint.
+    """
+    manifest = read_manifest(url)
+    if manifest is None:
+        return [f"{url}: no {MANIFEST}, the save never completed"]
+    if "files" not in manifest:
+        return [f"{url}: {MANIFEST} is unreadable"]
+    fs, root = fsspec.core.url_to_fs(url)
+    problems = []
+    index, count = part
+    for name, expect in list(manifest["files"].items())[index::count]:
+        path = posixpath.join(root, name)
+        try:
+            size = fs.size(path)
+        except FileNotFoundError:
+            problems.append(f"{url}/{name}: missing")
+            continue
+        if size != expect["size"]:
+            problems.append(f"{url}/{name}: {size} bytes, manifest says {expect['size']}")
+        elif checksums and _sha256(fs, path) != expect["sha256"]:
+            problems.append(f"{url}/{name}: sha256 differs from the manifest (corrupted)")
+    return problems
+
+
+def tensor_index(url: str) -> dict[str, str]:
+    """Saved entries and their global shapes; call only after :func:`verify` passed, as
+    it unpickles DCP's metadata."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    out = {}
+    for name, meta in FsspecReader(url).read_metadata().state_dict_metadata.items():
+        out[name] = (f"{str(meta.properties.dtype).removeprefix('torch.')} "
+                     f"{list(meta.size)}" if isinstance(meta, TensorStorageMetadata) else "bytes")
+    return out
+
+
+def reject(url: str, problems: list[str]) -> None:
+    """Marks a committed checkpoint that failed verification as incomplete, so it can
+    neither be resumed from nor count towards retention; REJECTED.json keeps the reasons
+    until retention removes the directory."""
+    write_atomic(join(url, "REJECTED.json"), json.dumps({"problems": problems}).encode())
+    fs, path = fsspec.core.url_to_fs(join(url, MANIFEST))
+    fs.rm_file(path)
+
+
+def remove(url: str) -> None:
+    """Deletes a checkpoint, manifest first: interrupted, it leaves an incomplete one."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if fs.exists(posixpath.join(path, MANIFEST)):
+        fs.rm_file(posixpath.join(path, MANIFEST))
+    if fs.exists(path):
+        fs.rm(path, recursive=True)

@@ -1,0 +1,83 @@
+"""Fault injection for tests and chaos runs: real failures at named points of a real run.
+
+A spec (config ``reliability.faults``, or the environment variable ``LLMTRAIN_FAULTS``,
+both applied) lists faults separated by ``;``::
+
+    ACTION@POINT[:key=value,...]
+
+    kill@step:rank=1,step=7                SIGKILL rank 1 as it starts step 7
+    kill@checkpoint_write:rank=0,step=10   SIGKILL rank 0 while it writes checkpoint 10
+
+Points: ``step`` (start of a training step), ``checkpoint_write`` (inside a rank's DCP
+shard write, in the background writer). Keys: ``rank`` and ``step`` (default: any), and
+``restart``: the TorchElastic restart count the fault fires on (default 0, the first
+attempt), so a restarted job does not meet the same fault again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from llmtrain.config import ConfigError
+
+ACTIONS = ("kill",)
+POINTS = ("step", "checkpoint_write")
+
+
+class FaultSpecError(ConfigError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    point: str
+    rank: int | None = None
+    step: int | None = None
+    restart: int = 0
+
+    def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
+        return (self.point == point and self.restart == restart
+                and self.rank in (None, rank) and self.step in (None, step))
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        head, _, args = item.partition(":")
+        action, _, point = head.partition("@")
+        if action not in ACTIONS or point not in POINTS:
+            raise FaultSpecError(f"reliability.faults: {item!r} is not ACTION@POINT, with "
+                                 f"ACTION in {ACTIONS} and POINT in {POINTS}")
+        keys = {}
+        for pair in filter(None, args.split(",")):
+            key, _, value = pair.partition("=")
+            if key not in ("rank", "step", "restart") or not value.isdigit():
+                raise FaultSpecError(f"reliability.faults: in {item!r}, {pair!r} is not "
+                                     f"rank=N, step=N or restart=N")
+            keys[key] = int(value)
+        faults.append(Fault(action, point, **keys))
+    return faults
+
+
+_faults: list[Fault] = []
+_rank = 0
+
+
+def install(spec: str, rank: int) -> None:
+    """Arms the faults of ``spec`` and of ``$LLMTRAIN_FAULTS`` for this process."""
+    global _rank
+    _faults[:] = parse(f"{spec};{os.environ.get('LLMTRAIN_FAULTS', '')}")
+    _rank = rank
+
+
+def point(name: str, step: int) -> None:
+    """Called where a fault may strike; does nothing unless one is armed here."""
+    if not _faults:
+        return
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    for fault in _faults:
+        if fault.matches(name, _rank, step, restart) and fault.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,84 @@
+"""Checkpoints under real faults: killed ranks, other world sizes, damaged files."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import check, events, llmtrain, step_losses
+from llmtrain.checkpoint import storage
+
+pytestmark = pytest.mark.slow
+
+CKPT = ("--checkpoint.interval_steps", "6", "--metrics.log_every", "1")
+
+
+def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
+    out = tmp_path / f"weights-{run_dir.name}.pt"
+    dcp_to_torch_save(storage.step_dir(str(run_dir / "checkpoints"), step), out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path):
+    """torchrun restarts the job twice: rank 0 killed while writing checkpoint 12 (so 6 is
+    the newest committed), then rank 1 killed mid-run at step 17. The final weights equal
+    an uninterrupted run's bit for bit."""
+    args = ("--training.steps", "24", *CKPT)
+    check(llmtrain(tmp_path / "reference", *args, nproc=2))
+    faulty = tmp_path / "faulty"
+    check(llmtrain(
+        faulty, *args, nproc=2, torchrun_args=("--max-restarts", "2"),
+        env={"LLMTRAIN_FAULTS": "kill@checkpoint_write:rank=0,step=12,restart=0;"
+                                "kill@step:rank=1,step=17,restart=1"}))
+    assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [6, 12]
+    ref = final_weights(tmp_path / "reference", 24, tmp_path)
+    got = final_weights(faulty, 24, tmp_path)
+    assert ref.keys() == got.keys() and len(ref) > 10
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_a_two_rank_checkpoint_on_another_world_size(tmp_path, world):
+    """Global batch 24 fits 1, 2 and 3 ranks; the data order is global, so the resumed
+    run sees the same batches and its losses follow the 2-rank run's."""
+    args = ("--training.steps", "12", "--training.global_batch_size", "24",
+            "--training.micro_batch_size", "4", *CKPT)
+    two = tmp_path / "two"
+    check(llmtrain(two, *args, nproc=2))
+    other = tmp_path / "other"
+    shutil.copytree(two / "checkpoints", other / "checkpoints")
+    storage.remove(storage.step_dir(str(other / "checkpoints"), 12))
+    check(llmtrain(other, *args, nproc=world))
+    assert [e["step"] for e in events(other, "checkpoint_loaded")] == [6]
+    ref, got = step_losses(two), step_losses(other)
+    assert sorted(got) == list(range(7, 13))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-3), step
+
+
+def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path):
+    run = tmp_path / "run"
+    args = ("--checkpoint.keep_last", "5", *CKPT)
+    check(llmtrain(run, "--training.steps", "24", *args, nproc=2))
+    root = str(run / "checkpoints")
+    # 24: no manifest (never committed); 18: a flipped byte; 12: a truncated shard
+    Path(storage.step_dir(root, 24), storage.MANIFEST).unlink()
+    shard = Path(storage.step_dir(root, 18), "__1_0.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    shard = Path(storage.step_dir(root, 12), "__0_0.distcp")
+    shard.write_bytes(shard.read_bytes()[:-7])
+
+    check(llmtrain(run, "--training.steps", "30", *args, nproc=2))
+    rejected = {e["step"]: " ".join(e["problems"]) for e in events(run, "checkpoint_rejected")}
+    assert sorted(rejected) == [12, 18]
+    assert "sha256" in rejected[18] and "__1_0.distcp" in rejected[18]
+    assert "bytes, manifest says" in rejected[12] and "__0_0.distcp" in rejected[12]
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [6]
+    assert max(step_losses(run)) == 30
+    # the run went on from 6 and committed fresh checkpoints over the damaged ones
+    assert storage.verify(storage.step_dir(root, 18), checksums=True) == []
