@@ -34,6 +34,15 @@ from llmtrain.metrics.events import EventLog
 SAVE_ERRORS = (Exception, CheckpointException)
 
 
+def describe(error: BaseException) -> str:
+    """One line per failed rank ("rank 1: OSError: [Errno 28] No space left on device"),
+    instead of DCP's tracebacks of every rank."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
+                         for rank, (exc, _) in sorted(error.failures.items()))[:2000]
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
                  events: EventLog, device: torch.device):
@@ -81,6 +90,8 @@ class CheckpointManager:
             int(self.signal is not None)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
         by_time, by_signal = bool(flags[0]), bool(flags[1])
+        if by_signal:
+            self._emit0("preempted", step=step, signal=self.signal or "on another rank")
         return by_step or by_time or by_signal, by_signal
 
     # -- save -------------------------------------------------------------------------
@@ -143,8 +154,7 @@ class CheckpointManager:
             self.apply_retention()
 
     def _failed(self, step: int, error: BaseException) -> None:
-        self.events.emit("checkpoint_failed", step=step,
-                         error=f"{type(error).__name__}: {error}"[:2000])
+        self.events.emit("checkpoint_failed", step=step, error=describe(error))
 
     def wait(self) -> None:
         if self.inflight is not None:
@@ -183,7 +193,7 @@ class CheckpointManager:
             try:
                 loaded_step, had_rng = state.load(url, self.io_group)
             except SAVE_ERRORS as e:
-                self._reject(step, [f"load failed: {type(e).__name__}: {e}"[:2000]])
+                self._reject(step, [f"load failed: {describe(e)}"])
                 continue
             self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
                              rng_restored=had_rng)

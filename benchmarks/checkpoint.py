@@ -1,0 +1,455 @@
+"""Checkpointing cost against the machine's own limits, all on one training state.
+
+One trainer (the debug_cpu preset, grown to ``--state-mb`` of model + AdamW state) takes a
+few steps so AdamW's moments exist; then, without training in between, the same state is
+saved and loaded repeatedly and compared with baselines measured in the same run, on the
+same bytes, in the same directory (the run's checkpoint directory, so the raw file tests
+hit the filesystem the checkpoints do). Repetitions of the things compared alternate,
+so drift in machine speed hits both sides alike; each figure is a ratio of medians.
+
+- ``blocking_over_sync``: wall time that ``CheckpointManager.save`` holds the training
+  thread in ``async_thread`` mode (staging into reused host buffers) / wall time of the
+  same call in ``sync`` mode (stage, plan, hash, write, fsync, commit). Goal <= 0.1.
+- ``staging_over_memcpy``: staging bandwidth (model + optimizer state bytes / async
+  blocking time) / bandwidth of a plain copy of the same tensors into preallocated host
+  buffers (pinned on GPU). Goal >= 0.5.
+- ``write_over_raw``: background write bandwidth (checkpoint bytes / time from ``save``
+  returning until the save has committed) / raw write bandwidth: the same number of
+  bytes written with Python in 64 MiB chunks, then fsync, into the same directory. Goal >= 0.8.
+- ``load_over_raw``: load bandwidth (checkpoint bytes / time of ``TrainState.load``, which
+  includes DCP's planning and resharding into the live model and optimizer) / raw
+  sequential read of the same files in 64 MiB chunks, both with a warm page cache
+  (the files were just written and read). Goal >= 0.8. ``load_over_raw_cold`` is the same
+  with each file's pages dropped first (posix_fadvise DONTNEED), where the OS honours it.
+- ``step_time_with_saves_over_without``: training steps through the trainer's own
+  ``Trainer.checkpoint(step)`` path, in segments alternating a save every ``--interval``
+  steps (async_thread) with no saves. A segment with saves starts with a save after its
+  first step and ends once its last save has committed, so every save's background
+  write overlaps training and is paid in full, as in a long run. Goal <= 1.05.
+- ``bytes_per_param``: committed checkpoint bytes (manifest) / model parameters; AdamW
+  with fp32 master weights needs 12 (weights + m + v), a little more with metadata.
+
+    python benchmarks/checkpoint.py                       # one rank
+    torchrun --nproc-per-node 2 benchmarks/checkpoint.py  # two ranks (rank 0 prints)
+    ... [--state-mb 300] [--dir runs/bench_checkpoint] [--reps 3] [--interval 10]
+        [--saves-per-segment 1] [--segments 3] [--section.field VALUE ...]
+
+``--dir`` must be a local path (raw bandwidth needs os.fsync); its checkpoints and event
+log are removed at start (the tokenized data there is kept). With the defaults (300 MB,
+about 24M parameters) it takes about 6 minutes on 2 CPU cores, most of it the 60-odd
+training steps of the step-time figure. Prints a table, then one JSON line:
+{"blocking_over_sync": ..., ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
+
+from llmtrain.checkpoint import storage
+from llmtrain.checkpoint.manager import CheckpointManager
+from llmtrain.config import ModelConfig, load_config, parse_overrides
+from llmtrain.metrics.events import read_events
+from llmtrain.model import count_params
+from llmtrain.trainer import Trainer
+
+CHUNK = 64 << 20
+MB = 1e6
+BENCH_STEP = 10_000_000  # step numbers of the measurement saves, apart from training's
+
+
+# -- sizing -----------------------------------------------------------------------------
+
+def model_overrides(state_mb: float) -> list[str]:
+    """Model shape whose fp32 weights + AdamW moments (12 B/param) come closest to
+    ``state_mb``: up to 8 layers, 64-wide heads, half as many KV heads."""
+    target = state_mb * MB / 12
+    best = None
+    for layers in (8, 6, 4, 2, 1):
+        for dim in range(128, 8193, 64):
+            heads = dim // 64
+            kv = heads // 2 if heads % 2 == 0 else heads
+            m = ModelConfig(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv,
+                            vocab_size=256)
+            err = abs(math.log(count_params(m) / target))
+            if best is None or err < best[0] - 0.05:  # prefer more layers unless clearly worse
+                best = (err, m)
+    m = best[1]
+    return ["--model.dim", str(m.dim), "--model.n_layers", str(m.n_layers),
+            "--model.n_heads", str(m.n_heads), "--model.n_kv_heads", str(m.n_kv_heads),
+            "--model.vocab_size", "256", "--model.name", "bench"]
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+class Ranks:
+    """Barrier and max/sum over ranks on a gloo group of the benchmark's own."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def reduce(self, value: float, op=dist.ReduceOp.MAX) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.item()
+
+    def timed(self, fn) -> float:
+        """Wall time of ``fn`` started together on every rank; the slowest rank's."""
+        self.barrier()
+        start = time.perf_counter()
+        fn()
+        return self.reduce(time.perf_counter() - start)
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def local_tensors(trainer: Trainer) -> list[torch.Tensor]:
+    """This rank's model + optimizer tensors, as DCP gets them (local shards)."""
+    out = []
+
+    def walk(x):
+        if isinstance(x, DTensor):
+            out.append(x.to_local())
+        elif isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(get_state_dict(trainer.model, trainer.optimizer))
+    return out
+
+
+def memcpy(tensors: list[torch.Tensor], device: torch.device, dst: list | None) -> None:
+    """Copies every tensor into host memory: into ``dst`` or into fresh buffers."""
+    cuda = device.type == "cuda"
+    for i, t in enumerate(tensors):
+        out = dst[i] if dst is not None else torch.empty(
+            t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
+        out.copy_(t, non_blocking=cuda)
+    sync_device(device)
+
+
+def raw_write(path: str, nbytes: int, block: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, block[:min(left, CHUNK)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(paths: list[str], buf: memoryview) -> int:
+    total = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total
+
+
+def drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def ckpt_files(url: str) -> list[str]:
+    d = storage.read_manifest(url) or {}
+    return [os.path.join(url, name) for name in d.get("files", {})]
+
+
+# -- the benchmark ----------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="debug_cpu")
+    parser.add_argument("--state-mb", type=float, default=300,
+                        help="model + AdamW state to aim for, MB (1e6 bytes)")
+    parser.add_argument("--dir", default="runs/bench_checkpoint",
+                        help="run dir: checkpoints and raw-bandwidth files go under it")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each I/O measurement")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--interval", type=int, default=10, help="steps between saves")
+    parser.add_argument("--saves-per-segment", type=int, default=1)
+    parser.add_argument("--segments", type=int, default=3,
+                        help="pairs of step-time segments (with saves, without)")
+    args, rest = parser.parse_known_args()
+    cfg = load_config(args.config, parse_overrides(
+        [*model_overrides(args.state_mb), "--training.run_dir", args.dir,
+         "--metrics.progress", "plain", "--training.steps", str(10**9),
+         "--checkpoint.enable", "true", "--checkpoint.resume", "false",
+         "--checkpoint.mode", "async_thread", "--checkpoint.interval_steps", "0",
+         "--checkpoint.interval_seconds", "0", *rest]))
+    if cfg.checkpoint.mode == "sync":
+        parser.error("--checkpoint.mode must be an async mode (sync is the baseline)")
+    ckpt_dir = cfg.checkpoint_url
+    if "://" in ckpt_dir and not ckpt_dir.startswith("file://"):
+        parser.error(f"the checkpoint directory {ckpt_dir!r} must be local (raw I/O needs fsync)")
+    ckpt_dir = ckpt_dir.removeprefix("file://")
+
+    if int(os.environ.get("RANK", 0)) == 0:  # fresh saves on every run; keep the data
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        events_file = os.path.join(cfg.training.run_dir, "events.jsonl")
+        if os.path.exists(events_file):
+            os.remove(events_file)
+    trainer = Trainer(cfg)
+    rank, world = trainer.world.rank, trainer.world.world_size
+    device = trainer.device
+    ranks = Ranks()
+    mgr = trainer.checkpoints
+    keep_last = cfg.checkpoint.keep_last
+    cfg.checkpoint.keep_last = 10**6  # no retention work inside the timed saves
+    sync_mgr = CheckpointManager(dataclasses.replace(cfg.checkpoint, mode="sync",
+                                                     save_on_signal=False), mgr.url,
+                                 manifest_base=mgr.manifest_base, events=trainer.events,
+                                 device=device)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    params = count_params(cfg.model)
+    say(f"checkpoint benchmark: {cfg.model.name} ({cfg.model.dim} dim x {cfg.model.n_layers} "
+        f"layers, {params / 1e6:.1f}M params), {world} rank(s) on {device.type}, "
+        f"checkpoints in {ckpt_dir}", flush=True)
+
+    def train(n: int) -> None:
+        loss = None
+        for _ in range(n):
+            loss = trainer.train_step(trainer.data.next_step())
+            trainer.step += 1
+        if loss is not None:
+            trainer.global_mean(loss)  # host sync
+
+    train(max(1, args.warmup_steps))  # AdamW's moments exist from the first step on
+
+    # -- saves, raw writes, memcpy: the same state throughout --------------------------
+    tensors = local_tensors(trainer)
+    state_bytes = ranks.reduce(sum(t.numel() * t.element_size() for t in tensors),
+                               dist.ReduceOp.SUM)
+    cuda = device.type == "cuda"
+    dst = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda) for t in tensors]
+    memcpy(tensors, device, dst)  # fault the destination pages in once
+    save_id = [BENCH_STEP]
+    saved: list[str] = []
+    async_steps: set[int] = set()
+
+    def next_step() -> int:
+        save_id[0] += 1
+        saved.append(storage.step_dir(mgr.url, save_id[0]))
+        return save_id[0]
+
+    def save_sync() -> float:
+        return ranks.timed(lambda: sync_mgr.save(next_step(), trainer.state))
+
+    def save_async() -> tuple[float, float]:
+        """(blocking s, background s): the slowest rank's, each."""
+        ranks.barrier()
+        start = time.perf_counter()
+        async_steps.add(next_step())
+        mgr.save(save_id[0], trainer.state)
+        returned = time.perf_counter()
+        mgr.wait()
+        done = time.perf_counter()
+        return ranks.reduce(returned - start), ranks.reduce(done - returned)
+
+    first_blocking, _ = save_async()  # allocates the staging buffers
+    first_sync = save_sync()
+    manifest = storage.read_manifest(saved[-1]) or {}
+    ckpt_bytes = manifest.get("bytes", 0)
+    raw_path = os.path.join(ckpt_dir, f"raw-write-bench.rank{rank}.bin")
+    raw_share = ckpt_bytes // world + (1 if rank < ckpt_bytes % world else 0)
+
+    block = memoryview(torch.randint(0, 256, (CHUNK,), dtype=torch.uint8).numpy().tobytes())
+
+    def raw_write_once() -> float:
+        try:
+            return ranks.timed(lambda: raw_write(raw_path, raw_share, block))
+        finally:
+            os.remove(raw_path)
+
+    sync_s, blocking_s, background_s, write_s = [], [], [], []
+    memcpy_s, memcpy_fresh_s = [], []
+    for r in range(args.reps):
+        order = ["sync", "async", "raw", "memcpy"]
+        for what in (order if r % 2 == 0 else order[::-1]):
+            if what == "sync":
+                sync_s.append(save_sync())
+            elif what == "async":
+                b, bg = save_async()
+                blocking_s.append(b)
+                background_s.append(bg)
+            elif what == "raw":
+                write_s.append(raw_write_once())
+            else:
+                memcpy_s.append(ranks.timed(lambda: memcpy(tensors, device, dst)))
+                memcpy_fresh_s.append(ranks.timed(lambda: memcpy(tensors, device, None)))
+    del dst
+
+    # -- loads and raw reads of one of those checkpoints -------------------------------
+    # Loading replaces AdamW's state tensors (load_state_dict copies), which drops the
+    # stager's buffers: so every save above came first, and loads go last.
+    url = saved[-1]
+    files = ckpt_files(url)
+    mine = files[rank::world]
+    buf = memoryview(bytearray(CHUNK))
+
+    def load() -> None:
+        trainer.state.load(url, mgr.io_group)
+        sync_device(device)
+
+    raw_read(files, buf)  # warm the page cache (the files were just written anyway)
+    load_s, read_s = [], []
+    for r in range(args.reps):
+        pair = [("load", load), ("read", lambda: raw_read(mine, buf))]
+        for what, fn in (pair if r % 2 == 0 else pair[::-1]):
+            (load_s if what == "load" else read_s).append(ranks.timed(fn))
+    load_cold_s, read_cold_s = [], []
+    for r in range(args.reps):
+        pair = [("load", load), ("read", lambda: raw_read(mine, buf))]
+        for what, fn in (pair if r % 2 == 0 else pair[::-1]):
+            drop_cache(files)
+            (load_cold_s if what == "load" else read_cold_s).append(ranks.timed(fn))
+
+    ranks.barrier()
+    if rank == 0:
+        for u in saved:
+            storage.remove(u)
+    ranks.barrier()
+
+    # -- step time with and without saves, through Trainer.checkpoint --------------------
+    cfg.checkpoint.keep_last = keep_last
+    n = args.interval
+    seg_steps = n * args.saves_per_segment
+    log_every = cfg.metrics.log_every
+
+    def segment(with_saves: bool) -> float:
+        cfg.checkpoint.interval_steps = n if with_saves else 0
+        loss = None
+
+        def run() -> None:
+            nonlocal loss
+            for _ in range(seg_steps):  # Trainer.run's loop, less the console
+                step = trainer.step + 1
+                loss = trainer.train_step(trainer.data.next_step())
+                trainer.step = step
+                if step % log_every == 0:
+                    trainer.global_mean(loss)
+                trainer.checkpoint(step)
+            trainer.global_mean(loss)
+            mgr.wait()  # the segment's last write is paid here, not in the next segment
+        return ranks.timed(run) / seg_steps
+
+    # Align so a segment's first step lands on a save; re-warm the staging buffers.
+    train((n - 1 - trainer.step) % n)
+    warm_step = trainer.step
+    mgr.save(warm_step, trainer.state, final=True)
+    with_s, without_s = [], []
+    for i in range(args.segments):
+        pair = [True, False] if i % 2 == 0 else [False, True]
+        for w in pair:
+            (with_s if w else without_s).append(segment(w))
+    trainer.close()
+    if rank != 0:
+        return
+
+    # -- report -------------------------------------------------------------------------
+    med = statistics.median
+    committed = read_events(cfg.training.run_dir, "checkpoint_committed")
+    waits = [e for e in read_events(cfg.training.run_dir, "checkpoint_wait")
+             if warm_step < e["step"] < BENCH_STEP]
+    step_saves = [e for e in committed if warm_step < e["step"] < BENCH_STEP]
+    ev_bg = [e["total_s"] - e["blocking_s"] for e in committed
+             if e["step"] in async_steps and e["step"] != BENCH_STEP + 1]
+    bw = lambda nbytes, s: nbytes / s / MB  # noqa: E731
+    m = {k: med(v) for k, v in dict(
+        sync=sync_s, blocking=blocking_s, background=background_s, write=write_s,
+        memcpy=memcpy_s, memcpy_fresh=memcpy_fresh_s, load=load_s, read=read_s,
+        load_cold=load_cold_s, read_cold=read_cold_s, with_=with_s, without=without_s).items()}
+    figures = {
+        "blocking_over_sync": m["blocking"] / m["sync"],
+        "staging_over_memcpy": bw(state_bytes, m["blocking"]) / bw(state_bytes, m["memcpy"]),
+        "write_over_raw": bw(ckpt_bytes, m["background"]) / bw(ckpt_bytes, m["write"]),
+        "load_over_raw": bw(ckpt_bytes, m["load"]) / bw(ckpt_bytes, m["read"]),
+        "load_over_raw_cold": bw(ckpt_bytes, m["load_cold"]) / bw(ckpt_bytes, m["read_cold"]),
+        "step_time_with_saves_over_without": m["with_"] / m["without"],
+        "bytes_per_param": ckpt_bytes / params,
+    }
+    goals = {"blocking_over_sync": ("<=", 0.1), "staging_over_memcpy": (">=", 0.5),
+             "write_over_raw": (">=", 0.8), "load_over_raw": (">=", 0.8),
+             "step_time_with_saves_over_without": ("<=", 1.05)}
+
+    print(f"\nmedians of {args.reps} repetitions (step time: of {args.segments} segments "
+          f"each way x {seg_steps} steps); times are the slowest rank's")
+    print(f"{'measurement':<44}{'s':>10}{'MB':>10}{'MB/s':>10}")
+
+    def row(name, s, nbytes=None):
+        mbs = f"{bw(nbytes, s):>10.0f}" if nbytes else f"{'':>10}"
+        size = f"{nbytes / MB:>10.1f}" if nbytes else f"{'':>10}"
+        print(f"{name:<44}{s:>10.3f}{size}{mbs}")
+    row("memcpy to host, preallocated buffers", m["memcpy"], state_bytes)
+    row("memcpy to host, fresh buffers", m["memcpy_fresh"], state_bytes)
+    row("async save: blocking (staging)", m["blocking"], state_bytes)
+    row("async save: blocking, first save", first_blocking, state_bytes)
+    row("async save: background write to commit", m["background"], ckpt_bytes)
+    if ev_bg:
+        row("  same, from checkpoint_committed events", med(ev_bg), ckpt_bytes)
+    row("sync save: total", m["sync"], ckpt_bytes)
+    row("sync save: total, first save", first_sync, ckpt_bytes)
+    row("raw write + fsync, same dir", m["write"], ckpt_bytes)
+    row("load (TrainState.load), warm cache", m["load"], ckpt_bytes)
+    row("raw read, warm cache", m["read"], ckpt_bytes)
+    row("load (TrainState.load), cold cache", m["load_cold"], ckpt_bytes)
+    row("raw read, cold cache (fadvise DONTNEED)", m["read_cold"], ckpt_bytes)
+    row("step, no saves", m["without"])
+    row(f"step, a save every {n} steps", m["with_"])
+    print(f"state {state_bytes / MB:.1f} MB (model + AdamW, all ranks); checkpoint "
+          f"{ckpt_bytes / MB:.1f} MB in {len(files)} files; {params / 1e6:.2f}M params; "
+          f"{len(step_saves)} saves while stepping, {len(waits)} waited for the previous one")
+    print(f"\n{'figure':<36}{'value':>10}  goal")
+    notes = {"load_over_raw": "  (warm page cache)", "load_over_raw_cold": "  (cold: no goal)",
+             "bytes_per_param": "  (AdamW, fp32: 12-14)"}
+    for name, value in figures.items():
+        goal = goals.get(name)
+        if goal:
+            ok = value <= goal[1] if goal[0] == "<=" else value >= goal[1]
+            mark = f"{goal[0]} {goal[1]:g}" + ("" if ok else " MISSED")
+        else:
+            mark = ""
+        print(f"{name:<36}{value:>10.4f}  {mark}{notes.get(name, '')}")
+    out = {k: round(v, 4) for k, v in figures.items()}
+    out.update(state_mb=round(state_bytes / MB, 1), checkpoint_mb=round(ckpt_bytes / MB, 1),
+               params=params, blocking_s=round(m["blocking"], 4), sync_save_s=round(m["sync"], 4),
+               memcpy_mb_s=round(bw(state_bytes, m["memcpy"])),
+               write_mb_s=round(bw(ckpt_bytes, m["background"])),
+               raw_write_mb_s=round(bw(ckpt_bytes, m["write"])),
+               load_mb_s=round(bw(ckpt_bytes, m["load"])),
+               raw_read_mb_s=round(bw(ckpt_bytes, m["read"])),
+               step_ms=round(m["without"] * 1e3, 2), step_with_saves_ms=round(m["with_"] * 1e3, 2),
+               interval=n, world_size=world)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

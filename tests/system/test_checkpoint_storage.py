@@ -1,0 +1,118 @@
+"""Checkpoints on real storage: a FUSE mount, a fault-injecting FUSE filesystem, S3."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import check, events, llmtrain, step_losses
+from llmtrain.checkpoint import storage
+from llmtrain.reliability.elastic import ExitCode
+from storage_fixtures import is_mounted
+
+pytestmark = pytest.mark.slow
+
+CKPT = ("--checkpoint.interval_steps", "6", "--metrics.log_every", "1")
+
+
+def committed_steps(url: str) -> list[int]:
+    return [c.step for c in storage.list_checkpoints(url) if c.committed]
+
+
+def test_save_and_resume_through_a_fuse_mount(bindfs_mount, tmp_path):
+    run = bindfs_mount / "run"
+    check(llmtrain(run, "--training.steps", "12", *CKPT, nproc=2))
+    assert is_mounted(bindfs_mount)
+    root = str(run / "checkpoints")
+    assert committed_steps(root) == [6, 12]
+    assert all(storage.verify(storage.step_dir(root, s), checksums=True) == [] for s in (6, 12))
+    check(llmtrain(run, "--training.steps", "18", *CKPT, nproc=2))
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
+    assert committed_steps(root) == [6, 12, 18]
+
+
+def test_enospc_and_eio_fail_saves_but_lose_nothing(faultfs, tmp_path):
+    """Checkpoint 12 hits a full disk, 18's shard an I/O error, 24's manifest an I/O
+    error at commit: each save fails on every rank, training goes on, checkpoint 6 stays
+    committed and valid, and 30 (storage healthy again) commits."""
+    ckpt = faultfs.mount / "ckpt"
+    faultfs.set_rules([
+        {"ops": ["write"], "path": "/ckpt/step-00000012/*", "errno": "ENOSPC"},
+        {"ops": ["create"], "path": "/ckpt/step-00000018/__1_*", "errno": "EIO"},
+        {"ops": ["write"], "path": "/ckpt/step-00000024/MANIFEST.json*", "errno": "EIO"},
+    ])
+    run = tmp_path / "run"
+    check(llmtrain(run, "--training.steps", "30", "--checkpoint.url", str(ckpt),
+                   "--checkpoint.keep_last", "5", *CKPT, nproc=2))
+    assert max(step_losses(run)) == 30
+    failed = {}
+    for e in events(run, "checkpoint_failed"):
+        failed.setdefault(e["step"], "")
+        failed[e["step"]] += e["error"]
+    assert sorted(failed) == [12, 18, 24]
+    assert "No space left on device" in failed[12]
+    assert "Input/output error" in failed[18] and "Input/output error" in failed[24]
+    assert committed_steps(str(ckpt)) == [6, 30]
+    assert storage.verify(storage.step_dir(str(ckpt), 6), checksums=True) == []
+    assert {r["errno"] for r in faultfs.fired()} == {"ENOSPC", "EIO"}
+
+
+def test_slow_storage_does_not_stall_training(faultfs, tmp_path):
+    """Every shard takes 2 s to create: saves stage in well under a second, write in the
+    background, and a save due while the previous one still writes is skipped."""
+    ckpt = faultfs.mount / "ckpt"
+    faultfs.set_rules([{"ops": ["create"], "path": "*.distcp", "delay": 2.0}])
+    run = tmp_path / "run"
+    check(llmtrain(run, "--training.steps", "24", "--checkpoint.url", str(ckpt),
+                   "--checkpoint.interval_steps", "3", "--checkpoint.if_busy", "skip",
+                   "--metrics.log_every", "1", nproc=2))
+    staged = events(run, "checkpoint_staged")
+    committed = events(run, "checkpoint_committed")
+    assert staged and max(e["blocking_s"] for e in staged) < 0.5
+    assert min(e["total_s"] for e in committed) > 2.0
+    assert events(run, "checkpoint_skipped")
+    assert committed[-1]["step"] == 24  # the final save always waits
+    step_times = [e["step_time_s"] for e in events(run, "step") if e["step"] > 3]
+    assert max(step_times) < 1.5  # no step sat through a 2 s write
+
+
+def test_checkpoints_in_s3(s3_url, tmp_path):
+    run, ckpt = tmp_path / "run", f"{s3_url}/ckpt"
+    check(llmtrain(run, "--training.steps", "12", "--checkpoint.url", ckpt, *CKPT, nproc=2))
+    assert committed_steps(ckpt) == [6, 12]
+    assert storage.verify(storage.step_dir(ckpt, 12), checksums=True) == []
+    check(llmtrain(run, "--training.steps", "18", "--checkpoint.url", ckpt, *CKPT, nproc=2))
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "alone"])
+def test_sigterm_saves_then_exits_for_a_restart(tmp_path, launcher):
+    """Preemption: SIGTERM (to torchrun, which passes it on, or to a lone rank) makes the
+    ranks agree on a step, commit a checkpoint there and exit RETRYABLE (75); the next
+    launch resumes from it."""
+    run = tmp_path / "run"
+    nproc = 2 if launcher == "torchrun" else None
+    prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2"] if nproc else [sys.executable])
+    cmd = [*prefix, "-m", "llmtrain", "train", "--training.run_dir", str(run),
+           "--training.steps", "100000", "--checkpoint.interval_steps", "0",
+           "--metrics.log_every", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (
+            (run / "events.jsonl").exists() and len(events(run, "step")) >= 5):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=120)[1]
+    preempted = events(run, "preempted")
+    assert len(preempted) == 1, stderr[-3000:]
+    step = preempted[0]["step"]
+    assert [e["step"] for e in events(run, "checkpoint_committed")] == [step]
+    assert events(run, "run_end")[0]["steps"] == step
+    if launcher == "alone":
+        assert proc.returncode == ExitCode.RETRYABLE
+    check(llmtrain(run, "--training.steps", str(step + 2), "--checkpoint.interval_steps", "0",
+                   nproc=nproc))
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [step]
