@@ -30,7 +30,7 @@ import os
 import posixpath
 import re
 import time
-
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,17 +51,27 @@ def step_dir(root: str, step: int) -> str:
 
 
 class _HashingStream:
-    """Passes writes through while computing the file's sha256 and size."""
+    """Passes writes through while a helper thread computes the file's sha256 and size.
 
-    def __init__(self, stream):
+    Hashing runs beside the write (both release the GIL), so it costs no write time.
+    Small pieces are copied, as their buffers may be reused once ``write`` returns; large
+    ones are views of the staged tensors, which stay untouched until the save ends.
+    """
+
+    def __init__(self, stream, hasher: ThreadPoolExecutor):
         self._stream = stream
-        self.sha = hashlib.sha256()
+        self._hasher = hasher
+        self._sha = hashlib.sha256()
         self.size = 0
 
     def write(self, data) -> int:
-        self.sha.update(data)
-        self.size += len(memoryview(data).cast("B"))
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        self._hasher.submit(self._sha.update, view if len(view) >= 1 << 20 else bytes(view))
         return self._stream.write(data)
+
+    def hexdigest(self) -> str:
+        return self._hasher.submit(self._sha.hexdigest).result()
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -80,10 +90,11 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            hashed = _HashingStream(stream)
-            yield hashed
-            self.sums[posixpath.basename(os.fspath(path))] = {
-                "size": hashed.size, "sha256": hashed.sha.hexdigest()}
+            with ThreadPoolExecutor(max_workers=1) as hasher:
+                hashed = _HashingStream(stream, hasher)
+                yield hashed
+                self.sums[posixpath.basename(os.fspath(path))] = {
+                    "size": hashed.size, "sha256": hashed.hexdigest()}
 
 
 class CommitWriter(FsspecWriter):

@@ -82,3 +82,15 @@ def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path):
     assert max(step_losses(run)) == 30
     # the run went on from 6 and committed fresh checkpoints over the damaged ones
     assert storage.verify(storage.step_dir(root, 18), checksums=True) == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "async_process"])
+def test_other_save_modes_commit_and_resume(tmp_path, mode):
+    run = tmp_path / "run"
+    args = ("--checkpoint.mode", mode, *CKPT)
+    check(llmtrain(run, "--training.steps", "12", *args, nproc=2))
+    root = str(run / "checkpoints")
+    assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12]
+    assert storage.verify(storage.step_dir(root, 12), checksums=True) == []
+    check(llmtrain(run, "--training.steps", "14", *args, nproc=2))
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]

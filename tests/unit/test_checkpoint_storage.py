@@ -1,0 +1,107 @@
+import json
+import subprocess
+import sys
+
+import fsspec
+import pytest
+
+from llmtrain.checkpoint import storage
+from llmtrain.checkpoint.storage import CheckpointInfo, retention_victims
+from llmtrain.fsio import join, write_atomic
+
+
+def fake_checkpoint(root: str, step: int, files: dict[str, bytes], commit: bool = True) -> str:
+    """A checkpoint directory as CommitWriter leaves it (the files' content is opaque)."""
+    import hashlib
+    url = storage.step_dir(root, step)
+    for name, data in files.items():
+        write_atomic(join(url, name), data)
+    if commit:
+        manifest = {"step": step, "files": {n: {"size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+                                            for n, d in files.items()},
+                    "bytes": sum(map(len, files.values())), "committed_at": 1.0}
+        write_atomic(join(url, storage.MANIFEST), json.dumps(manifest).encode())
+    return url
+
+
+FILES = {".metadata": b"meta" * 10, "__0_0.distcp": b"a" * 1000, "__1_0.distcp": b"b" * 999}
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    if request.param == "local":
+        yield str(tmp_path / "ckpts")
+        return
+    url = f"memory://ckpts-{tmp_path.name}"
+    yield url
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_verify_names_each_kind_of_damage(root):
+    good = fake_checkpoint(root, 10, FILES)
+    assert storage.verify(good, checksums=True) == []
+    url = fake_checkpoint(root, 20, FILES)
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{path}/__0_0.distcp", b"a" * 999 + b"X")  # same size, flipped content
+    fs.pipe_file(f"{path}/__1_0.distcp", b"b" * 10)           # truncated
+    fs.rm_file(f"{path}/.metadata")                           # missing
+    problems = storage.verify(url, checksums=True)
+    assert len(problems) == 3
+    assert any("__0_0.distcp: sha256 differs" in p for p in problems)
+    assert any("__1_0.distcp: 10 bytes, manifest says 999" in p for p in problems)
+    assert any(".metadata: missing" in p for p in problems)
+    # sizes only: the flipped byte goes unnoticed, the rest does not
+    assert len(storage.verify(url, checksums=False)) == 2
+    # shared between two ranks: each checks a disjoint half, together all of it
+    halves = [storage.verify(url, checksums=True, part=(i, 2)) for i in (0, 1)]
+    assert sorted(halves[0] + halves[1]) == sorted(problems) and all(halves)
+    incomplete = fake_checkpoint(root, 30, FILES, commit=False)
+    assert "never completed" in storage.verify(incomplete, checksums=True)[0]
+
+
+def test_list_reject_and_remove(root):
+    fake_checkpoint(root, 5, FILES)
+    fake_checkpoint(root, 10, FILES, commit=False)
+    fake_checkpoint(root, 15, FILES)
+    assert [(c.step, c.committed) for c in storage.list_checkpoints(root)] == [
+        (5, True), (10, False), (15, True)]
+    storage.reject(storage.step_dir(root, 15), ["flipped byte"])
+    assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [5]
+    storage.remove(storage.step_dir(root, 5))
+    assert [c.step for c in storage.list_checkpoints(root)] == [10, 15]
+    assert storage.list_checkpoints(join(root, "nothing-here")) == []
+
+
+def info(step: int, committed: bool = True) -> CheckpointInfo:
+    return CheckpointInfo(step=step, url=f"x/{step}", committed=committed)
+
+
+def test_retention_keeps_last_k_every_mth_and_in_flight_ones():
+    ckpts = [info(s) for s in (100, 200, 300, 400, 500)] + [info(450, False), info(600, False)]
+    ckpts.sort(key=lambda c: c.step)
+    victims = {c.step for c in retention_victims(ckpts, keep_last=2, keep_every=200)}
+    # kept: 400 500 (last 2), 200 (every 200th); 600 may still be writing
+    assert victims == {100, 300, 450}
+    assert retention_victims([info(100, False), info(200, False)], 1, 0) == []
+    assert {c.step for c in retention_victims([info(1), info(2)], 1, 0)} == {1}
+
+
+def test_cli_verify_exit_code(tmp_path):
+    root = str(tmp_path / "ckpts")
+    fake_checkpoint(root, 1, FILES)
+    cli = [sys.executable, "-m", "llmtrain", "ckpt"]
+    ok = subprocess.run([*cli, "verify", root], capture_output=True, text=True)
+    assert ok.returncode == 0 and "step-00000001: ok" in ok.stdout
+    (tmp_path / "ckpts" / "step-00000001" / "__0_0.distcp").write_bytes(b"z" * 1000)
+    bad = subprocess.run([*cli, "verify", root], capture_output=True, text=True)
+    assert bad.returncode == 1 and "sha256 differs" in bad.stdout
+    listing = subprocess.run([*cli, "list", root], capture_output=True, text=True)
+    assert "committed" in listing.stdout and listing.returncode == 0
+
+
+def test_write_atomic_replaces_whole_files(tmp_path):
+    url = str(tmp_path / "d" / "f.json")
+    write_atomic(url, b"one")
+    write_atomic(url, b"two")
+    assert (tmp_path / "d" / "f.json").read_bytes() == b"two"
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["f.json"]  # no temp left over
