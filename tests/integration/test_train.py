@@ -63,3 +63,23 @@ def test_missing_data_dir_is_a_fatal_data_error(tmp_path):
                     "--data.path", str(tmp_path / "nowhere"))
     assert proc.returncode == ExitCode.FATAL
     assert "nowhere" in proc.stderr and "data.path" in proc.stderr
+
+
+def test_activation_checkpointing_and_hsdp_keep_the_losses(tmp_path):
+    """Recomputing activations (full, or selective: matmul outputs kept) and replicating
+    instead of sharding (HSDP, 2 replicas x 1 shard) change memory and traffic, not the
+    math."""
+    args = ("--training.steps", "6", "--metrics.log_every", "1", "--checkpoint.enable", "false")
+    variants = {
+        "plain": (),
+        "full": ("--parallelism.activation_checkpoint", "full"),
+        "selective": ("--parallelism.activation_checkpoint", "selective"),
+        "hsdp": ("--parallelism.dp_replicate", "2"),
+    }
+    losses = {}
+    for name, extra in variants.items():
+        check(llmtrain(tmp_path / name, *args, *extra, nproc=2))
+        losses[name] = step_losses(tmp_path / name)
+    for name in variants:
+        for step, loss in losses["plain"].items():
+            assert losses[name][step] == pytest.approx(loss, rel=1e-4), (name, step)
