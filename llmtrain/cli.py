@@ -89,6 +89,17 @@ def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
     return 1 if failed else ExitCode.CLEAN
 
 
+def cmd_analyze(args: argparse.Namespace, rest: list[str]) -> int:
+    from llmtrain.reliability import flightrec
+    dumps = flightrec.load_dumps(args.dir)
+    if not dumps:
+        print(f"no flight-recorder dumps in {args.dir}", file=sys.stderr)
+        return 1
+    report = flightrec.analyze(dumps, args.world_size)
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.to_markdown())
+    return ExitCode.CLEAN
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llmtrain", description="FSDP2 + FP8 Llama training that survives failures.",
@@ -108,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
     ckpt.add_argument("--sizes-only", action="store_true", help="skip the sha256 checks")
     ckpt.set_defaults(func=cmd_ckpt)
+    analyze = sub.add_parser("analyze", help="diagnose a hang from flight-recorder dumps")
+    analyze.add_argument("dir", help="directory of dumps: llmtrain's rank-N.json, or "
+                                     "PyTorch's own flight-recorder files")
+    analyze.add_argument("--world-size", type=int, default=None,
+                         help="ranks expected, so that missing dumps are named")
+    analyze.add_argument("--json", action="store_true")
+    analyze.set_defaults(func=cmd_analyze)
     args, rest = parser.parse_known_args(argv)
     try:
         return int(args.func(args, rest))

@@ -128,6 +128,14 @@ class ReliabilityConfig:
     init_timeout_s: float = _f(300.0, gt=0, doc="rendezvous and process-group creation")
     collective_timeout_s: float = _f(600.0, gt=0, doc="one collective during training")
     faults: str = _f("", doc="faults to inject, see llmtrain/reliability/faults.py")
+    watchdog: bool = _f(True, doc="detect hangs, dump the flight recorder, report, restart")
+    hang_timeout_s: float = _f(300.0, gt=0, doc="no progress for this long is a hang")
+    hang_timeout_step_factor: float = _f(0.0, ge=0,
+                                         doc="raise the timeout to this many times the "
+                                             "slowest step seen; 0: fixed")
+    heartbeat_interval_s: float = _f(1.0, gt=0)
+    dump_timeout_s: float = _f(10.0, gt=0, doc="how long the report waits for ranks' dumps")
+    flight_recorder_entries: int = _f(2000, ge=0, doc="collectives each rank remembers")
 
 
 @dataclass
@@ -219,6 +227,12 @@ class JobConfig:
         if self.parallelism.backend == "nccl" and self.parallelism.device == "cpu":
             raise ConfigError("parallelism.backend='nccl' needs parallelism.device "
                               "'cuda' or 'auto', not 'cpu'")
+        r = self.reliability
+        if r.watchdog and r.collective_timeout_s <= r.hang_timeout_s:
+            raise ConfigError(
+                f"reliability.collective_timeout_s={r.collective_timeout_s} must exceed "
+                f"reliability.hang_timeout_s={r.hang_timeout_s}, or the backend aborts "
+                f"before the watchdog can dump and diagnose the hang")
         self.mesh_shape(world_size)
         self.accumulation_steps(world_size)
 

@@ -6,6 +6,7 @@ import math
 import resource
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import fsspec
 import torch
@@ -19,11 +20,12 @@ from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, init_process_group,
-                                                shutdown)
+                                                open_store, shutdown)
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.events import EventLog
-from llmtrain.reliability import faults
 from llmtrain.model import Transformer, count_params, flops_per_token
+from llmtrain.reliability import faults
+from llmtrain.reliability.watchdog import Watchdog, configure_flight_recorder
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -87,6 +89,8 @@ class Trainer:
                                 self.world.rank, self.world.world_size)
         self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
 
+        if cfg.reliability.watchdog:
+            configure_flight_recorder(cfg.reliability, t.run_dir)
         self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world)
         if self.device.type == "cpu":
             # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
@@ -115,6 +119,12 @@ class Trainer:
         self.is_logger = self.world.rank == 0
         self.events = EventLog(t.run_dir, self.world.rank)
         self.console = ConsoleReporter(cfg.metrics, t.steps)
+        self.watchdog = None
+        if cfg.reliability.watchdog:
+            self.watchdog = Watchdog(
+                cfg.reliability, open_store("watchdog", timedelta(seconds=30)), t.run_dir,
+                self.events, self.world.rank, self.world.world_size)
+            self.watchdog.start()
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                 self.world.rank)
         self.checkpoints = None
@@ -190,6 +200,7 @@ class Trainer:
             micro_batches = self.data.next_step()
             local_loss = self.train_step(micro_batches)
             self.step = step
+            self.beat("step")
             if step % log_every == 0 or step in (first_step + 1, t.steps):
                 loss = self.global_mean(local_loss)  # the only host sync of the step
                 now = time.perf_counter()
@@ -213,9 +224,15 @@ class Trainer:
         due, stop = self.checkpoints.due(step)
         last = step == self.cfg.training.steps
         if due or last:
+            self.beat("checkpoint")
             self.checkpoints.save(step, self.state, final=stop or last)
+            self.beat("step")
         self.preempted = stop
         return stop
+
+    def beat(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(self.step, phase)
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean over all ranks (every rank holds an equal share of the batch)."""
@@ -246,6 +263,8 @@ class Trainer:
         return s
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
         self.events.close()

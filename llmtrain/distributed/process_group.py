@@ -59,6 +59,15 @@ def resolve_device(p: ParallelismConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def open_store(name: str, timeout: timedelta) -> dist.Store:
+    """A new client of the job's store, in this attempt's namespace under ``name``: for
+    threads that must reach the store while the main thread may be stuck in it."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout, use_libuv=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"llmtrain/attempt-{attempt}/{name}", store)
+
+
 def _store(world: WorldInfo, timeout: timedelta) -> dist.Store:
     """The rendezvous store, namespaced by restart attempt.
 

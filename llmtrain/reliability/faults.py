@@ -7,6 +7,10 @@ both applied) lists faults separated by ``;``::
 
     kill@step:rank=1,step=7                SIGKILL rank 1 as it starts step 7
     kill@checkpoint_write:rank=0,step=10   SIGKILL rank 0 while it writes checkpoint 10
+    hang@step:rank=1,step=5                rank 1 stops in Python (sleeps for ever)
+    sigstop@step:rank=1,step=5             rank 1 SIGSTOPs itself, watchdog thread and all
+    desync@step:rank=1,step=5              every rank joins an extra collective at step 5:
+                                           rank 1 an all_gather, the others an all_reduce
 
 Points: ``step`` (start of a training step), ``checkpoint_write`` (inside a rank's DCP
 shard write, in the background writer). Keys: ``rank`` and ``step`` (default: any), and
@@ -18,11 +22,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 
 from llmtrain.config import ConfigError
 
-ACTIONS = ("kill",)
+ACTIONS = ("kill", "hang", "sigstop", "desync")
 POINTS = ("step", "checkpoint_write")
 
 
@@ -79,5 +87,27 @@ def point(name: str, step: int) -> None:
         return
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     for fault in _faults:
-        if fault.matches(name, _rank, step, restart) and fault.action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if (fault.action == "desync" and fault.point == name and fault.step in (None, step)
+                and fault.restart == restart):
+            _desync(target=fault.rank if fault.rank is not None else 0)
+        elif fault.matches(name, _rank, step, restart):
+            _strike(fault)
+
+
+def _strike(fault: Fault) -> None:
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.action == "hang":
+        while True:
+            time.sleep(3600)
+
+
+def _desync(target: int) -> None:
+    """A collective the ranks disagree on: the target gathers while the others reduce."""
+    t = torch.ones(16)
+    if _rank == target:
+        dist.all_gather([torch.empty(16) for _ in range(dist.get_world_size())], t)
+    else:
+        dist.all_reduce(t)

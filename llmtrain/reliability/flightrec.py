@@ -1,0 +1,193 @@
+"""Flight-recorder dumps in, a verdict out: which rank is stuck where, and who is to blame.
+
+Input: one dump per rank, either llmtrain's (``rank-00003.json``: the recorder's entries
+plus the rank's Python stacks and progress) or PyTorch's own pickled dumps (as written by
+``TORCH_FR_DUMP_TEMP_FILE`` on NCCL timeouts). Both carry the recorder's entries: per
+process group, collectives numbered by ``collective_seq_id`` with op, sizes, dtypes and
+whether they completed (``retired``).
+
+The cross-rank rules, per process group:
+1. the collective the job is stuck in is the highest sequence number any rank entered
+   without completing it;
+2. ranks whose last collective is older never arrived: they are the culprits (their
+   Python stack says where they are instead);
+3. if every rank arrived, ranks that called it with another op, sizes or dtypes than the
+   majority are the culprits (a desync);
+4. ranks expected but without a dump (killed, or stopped so hard their watchdog could not
+   answer) are named as the likely culprits.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import posixpath
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+
+from llmtrain.fsio import join, write_atomic
+
+
+@dataclass
+class Collective:
+    pg: str
+    seq: int
+    op: str
+    sizes: list
+    dtypes: list
+    completed: bool
+
+    @classmethod
+    def from_entry(cls, e: dict[str, Any]) -> "Collective":
+        pg = e.get("process_group") or [str(e.get("pg_id", "?")), ""]
+        name = pg[1] if len(pg) > 1 and pg[1] not in ("", "undefined") else f"pg {pg[0]}"
+        return cls(pg=name, seq=int(e["collective_seq_id"]), op=e["profiling_name"],
+                   sizes=e.get("input_sizes", []), dtypes=e.get("input_dtypes", []),
+                   completed=bool(e.get("retired")) or e.get("state") == "completed")
+
+    def signature(self) -> str:
+        return f"{self.op} sizes={self.sizes} dtypes={self.dtypes}"
+
+
+@dataclass
+class Report:
+    verdict: str
+    culprits: list[int]
+    stuck: list[int]
+    collective: dict[str, Any] | None
+    missing_dumps: list[int]
+    details: list[str] = field(default_factory=list)
+    stacks: dict[int, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_markdown(self, title: str = "Hang report") -> str:
+        lines = [f"# {title}", "", f"**{self.verdict}**", ""]
+        if self.collective:
+            c = self.collective
+            lines += [f"- collective: `{c['op']}` #{c['seq']} on process group `{c['pg']}`, "
+                      f"sizes {c['sizes']}, dtypes {c['dtypes']}"]
+        lines += [f"- culprit rank(s): {self.culprits or 'none identified'}",
+                  f"- ranks waiting in the collective: {self.stuck}",
+                  f"- ranks without a dump: {self.missing_dumps or 'none'}", ""]
+        lines += [f"- {d}" for d in self.details]
+        for rank, stack in sorted(self.stacks.items()):
+            lines += ["", f"## Python stack of rank {rank}", "", "```", stack.rstrip(), "```"]
+        return "\n".join(lines) + "\n"
+
+
+def _collectives(dump: dict[str, Any]) -> dict[str, list[Collective]]:
+    by_pg: dict[str, list[Collective]] = {}
+    for e in dump.get("entries", []):
+        if e.get("is_p2p"):
+            continue
+        c = Collective.from_entry(e)
+        by_pg.setdefault(c.pg, []).append(c)
+    for cs in by_pg.values():
+        cs.sort(key=lambda c: c.seq)
+    return by_pg
+
+
+def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> Report:
+    """The verdict over ``dumps`` (rank -> dump); ``world_size`` names missing ranks."""
+    ranks = sorted(dumps)
+    expected = range(world_size) if world_size else ranks
+    missing = [r for r in expected if r not in dumps]
+    per_rank = {r: _collectives(d) for r, d in dumps.items()}
+    stacks = {r: d["stacks"]["MainThread"] for r, d in dumps.items()
+              if "MainThread" in d.get("stacks", {})}
+
+    # The process group with an uncompleted collective at the highest sequence number.
+    stuck_at: tuple[str, int] | None = None
+    for r in ranks:
+        for pg, cs in per_rank[r].items():
+            for c in cs:
+                if not c.completed and (stuck_at is None or (pg, c.seq) > stuck_at):
+                    stuck_at = (pg, c.seq)
+    if stuck_at is None:
+        verdict = "no rank is inside an unfinished collective"
+        if missing:
+            verdict += f"; rank(s) {missing} did not dump (dead or stopped): likely culprit(s)"
+        return Report(verdict, culprits=missing, stuck=[], collective=None,
+                      missing_dumps=missing, stacks=stacks)
+
+    pg, seq = stuck_at
+    arrived = {r: next((c for c in per_rank[r].get(pg, []) if c.seq == seq), None)
+               for r in ranks}
+    there = {r: c for r, c in arrived.items() if c is not None}
+    behind = sorted(r for r, c in arrived.items() if c is None)
+    majority, _ = Counter(c.signature() for c in there.values()).most_common(1)[0]
+    ref = next(c for c in there.values() if c.signature() == majority)
+    collective = {"pg": pg, "seq": seq, "op": ref.op, "sizes": ref.sizes, "dtypes": ref.dtypes}
+    details = []
+    for r in behind:
+        last = per_rank[r].get(pg, [])
+        where = f"its last collective there is #{last[-1].seq} ({last[-1].op})" if last else \
+            "it recorded no collective there"
+        details.append(f"rank {r} never arrived at {ref.op} #{seq} on {pg}: {where}")
+    odd = sorted(r for r, c in there.items() if c.signature() != majority)
+    for r in odd:
+        details.append(f"rank {r} called {there[r].signature()} as #{seq} on {pg}, "
+                       f"the others {majority}")
+    for r in missing:
+        details.append(f"rank {r} wrote no dump: killed, or stopped (e.g. SIGSTOP) so that "
+                       f"even its watchdog could not answer")
+
+    culprits = sorted(set(behind) | set(odd) | set(missing))
+    stuck = sorted(r for r in there if r not in odd)
+    what = f"{ref.op} #{seq} on process group {pg} (sizes {ref.sizes}, dtypes {ref.dtypes})"
+    if odd:
+        verdict = (f"desync at {what}: rank(s) {odd} called a different collective "
+                   f"({', '.join(there[r].signature() for r in odd)})")
+    elif behind or missing:
+        verdict = (f"rank(s) {sorted(set(behind) | set(missing))} never reached {what}; "
+                   f"rank(s) {stuck} wait in it")
+    else:
+        verdict = f"every rank is inside {what} and none completed it (network or peer failure)"
+    return Report(verdict, culprits=culprits, stuck=stuck, collective=collective,
+                  missing_dumps=missing, details=details,
+                  stacks={r: s for r, s in stacks.items() if r in culprits or r in stuck[:1]})
+
+
+_RANK_IN_NAME = re.compile(r"(\d+)(?:\.json)?$")
+
+
+def load_dumps(url: str) -> dict[int, dict[str, Any]]:
+    """Every dump in the directory ``url``: llmtrain's JSON ones, or PyTorch's pickled
+    flight-recorder files (rank taken from the dump, else from the file name's end)."""
+    fs, root = fsspec.core.url_to_fs(url)
+    dumps = {}
+    for path in sorted(fs.ls(root, detail=False)):
+        name = posixpath.basename(path)
+        if name.startswith("report") or name.endswith(".md"):
+            continue
+        raw = fs.cat_file(path)
+        try:
+            dump = json.loads(raw)
+        except (UnicodeDecodeError, ValueError):
+            try:
+                dump = pickle.loads(raw)  # PyTorch's own format; trust the directory
+            except Exception:
+                continue
+        if not isinstance(dump, dict) or "entries" not in dump:
+            continue
+        rank = dump.get("rank")
+        if rank is None:
+            match = _RANK_IN_NAME.search(name)
+            if not match:
+                continue
+            rank = int(match.group(1))
+        dumps[int(rank)] = dump
+    return dumps
+
+
+def write_report(url: str, report: Report, extra: dict[str, Any]) -> None:
+    write_atomic(join(url, "report.json"),
+                 json.dumps({**extra, **report.to_json()}, indent=1).encode())
+    write_atomic(join(url, "report.md"), report.to_markdown(
+        f"Hang report: {extra.get('event', '')}").encode())

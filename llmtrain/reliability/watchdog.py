@@ -1,0 +1,182 @@
+"""Hang watchdog: heartbeats, detection, a flight-recorder dump on every live rank, a
+verdict, and a retryable exit.
+
+The training thread only stamps its progress (``beat``: three attribute writes). A thread
+per rank does the rest through its own connection to the job's TCPStore, never through a
+process group (which may be the thing that is stuck):
+
+- every ``heartbeat_interval_s`` it publishes the rank's progress under ``hb/<rank>``;
+- it declares a hang when its own rank made no progress for the hang timeout, or (rank 0)
+  when another rank's heartbeat is older than that (a rank stopped whole, e.g. SIGSTOP);
+- the first rank to declare one claims the event in the store and becomes its leader;
+  every rank seeing the event dumps its flight-recorder entries and Python stacks to
+  ``<run dir>/diagnostics/<event>/rank-N.json``; the leader waits for the dumps (up to
+  ``dump_timeout_s``), analyzes them (:mod:`llmtrain.reliability.flightrec`), writes
+  ``report.md`` and ``report.json`` and an event, and every rank exits RETRYABLE so the
+  launcher restarts the job from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.config import ReliabilityConfig
+from llmtrain.fsio import join, write_atomic
+from llmtrain.metrics.events import EventLog
+from llmtrain.reliability import flightrec
+from llmtrain.reliability.elastic import ExitCode
+
+
+def configure_flight_recorder(cfg: ReliabilityConfig, run_dir: str) -> None:
+    """Turns the collective flight recorder on (gloo and NCCL) before any group exists;
+    NCCL's own dump on a timeout goes to the run's diagnostics when that is a local path.
+    Settings already in the environment win."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if "://" not in run_dir:
+        target = os.path.join(run_dir, "diagnostics", "nccl-timeout")
+        os.makedirs(target, exist_ok=True)
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(target, "rank-"))
+
+
+def flight_recorder_entries() -> list[dict]:
+    raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True,
+                                                         onlyActive=False)
+    return json.loads(raw).get("entries", [])
+
+
+def thread_stacks() -> dict[str, str]:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {names.get(ident, str(ident)): "".join(traceback.format_stack(frame))
+            for ident, frame in sys._current_frames().items()}
+
+
+class Watchdog:
+    def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
+                 events: EventLog, rank: int, world_size: int):
+        self.cfg, self.store, self.events = cfg, store, events
+        self.rank, self.world_size = rank, world_size
+        self.diagnostics = join(run_dir, "diagnostics")
+        self.step, self.phase = 0, "start-up"
+        self.progress = time.monotonic()
+        self.slowest_step = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="llmtrain-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int, phase: str) -> None:
+        """Progress from the training thread; cheap enough for every step."""
+        now = time.monotonic()
+        if phase == "step":
+            self.slowest_step = max(self.slowest_step, now - self.progress)
+        self.step, self.phase, self.progress = step, phase, now
+
+    @property
+    def timeout(self) -> float:
+        """The configured timeout, or more when steps themselves are that slow."""
+        return max(self.cfg.hang_timeout_s, self.cfg.hang_timeout_step_factor * self.slowest_step)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- the thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_interval_s):
+            try:
+                self._tick()
+            except Exception as e:  # the store itself may be gone; keep watching
+                print(f"llmtrain watchdog (rank {self.rank}): {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+
+    def _tick(self) -> None:
+        self.store.set(f"hb/{self.rank}", json.dumps(
+            {"step": self.step, "phase": self.phase, "wall": time.time(),
+             "progress_age": time.monotonic() - self.progress}))
+        if self.store.check(["event"]):
+            self._respond(json.loads(self.store.get("event")), leader=False)
+        reason = self._detect()
+        if reason:
+            self._declare(reason)
+
+    def _detect(self) -> str | None:
+        age = time.monotonic() - self.progress
+        if age > self.timeout:
+            return (f"rank {self.rank} made no progress for {age:.0f} s (last: {self.phase} "
+                    f"{self.step}; hang timeout {self.timeout:.0f} s)")
+        if self.rank != 0:
+            return None
+        keys = [f"hb/{r}" for r in range(self.world_size)]
+        if not self.store.check(keys):
+            return None
+        for r, raw in enumerate(self.store.multi_get(keys)):
+            beat = json.loads(raw)
+            silent = time.time() - beat["wall"]
+            if silent > self.timeout:
+                return (f"rank {r} sent no heartbeat for {silent:.0f} s (last at step "
+                        f"{beat['step']}, {beat['phase']}): stopped or dead")
+        return None
+
+    def _declare(self, reason: str) -> None:
+        event = {"id": f"hang-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+                 "reason": reason, "leader": self.rank, "detected_wall": time.time(),
+                 "progress_age": time.monotonic() - self.progress}
+        claimed = json.loads(self.store.compare_set("event", "", json.dumps(event)))
+        self._respond(claimed, leader=claimed["id"] == event["id"])
+
+    def _respond(self, event: dict, leader: bool) -> None:
+        """Dump, (leader) analyze and report, then leave with the retryable exit code."""
+        url = join(self.diagnostics, event["id"])
+        dump = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
+                "step": self.step, "phase": self.phase,
+                "progress_age_s": time.monotonic() - self.progress,
+                "entries": flight_recorder_entries(), "stacks": thread_stacks()}
+        write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
+        self.store.set(f"dumped/{self.rank}", "1")
+        if leader:
+            self._report(event, url)
+        else:
+            self._await(["done"], self.cfg.dump_timeout_s + 60)
+        self.events.close()
+        os._exit(ExitCode.RETRYABLE)
+
+    def _await(self, keys: list[str], seconds: float) -> list[str]:
+        """Waits up to ``seconds`` for ``keys``; returns those still missing."""
+        deadline = time.monotonic() + seconds
+        while True:
+            missing = [k for k in keys if not self.store.check([k])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+
+    def _report(self, event: dict, url: str) -> None:
+        self._await([f"dumped/{r}" for r in range(self.world_size)], self.cfg.dump_timeout_s)
+        report = flightrec.analyze(flightrec.load_dumps(url), self.world_size)
+        detected_after = event["progress_age"]
+        flightrec.write_report(url, report, {"event": event["id"], "reason": event["reason"],
+                                             "leader": self.rank, "timeout_s": self.timeout})
+        reported_after = detected_after + time.time() - event["detected_wall"]
+        self.events.emit("hang", id=event["id"], reason=event["reason"], verdict=report.verdict,
+                         culprits=report.culprits, collective=report.collective,
+                         report=join(url, "report.md"), timeout_s=self.timeout,
+                         detected_after_s=detected_after, reported_after_s=reported_after)
+        print(f"llmtrain watchdog: {event['reason']}\n  verdict: {report.verdict}\n"
+              f"  report: {join(url, 'report.md')}", file=sys.stderr, flush=True)
+        self.store.set("done", "1")

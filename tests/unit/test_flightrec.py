@@ -1,0 +1,69 @@
+import json
+import pickle
+import subprocess
+import sys
+
+from llmtrain.reliability.flightrec import analyze, load_dumps
+
+
+def entry(seq: int, op: str = "gloo:all_reduce", sizes=((1024,),), done: bool = True,
+          pg=("0", "default_pg")) -> dict:
+    return {"collective_seq_id": seq, "profiling_name": op, "input_sizes": [list(s) for s in sizes],
+            "input_dtypes": ["Float"], "retired": done, "state": "scheduled",
+            "process_group": list(pg), "is_p2p": False}
+
+
+def dump(rank: int, *entries: dict, stack: str = "") -> dict:
+    return {"rank": rank, "entries": list(entries), "stacks": {"MainThread": stack or f"rank {rank}"}}
+
+
+def test_rank_that_never_arrived_is_the_culprit():
+    dumps = {0: dump(0, entry(1), entry(2, done=False)),
+             1: dump(1, entry(1), stack="time.sleep in data loading"),
+             2: dump(2, entry(1), entry(2, done=False))}
+    r = analyze(dumps, world_size=3)
+    assert r.culprits == [1] and r.stuck == [0, 2]
+    assert r.collective == {"pg": "default_pg", "seq": 2, "op": "gloo:all_reduce",
+                            "sizes": [[1024]], "dtypes": ["Float"]}
+    assert "rank(s) [1] never reached gloo:all_reduce #2" in r.verdict
+    assert "time.sleep in data loading" in r.stacks[1]
+    assert "never arrived" in r.details[0]
+
+
+def test_desync_by_size_and_by_op_names_the_odd_rank():
+    sizes = {0: dump(0, entry(1), entry(2, done=False)),
+             1: dump(1, entry(1), entry(2, done=False)),
+             2: dump(2, entry(1), entry(2, sizes=((2048,),), done=False))}
+    r = analyze(sizes)
+    assert r.culprits == [2] and "desync" in r.verdict and "[[2048]]" in r.verdict
+    ops = {0: dump(0, entry(5, done=False)), 1: dump(1, entry(5, op="gloo:all_gather", done=False))}
+    r = analyze({**ops, 2: dump(2, entry(5, done=False))})
+    assert r.culprits == [1] and "gloo:all_gather" in r.verdict
+
+
+def test_missing_dump_is_the_likely_culprit():
+    r = analyze({0: dump(0, entry(1), entry(2, done=False))}, world_size=2)
+    assert r.culprits == [1] and r.missing_dumps == [1]
+    assert "wrote no dump" in " ".join(r.details)
+    quiet = analyze({0: dump(0, entry(1))}, world_size=2)
+    assert quiet.collective is None and quiet.culprits == [1]
+
+
+def test_stuck_group_is_found_among_several():
+    other = ("1", "checkpoint")
+    dumps = {0: dump(0, entry(7, pg=other), entry(3), entry(4, done=False)),
+             1: dump(1, entry(7, pg=other), entry(3))}
+    r = analyze(dumps)
+    assert r.collective["pg"] == "default_pg" and r.collective["seq"] == 4 and r.culprits == [1]
+
+
+def test_cli_reads_pytorch_pickles_and_llmtrain_json(tmp_path):
+    # PyTorch's own dump format: a pickle per rank, the rank at the end of the file name
+    (tmp_path / "nccl_trace_rank_0").write_bytes(pickle.dumps(
+        {"version": "2.10", "entries": [entry(1), entry(2, done=False)]}))
+    (tmp_path / "rank-00001.json").write_text(json.dumps(dump(1, entry(1))))
+    assert sorted(load_dumps(str(tmp_path))) == [0, 1]
+    out = subprocess.run([sys.executable, "-m", "llmtrain", "analyze", str(tmp_path),
+                          "--world-size", "3"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "culprit rank(s): [1, 2]" in out.stdout and "gloo:all_reduce` #2" in out.stdout
