@@ -22,6 +22,8 @@ test: $(BIN)/llmtrain
 
 bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/step_overhead.py
+	$(BIN)/python benchmarks/checkpoint.py
+	$(BIN)/python benchmarks/watchdog.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -136,6 +136,13 @@ class ReliabilityConfig:
     heartbeat_interval_s: float = _f(1.0, gt=0)
     dump_timeout_s: float = _f(10.0, gt=0, doc="how long the report waits for ranks' dumps")
     flight_recorder_entries: int = _f(2000, ge=0, doc="collectives each rank remembers")
+    desync_debug: bool = _f(False, doc="check every collective's op, shape and dtype "
+                                       "across ranks before it runs (costs an exchange "
+                                       "per collective)")
+    straggler_factor: float = _f(1.5, gt=1, doc="a rank this many times slower than the "
+                                                "rest, two windows running, is reported")
+    straggler_window_s: float = _f(30.0, gt=0, doc="how often ranks' collective arrival "
+                                                   "times are compared")
 
 
 @dataclass

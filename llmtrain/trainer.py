@@ -25,7 +25,7 @@ from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.events import EventLog
 from llmtrain.model import Transformer, count_params, flops_per_token
 from llmtrain.reliability import faults
-from llmtrain.reliability.watchdog import Watchdog, configure_flight_recorder
+from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -90,7 +90,7 @@ class Trainer:
         self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
 
         if cfg.reliability.watchdog:
-            configure_flight_recorder(cfg.reliability, t.run_dir)
+            configure_diagnostics(cfg.reliability, t.run_dir)
         self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world)
         if self.device.type == "cpu":
             # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
@@ -196,9 +196,14 @@ class Trainer:
         first_step = last_step = self.step
         first_loss = loss = float("nan")
         for step in range(self.step + 1, t.steps + 1):
-            faults.point("step", step)
-            micro_batches = self.data.next_step()
-            local_loss = self.train_step(micro_batches)
+            try:
+                faults.point("step", step)
+                micro_batches = self.data.next_step()
+                local_loss = self.train_step(micro_batches)
+            except RuntimeError as e:
+                if self.watchdog is None or "mismatch between collectives" not in str(e):
+                    raise
+                self.watchdog.collective_failed(e)
             self.step = step
             self.beat("step")
             if step % log_every == 0 or step in (first_step + 1, t.steps):

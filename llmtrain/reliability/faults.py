@@ -11,11 +11,17 @@ both applied) lists faults separated by ``;``::
     sigstop@step:rank=1,step=5             rank 1 SIGSTOPs itself, watchdog thread and all
     desync@step:rank=1,step=5              every rank joins an extra collective at step 5:
                                            rank 1 an all_gather, the others an all_reduce
+    desync_size@step:rank=1,step=5         the same, all ranks all_reduce, rank 1 a larger
+                                           tensor (gloo aborts on that unless
+                                           reliability.desync_debug catches it first)
+    slow@step:rank=1,step=5,factor=3       from step 5 on, rank 1's steps take 3 times as
+                                           long as its step 4 did
 
 Points: ``step`` (start of a training step), ``checkpoint_write`` (inside a rank's DCP
 shard write, in the background writer). Keys: ``rank`` and ``step`` (default: any), and
 ``restart``: the TorchElastic restart count the fault fires on (default 0, the first
-attempt), so a restarted job does not meet the same fault again.
+attempt), so a restarted job does not meet the same fault again. ``slow`` also takes
+``factor`` and, unlike the others, strikes at every step from ``step`` on.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.distributed as dist
 
 from llmtrain.config import ConfigError
 
-ACTIONS = ("kill", "hang", "sigstop", "desync")
+ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow")
 POINTS = ("step", "checkpoint_write")
 
 
@@ -45,10 +51,13 @@ class Fault:
     rank: int | None = None
     step: int | None = None
     restart: int = 0
+    factor: int = 1
 
     def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
+        at = step >= self.step - 1 if self.action == "slow" and self.step else \
+            self.step in (None, step)
         return (self.point == point and self.restart == restart
-                and self.rank in (None, rank) and self.step in (None, step))
+                and self.rank in (None, rank) and at)
 
 
 def parse(spec: str) -> list[Fault]:
@@ -62,9 +71,9 @@ def parse(spec: str) -> list[Fault]:
         keys = {}
         for pair in filter(None, args.split(",")):
             key, _, value = pair.partition("=")
-            if key not in ("rank", "step", "restart") or not value.isdigit():
+            if key not in ("rank", "step", "restart", "factor") or not value.isdigit():
                 raise FaultSpecError(f"reliability.faults: in {item!r}, {pair!r} is not "
-                                     f"rank=N, step=N or restart=N")
+                                     f"rank=N, step=N, restart=N or factor=N")
             keys[key] = int(value)
         faults.append(Fault(action, point, **keys))
     return faults
@@ -87,14 +96,19 @@ def point(name: str, step: int) -> None:
         return
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     for fault in _faults:
-        if (fault.action == "desync" and fault.point == name and fault.step in (None, step)
-                and fault.restart == restart):
-            _desync(target=fault.rank if fault.rank is not None else 0)
+        if (fault.action.startswith("desync") and fault.point == name
+                and fault.step in (None, step) and fault.restart == restart):
+            _desync(target=fault.rank if fault.rank is not None else 0,
+                    by_size=fault.action == "desync_size")
         elif fault.matches(name, _rank, step, restart):
-            _strike(fault)
+            _strike(fault, step)
 
 
-def _strike(fault: Fault) -> None:
+_started: dict[Fault, float] = {}   # slow faults: when the last full-speed step began
+_baseline: dict[Fault, float] = {}  # and how long it took
+
+
+def _strike(fault: Fault, step: int) -> None:
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "sigstop":
@@ -102,12 +116,22 @@ def _strike(fault: Fault) -> None:
     elif fault.action == "hang":
         while True:
             time.sleep(3600)
+    elif fault.action == "slow":
+        if step == fault.step - 1:
+            _started[fault] = time.perf_counter()
+        elif fault not in _baseline:
+            _baseline[fault] = time.perf_counter() - _started.pop(fault, time.perf_counter())
+        if fault in _baseline:
+            time.sleep((fault.factor - 1) * _baseline[fault])
 
 
-def _desync(target: int) -> None:
-    """A collective the ranks disagree on: the target gathers while the others reduce."""
+def _desync(target: int, by_size: bool) -> None:
+    """A collective the ranks disagree on: the target gathers while the others reduce,
+    or (``by_size``) reduces a larger tensor."""
     t = torch.ones(16)
-    if _rank == target:
+    if _rank == target and by_size:
+        dist.all_reduce(torch.ones(20))
+    elif _rank == target:
         dist.all_gather([torch.empty(16) for _ in range(dist.get_world_size())], t)
     else:
         dist.all_reduce(t)

@@ -15,6 +15,10 @@ The cross-rank rules, per process group:
    majority are the culprits (a desync);
 4. ranks expected but without a dump (killed, or stopped so hard their watchdog could not
    answer) are named as the likely culprits.
+
+With ``reliability.desync_debug`` PyTorch checks each collective's op, shape and dtype
+across ranks before running it and raises naming two ranks' fingerprints; the ranks'
+errors together give the majority and so the odd rank out.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_markdown(self, title: str = "Hang report") -> str:
+    def to_markdown(self, title: str = "Diagnosis") -> str:
         lines = [f"# {title}", "", f"**{self.verdict}**", ""]
         if self.collective:
             c = self.collective
@@ -93,6 +97,34 @@ def _collectives(dump: dict[str, Any]) -> dict[str, list[Collective]]:
     return by_pg
 
 
+# PyTorch's desync check (TORCH_DISTRIBUTED_DEBUG=DETAIL) names two ranks' fingerprints.
+_FINGERPRINT = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\("
+                          r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[([^\]]*)\], "
+                          r"TensorDtypes=(\w+)")
+
+
+def _checked_desync(dumps: dict[int, dict[str, Any]], missing: list[int],
+                    stacks: dict[int, str]) -> Report | None:
+    """The verdict from PyTorch's own desync errors, when ranks died of one."""
+    seen: dict[int, tuple] = {}
+    for d in dumps.values():
+        for rank, seq, op, shape, dtype in _FINGERPRINT.findall(d.get("error") or ""):
+            seen[int(rank)] = (int(seq), op, f"[{shape}]", dtype)
+    if len(set(seen.values())) < 2:
+        return None
+    majority, _ = Counter(seen.values()).most_common(1)[0]
+    odd = sorted(r for r, f in seen.items() if f != majority)
+    seq, op, shape, dtype = majority
+    show = lambda f: f"{f[1]} shape {f[2]} {f[3]}"  # noqa: E731
+    verdict = (f"desync at collective #{seq}: rank(s) {odd} called "
+               f"{', '.join(show(seen[r]) for r in odd)}, the others {show(majority)} "
+               f"(caught by the desync check before it ran)")
+    return Report(verdict, culprits=odd, stuck=sorted(r for r in seen if r not in odd),
+                  collective={"pg": "?", "seq": seq, "op": op, "sizes": [shape],
+                              "dtypes": [dtype]},
+                  missing_dumps=missing, stacks={r: s for r, s in stacks.items() if r in odd})
+
+
 def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> Report:
     """The verdict over ``dumps`` (rank -> dump); ``world_size`` names missing ranks."""
     ranks = sorted(dumps)
@@ -101,6 +133,9 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
     per_rank = {r: _collectives(d) for r, d in dumps.items()}
     stacks = {r: d["stacks"]["MainThread"] for r, d in dumps.items()
               if "MainThread" in d.get("stacks", {})}
+    checked = _checked_desync(dumps, missing, stacks)
+    if checked:
+        return checked
 
     # The process group with an uncompleted collective at the highest sequence number.
     stuck_at: tuple[str, int] | None = None
@@ -190,4 +225,4 @@ def write_report(url: str, report: Report, extra: dict[str, Any]) -> None:
     write_atomic(join(url, "report.json"),
                  json.dumps({**extra, **report.to_json()}, indent=1).encode())
     write_atomic(join(url, "report.md"), report.to_markdown(
-        f"Hang report: {extra.get('event', '')}").encode())
+        f"Diagnosis: {extra.get('event', '')}").encode())

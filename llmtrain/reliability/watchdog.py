@@ -37,11 +37,18 @@ from llmtrain.reliability import flightrec
 from llmtrain.reliability.elastic import ExitCode
 
 
-def configure_flight_recorder(cfg: ReliabilityConfig, run_dir: str) -> None:
-    """Turns the collective flight recorder on (gloo and NCCL) before any group exists;
-    NCCL's own dump on a timeout goes to the run's diagnostics when that is a local path.
-    Settings already in the environment win."""
+HOST = socket.gethostname()
+
+
+def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
+    """Turns the collective flight recorder on (gloo and NCCL) before any group exists,
+    and PyTorch's cross-rank collective check with ``desync_debug``; NCCL's own dump on a
+    timeout goes to the run's diagnostics when that is a local path. Settings already in
+    the environment win."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(cfg.flight_recorder_entries))
+    if cfg.desync_debug:
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+        dist.set_debug_level_from_env()  # read once at import; it happened already
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if "://" not in run_dir:
         target = os.path.join(run_dir, "diagnostics", "nccl-timeout")
@@ -72,6 +79,11 @@ class Watchdog:
         self.slowest_step = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._responding = threading.Lock()  # one response per process, whoever starts it
+        self.error: str | None = None
+        self._next_window = time.monotonic() + cfg.straggler_window_s
+        self._streaks = [0] * world_size
+        self.slowdowns: list[float] = [1.0] * world_size  # rank 0's latest estimate
 
     def start(self) -> None:
         self._stop.clear()
@@ -108,13 +120,18 @@ class Watchdog:
 
     def _tick(self) -> None:
         self.store.set(f"hb/{self.rank}", json.dumps(
-            {"step": self.step, "phase": self.phase, "wall": time.time(),
+            {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress}))
         if self.store.check(["event"]):
             self._respond(json.loads(self.store.get("event")), leader=False)
         reason = self._detect()
         if reason:
             self._declare(reason)
+        if time.monotonic() >= self._next_window:
+            self._next_window += self.cfg.straggler_window_s
+            self._publish_arrivals()
+            if self.rank == 0:
+                self._find_stragglers()
 
     def _detect(self) -> str | None:
         age = time.monotonic() - self.progress
@@ -134,18 +151,70 @@ class Watchdog:
                         f"{beat['step']}, {beat['phase']}): stopped or dead")
         return None
 
-    def _declare(self, reason: str) -> None:
-        event = {"id": f"hang-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
-                 "reason": reason, "leader": self.rank, "detected_wall": time.time(),
+    # -- stragglers: who arrives late at collectives ----------------------------------
+
+    def _publish_arrivals(self) -> None:
+        """When this rank entered each of its recent completed collectives."""
+        done = [e for e in flight_recorder_entries()[-512:] if e.get("retired")]
+        self.store.set(f"arrivals/{self.rank}", json.dumps(
+            {f"{e['pg_id']}|{e['collective_seq_id']}": e["time_created_ns"] for e in done}))
+
+    def _find_stragglers(self) -> None:
+        """Slowdown of each rank from the flight recorder's arrival times.
+
+        In a collective everyone waits for the last to arrive, so a rank whose work takes
+        f times as long is late by (f - 1) of the others' work at every step. Over the
+        collectives all ranks recorded, a rank's slowdown is span / (span - its summed
+        lateness); about 1 for everyone else.
+        """
+        keys = [f"arrivals/{r}" for r in range(self.world_size)]
+        if not self.store.check(keys):
+            return
+        arrivals = [json.loads(raw) for raw in self.store.multi_get(keys)]
+        common = set.intersection(*(set(a) for a in arrivals))
+        if len(common) < 20:
+            return
+        first = {k: min(a[k] for a in arrivals) for k in common}
+        span = max(max(a[k] for a in arrivals) for k in common) - min(first.values())
+        for r, a in enumerate(arrivals):
+            late = sum(a[k] - first[k] for k in common)
+            self.slowdowns[r] = span / max(span - late, 1)
+            slow = self.slowdowns[r] > self.cfg.straggler_factor
+            self._streaks[r] = self._streaks[r] + 1 if slow else 0
+            if self._streaks[r] >= 2:
+                beat = json.loads(self.store.get(f"hb/{r}"))
+                self.events.emit("straggler", straggler_rank=r, host=beat.get("host"),
+                                 slowdown=round(self.slowdowns[r], 2), collectives=len(common),
+                                 step=beat["step"])
+                print(f"llmtrain watchdog: rank {r} on {beat.get('host')} is a straggler, "
+                      f"{self.slowdowns[r]:.1f}x slower than the others", file=sys.stderr,
+                      flush=True)
+
+    # -- hangs ------------------------------------------------------------------------
+
+    def collective_failed(self, error: BaseException) -> None:
+        """From the training thread: a collective raised (e.g. PyTorch's desync check);
+        diagnose it like a hang. Does not return."""
+        self.error = f"{type(error).__name__}: {error}"
+        self._declare(f"rank {self.rank}: a collective failed after step {self.step}: "
+                      f"{str(error).splitlines()[0][:300]}", kind="collective_error")
+
+    def _declare(self, reason: str, kind: str = "hang") -> None:
+        event = {"id": f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+                 "kind": kind, "reason": reason, "leader": self.rank,
+                 "detected_wall": time.time(),
                  "progress_age": time.monotonic() - self.progress}
         claimed = json.loads(self.store.compare_set("event", "", json.dumps(event)))
         self._respond(claimed, leader=claimed["id"] == event["id"])
 
     def _respond(self, event: dict, leader: bool) -> None:
         """Dump, (leader) analyze and report, then leave with the retryable exit code."""
+        if not self._responding.acquire(blocking=False):
+            while True:  # the other thread of this rank is already at it
+                time.sleep(3600)
         url = join(self.diagnostics, event["id"])
-        dump = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
-                "step": self.step, "phase": self.phase,
+        dump = {"rank": self.rank, "host": HOST, "pid": os.getpid(),
+                "step": self.step, "phase": self.phase, "error": self.error,
                 "progress_age_s": time.monotonic() - self.progress,
                 "entries": flight_recorder_entries(), "stacks": thread_stacks()}
         write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
@@ -173,7 +242,8 @@ class Watchdog:
         flightrec.write_report(url, report, {"event": event["id"], "reason": event["reason"],
                                              "leader": self.rank, "timeout_s": self.timeout})
         reported_after = detected_after + time.time() - event["detected_wall"]
-        self.events.emit("hang", id=event["id"], reason=event["reason"], verdict=report.verdict,
+        self.events.emit(event["kind"], id=event["id"], reason=event["reason"],
+                         verdict=report.verdict,
                          culprits=report.culprits, collective=report.collective,
                          report=join(url, "report.md"), timeout_s=self.timeout,
                          detected_after_s=detected_after, reported_after_s=reported_after)

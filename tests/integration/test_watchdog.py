@@ -44,10 +44,35 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
     assert "Python stack of rank" in (report_dir / "report.md").read_text()
 
 
+def test_three_times_slower_rank_is_reported_as_straggler(tmp_path):
+    run = tmp_path / "run"
+    check(llmtrain(run, "--training.steps", "50", "--reliability.straggler_window_s", "3",
+                   "--checkpoint.enable", "false", nproc=2,
+                   env={"LLMTRAIN_FAULTS": "slow@step:rank=1,step=5,factor=3"}))
+    found = events(run, "straggler")
+    assert found and {e["straggler_rank"] for e in found} == {1}
+    assert 2.0 < found[-1]["slowdown"] < 4.5, found
+    assert events(run, "hang") == []
+
+
 def test_healthy_run_raises_no_false_alarm(tmp_path):
     run = tmp_path / "run"
     check(llmtrain(run, "--training.steps", "300", "--reliability.hang_timeout_s", "3",
+                   "--reliability.straggler_window_s", "3",
                    "--checkpoint.interval_steps", "100", nproc=2))
-    assert events(run, "hang") == []
-    assert not list((run / "diagnostics").glob("hang-*"))
+    assert events(run, "hang") == [] and events(run, "straggler") == []
+    assert [p.name for p in (run / "diagnostics").iterdir()] == ["nccl-timeout"]
     assert events(run, "run_end")[0]["steps"] == 300
+
+
+def test_mismatched_sizes_are_caught_by_the_desync_check(tmp_path):
+    """gloo aborts the process on a size mismatch; with reliability.desync_debug PyTorch
+    checks each collective first, and the ranks' errors together name the odd rank."""
+    run = tmp_path / "run"
+    proc = llmtrain(run, "--training.steps", "10", "--training.global_batch_size", "24",
+                    "--reliability.desync_debug", "true", "--checkpoint.enable", "false",
+                    nproc=3, env={"LLMTRAIN_FAULTS": "desync_size@step:rank=1,step=4"})
+    assert proc.stderr.count(f"exitcode  : {int(ExitCode.RETRYABLE)}") == 3, proc.stderr[-3000:]
+    [desync] = events(run, "collective_error")
+    assert desync["culprits"] == [1]
+    assert "shape [20]" in desync["verdict"] and "the others ALLREDUCE shape [16]" in desync["verdict"]

@@ -67,3 +67,17 @@ def test_cli_reads_pytorch_pickles_and_llmtrain_json(tmp_path):
                           "--world-size", "3"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "culprit rank(s): [1, 2]" in out.stdout and "gloo:all_reduce` #2" in out.stdout
+
+
+def test_desync_check_errors_give_the_odd_rank():
+    msg = ("RuntimeError: Detected mismatch between collectives on ranks. Rank {a} is running "
+           "collective: CollectiveFingerPrint(SequenceNumber=46, OpType=ALLREDUCE, "
+           "TensorShape=[{sa}], TensorDtypes=Float, TensorDeviceTypes=cpu), but Rank {b} is "
+           "running collective: CollectiveFingerPrint(SequenceNumber=46, OpType=ALLREDUCE, "
+           "TensorShape=[{sb}], TensorDtypes=Float, TensorDeviceTypes=cpu)")
+    dumps = {0: {**dump(0), "error": msg.format(a=0, sa=16, b=1, sb=20)},
+             1: {**dump(1), "error": msg.format(a=1, sa=20, b=0, sb=16)},
+             2: {**dump(2), "error": msg.format(a=2, sa=16, b=1, sb=20)}}
+    r = analyze(dumps)
+    assert r.culprits == [1] and r.stuck == [0, 2]
+    assert "rank(s) [1] called ALLREDUCE shape [20]" in r.verdict
