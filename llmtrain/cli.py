@@ -21,7 +21,7 @@ def _config(args: argparse.Namespace, rest: list[str]):
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = _config(args, rest)
-    from llmtrain.trainer import Trainer  # heavy imports only once the config is good
+    from llmtrain.trainer import Trainer
     trainer = Trainer(cfg)
     try:
         trainer.run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import resource
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -196,14 +197,10 @@ class Trainer:
         first_step = last_step = self.step
         first_loss = loss = float("nan")
         for step in range(self.step + 1, t.steps + 1):
-            try:
+            with self.diagnosed():
                 faults.point("step", step)
                 micro_batches = self.data.next_step()
                 local_loss = self.train_step(micro_batches)
-            except RuntimeError as e:
-                if self.watchdog is None or "mismatch between collectives" not in str(e):
-                    raise
-                self.watchdog.collective_failed(e)
             self.step = step
             self.beat("step")
             if step % log_every == 0 or step in (first_step + 1, t.steps):
@@ -219,8 +216,17 @@ class Trainer:
         tokens = (self.step - first_step) * self.tokens_per_step
         return self.finish(Summary(
             steps=self.step, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
-            first_loss=first_loss,
-            final_loss=loss, memory_gb=_memory_gb(self.device)))
+            first_loss=first_loss, final_loss=loss, memory_gb=_memory_gb(self.device)))
+
+    @contextmanager
+    def diagnosed(self):
+        """A collective that fails PyTorch's desync check is diagnosed like a hang."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.watchdog is None or "mismatch between collectives" not in str(e):
+                raise
+            self.watchdog.collective_failed(e)
 
     def checkpoint(self, step: int) -> bool:
         """Saves when due (always after the last step); True when the run must stop now."""

@@ -72,7 +72,8 @@ def test_mismatched_sizes_are_caught_by_the_desync_check(tmp_path):
     proc = llmtrain(run, "--training.steps", "10", "--training.global_batch_size", "24",
                     "--reliability.desync_debug", "true", "--checkpoint.enable", "false",
                     nproc=3, env={"LLMTRAIN_FAULTS": "desync_size@step:rank=1,step=4"})
-    assert proc.stderr.count(f"exitcode  : {int(ExitCode.RETRYABLE)}") == 3, proc.stderr[-3000:]
+    # the first rank out exits 75; torchrun may stop the others before they do the same
+    assert f"exitcode  : {int(ExitCode.RETRYABLE)}" in proc.stderr, proc.stderr[-3000:]
     [desync] = events(run, "collective_error")
     assert desync["culprits"] == [1]
     assert "shape [20]" in desync["verdict"] and "the others ALLREDUCE shape [16]" in desync["verdict"]
