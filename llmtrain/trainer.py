@@ -162,11 +162,15 @@ class Trainer:
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches, then one optimizer step.
         Returns this rank's mean loss (a tensor, so reading it costs no sync)."""
+        step = self.step + 1
         loss_sum = torch.zeros((), device=self.device)
         for inputs, targets in micro_batches:
+            self.beat("forward", step)
             loss = self.loss(inputs.to(self.device), targets.to(self.device))
+            self.beat("backward", step)
             (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
+        self.beat("optimizer", step)
         self.grad_norm = self.clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
@@ -241,9 +245,9 @@ class Trainer:
         self.preempted = stop
         return stop
 
-    def beat(self, phase: str) -> None:
+    def beat(self, phase: str, step: int | None = None) -> None:
         if self.watchdog is not None:
-            self.watchdog.beat(self.step, phase)
+            self.watchdog.beat(self.step if step is None else step, phase)
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean over all ranks (every rank holds an equal share of the batch)."""
@@ -265,7 +269,10 @@ class Trainer:
         self.console.step(r)
 
     def finish(self, s: Summary) -> Summary:
-        if self.is_logger:
+        if self.is_logger and not s.tokens:
+            self.console.line(f"nothing to do: the run is already at step {s.steps} of "
+                              f"{self.cfg.training.steps}")
+        elif self.is_logger:
             self.events.emit("run_end", **asdict(s))
             self.console.line(
                 f"done: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "

@@ -75,7 +75,7 @@ class Watchdog:
         self.rank, self.world_size = rank, world_size
         self.diagnostics = join(run_dir, "diagnostics")
         self.step, self.phase = 0, "start-up"
-        self.progress = time.monotonic()
+        self.progress = self._step_began = time.monotonic()
         self.slowest_step = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -92,10 +92,12 @@ class Watchdog:
         self._thread.start()
 
     def beat(self, step: int, phase: str) -> None:
-        """Progress from the training thread; cheap enough for every step."""
+        """Progress from the training thread (a few attribute writes): ``phase`` is what
+        the rank does now in ``step``; "step" means the step just ended."""
         now = time.monotonic()
         if phase == "step":
-            self.slowest_step = max(self.slowest_step, now - self.progress)
+            self.slowest_step = max(self.slowest_step, now - self._step_began)
+            self._step_began = now
         self.step, self.phase, self.progress = step, phase, now
 
     @property
