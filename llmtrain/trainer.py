@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import resource
 import time
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, init_process_group,
                                                 open_store, shutdown)
+from llmtrain.fsio import join, write_atomic
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.events import EventLog
 from llmtrain.model import Transformer, count_params, flops_per_token
@@ -46,6 +48,19 @@ def _memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _check_writable(field: str, url: str) -> None:
+    """Fails before any process group starts if ``url`` cannot take files."""
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.makedirs(path, exist_ok=True)
+        probe = join(url, f".llmtrain-write-test-{os.getpid()}")
+        write_atomic(probe, b"ok")
+        fs.rm_file(fsspec.core.url_to_fs(probe)[1])
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"{field}={url!r} is not writable ({type(e).__name__}: {e}); "
+                          f"give a writable local path or fsspec URL") from None
 
 
 def _lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -78,12 +93,9 @@ class Trainer:
         faults.install(cfg.reliability.faults, self.world.rank)
         self.accum_steps = cfg.accumulation_steps(self.world.world_size)
 
-        try:
-            fs, path = fsspec.core.url_to_fs(t.run_dir)
-            fs.makedirs(path, exist_ok=True)
-        except (OSError, ValueError, ImportError) as e:
-            raise ConfigError(f"training.run_dir={t.run_dir!r} cannot be created ({e}); "
-                              f"give a writable local path or fsspec URL") from None
+        _check_writable("training.run_dir", t.run_dir)
+        if cfg.checkpoint.enable:
+            _check_writable("checkpoint.url", cfg.checkpoint_url)
         # Data first: a missing or truncated shard fails before any process group starts.
         dataset = TokenDataset(shard_urls(cfg.data, t.run_dir), cfg.data.seq_len)
         sampler = GlobalSampler(len(dataset), t.global_batch_size, cfg.data.seed,

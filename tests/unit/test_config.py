@@ -95,3 +95,12 @@ def test_cli_config_error_is_fatal_before_any_process_group(tmp_path):
     assert proc.returncode == ExitCode.FATAL
     assert "optim.warmup_steps" in proc.stderr and ">= 0" in proc.stderr
     assert not (tmp_path / "run").exists()  # failed before touching anything
+
+
+def test_unwritable_checkpoint_storage_is_fatal_before_training(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "llmtrain", "train", "--training.run_dir", str(tmp_path / "run"),
+         "--checkpoint.url", "/proc/llmtrain-checkpoints"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ExitCode.FATAL
+    assert "checkpoint.url='/proc/llmtrain-checkpoints' is not writable" in proc.stderr
