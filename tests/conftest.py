@@ -1,10 +1,11 @@
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from llmtrain.metrics.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,8 +25,7 @@ def llmtrain(run_dir: Path, *overrides: str, nproc: int | None = None, timeout: 
 
 
 def events(run_dir: Path, name: str) -> list[dict]:
-    with open(run_dir / "events.jsonl") as f:
-        return [e for e in map(json.loads, f) if e["event"] == name]
+    return read_events(str(run_dir), name)
 
 
 def step_losses(run_dir: Path) -> dict[int, float]:

@@ -59,13 +59,16 @@ def resolve_device(p: ParallelismConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_namespace() -> str:
+    return f"llmtrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def open_store(name: str, timeout: timedelta) -> dist.Store:
     """A new client of the job's store, in this attempt's namespace under ``name``: for
     threads that must reach the store while the main thread may be stuck in it."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout, use_libuv=True)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"llmtrain/attempt-{attempt}/{name}", store)
+    return dist.PrefixStore(f"{_attempt_namespace()}/{name}", store)
 
 
 def _store(world: WorldInfo, timeout: timedelta) -> dist.Store:
@@ -82,8 +85,7 @@ def _store(world: WorldInfo, timeout: timedelta) -> dist.Store:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world.world_size,
         is_master=not agent_store and world.rank == 0, timeout=timeout,
         wait_for_workers=False, multi_tenant=True, use_libuv=True)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"llmtrain/attempt-{attempt}", store)
+    return dist.PrefixStore(_attempt_namespace(), store)
 
 
 def init_process_group(p: ParallelismConfig, r: ReliabilityConfig,
