@@ -107,10 +107,11 @@ class CheckpointManager:
             self._emit0("checkpoint_wait", step=step, seconds=time.perf_counter() - waited)
         self.last_save_time = time.monotonic()
         start = time.perf_counter()
-        writer = storage.CommitWriter(storage.step_dir(self.url, step),
-                                      {**self.manifest_base, "step": step, "world_size": self.world},
-                                      thread_count=self.cfg.writer_threads)
         try:
+            writer = storage.CommitWriter(
+                storage.step_dir(self.url, step),
+                {**self.manifest_base, "step": step, "world_size": self.world},
+                thread_count=self.cfg.writer_threads)
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":
                 dcp.save(state_dict, storage_writer=writer, process_group=self.io_group)
