@@ -120,6 +120,8 @@ class CheckpointConfig:
     resume: bool = _f(True, doc="resume from the newest checkpoint that verifies")
     save_on_signal: bool = _f(True, doc="SIGTERM/SIGUSR1: save, then exit RETRYABLE")
     writer_threads: int = _f(1, ge=1, doc="DCP write threads per rank")
+    auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "
+                                        "from measured save cost and failure rate")
 
 
 @dataclass
@@ -152,6 +154,16 @@ class MetricsConfig:
     progress: str = _f("auto", choices=("auto", "bar", "plain"),
                        doc="auto: a progress bar on a terminal, plain lines otherwise")
     peak_tflops: float = _f(0.0, ge=0, doc="per-device peak for MFU; 0: known GPUs only")
+    prometheus: bool = _f(True, doc="serve /metrics on every rank")
+    address: str = _f("0.0.0.0", doc="address the exporter listens on")
+    port: int = _f(9400, ge=0, le=65535, doc="base port, plus the local rank; 0: any free port")
+    targets_dir: str = _f("", doc="where each rank writes its Prometheus file_sd entry; "
+                              "empty: <run_dir>/monitoring/targets")
+    run_name: str = _f("", doc="the `run` label; empty: the run dir's last component")
+    goodput_every_s: float = _f(30.0, gt=0, doc="how often rank 0 re-reads the event log "
+                                               "for goodput")
+    assumed_mtbf_s: float = _f(0.0, ge=0, doc="mean time between failures for checkpoint "
+                                              "advice before any failure is seen; 0: none")
 
 
 SECTIONS: dict[str, type] = {

@@ -25,7 +25,10 @@ from llmtrain.distributed.process_group import (WorldInfo, build_mesh, init_proc
                                                 open_store, shutdown)
 from llmtrain.fsio import join, write_atomic
 from llmtrain.metrics.console import ConsoleReporter, StepReport
-from llmtrain.metrics.events import EventLog
+from llmtrain.metrics import goodput
+from llmtrain.metrics.events import EventLog, read_events
+from llmtrain.metrics.goodput import GoodputLedger, launch_time, process_start_time
+from llmtrain.metrics.prometheus import Exporter
 from llmtrain.model import Transformer, count_params, flops_per_token
 from llmtrain.reliability import faults
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
@@ -86,42 +89,60 @@ class Summary:
 
 class Trainer:
     def __init__(self, cfg: JobConfig):
+        entered = time.time()
         self.cfg = cfg
         self.world = WorldInfo.from_env()
         cfg.validate(self.world.world_size)
         t = cfg.training
         faults.install(cfg.reliability.faults, self.world.rank)
         self.accum_steps = cfg.accumulation_steps(self.world.world_size)
+        self.is_logger = self.world.rank == 0
 
         _check_writable("training.run_dir", t.run_dir)
         if cfg.checkpoint.enable:
             _check_writable("checkpoint.url", cfg.checkpoint_url)
-        # Data first: a missing or truncated shard fails before any process group starts.
-        dataset = TokenDataset(shard_urls(cfg.data, t.run_dir), cfg.data.seq_len)
-        sampler = GlobalSampler(len(dataset), t.global_batch_size, cfg.data.seed,
-                                self.world.rank, self.world.world_size)
-        self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
+        self.events = EventLog(t.run_dir, self.world.rank)
+        self.ledger = GoodputLedger(self.events, enabled=self.is_logger)
+        self.ledger.attempt(world_size=self.world.world_size, host=self.world.host,
+                            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        self.ledger.record("startup", "imports", process_start_time(), entered)
+        self.exporter = None
+        if cfg.metrics.prometheus:
+            self.exporter = Exporter(cfg.metrics, t.run_dir, rank=self.world.rank,
+                                     local_rank=self.world.local_rank, host=self.world.host,
+                                     world_size=self.world.world_size)
+            self.exporter.start()
+            self.events.listeners.append(self.exporter.observe)
 
-        if cfg.reliability.watchdog:
-            configure_diagnostics(cfg.reliability, t.run_dir)
-        self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world)
-        if self.device.type == "cpu":
-            # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
-            # training, when gradients get small; flushing them costs no accuracy that matters.
-            torch.set_flush_denormal(True)
-        self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
+        with self.ledger.span("startup", "data"):
+            # Data first: a missing or truncated shard fails before any process group starts.
+            dataset = TokenDataset(shard_urls(cfg.data, t.run_dir), cfg.data.seq_len)
+            sampler = GlobalSampler(len(dataset), t.global_batch_size, cfg.data.seed,
+                                    self.world.rank, self.world.world_size)
+            self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
 
-        # Built on meta and sharded before any storage exists, so no rank ever holds the
-        # whole model; each then draws only its shards, the same weights at any world size.
-        torch.manual_seed(t.seed)
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        self.model = parallelize(model, self.mesh, cfg.parallelism)
-        self.model.to_empty(device=self.device)
-        self.model.init_weights(t.seed)
-        self.optimizer = self._build_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
+        with self.ledger.span("startup", "process_group"):
+            if cfg.reliability.watchdog:
+                configure_diagnostics(cfg.reliability, t.run_dir)
+            self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world)
+            if self.device.type == "cpu":
+                # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
+                # training, when gradients get small; flushing them costs no accuracy.
+                torch.set_flush_denormal(True)
+            self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
+
+        with self.ledger.span("startup", "model"):
+            # Built on meta and sharded before any storage exists, so no rank ever holds the
+            # whole model; each then draws only its shards, the same weights at any world size.
+            torch.manual_seed(t.seed)
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+            self.model = parallelize(model, self.mesh, cfg.parallelism)
+            self.model.to_empty(device=self.device)
+            self.model.init_weights(t.seed)
+            self.optimizer = self._build_optimizer()
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
 
         self.step = 0
         self.grad_norm: torch.Tensor | None = None
@@ -129,28 +150,29 @@ class Trainer:
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = _peak_flops(cfg, self.device)
-        self.is_logger = self.world.rank == 0
-        self.events = EventLog(t.run_dir, self.world.rank)
         self.console = ConsoleReporter(cfg.metrics, t.steps)
+        self.goodput_at = 0.0
         self.watchdog = None
-        if cfg.reliability.watchdog:
-            self.watchdog = Watchdog(
-                cfg.reliability, open_store("watchdog", timedelta(seconds=30)), t.run_dir,
-                self.events, self.world.rank, self.world.world_size)
-            self.watchdog.start()
-        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
-                                self.world.rank)
-        self.checkpoints = None
-        if cfg.checkpoint.enable:
-            self.checkpoints = CheckpointManager(
-                cfg.checkpoint, cfg.checkpoint_url, events=self.events, device=self.device,
-                manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
-                               "mesh": list(cfg.mesh_shape(self.world.world_size))})
-            if cfg.checkpoint.resume:
+        with self.ledger.span("startup", "components"):
+            if cfg.reliability.watchdog:
+                self.watchdog = Watchdog(
+                    cfg.reliability, open_store("watchdog", timedelta(seconds=30)), t.run_dir,
+                    self.events, self.world.rank, self.world.world_size)
+                self.watchdog.start()
+            self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
+                                    self.world.rank)
+            self.checkpoints = None
+            if cfg.checkpoint.enable:
+                self.checkpoints = CheckpointManager(
+                    cfg.checkpoint, cfg.checkpoint_url, events=self.events, device=self.device,
+                    manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
+                                   "mesh": list(cfg.mesh_shape(self.world.world_size))})
+        if self.checkpoints is not None and cfg.checkpoint.resume:
+            with self.ledger.span("checkpoint_load", "resume"):
                 self.step = self.checkpoints.resume(self.state)
-                if self.step and self.is_logger:
-                    self.console.line(f"resumed from the checkpoint of step {self.step} "
-                                      f"in {cfg.checkpoint_url}")
+            if self.step and self.is_logger:
+                self.console.line(f"resumed from the checkpoint of step {self.step} "
+                                  f"in {cfg.checkpoint_url}")
         if self.is_logger:
             self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
                              params=count_params(cfg.model), device=str(self.device))
@@ -212,13 +234,20 @@ class Trainer:
         start = last_time = time.perf_counter()
         first_step = last_step = self.step
         first_loss = loss = float("nan")
+        self.ledger.steps_done(self.step)  # productive time starts here
         for step in range(self.step + 1, t.steps + 1):
+            step_start = time.perf_counter()
             with self.diagnosed():
                 faults.point("step", step)
                 micro_batches = self.data.next_step()
                 local_loss = self.train_step(micro_batches)
             self.step = step
             self.beat("step")
+            now = time.perf_counter()
+            if self.exporter is not None:
+                self.exporter.step_done(step, now - step_start)
+            if step == first_step + 1:
+                self.report_startup()
             if step % log_every == 0 or step in (first_step + 1, t.steps):
                 loss = self.global_mean(local_loss)  # the only host sync of the step
                 now = time.perf_counter()
@@ -228,6 +257,7 @@ class Trainer:
                     first_loss = loss
             if self.checkpoint(step):
                 break
+        self.ledger.steps_done(self.step)
         wall = time.perf_counter() - start
         tokens = (self.step - first_step) * self.tokens_per_step
         return self.finish(Summary(
@@ -252,7 +282,9 @@ class Trainer:
         last = step == self.cfg.training.steps
         if due or last:
             self.beat("checkpoint")
-            self.checkpoints.save(step, self.state, final=stop or last)
+            self.ledger.steps_done(step)
+            with self.ledger.span("checkpoint_stall", f"save step {step}"):
+                self.checkpoints.save(step, self.state, final=stop or last)
             self.beat("step")
         self.preempted = stop
         return stop
@@ -267,9 +299,21 @@ class Trainer:
         dist.all_reduce(value)
         return value.item() / self.world.world_size
 
+    def report_startup(self) -> None:
+        """The start-up timeline, once the first step is done: where a restart's time goes."""
+        phases = dict(self.ledger.timeline)
+        since_launch = time.time() - launch_time()
+        self.events.emit("startup", phases=phases, since_launch_s=since_launch)
+        if self.is_logger:
+            parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
+            self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s "
+                              f"after launch")
+
     def report(self, step: int, loss: float, step_time: float) -> None:
+        self.events.emit("rank_step", step=step, step_time_s=step_time)
         if not self.is_logger:
             return
+        self.ledger.steps_done(step)
         tokens_per_s = self.tokens_per_step / step_time
         mfu = (self.flops_per_token * tokens_per_s / self.world.world_size / self.peak_flops
                if self.peak_flops else None)
@@ -279,6 +323,31 @@ class Trainer:
                        memory_gb=_memory_gb(self.device))
         self.events.emit("step", **asdict(r))
         self.console.step(r)
+        if self.exporter is not None and self.watchdog is not None:
+            self.exporter.stragglers(self.watchdog.slowdowns)
+        self.account_goodput()
+
+    def account_goodput(self, final: bool = False) -> None:
+        """Rank 0: where the run's time went so far, across restarts, read back from the
+        event log (at most every ``metrics.goodput_every_s``), and the checkpoint interval
+        that time suggests."""
+        if not final and time.monotonic() - self.goodput_at < self.cfg.metrics.goodput_every_s:
+            return
+        self.goodput_at = time.monotonic()
+        b = goodput.account(read_events(self.cfg.training.run_dir), now=time.time())
+        advice = goodput.advise(b, self.cfg.metrics.assumed_mtbf_s)
+        if self.exporter is not None:
+            self.exporter.goodput(b, advice)
+        if final:
+            self.events.emit("goodput", **b.as_dict(),
+                             **(asdict(advice) if advice else {"optimal_interval_s": None,
+                                                               "expected_ettr": None}))
+        elif advice and self.cfg.checkpoint.auto_interval and self.checkpoints is not None:
+            old = self.checkpoints.interval_seconds
+            if not old or abs(advice.optimal_interval_s - old) > 0.1 * old:
+                self.checkpoints.interval_seconds = advice.optimal_interval_s
+                self.events.emit("checkpoint_interval", seconds=advice.optimal_interval_s,
+                                 previous=old, **asdict(advice))
 
     def finish(self, s: Summary) -> Summary:
         if self.is_logger and not s.tokens:
@@ -286,6 +355,7 @@ class Trainer:
                               f"{self.cfg.training.steps}")
         elif self.is_logger:
             self.events.emit("run_end", **asdict(s))
+            self.account_goodput(final=True)
             self.console.line(
                 f"done: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
                 f"({s.tokens_per_s:,.0f} tok/s); loss {s.first_loss:.3f} -> {s.final_loss:.3f}; "
@@ -293,6 +363,8 @@ class Trainer:
         return s
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         if self.watchdog is not None:
             self.watchdog.close()
         if self.checkpoints is not None:

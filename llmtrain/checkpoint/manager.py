@@ -60,6 +60,8 @@ class CheckpointManager:
                 use_async_staging=False, use_non_blocking_copy=cuda))
         self.inflight: Future | None = None
         self.last_save_time = time.monotonic()
+        # By time; with auto_interval the trainer sets it (on rank 0, whose vote suffices).
+        self.interval_seconds = cfg.interval_seconds
         self.signal: int | None = None
         if cfg.save_on_signal:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -82,11 +84,11 @@ class CheckpointManager:
         """
         c = self.cfg
         by_step = bool(c.interval_steps) and step % c.interval_steps == 0
-        if not (c.interval_seconds or c.save_on_signal):
+        if not (c.interval_seconds or c.save_on_signal or c.auto_interval):
             return by_step, False
         flags = torch.tensor([
-            int(bool(c.interval_seconds)
-                and time.monotonic() - self.last_save_time >= c.interval_seconds),
+            int(bool(self.interval_seconds)
+                and time.monotonic() - self.last_save_time >= self.interval_seconds),
             int(self.signal is not None)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
         by_time, by_signal = bool(flags[0]), bool(flags[1])

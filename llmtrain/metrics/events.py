@@ -10,17 +10,21 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
 
 class EventLog:
-    """Appends events; each line is flushed at once so a crash loses at most one."""
+    """Appends events; each line is flushed at once so a crash loses at most one.
+
+    Listeners (the metrics exporter) see every event this rank emits, as it is written.
+    """
 
     def __init__(self, run_dir: str, rank: int):
         self.rank = rank
         self.url = f"{run_dir.rstrip('/')}/events.jsonl"
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._file = None  # opened on the first event: most ranks may never write one
         self._lock = threading.Lock()  # background checkpoint threads emit too
 
@@ -31,6 +35,8 @@ class EventLog:
                 self._file = fsspec.open(self.url, "a").open()
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
+            for listener in self.listeners:
+                listener(record)
 
     def close(self) -> None:
         if self._file is not None:

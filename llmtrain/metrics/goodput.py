@@ -1,0 +1,241 @@
+"""Goodput: where a run's wall time went, across every restart, from the event log.
+
+Rank 0 of each attempt (one process start of the job) records what it spent time on as
+``span`` events in ``events.jsonl``: start-up phases, checkpoint loads and stalls, and the
+productive steps in between. Reading the log back, every second of the run's wall time,
+from the launcher's start to the last event, is put in exactly one category:
+
+==================  =================================================================
+productive          optimizer steps whose result survived (not redone after a failure)
+startup             process start to the first step: imports, rendezvous, process
+                    groups, model construction (the first step's own time is productive)
+checkpoint_load     reading and verifying the checkpoint a restart resumes from
+checkpoint_stall    training blocked by a save (staging, or waiting for the last write)
+lost_steps          steps done, then lost with their process and redone after a restart
+hang                last progress to the watchdog's verdict, when a hang was diagnosed
+restart             the attempt's tail after its last recorded progress, then the gap
+                    until the next attempt's processes start
+other               time inside an attempt that no span claims (shutdown, logging)
+==================  =================================================================
+
+The categories and productive time add up to the wall time by construction; ETTR (effective
+training time ratio) is productive / wall. The same log gives the inputs of the Young/Daly
+checkpoint-interval model: the cost of one save, the cost of a restart and the observed
+time between failures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from llmtrain.metrics.events import EventLog
+
+CATEGORIES = ("startup", "checkpoint_load", "checkpoint_stall", "lost_steps", "hang",
+              "restart", "other")
+# Where pieces overlap (a save inside a productive interval), the stronger claim wins; the
+# attempts' outline (hang, restart, other) ranks below every span.
+_PRIORITY = {"checkpoint_stall": 6, "checkpoint_load": 5, "startup": 4, "lost_steps": 3,
+             "productive": 2, "hang": 1, "restart": 1, "other": 0}
+
+
+def process_start_time(pid: int | None = None) -> float:
+    """The unix time a process started, from /proc (the time this code runs if unknown)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()
+
+
+def launch_time() -> float:
+    """When this attempt's job started: the torchrun agent's start if torchrun launched us
+    (so the agent's own start-up counts), else this process's start."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return process_start_time(os.getppid())
+    return process_start_time()
+
+
+class GoodputLedger:
+    """Records rank 0's spans. Other ranks hold a ledger too, which records nothing, so
+    callers need no rank checks."""
+
+    def __init__(self, events: EventLog, enabled: bool):
+        self.events = events
+        self.enabled = enabled
+        self.productive_from: tuple[int, float] | None = None
+        self.timeline: list[tuple[str, float]] = []  # start-up phases, for the console
+
+    def attempt(self, **fields) -> None:
+        if self.enabled:
+            self.events.emit("attempt_start", launch=launch_time(),
+                             process_start=process_start_time(), **fields)
+
+    def record(self, category: str, name: str, start: float, end: float, **fields) -> None:
+        if category in ("startup", "checkpoint_load"):
+            self.timeline.append((name, end - start))
+        if self.enabled:
+            self.events.emit("span", category=category, name=name, start=round(start, 6),
+                             end=round(end, 6), **fields)
+
+    @contextmanager
+    def span(self, category: str, name: str):
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.record(category, name, start, time.time())
+
+    def steps_done(self, last_step: int) -> None:
+        """Closes the productive span that ends at ``last_step`` and opens the next."""
+        now = time.time()
+        if self.productive_from is not None:
+            first, start = self.productive_from
+            if last_step >= first:
+                self.record("productive", "steps", start, now, steps=[first, last_step])
+        self.productive_from = (last_step + 1, now)
+
+
+@dataclass
+class Breakdown:
+    wall_s: float
+    productive_s: float
+    badput_s: dict[str, float] = field(default_factory=dict)
+    attempts: int = 0
+    failures: int = 0
+    save_cost_s: float | None = None     # mean training stall per checkpoint
+    restart_cost_s: float | None = None  # what a failure costs besides the lost steps
+
+    @property
+    def ettr(self) -> float:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"wall_s": self.wall_s, "productive_s": self.productive_s, "ettr": self.ettr,
+                "badput": self.badput_s, "attempts": self.attempts, "failures": self.failures,
+                "save_cost_s": self.save_cost_s, "restart_cost_s": self.restart_cost_s}
+
+
+def _attempts(events: list[dict]) -> list[list[dict]]:
+    """The log cut at each attempt start; events before the first are dropped."""
+    attempts: list[list[dict]] = []
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e["event"] == "attempt_start":
+            attempts.append([e])
+        elif attempts:
+            attempts[-1].append(e)
+    return attempts
+
+
+def _resumed_step(attempt: list[dict]) -> int:
+    return next((e["step"] for e in attempt if e["event"] == "checkpoint_loaded"), 0)
+
+
+def account(events: list[dict], now: float | None = None) -> Breakdown:
+    """Splits the run's wall time into productive time and the badput categories.
+
+    ``now`` ends the last attempt for a run still going (default: its last event).
+    """
+    attempts = _attempts(events)
+    if not attempts:
+        return Breakdown(wall_s=0.0, productive_s=0.0, badput_s=dict.fromkeys(CATEGORIES, 0.0))
+    # (start, end, category) pieces; elementary intervals take the strongest claim.
+    pieces: list[tuple[float, float, str]] = []
+    for i, attempt in enumerate(attempts):
+        begin = attempt[0]["launch"] if i == 0 else attempt[0]["process_start"]
+        end = attempt[-1]["ts"] if i + 1 < len(attempts) else max(attempt[-1]["ts"], now or 0)
+        pieces.append((begin, end, "other"))
+        if i == 0:  # the launcher's and the interpreter's start-up
+            pieces.append((begin, attempt[0]["process_start"], "startup"))
+        spans = [e for e in attempt if e["event"] == "span"]
+        redo_from = _resumed_step(attempts[i + 1]) + 1 if i + 1 < len(attempts) else math.inf
+        for s in spans:
+            if s["category"] != "productive":
+                pieces.append((s["start"], s["end"], s["category"]))
+                continue
+            first, last = s["steps"]
+            # Steps after the next attempt's resume point were redone: prorate the span.
+            kept = max(0, min(last, redo_from - 1) - first + 1) / (last - first + 1)
+            cut = s["start"] + kept * (s["end"] - s["start"])
+            pieces.append((s["start"], cut, "productive"))
+            pieces.append((cut, s["end"], "lost_steps"))
+        if i + 1 < len(attempts):
+            # From the last recorded progress to the next start: the failure's cost.
+            progress = max((s["end"] for s in spans), default=begin)
+            verdict = next((e["ts"] for e in attempt
+                            if e["event"] in ("hang", "collective_error") and e["ts"] > progress),
+                           None)
+            if verdict is not None:
+                pieces.append((progress, verdict, "hang"))
+            pieces.append((verdict or progress, attempts[i + 1][0]["process_start"], "restart"))
+    totals = _sweep(pieces)
+    productive = totals.pop("productive", 0.0)
+    stalls = [e for e in events if e["event"] == "span" and e["category"] == "checkpoint_stall"]
+    saves = [e for e in events if e["event"] == "checkpoint_staged"]
+    failures = len(attempts) - 1
+    return Breakdown(
+        wall_s=sum(totals.values()) + productive, productive_s=productive,
+        badput_s={c: totals.get(c, 0.0) for c in CATEGORIES}, attempts=len(attempts),
+        failures=failures,
+        save_cost_s=(sum(s["end"] - s["start"] for s in stalls) / len(saves)) if saves else None,
+        restart_cost_s=((totals.get("restart", 0.0) + totals.get("hang", 0.0)) / failures
+                        + (totals.get("startup", 0.0) + totals.get("checkpoint_load", 0.0))
+                        / len(attempts)) if failures else None)
+
+
+def _sweep(pieces: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Seconds per category over the union of ``pieces``, overlaps to the strongest."""
+    edges = sorted((t, delta, c) for a, b, c in pieces if b > a
+                   for t, delta in ((a, 1), (b, -1)))
+    active = dict.fromkeys(_PRIORITY, 0)
+    totals: dict[str, float] = {}
+    for (t, delta, c), (t_next, _, _) in zip(edges, edges[1:] + [edges[-1]]):
+        active[c] += delta
+        if t_next > t:
+            best = max((k for k, n in active.items() if n > 0), key=_PRIORITY.get, default=None)
+            if best is not None:
+                totals[best] = totals.get(best, 0.0) + (t_next - t)
+    return totals
+
+
+@dataclass
+class IntervalAdvice:
+    optimal_interval_s: float
+    expected_ettr: float
+    save_cost_s: float
+    restart_cost_s: float
+    mtbf_s: float
+
+
+def young_daly(save_cost_s: float, mtbf_s: float, restart_cost_s: float) -> IntervalAdvice:
+    """The checkpoint interval that minimizes expected lost time, and the ETTR it gives.
+
+    Daly's higher-order estimate of the optimum (Young's sqrt(2·C·M) plus corrections,
+    valid for C < 2M), and a first-order expected waste: C/τ for saving, (τ/2 + R)/M for
+    re-doing half an interval and restarting after each failure.
+    """
+    c, m = max(save_cost_s, 1e-6), mtbf_s
+    if c < 2 * m:
+        tau = math.sqrt(2 * c * m) * (1 + math.sqrt(c / (2 * m)) / 3 + c / (18 * m)) - c
+    else:
+        tau = m
+    waste = c / tau + (tau / 2 + restart_cost_s) / m
+    return IntervalAdvice(optimal_interval_s=tau, expected_ettr=max(0.0, 1 - waste),
+                          save_cost_s=save_cost_s, restart_cost_s=restart_cost_s, mtbf_s=m)
+
+
+def advise(b: Breakdown, assumed_mtbf_s: float = 0.0) -> IntervalAdvice | None:
+    """Young/Daly advice from the run's own measurements; the observed time between
+    failures when there were any, else ``assumed_mtbf_s`` (0: no advice yet)."""
+    if b.save_cost_s is None:
+        return None
+    mtbf = b.wall_s / b.failures if b.failures else assumed_mtbf_s
+    if mtbf <= 0:
+        return None
+    return young_daly(b.save_cost_s, mtbf, b.restart_cost_s or 0.0)
