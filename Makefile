@@ -24,6 +24,7 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/watchdog.py
+	$(BIN)/python benchmarks/store_scale.py
 
 clean:
 	rm -rf runs .pytest_cache

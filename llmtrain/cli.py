@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
+from dataclasses import asdict
 
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
 from llmtrain.data import ShardError
@@ -27,7 +29,7 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
         trainer.run()
     finally:
         trainer.close()
-    return ExitCode.RETRYABLE if trainer.preempted else ExitCode.CLEAN
+    return trainer.exit_code
 
 
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
@@ -89,6 +91,53 @@ def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
     return 1 if failed else ExitCode.CLEAN
 
 
+def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
+    """Checks this node; with --gate, a fatal finding (or an earlier exclusion) keeps the
+    node out of the job: it is recorded in the run's excluded_hosts.json, exit EXCLUDE_NODE."""
+    cfg = _config(args, rest)
+    from llmtrain.reliability import elastic, health
+    host = args.host or socket.gethostname()
+    run_dir = cfg.training.run_dir
+    if args.gate and host in (excluded := elastic.excluded_hosts(run_dir)):
+        print(f"llmtrain health: {host} was excluded from this run earlier: "
+              f"{excluded[host]['reason']}; remove it from {run_dir}/excluded_hosts.json "
+              f"once it is repaired", file=sys.stderr)
+        return ExitCode.EXCLUDE_NODE
+    storage = {"run_storage": run_dir}
+    if cfg.checkpoint.enable:
+        storage["checkpoint_storage"] = cfg.checkpoint_url
+    checker = health.HealthChecker(cfg.health, health.open_backend(cfg.health), host=host,
+                                   storage=storage)
+    findings, values = checker.run()
+    print(health.to_json(findings, values, checker.backend) if args.json
+          else health.table(findings))
+    worst = health.worst(findings)
+    if worst == "fatal":
+        fatal = [f for f in findings if f.severity == "fatal"]
+        if args.gate:
+            from llmtrain.metrics.events import EventLog
+            reason = "; ".join(f.sentence() for f in fatal)
+            elastic.exclude_host(run_dir, host, reason, findings=[asdict(f) for f in fatal])
+            events = EventLog(run_dir, rank=None)
+            events.emit("node_excluded", host=host, reason=reason, source="gate")
+            events.close()
+            print(f"llmtrain health: {host} excluded from the run: {reason}", file=sys.stderr)
+        return ExitCode.EXCLUDE_NODE
+    return 1 if worst == "warn" and not args.gate else ExitCode.CLEAN
+
+
+def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
+    from llmtrain.metrics.report import write_report
+    if rest:
+        raise ConfigError(f"unexpected arguments {rest}")
+    try:
+        print(write_report(args.run_dir, args.out))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"llmtrain report: {e}", file=sys.stderr)
+        return 1
+    return ExitCode.CLEAN
+
+
 def cmd_analyze(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.reliability import flightrec
     dumps = flightrec.load_dumps(args.dir)
@@ -107,13 +156,23 @@ def main(argv: list[str] | None = None) -> int:
                "e.g. --optim.lr 3e-4 --training.steps 100.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", cmd_train, "train a model (under torchrun, or alone)"),
-                             ("config", cmd_config, "print the resolved config and model size")):
+                             ("config", cmd_config, "print the resolved config and model size"),
+                             ("health", cmd_health, "check this node's GPUs and storage")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default="debug_cpu",
                        help=f"preset ({', '.join(preset_names())}) or a .toml file")
         p.set_defaults(func=func)
     sub.choices["config"].add_argument("--world-size", type=int, default=1,
                                        help="check batch and mesh fit this many ranks")
+    hp = sub.choices["health"]
+    hp.add_argument("--gate", action="store_true",
+                    help="preflight: a fatal finding excludes this node from the run (exit 76)")
+    hp.add_argument("--json", action="store_true")
+    hp.add_argument("--host", default="", help="name to record (default: the hostname)")
+    report = sub.add_parser("report", help="an HTML report (and PNGs) of a run")
+    report.add_argument("run_dir")
+    report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+    report.set_defaults(func=cmd_report)
     ckpt = sub.add_parser("ckpt", help="list, verify or inspect checkpoints")
     ckpt.add_argument("action", choices=("list", "verify", "inspect"))
     ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")

@@ -148,6 +148,31 @@ class ReliabilityConfig:
 
 
 @dataclass
+class HealthConfig:
+    """GPU and node health checks: the preflight gate and the in-training monitor."""
+    backend: str = _f("auto", choices=("auto", "nvml", "scripted", "none"),
+                      doc="auto: NVML if the driver loads, else the script if given, else CPU")
+    script: str = _f("", doc="JSON/TOML file of scripted GPU states (also LLMTRAIN_NVML_SCRIPT)")
+    expected_gpus: int = _f(-1, ge=-1, doc="GPUs a node must show; -1: LOCAL_WORLD_SIZE "
+                                          "when set; 0: not checked")
+    monitor: bool = _f(True, doc="re-check this rank's GPU while training")
+    interval_s: float = _f(30.0, gt=0, doc="seconds between the monitor's checks")
+    xid_fatal: str = _f("48,64,74,79,95,119,120", doc="XIDs that exclude the node")
+    xid_warn: str = _f("63,92,94", doc="XIDs that only warn")
+    xid_window_s: float = _f(3600.0, gt=0, doc="how far back the kernel log counts")
+    max_aggregate_uce: int = _f(0, ge=0, doc="lifetime uncorrectable ECC errors before a warning")
+    max_temperature_c: float = _f(87.0, gt=0)
+    nvlink_error_threshold: int = _f(100, ge=0, doc="replay/recovery/CRC errors before a warning")
+    pcie_degraded: str = _f("warn", choices=("warn", "fatal"), doc="a link below its max width")
+    stray_processes: str = _f("fatal", choices=("warn", "fatal"),
+                              doc="another process holding memory on our GPU")
+    min_free_gb: float = _f(1.0, ge=0, doc="free space wanted on local run/checkpoint storage")
+    min_shm_gb: float = _f(1.0, ge=0, doc="/dev/shm size NCCL needs")
+    plugins: str = _f("", doc="comma-separated module:function site checks, each returning "
+                              "a list of Finding")
+
+
+@dataclass
 class MetricsConfig:
     """What rank 0 reports, and how often."""
     log_every: int = _f(10, ge=1, doc="steps between loss/throughput reports")
@@ -174,6 +199,7 @@ SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
     "reliability": ReliabilityConfig,
+    "health": HealthConfig,
     "metrics": MetricsConfig,
 }
 
@@ -187,6 +213,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

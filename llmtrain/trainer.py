@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -30,11 +31,17 @@ from llmtrain.metrics.events import EventLog, read_events
 from llmtrain.metrics.goodput import GoodputLedger, launch_time, process_start_time
 from llmtrain.metrics.prometheus import Exporter
 from llmtrain.model import Transformer, count_params, flops_per_token
-from llmtrain.reliability import faults
+from llmtrain.reliability import faults, health
+from llmtrain.reliability.elastic import ExitCode, exclude_host
+from llmtrain.reliability.health import HealthChecker, HealthMonitor
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+# How long ranks stopped by a peer's failed health check wait before exiting.
+_PEER_STOP_GRACE_S = 2.0
 
 
 def _peak_flops(cfg: JobConfig, device: torch.device) -> float | None:
@@ -147,6 +154,7 @@ class Trainer:
         self.step = 0
         self.grad_norm: torch.Tensor | None = None
         self.preempted = False
+        self.excluded = False
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops = _peak_flops(cfg, self.device)
@@ -166,7 +174,9 @@ class Trainer:
                 self.checkpoints = CheckpointManager(
                     cfg.checkpoint, cfg.checkpoint_url, events=self.events, device=self.device,
                     manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
-                                   "mesh": list(cfg.mesh_shape(self.world.world_size))})
+                                   "mesh": list(cfg.mesh_shape(self.world.world_size))},
+                    stop_votes=cfg.health.monitor)
+            self.health = self._start_health_monitor() if cfg.health.monitor else None
         if self.checkpoints is not None and cfg.checkpoint.resume:
             with self.ledger.span("checkpoint_load", "resume"):
                 self.step = self.checkpoints.resume(self.state)
@@ -181,6 +191,18 @@ class Trainer:
                 f"{self.world.world_size} rank(s) on {self.device.type} "
                 f"({dist.get_backend()}), {self.accum_steps} micro-batch(es) per step, "
                 f"run dir {t.run_dir}")
+
+    def _start_health_monitor(self) -> HealthMonitor:
+        """Watches this rank's GPU (and, on local rank 0, the node) while training."""
+        backend = health.open_backend(self.cfg.health)
+        gpu = health.rank_gpu(backend, self.device)
+        monitor = HealthMonitor(
+            HealthChecker(self.cfg.health, backend, host=self.world.host),
+            [] if gpu is None else [gpu], interval_s=self.cfg.health.interval_s,
+            node_checks=self.world.local_rank == 0, events=self.events,
+            on_pass=self.exporter.health if self.exporter is not None else None)
+        monitor.start()
+        return monitor
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
@@ -258,6 +280,10 @@ class Trainer:
             if self.checkpoint(step):
                 break
         self.ledger.steps_done(self.step)
+        if self.checkpoints is not None and self.checkpoints.stopped_by_peer:
+            # Let the failed node's rank exit first, so the launcher sees its EXCLUDE_NODE
+            # rather than stopping it in favor of our RETRYABLE.
+            time.sleep(_PEER_STOP_GRACE_S)
         wall = time.perf_counter() - start
         tokens = (self.step - first_step) * self.tokens_per_step
         return self.finish(Summary(
@@ -275,10 +301,14 @@ class Trainer:
             self.watchdog.collective_failed(e)
 
     def checkpoint(self, step: int) -> bool:
-        """Saves when due (always after the last step); True when the run must stop now."""
+        """Saves when due (always after the last step, and before stopping for a failed
+        health check anywhere); True when the run must stop now."""
+        unhealthy = self.health is not None and self.health.fatal is not None
+        if unhealthy and not self.excluded:
+            self.exclude_node()  # first, so the record exists however the job ends
         if self.checkpoints is None:
-            return False
-        due, stop = self.checkpoints.due(step)
+            return unhealthy
+        due, stop = self.checkpoints.due(step, stop_vote=unhealthy)
         last = step == self.cfg.training.steps
         if due or last:
             self.beat("checkpoint")
@@ -288,6 +318,25 @@ class Trainer:
             self.beat("step")
         self.preempted = stop
         return stop
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """EXCLUDE_NODE for the rank whose hardware failed, RETRYABLE for ranks stopped
+        early (a signal, or a peer's failure), else CLEAN."""
+        if self.health is not None and self.health.fatal is not None:
+            return ExitCode.EXCLUDE_NODE
+        return ExitCode.RETRYABLE if self.preempted else ExitCode.CLEAN
+
+    def exclude_node(self) -> None:
+        """Takes this node out of the run after its GPU failed a check."""
+        f = self.health.fatal
+        self.excluded = True
+        exclude_host(self.cfg.training.run_dir, self.world.host, f.sentence(),
+                     findings=[asdict(f)], rank=self.world.rank)
+        self.events.emit("node_excluded", host=self.world.host, reason=f.sentence(),
+                         source="monitor", step=self.step)
+        print(f"llmtrain: rank {self.world.rank} stops with EXCLUDE_NODE: {f.sentence()}",
+              file=sys.stderr, flush=True)
 
     def beat(self, phase: str, step: int | None = None) -> None:
         if self.watchdog is not None:
@@ -363,6 +412,8 @@ class Trainer:
         return s
 
     def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
         if self.exporter is not None:
             self.exporter.close()
         if self.watchdog is not None:

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,18 +11,49 @@ from llmtrain.metrics.events import read_events
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def llmtrain(run_dir: Path, *overrides: str, nproc: int | None = None, timeout: float = 600,
-             torchrun_args: tuple[str, ...] = (), env: dict | None = None,
-             ) -> subprocess.CompletedProcess:
-    """``llmtrain train`` on the debug preset: alone, or under torchrun with ``nproc`` ranks."""
+def llmtrain_command(run_dir: Path, *overrides: str, nproc: int | None = None,
+                     torchrun_args: tuple[str, ...] = (), env: dict | None = None,
+                     ) -> tuple[list[str], dict]:
+    """The command line and environment of ``llmtrain train`` on the debug preset: alone,
+    or under torchrun with ``nproc`` ranks; exporters listen on loopback only."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={nproc}", *torchrun_args, "-m", "llmtrain"] if nproc
                 else [sys.executable, "-m", "llmtrain"])
     cmd = [*launcher, "train", "--config", "debug_cpu", "--training.run_dir", str(run_dir),
-           *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+           "--metrics.address", "127.0.0.1", *overrides]
+    return cmd, {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+
+
+def llmtrain(run_dir: Path, *overrides: str, timeout: float = 600,
+             **kwargs) -> subprocess.CompletedProcess:
+    """Runs ``llmtrain train`` to the end (see ``llmtrain_command``)."""
+    cmd, env = llmtrain_command(run_dir, *overrides, **kwargs)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=ROOT)
+
+
+def llmtrain_start(run_dir: Path, *overrides: str, **kwargs) -> subprocess.Popen:
+    """Starts ``llmtrain train`` in the background, for tests that act on a running job."""
+    cmd, env = llmtrain_command(run_dir, *overrides, **kwargs)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+
+
+def wait_for_event(run_dir: Path, name: str, proc: subprocess.Popen, timeout: float = 120,
+                   where=lambda e: True) -> dict:
+    """The first ``name`` event matching ``where``, once the running job has written it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "events.jsonl").exists():
+            found = [e for e in events(run_dir, name) if where(e)]
+            if found:
+                return found[0]
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the job exited {proc.returncode} before a {name} event\n"
+                                 f"{out[-2000:]}\n{err[-4000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {name} event within {timeout} s")
 
 
 def events(run_dir: Path, name: str) -> list[dict]:

@@ -45,8 +45,10 @@ def describe(error: BaseException) -> str:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
-                 events: EventLog, device: torch.device):
+                 events: EventLog, device: torch.device, stop_votes: bool = False):
         self.cfg, self.url, self.events = cfg, url, events
+        self.stop_votes = stop_votes  # ranks may vote to stop: every step takes the vote
+        self.stopped_by_peer = False
         self.manifest_base = manifest_base
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -77,24 +79,29 @@ class CheckpointManager:
 
     # -- when -------------------------------------------------------------------------
 
-    def due(self, step: int) -> tuple[bool, bool]:
-        """(save now, then stop): by step interval, by time, or because of a signal.
+    def due(self, step: int, stop_vote: bool = False) -> tuple[bool, bool]:
+        """(save now, then stop): by step interval, by time, because of a signal, or
+        because a rank votes to stop (its GPU failed a health check).
 
-        Time and signals differ between ranks, so ranks agree with one all-reduce.
+        Time, signals and votes differ between ranks, so ranks agree with one all-reduce.
         """
         c = self.cfg
         by_step = bool(c.interval_steps) and step % c.interval_steps == 0
-        if not (c.interval_seconds or c.save_on_signal or c.auto_interval):
+        if not (c.interval_seconds or c.save_on_signal or c.auto_interval or self.stop_votes):
             return by_step, False
         flags = torch.tensor([
             int(bool(self.interval_seconds)
                 and time.monotonic() - self.last_save_time >= self.interval_seconds),
-            int(self.signal is not None)])
+            int(self.signal is not None), int(stop_vote)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
-        by_time, by_signal = bool(flags[0]), bool(flags[1])
+        by_time, by_signal, by_vote = (bool(f) for f in flags)
+        if by_vote and not stop_vote and not by_signal:
+            self.stopped_by_peer = True
         if by_signal:
             self._emit0("preempted", step=step, signal=self.signal or "on another rank")
-        return by_step or by_time or by_signal, by_signal
+        if stop_vote:
+            self.events.emit("stop_vote", step=step)
+        return by_step or by_time or by_signal or by_vote, by_signal or by_vote
 
     # -- save -------------------------------------------------------------------------
 

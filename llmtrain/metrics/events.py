@@ -21,7 +21,7 @@ class EventLog:
     Listeners (the metrics exporter) see every event this rank emits, as it is written.
     """
 
-    def __init__(self, run_dir: str, rank: int):
+    def __init__(self, run_dir: str, rank: int | None):
         self.rank = rank
         self.url = f"{run_dir.rstrip('/')}/events.jsonl"
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
