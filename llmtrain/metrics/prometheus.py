@@ -90,11 +90,16 @@ class Exporter:
             kwargs = {}
             if kind == "histogram":
                 kwargs["buckets"] = (_SAVE_BUCKETS if "checkpoint" in name else _STEP_BUCKETS)
-            metric = cls(name, doc, LABELS + extra, registry=self.registry, **kwargs)
-            self.m[name] = metric.labels(**self.base) if not extra else metric
+            # Series appear on first use: a rank that never knows a value (only rank 0
+            # has the job's loss) exports nothing rather than a misleading 0.
+            self.m[name] = cls(name, doc, LABELS + extra, registry=self.registry, **kwargs)
         self.server = None
         self.port: int | None = None
         self.target_url: str | None = None
+        if rank == 0:  # run-wide counts start at 0, so that increase() sees the first one
+            for name in ("llmtrain_hangs_total", "llmtrain_desyncs_total",
+                         "llmtrain_checkpoint_failures_total"):
+                self.series(name)
         self.set("llmtrain_world_size", world_size)
         self.set("llmtrain_restart_count", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
@@ -130,7 +135,9 @@ class Exporter:
         addr = self.cfg.address if self.cfg.address not in ("", "0.0.0.0", "::") else self.host
         targets_dir = self.cfg.targets_dir or join(self.run_dir, "monitoring/targets")
         self.target_url = join(targets_dir, f"{self.host}-{self.local_rank}.json")
-        entry = [{"targets": [f"{addr}:{self.port}"], "labels": {"llmtrain_run": self.base["run"]}}]
+        # The target carries the series' own labels, so that `up` names the rank and host
+        # of an exporter that stopped answering (the scrape job honors them).
+        entry = [{"targets": [f"{addr}:{self.port}"], "labels": self.base}]
         write_atomic(self.target_url, json.dumps(entry).encode())
 
     def _replay_history(self) -> None:
@@ -140,24 +147,29 @@ class Exporter:
         except FileNotFoundError:
             return
         for e in events:
-            if e["event"] in ("hang", "collective_error", "checkpoint_failed",
-                              "checkpoint_committed"):
+            # this rank's own history, and on rank 0 the run-wide verdicts
+            mine = e["rank"] == self.rank or (self.rank == 0 and e["event"] in
+                                             ("hang", "collective_error"))
+            if mine and e["event"] in ("hang", "collective_error", "checkpoint_failed",
+                                       "checkpoint_committed"):
                 self.observe(e)
         sizes = [e["world_size"] for e in events if e["event"] == "attempt_start"]
         self.set("llmtrain_membership_changes", sum(a != b for a, b in zip(sizes, sizes[1:])))
 
     # -- updates ------------------------------------------------------------------------
 
+    def series(self, name: str, **labels):
+        return self.m[name].labels(**self.base, **labels)
+
     def set(self, name: str, value: float, **labels) -> None:
-        metric = self.m[name]
-        (metric.labels(**self.base, **labels) if labels else metric).set(value)
+        self.series(name, **labels).set(value)
 
     def step_done(self, step: int, seconds: float) -> None:
         now = time.time()
         self.set("llmtrain_step", step)
         self.set("llmtrain_last_step_timestamp_seconds", now)
         self.set("llmtrain_heartbeat_timestamp_seconds", now)
-        self.m["llmtrain_step_seconds"].observe(seconds)
+        self.series("llmtrain_step_seconds").observe(seconds)
 
     def stragglers(self, slowdowns: list[float]) -> None:
         for peer, slowdown in enumerate(slowdowns):
@@ -194,10 +206,10 @@ class Exporter:
             if e.get("mfu") is not None:
                 self.set("llmtrain_mfu_ratio", e["mfu"])
         elif kind == "checkpoint_staged":
-            self.m["llmtrain_checkpoint_blocking_seconds"].observe(e["blocking_s"])
+            self.series("llmtrain_checkpoint_blocking_seconds").observe(e["blocking_s"])
         elif kind == "checkpoint_committed":
             if "total_s" in e:
-                self.m["llmtrain_checkpoint_save_seconds"].observe(e["total_s"])
+                self.series("llmtrain_checkpoint_save_seconds").observe(e["total_s"])
             if e.get("bytes") is not None:
                 self.set("llmtrain_checkpoint_bytes", e["bytes"])
             self.set("llmtrain_checkpoint_last_committed_step", e["step"])
@@ -206,11 +218,11 @@ class Exporter:
             self.set("llmtrain_checkpoint_load_seconds", e["seconds"])
             self.set("llmtrain_checkpoint_last_committed_step", e["step"])
         elif kind == "checkpoint_failed":
-            self.m["llmtrain_checkpoint_failures_total"].inc()
+            self.series("llmtrain_checkpoint_failures_total").inc()
         elif kind == "hang":
-            self.m["llmtrain_hangs_total"].inc()
+            self.series("llmtrain_hangs_total").inc()
         elif kind == "collective_error":
-            self.m["llmtrain_desyncs_total"].inc()
+            self.series("llmtrain_desyncs_total").inc()
 
     def goodput(self, b: goodput.Breakdown, advice: goodput.IntervalAdvice | None) -> None:
         self.set("llmtrain_goodput_ratio", b.ettr)
