@@ -389,8 +389,9 @@ class Trainer:
             self.exporter.goodput(b, advice)
         if final:
             self.events.emit("goodput", **b.as_dict(),
-                             **(asdict(advice) if advice else {"optimal_interval_s": None,
-                                                               "expected_ettr": None}))
+                             optimal_interval_s=advice and advice.optimal_interval_s,
+                             expected_ettr=advice and advice.expected_ettr,
+                             mtbf_s=advice and advice.mtbf_s)
         elif advice and self.cfg.checkpoint.auto_interval and self.checkpoints is not None:
             old = self.checkpoints.interval_seconds
             if not old or abs(advice.optimal_interval_s - old) > 0.1 * old:

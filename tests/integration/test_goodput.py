@@ -1,0 +1,49 @@
+"""Goodput across a kill and a restart: every second of wall time is accounted for once,
+and the ETTR agrees with one computed from the outside."""
+
+import statistics
+import time
+
+from conftest import check, events, llmtrain
+
+from llmtrain.metrics import goodput
+from llmtrain.metrics.events import read_events
+
+
+def test_goodput_closes_over_a_kill_and_a_restart(tmp_path):
+    run = tmp_path / "run"
+    launched = time.time()
+    check(llmtrain(run, "--training.steps", "160", "--checkpoint.interval_steps", "40",
+                   "--metrics.log_every", "10", nproc=2, torchrun_args=("--max-restarts", "1"),
+                   env={"LLMTRAIN_FAULTS": "kill@step:rank=1,step=75,restart=0"}))
+    ended = time.time()
+
+    (final,) = events(run, "goodput")
+    parts = final["productive_s"] + sum(final["badput"].values())
+    assert abs(parts - final["wall_s"]) <= 0.01 * final["wall_s"]
+    assert final["attempts"] == 2 and final["failures"] == 1
+    # The ledger's clock starts at torchrun's own start and ends at its last event; the
+    # test's brackets both, with only process start and teardown outside.
+    assert final["wall_s"] <= ended - launched
+    assert final["wall_s"] >= (ended - launched) - 6
+
+    # From the outside: the steady step time (log events 10 steps apart, in the attempt
+    # that finished), times the steps the run needed, over the test's own wall clock.
+    resumed = events(run, "checkpoint_loaded")[-1]
+    assert resumed["step"] == 40
+    steps = [e for e in events(run, "step") if e["ts"] > resumed["ts"]]
+    gaps = [(b["ts"] - a["ts"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:])
+            if b["step"] - a["step"] == 10 and b["step"] % 40 != 0]  # no save in between
+    step_time = statistics.median(gaps)
+    ettr_outside = 160 * step_time / (ended - launched)
+    assert abs(final["ettr"] - ettr_outside) < 0.05, (final, ettr_outside)
+
+    # Steps 41..74 ran twice: their first run is lost time, about 34 step times.
+    lost = final["badput"]["lost_steps"]
+    assert 20 * step_time < lost < 50 * step_time, (lost, step_time)
+    assert final["badput"]["restart"] > 0 and final["badput"]["startup"] > 0
+    assert final["badput"]["checkpoint_load"] > 0
+
+    # The same numbers come back from the log at any later time.
+    again = goodput.account(read_events(str(run)))
+    assert abs(again.ettr - final["ettr"]) < 0.02
