@@ -8,12 +8,14 @@ checkpointing can wrap each block by replacing its entry without renumbering any
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from llmtrain.config import ModelConfig
 
@@ -187,35 +189,35 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Sets every parameter, re-ties the output projection and recomputes the rope tables.
 
-        Each parameter is drawn whole, in float32, in ``named_parameters`` order from one
-        generator, and a sharded (DTensor) parameter keeps only its own shard. So a seed
-        gives the same weights however the model was built (directly, or on ``meta`` then
-        ``to_empty``) and whatever it is sharded over. Drawing into the local shard
-        instead would give every rank the same numbers on CPU, where DTensor has no RNG
-        tracker. Residual-branch outputs (wo, w2) get std / sqrt(2 * n_layers) so the
-        residual stream's variance does not grow with depth (GPT-2's scheme).
+        Each rank draws only the rows of its own shards, so initializing a model sharded
+        over N ranks costs each rank 1/N of the whole (a 405B model drawn whole on every
+        rank takes minutes). The values still do not depend on how the model was built
+        (directly, or on ``meta`` then sharded and ``to_empty``) nor on the world size: a
+        parameter is drawn in float32, in fixed blocks of whole rows along dim 0 (the dim
+        FSDP2 shards), each block from its own generator seeded by (seed, parameter name,
+        block index); a rank draws the blocks its rows overlap and keeps its rows. The
+        block size is a constant, never derived from the world size. On CUDA the blocks
+        are drawn by device generators, so a seed gives other numbers than on CPU.
+        Without a seed, one is drawn from the global RNG, so ``torch.manual_seed``
+        decides an eagerly built model. Residual-branch outputs (wo, w2) get
+        std / sqrt(2 * n_layers) so the residual stream's variance does not grow with
+        depth (GPT-2's scheme); norm weights start at 1.
         """
         if self.cfg.tie_embeddings:
             # ``to_empty`` from meta gives each module a new Parameter, which unties them.
             self.output.weight = self.tok_embeddings.weight
-        device = self.tok_embeddings.weight.device
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed)
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()).item())
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
+            name = _unwrapped_name(name)
+            local = param.to_local() if isinstance(param, DTensor) else param
             if name.endswith("norm.weight"):
-                value = torch.ones(param.shape, device=device)
-            else:
-                residual = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
-                std = residual_std if residual else self.cfg.init_std
-                value = torch.empty(param.shape, device=device)
-                value.normal_(0.0, std, generator=generator)
-            if isinstance(param, DTensor):
-                value = distribute_tensor(value, param.device_mesh, param.placements,
-                                          src_data_rank=None)
-            param.copy_(value)
+                local.fill_(1.0)
+                continue
+            residual = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+            std = residual_std if residual else self.cfg.init_std
+            _fill_normal(param, local, std, seed, name)
         self.rope_cos, self.rope_sin = rope_tables(
             self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta,
             self.rope_cos.device)
@@ -230,3 +232,51 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+# Rows per init block sum to this many elements (4 MiB of float32): few enough blocks
+# that per-block overhead vanishes, small enough that a rank draws at most two blocks'
+# worth of rows beyond its shard and never holds more than one block extra.
+INIT_BLOCK_ELEMENTS = 1 << 20
+
+# Module wrappers that ``parallelize`` may insert into parameter names (activation
+# checkpointing, torch.compile); the init seed is keyed by the name without them.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _unwrapped_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _block_generator(seed: int, name: str, block: int, device: torch.device) -> torch.Generator:
+    """A generator of its own for each (seed, parameter, block): any rank can draw any
+    block without drawing the ones before it."""
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little"))
+
+
+def _fill_normal(param: torch.Tensor, local: torch.Tensor, std: float, seed: int,
+                 name: str) -> None:
+    """Fills ``local`` (``param``'s shard, or ``param`` itself) with its part of the
+    blockwise N(0, std) draw of the whole parameter."""
+    if local.numel() == 0:
+        return
+    shape = tuple(param.shape)
+    if isinstance(param, DTensor):
+        _, offset = compute_local_shape_and_global_offset(shape, param.device_mesh,
+                                                          param.placements)
+    else:
+        offset = (0,) * len(shape)
+    rows = max(1, INIT_BLOCK_ELEMENTS // math.prod(shape[1:]))
+    first, end = offset[0], offset[0] + local.shape[0]
+    for block in range(first // rows, -(-end // rows)):
+        start, stop = block * rows, min((block + 1) * rows, shape[0])
+        value = torch.empty((stop - start, *shape[1:]), device=local.device)
+        value.normal_(0.0, std, generator=_block_generator(seed, name, block, local.device))
+        lo, hi = max(first, start), min(end, stop)
+        piece = value[lo - start:hi - start]
+        for dim in range(1, len(shape)):  # shards along other dims (tensor parallel)
+            piece = piece.narrow(dim, offset[dim], local.shape[dim])
+        local[lo - first:hi - first].copy_(piece)

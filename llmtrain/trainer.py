@@ -22,8 +22,8 @@ from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
-from llmtrain.distributed.process_group import (WorldInfo, build_mesh, init_process_group,
-                                                open_store, shutdown)
+from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
+                                                init_process_group, open_store, shutdown)
 from llmtrain.fsio import join, write_atomic
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics import goodput
@@ -110,8 +110,11 @@ class Trainer:
             _check_writable("checkpoint.url", cfg.checkpoint_url)
         self.events = EventLog(t.run_dir, self.world.rank)
         self.ledger = GoodputLedger(self.events, enabled=self.is_logger)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.ledger.attempt(world_size=self.world.world_size, host=self.world.host,
-                            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+                            restart_count=restart)
+        if not restart:  # the agent's start, rendezvous and spawn (a restart's is "restart")
+            self.ledger.record("startup", "launch", launch_time(), process_start_time())
         self.ledger.record("startup", "imports", process_start_time(), entered)
         self.exporter = None
         if cfg.metrics.prometheus:
@@ -128,25 +131,31 @@ class Trainer:
                                     self.world.rank, self.world.world_size)
             self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
 
+        if cfg.reliability.watchdog:
+            configure_diagnostics(cfg.reliability, t.run_dir)
+        with self.ledger.span("startup", "store_connect"):
+            store = connect_store(self.world, cfg.reliability)
         with self.ledger.span("startup", "process_group"):
-            if cfg.reliability.watchdog:
-                configure_diagnostics(cfg.reliability, t.run_dir)
-            self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world)
-            if self.device.type == "cpu":
-                # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
-                # training, when gradients get small; flushing them costs no accuracy.
-                torch.set_flush_denormal(True)
+            self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world, store)
+        if self.device.type == "cpu":
+            # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
+            # training, when gradients get small; flushing them costs no accuracy.
+            torch.set_flush_denormal(True)
+        with self.ledger.span("startup", "device_mesh"):
             self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
 
-        with self.ledger.span("startup", "model"):
-            # Built on meta and sharded before any storage exists, so no rank ever holds the
-            # whole model; each then draws only its shards, the same weights at any world size.
+        # Built on meta and sharded before any storage exists, so no rank ever holds the
+        # whole model; each then draws only its shards, the same weights at any world size.
+        with self.ledger.span("startup", "model_meta"):
             torch.manual_seed(t.seed)
             with torch.device("meta"):
                 model = Transformer(cfg.model)
+        with self.ledger.span("startup", "shard"):
             self.model = parallelize(model, self.mesh, cfg.parallelism)
+        with self.ledger.span("startup", "materialize"):
             self.model.to_empty(device=self.device)
             self.model.init_weights(t.seed)
+        with self.ledger.span("startup", "optimizer"):
             self.optimizer = self._build_optimizer()
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
@@ -353,6 +362,9 @@ class Trainer:
         phases = dict(self.ledger.timeline)
         since_launch = time.time() - launch_time()
         self.events.emit("startup", phases=phases, since_launch_s=since_launch)
+        if self.exporter is not None:
+            for name, seconds in phases.items():
+                self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)
         if self.is_logger:
             parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
             self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s "

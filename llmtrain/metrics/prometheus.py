@@ -39,6 +39,7 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llmtrain_world_size": ("gauge", "ranks in the job now", ()),
     "llmtrain_restart_count": ("gauge", "torchrun's restart count of this attempt", ()),
     "llmtrain_membership_changes": ("gauge", "world-size changes seen in the run", ()),
+    "llmtrain_startup_seconds": ("gauge", "this attempt's start-up, by phase", ("phase",)),
     "llmtrain_checkpoint_blocking_seconds": ("histogram", "training stalled per save", ()),
     "llmtrain_checkpoint_save_seconds": ("histogram", "save start to commit", ()),
     "llmtrain_checkpoint_bytes": ("gauge", "size of the last committed checkpoint", ()),
