@@ -1,0 +1,92 @@
+"""The goodput accounting on hand-made timelines, and the Young/Daly advice."""
+
+import math
+
+import pytest
+
+from llmtrain.metrics.goodput import CATEGORIES, account, advise, young_daly
+
+
+def span(category, start, end, **kw):
+    return {"ts": end, "event": "span", "rank": 0, "category": category, "name": category,
+            "start": start, "end": end, **kw}
+
+
+def attempt(ts, launch, process_start):
+    return {"ts": ts, "event": "attempt_start", "rank": 0, "launch": launch,
+            "process_start": process_start, "world_size": 2}
+
+
+def two_attempts_with_a_hang():
+    """Launch at 0; start-up to 3; steps 1-10 in 3-5, a save 5-5.2, steps 11-20 in 5-7;
+    a hang diagnosed at 8; the second attempt starts at 9, loads step 10 by 10 and redoes
+    11-20 in 10-12; the run ends at 12.5."""
+    return [
+        attempt(0.6, 0.0, 0.5),
+        span("startup", 0.5, 3.0),
+        span("productive", 3.0, 5.0, steps=[1, 10]),
+        {"ts": 5.2, "event": "checkpoint_staged", "rank": 0, "step": 10, "blocking_s": 0.2},
+        span("checkpoint_stall", 5.0, 5.2),
+        span("productive", 5.0, 7.0, steps=[11, 20]),
+        {"ts": 8.0, "event": "hang", "rank": 0, "reason": "rank 1 stuck"},
+        attempt(9.5, 0.0, 9.0),
+        {"ts": 10.0, "event": "checkpoint_loaded", "rank": 0, "step": 10},
+        span("checkpoint_load", 9.5, 10.0),
+        span("productive", 10.0, 12.0, steps=[11, 20]),
+        {"ts": 12.5, "event": "run_end", "rank": 0},
+    ]
+
+
+def test_every_second_lands_in_exactly_one_category():
+    b = account(two_attempts_with_a_hang())
+    assert b.wall_s == pytest.approx(12.5)
+    assert b.productive_s + sum(b.badput_s.values()) == pytest.approx(b.wall_s)
+    assert set(b.badput_s) == set(CATEGORIES)
+    assert b.productive_s == pytest.approx(4.0)  # 3-5 and 10-12; 5-7 was redone
+    assert b.badput_s["startup"] == pytest.approx(3.0)  # launch 0 to 3
+    assert b.badput_s["lost_steps"] == pytest.approx(1.8)  # 5.2-7 (the save claims 5-5.2)
+    assert b.badput_s["checkpoint_stall"] == pytest.approx(0.2)
+    assert b.badput_s["hang"] == pytest.approx(1.0)  # last progress 7 to the verdict at 8
+    assert b.badput_s["restart"] == pytest.approx(1.0)  # 8 to the new process at 9
+    assert b.badput_s["checkpoint_load"] == pytest.approx(0.5)
+    assert b.badput_s["other"] == pytest.approx(1.0)  # 9-9.5 and 12-12.5
+    assert b.ettr == pytest.approx(4.0 / 12.5)
+    assert (b.attempts, b.failures) == (2, 1)
+    assert b.save_cost_s == pytest.approx(0.2)
+
+
+def test_a_partly_redone_span_is_prorated_and_a_running_job_counts_to_now():
+    events = two_attempts_with_a_hang()
+    events[8] = {"ts": 10.0, "event": "checkpoint_loaded", "rank": 0, "step": 15}
+    b = account(events[:-1], now=20.0)
+    # steps 11-15 of the 5-7 span were kept (its first half, less the save's 0.2 s)
+    assert b.productive_s == pytest.approx(2.0 + 0.8 + 2.0)
+    assert b.badput_s["lost_steps"] == pytest.approx(1.0)
+    assert b.wall_s == pytest.approx(20.0)
+    assert b.productive_s + sum(b.badput_s.values()) == pytest.approx(20.0)
+
+
+def test_no_attempt_no_time():
+    b = account([{"ts": 1, "event": "step", "rank": 0}])
+    assert (b.wall_s, b.productive_s, b.ettr) == (0.0, 0.0, 0.0)
+
+
+def test_young_daly_against_the_textbook():
+    # C = 60 s to save, M = 6 h between failures: Young's sqrt(2CM) = 1609.97 s
+    a = young_daly(60.0, 6 * 3600.0, 300.0)
+    young = math.sqrt(2 * 60 * 6 * 3600)
+    assert young * 0.95 < a.optimal_interval_s < young * 1.05
+    waste = 60 / a.optimal_interval_s + (a.optimal_interval_s / 2 + 300) / (6 * 3600)
+    assert a.expected_ettr == pytest.approx(1 - waste)
+    # the optimum beats its neighbours in expected ETTR
+    for tau in (a.optimal_interval_s / 2, a.optimal_interval_s * 2):
+        assert 1 - (60 / tau + (tau / 2 + 300) / (6 * 3600)) < a.expected_ettr
+
+
+def test_advice_needs_a_save_and_a_failure_rate():
+    b = account(two_attempts_with_a_hang())
+    a = advise(b)
+    assert a.mtbf_s == pytest.approx(12.5) and a.save_cost_s == pytest.approx(0.2)
+    b.failures = 0
+    assert advise(b) is None
+    assert advise(b, assumed_mtbf_s=3600).mtbf_s == 3600
