@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 from dataclasses import asdict
@@ -23,12 +24,34 @@ def _config(args: argparse.Namespace, rest: list[str]):
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = _config(args, rest)
+    from llmtrain.distributed.process_group import node_name
+    from llmtrain.launch import stop_agent
+    from llmtrain.metrics.events import EventLog
+    from llmtrain.reliability import elastic
     from llmtrain.trainer import Trainer
-    trainer = Trainer(cfg)
+    host = node_name()
+    if host in (excluded := elastic.excluded_hosts(cfg.training.run_dir)):
+        print(f"llmtrain: {host} is excluded from this run ({excluded[host]['reason']})",
+              file=sys.stderr)
+        stop_agent(ExitCode.EXCLUDE_NODE)
+        return ExitCode.EXCLUDE_NODE
+    try:
+        trainer = Trainer(cfg)
+    except (ConfigError, ShardError) as e:
+        EventLog(cfg.training.run_dir, int(os.environ.get("RANK", 0))).emit(
+            "fatal", host=host, error=f"{type(e).__name__}: {e}")
+        stop_agent(ExitCode.FATAL)
+        raise
     try:
         trainer.run()
+    except BaseException as e:
+        # The first sign of a failure elsewhere (a dead peer breaks our collective): the
+        # start of the recovery clock.
+        trainer.events.emit("failure", step=trainer.step, error=f"{type(e).__name__}: {e}"[:500])
+        raise
     finally:
         trainer.close()
+    stop_agent(trainer.exit_code)
     return trainer.exit_code
 
 
@@ -92,38 +115,63 @@ def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
-    """Checks this node; with --gate, a fatal finding (or an earlier exclusion) keeps the
-    node out of the job: it is recorded in the run's excluded_hosts.json, exit EXCLUDE_NODE."""
     cfg = _config(args, rest)
-    from llmtrain.reliability import elastic, health
     host = args.host or socket.gethostname()
-    run_dir = cfg.training.run_dir
-    if args.gate and host in (excluded := elastic.excluded_hosts(run_dir)):
-        print(f"llmtrain health: {host} was excluded from this run earlier: "
-              f"{excluded[host]['reason']}; remove it from {run_dir}/excluded_hosts.json "
-              f"once it is repaired", file=sys.stderr)
-        return ExitCode.EXCLUDE_NODE
-    storage = {"run_storage": run_dir}
+    if args.gate:
+        return run_gate(cfg, host, as_json=args.json)
+    from llmtrain.reliability import health
+    findings, values, backend = _check_node(cfg, host)
+    print(health.to_json(findings, values, backend) if args.json else health.table(findings))
+    worst = health.worst(findings)
+    return {"fatal": ExitCode.EXCLUDE_NODE, "warn": 1}.get(worst, ExitCode.CLEAN)
+
+
+def _check_node(cfg, host: str):
+    from llmtrain.reliability import health
+    storage = {"run_storage": cfg.training.run_dir}
     if cfg.checkpoint.enable:
         storage["checkpoint_storage"] = cfg.checkpoint_url
     checker = health.HealthChecker(cfg.health, health.open_backend(cfg.health), host=host,
                                    storage=storage)
     findings, values = checker.run()
-    print(health.to_json(findings, values, checker.backend) if args.json
-          else health.table(findings))
-    worst = health.worst(findings)
-    if worst == "fatal":
-        fatal = [f for f in findings if f.severity == "fatal"]
-        if args.gate:
-            from llmtrain.metrics.events import EventLog
-            reason = "; ".join(f.sentence() for f in fatal)
-            elastic.exclude_host(run_dir, host, reason, findings=[asdict(f) for f in fatal])
-            events = EventLog(run_dir, rank=None)
-            events.emit("node_excluded", host=host, reason=reason, source="gate")
-            events.close()
-            print(f"llmtrain health: {host} excluded from the run: {reason}", file=sys.stderr)
+    return findings, values, checker.backend
+
+
+def run_gate(cfg, host: str, as_json: bool = False) -> ExitCode:
+    """The preflight gate: a fatal finding (or an earlier exclusion) keeps the node out of
+    the job; it is recorded in the run's excluded_hosts.json. Warnings let it join."""
+    from llmtrain.metrics.events import EventLog
+    from llmtrain.reliability import elastic, health
+    run_dir = cfg.training.run_dir
+    if host in (excluded := elastic.excluded_hosts(run_dir)):
+        print(f"llmtrain health: {host} was excluded from this run earlier: "
+              f"{excluded[host]['reason']}; remove it from {run_dir}/excluded_hosts.json "
+              f"once it is repaired", file=sys.stderr)
         return ExitCode.EXCLUDE_NODE
-    return 1 if worst == "warn" and not args.gate else ExitCode.CLEAN
+    findings, values, backend = _check_node(cfg, host)
+    print(health.to_json(findings, values, backend) if as_json else health.table(findings))
+    fatal = [f for f in findings if f.severity == "fatal"]
+    if not fatal:
+        return ExitCode.CLEAN
+    reason = "; ".join(f.sentence() for f in fatal)
+    elastic.exclude_host(run_dir, host, reason, findings=[asdict(f) for f in fatal])
+    events = EventLog(run_dir, rank=None)
+    events.emit("node_excluded", host=host, reason=reason, source="gate")
+    events.close()
+    print(f"llmtrain health: {host} excluded from the run: {reason}", file=sys.stderr)
+    return ExitCode.EXCLUDE_NODE
+
+
+def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    from llmtrain import launch
+    cfg = _config(args, rest)
+    return launch.launch(cfg, launch.from_args(args), ["--config", args.config, *rest])
+
+
+def cmd_rdzv_store(args: argparse.Namespace, rest: list[str]) -> int:
+    from llmtrain.launch import serve_store
+    serve_store(args.bind, args.port)
+    return ExitCode.CLEAN
 
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
@@ -157,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", cmd_train, "train a model (under torchrun, or alone)"),
                              ("config", cmd_config, "print the resolved config and model size"),
-                             ("health", cmd_health, "check this node's GPUs and storage")):
+                             ("health", cmd_health, "check this node's GPUs and storage"),
+                             ("launch", cmd_launch, "run this node: preflight, health gate, "
+                                                    "torchrun with elastic restarts")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", default="debug_cpu",
                        help=f"preset ({', '.join(preset_names())}) or a .toml file")
@@ -169,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="preflight: a fatal finding excludes this node from the run (exit 76)")
     hp.add_argument("--json", action="store_true")
     hp.add_argument("--host", default="", help="name to record (default: the hostname)")
+    from llmtrain.launch import add_arguments
+    add_arguments(sub.choices["launch"])
+    store = sub.add_parser("rdzv-store", help="serve a rendezvous store for the node agents")
+    store.add_argument("--bind", default="0.0.0.0")
+    store.add_argument("--port", type=int, default=29400)
+    store.set_defaults(func=cmd_rdzv_store)
     report = sub.add_parser("report", help="an HTML report (and PNGs) of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")

@@ -35,6 +35,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from llmtrain.config import ParallelismConfig, ReliabilityConfig
 
 
+def node_name() -> str:
+    """This node's name in events and exclusion records: ``LLMTRAIN_HOST`` (set by the
+    launcher, so nodes sharing a kernel can be told apart) or the hostname."""
+    return os.environ.get("LLMTRAIN_HOST") or socket.gethostname()
+
+
 @dataclass(frozen=True)
 class WorldInfo:
     """Who this process is in the job, read from torchrun's environment."""
@@ -48,7 +54,7 @@ class WorldInfo:
         return cls(rank=int(os.environ.get("RANK", 0)),
                    world_size=int(os.environ.get("WORLD_SIZE", 1)),
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                   host=socket.gethostname())
+                   host=node_name())
 
 
 def _free_port() -> int:
@@ -76,6 +82,11 @@ def resolve_device(p: ParallelismConfig, local_rank: int) -> torch.device:
 
 
 def _attempt_namespace() -> str:
+    """Keys of this attempt. Only the agent's shared store outlives an attempt; a fresh
+    per-round store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) needs no attempt in the name,
+    and must not have one: a spare's agent has restarted fewer times than the others."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return "llmtrain"
     return f"llmtrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
@@ -94,7 +105,7 @@ def connect_store(world: WorldInfo, r: ReliabilityConfig) -> dist.Store:
     across restarts, so a restarted worker would read the dead workers' gloo/NCCL
     addresses left in it and fail to connect. A prefix per attempt keeps every attempt's
     keys apart. (Setting TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun, as the
-    launchers do, gives each attempt a fresh store instead; the prefix is harmless then.)
+    launchers do, gives each rendezvous round a fresh store instead.)
     """
     _standalone_env()
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -1,0 +1,167 @@
+"""The node launcher: what every launch path (Slurm, torchx, a shell) runs on each node.
+
+``llmtrain launch`` does, in order:
+
+1. **Preflight**: the config and its overrides must validate for the world sizes the job
+   may have, and the data must open. A FATAL error here exits 78 before torchrun starts,
+   so a bad config never becomes a restart loop.
+2. **Health gate**: the node's checks (``llmtrain health --gate``). A fatal finding, or an
+   exclusion recorded earlier in the run's ``excluded_hosts.json``, exits 76: the node
+   never joins the rendezvous, and a spare takes its place.
+3. **torchrun** with the elastic agent: c10d rendezvous (``--nnodes MIN:MAX``; extra nodes
+   started beyond MAX wait as spares and are admitted when a node fails), restarts up to
+   ``--max-restarts``, and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that each round gets
+   a fresh store: with torch 2.13's shared store, a node joining a running job (a spare)
+   deadlocks (pytorch/pytorch#135712). The rendezvous store can live in its own process
+   (``llmtrain rdzv-store``, ``--external-store``), so that losing any training node,
+   including the first, leaves the rendezvous up.
+4. **Exit code** for the scheduler: 0 when training finished, 76 when this node was
+   excluded (by the gate or by a rank's health monitor), 78 when a rank hit a FATAL error,
+   else 75 (retryable: requeue).
+
+Workers that exit FATAL or EXCLUDE_NODE stop their own agent (``stop_agent``), since
+torchrun restarts workers whatever their exit code; the other nodes' agents then form a
+new round without this node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from llmtrain.config import ConfigError, JobConfig
+from llmtrain.metrics.events import EventLog, read_events
+from llmtrain.reliability import elastic
+from llmtrain.reliability.elastic import ExitCode
+
+
+@dataclass
+class LaunchConfig:
+    nnodes: str = "1"             # N or MIN:MAX, torchrun's syntax
+    nproc_per_node: int = 1
+    rdzv_endpoint: str = "127.0.0.1:29400"
+    rdzv_id: str = "llmtrain"
+    max_restarts: int = 3
+    external_store: bool = False  # the endpoint is an `llmtrain rdzv-store`, not an agent
+    host: str = ""                # the node's name in exclusion records (default: hostname)
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 5.0
+    monitor_interval_s: float = 1.0
+
+    @property
+    def world_sizes(self) -> tuple[int, int]:
+        lo, _, hi = self.nnodes.partition(":")
+        return int(lo) * self.nproc_per_node, int(hi or lo) * self.nproc_per_node
+
+
+def preflight(cfg: JobConfig, lc: LaunchConfig) -> None:
+    """Raises ConfigError/ShardError for a config or data that no restart would fix."""
+    lo, hi = lc.world_sizes
+    errors = []
+    for world in sorted({lo, hi}):
+        try:
+            cfg.validate(world)
+        except ConfigError as e:
+            errors.append(f"at world size {world}: {e}")
+    if len(errors) == len({lo, hi}):
+        raise ConfigError("; ".join(errors))
+    from llmtrain.data import TokenDataset, shard_urls
+    TokenDataset(shard_urls(cfg.data, cfg.training.run_dir), cfg.data.seq_len)
+
+
+def torchrun_command(lc: LaunchConfig, train_args: list[str]) -> list[str]:
+    conf = (f"join_timeout={lc.join_timeout_s:.0f},last_call_timeout={lc.last_call_timeout_s:.0f},"
+            f"keep_alive_interval=2,keep_alive_max_attempt=3")
+    if lc.external_store:
+        conf += ",is_host=0"
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={lc.nnodes}",
+            f"--nproc-per-node={lc.nproc_per_node}", f"--max-restarts={lc.max_restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}",
+            f"--rdzv-id={lc.rdzv_id}", f"--rdzv-conf={conf}",
+            f"--monitor-interval={lc.monitor_interval_s:g}",
+            "-m", "llmtrain", "train", *train_args]
+
+
+def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
+    from llmtrain.cli import run_gate
+    host = lc.host or socket.gethostname()
+    run_dir = cfg.training.run_dir
+    preflight(cfg, lc)
+    gate = run_gate(cfg, host)
+    if gate != ExitCode.CLEAN:
+        return gate
+    started = time.time()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host}
+    events = EventLog(run_dir, rank=None)
+    events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
+    proc = subprocess.Popen(torchrun_command(lc, train_args), env=env)
+    # A scheduler's SIGTERM (preemption, scancel) goes to the agent, which passes it to
+    # the workers: they save, then exit RETRYABLE.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, _: proc.send_signal(signum))
+    rc = proc.wait()
+    code = _outcome(rc, run_dir, host, started)
+    events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
+    events.close()
+    return code
+
+
+def _outcome(rc: int, run_dir: str, host: str, since: float) -> ExitCode:
+    if host in elastic.excluded_hosts(run_dir):
+        return ExitCode.EXCLUDE_NODE
+    if rc == 0:
+        return ExitCode.CLEAN
+    try:
+        fatal = [e for e in read_events(run_dir, "fatal") if e["ts"] >= since]
+    except FileNotFoundError:
+        fatal = []
+    return ExitCode.FATAL if fatal else ExitCode.RETRYABLE
+
+
+def stop_agent(code: int) -> None:
+    """After a FATAL or EXCLUDE_NODE exit, stops this node's torchrun agent, which would
+    otherwise restart the workers into the same failure."""
+    if code not in (ExitCode.FATAL, ExitCode.EXCLUDE_NODE) or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+def serve_store(host: str, port: int) -> None:
+    """A rendezvous store in its own process, so no training node is a single point of
+    failure for the rendezvous (torchrun agents connect with ``is_host=0``)."""
+    import datetime
+
+    import torch.distributed as dist
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          multi_tenant=True, use_libuv=True,
+                          timeout=datetime.timedelta(seconds=300))
+    print(f"llmtrain rdzv-store: serving {host}:{port}", flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    del store
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = LaunchConfig()
+    p.add_argument("--nnodes", default=d.nnodes, help="N, or MIN:MAX for an elastic job")
+    p.add_argument("--nproc-per-node", type=int, default=d.nproc_per_node)
+    p.add_argument("--rdzv-endpoint", default=d.rdzv_endpoint)
+    p.add_argument("--rdzv-id", default=d.rdzv_id)
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts)
+    p.add_argument("--external-store", action="store_true",
+                   help="the endpoint is an `llmtrain rdzv-store` process")
+    p.add_argument("--host", default="", help="this node's name (default: the hostname)")
+
+
+def from_args(args: argparse.Namespace) -> LaunchConfig:
+    return LaunchConfig(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
+                        rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                        max_restarts=args.max_restarts, external_store=args.external_store,
+                        host=args.host)

@@ -1,0 +1,135 @@
+"""Elastic restarts across "nodes": several `llmtrain launch` agents on this machine (one
+process group each, on loopback, each with its own node name), a rendezvous store in its
+own process, real torchrun c10d rendezvous, real kills."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, check, events, llmtrain, wait_for_event
+
+from llmtrain.checkpoint import storage
+from llmtrain.reliability.elastic import ExitCode, excluded_hosts
+from nvml_states import node, write_script
+
+STEPS = 60
+TRAIN = ("--training.steps", str(STEPS), "--checkpoint.interval_steps", "20",
+         "--metrics.log_every", "5", "--metrics.address", "127.0.0.1", "--metrics.port", "0",
+         "--health.interval_s", "1")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout.split()
+    children = [int(p) for p in out]
+    return children + [d for c in children for d in descendants(c)]
+
+
+class Cluster:
+    """A rendezvous store and node launchers, each node in its own process group."""
+
+    def __init__(self, tmp: Path, nnodes: str):
+        self.tmp, self.nnodes, self.run = tmp, nnodes, tmp / "run"
+        self.port = free_port()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.store = subprocess.Popen(
+            [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", "127.0.0.1",
+             "--port", str(self.port)], cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL)
+        self.nodes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmtrain", "launch", "--nnodes", self.nnodes,
+             "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--external-store",
+             "--rdzv-id", "test", "--host", name, "--max-restarts", "3",
+             "--config", "debug_cpu", "--training.run_dir", str(self.run), *TRAIN, *extra],
+            cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self.nodes[name] = proc
+        return proc
+
+    def kill(self, name: str) -> None:
+        """The node dies: its launcher, agent and workers, all at once (torchrun starts
+        workers in sessions of their own, so the process tree is walked, not the group)."""
+        for pid in descendants(self.nodes[name].pid) + [self.nodes[name].pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, name: str, timeout: float = 300) -> int:
+        try:
+            return self.nodes[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout} s\n{self.log(name)}")
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-4000:]
+
+    def close(self) -> None:
+        for name, proc in self.nodes.items():
+            if proc.poll() is None:
+                self.kill(name)
+                proc.wait()
+        self.store.terminate()
+        self.store.wait()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def make(nnodes: str) -> Cluster:
+        made.append(Cluster(tmp_path, nnodes))
+        return made[-1]
+    yield make
+    for c in made:
+        c.close()
+
+
+def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = tmp_path / f"{run_dir.name}-{step}.pt"
+    dcp_to_torch_save(storage.step_dir(str(run_dir / "checkpoints"), step), out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+def world_sizes(run: Path) -> list[int]:
+    return [e["world_size"] for e in events(run, "attempt_start")]
+
+
+def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, tmp_path):
+    c = cluster("2:2")
+    c.start("node1")
+    c.start("node2")
+    wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 5, timeout=180)
+    c.start("node3")  # the spare waits in the rendezvous
+    wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
+                   where=lambda e: e["step"] == 20, timeout=180)
+    c.kill("node2")
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    assert c.wait("node3") == ExitCode.CLEAN, c.log("node3")
+    assert world_sizes(c.run) == [2, 2]
+    resumed = events(c.run, "checkpoint_loaded")
+    assert [e["step"] for e in resumed] in ([20], [40]), c.log("node1")
+    # the same final weights as a run that never failed, bit for bit
+    check(llmtrain(tmp_path / "reference", *TRAIN, nproc=2))
+    ref = final_weights(tmp_path / "reference", STEPS, tmp_path)
+    got = final_weights(c.run, STEPS, tmp_path)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
