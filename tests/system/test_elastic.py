@@ -133,3 +133,53 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, tmp_path)
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
+
+
+def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, tmp_path):
+    c = cluster("1:2")
+    c.start("node1")
+    c.start("node2")
+    wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
+                   where=lambda e: e["step"] == 20, timeout=180)
+    c.kill("node2")
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    assert world_sizes(c.run) == [2, 1]
+    resumed = events(c.run, "checkpoint_loaded")[-1]["step"]
+    # The data order is global: the same steps see the same samples at world 1 as at
+    # world 2, so the losses after the resume follow an unbroken 2-rank run's closely
+    # (summation order differs, nothing else).
+    check(llmtrain(tmp_path / "reference", *TRAIN, nproc=2))
+    ref = {e["step"]: e["loss"] for e in events(tmp_path / "reference", "step")}
+    after = [e for e in events(c.run, "step") if e["step"] > resumed and e["step"] in ref
+             and e["ts"] > events(c.run, "checkpoint_loaded")[-1]["ts"]]
+    assert after and after[-1]["step"] == STEPS
+    assert abs(after[0]["loss"] - ref[after[0]["step"]]) < 2e-3 * ref[after[0]["step"]]
+    assert abs(after[-1]["loss"] - ref[STEPS]) < 2e-2 * ref[STEPS]
+
+
+def test_a_node_failing_the_gate_never_joins_and_a_spare_takes_its_place(cluster, tmp_path):
+    bad = node(1)
+    bad["gpus"][0]["remapped_rows"]["failure"] = True
+    bad_script = write_script(tmp_path / "bad.json", bad)
+    c = cluster("2:2")
+    c.start("node1")
+    c.start("node2", env={"LLMTRAIN_NVML_SCRIPT": bad_script})
+    assert c.wait("node2", timeout=120) == ExitCode.EXCLUDE_NODE, c.log("node2")
+    assert "row_remap" in excluded_hosts(str(c.run))["node2"]["reason"]
+    c.start("node3")  # the spare
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    assert c.wait("node3") == ExitCode.CLEAN, c.log("node3")
+    assert [e["host"] for e in events(c.run, "node_excluded")] == ["node2"]
+    assert world_sizes(c.run) == [2]
+    # the excluded node stays out when it is started again
+    assert c.start("node2").wait(timeout=120) == ExitCode.EXCLUDE_NODE
+
+
+def test_a_fatal_config_error_exits_once_without_a_restart_loop(cluster):
+    c = cluster("2:2")
+    started = time.monotonic()
+    c.start("node1", "--training.global_batch_size", "15")  # not divisible by 2 ranks
+    assert c.wait("node1", timeout=60) == ExitCode.FATAL
+    assert time.monotonic() - started < 30
+    assert "global_batch_size" in c.log("node1")
+    assert not (c.run / "events.jsonl").exists()  # no rank ever started
