@@ -153,8 +153,8 @@ def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, tmp_p
     after = [e for e in events(c.run, "step") if e["step"] > resumed and e["step"] in ref
              and e["ts"] > events(c.run, "checkpoint_loaded")[-1]["ts"]]
     assert after and after[-1]["step"] == STEPS
-    assert abs(after[0]["loss"] - ref[after[0]["step"]]) < 2e-3 * ref[after[0]["step"]]
-    assert abs(after[-1]["loss"] - ref[STEPS]) < 2e-2 * ref[STEPS]
+    for e in after:  # measured: within 1e-5 relative; another batch is ~1e-2 away
+        assert abs(e["loss"] - ref[e["step"]]) < 1e-4 * ref[e["step"]], (e, ref[e["step"]])
 
 
 def test_a_node_failing_the_gate_never_joins_and_a_spare_takes_its_place(cluster, tmp_path):
