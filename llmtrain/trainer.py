@@ -362,6 +362,12 @@ class Trainer:
         phases = dict(self.ledger.timeline)
         since_launch = time.time() - launch_time()
         self.events.emit("startup", phases=phases, since_launch_s=since_launch)
+        restart = self.is_logger and goodput.recovery(read_events(self.cfg.training.run_dir),
+                                                      time.time())
+        if restart:
+            self.events.emit("recovery", **restart)
+            self.console.line(f"recovered in {restart['total_s']:.1f}s from the failure: " +
+                              ", ".join(f"{k} {v:.2f}s" for k, v in restart["parts_s"].items()))
         if self.exporter is not None:
             for name, seconds in phases.items():
                 self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)

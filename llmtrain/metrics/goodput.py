@@ -239,3 +239,31 @@ def advise(b: Breakdown, assumed_mtbf_s: float = 0.0) -> IntervalAdvice | None:
     if mtbf <= 0:
         return None
     return young_daly(b.save_cost_s, mtbf, b.restart_cost_s or 0.0)
+
+
+def recovery(events: list[dict], first_step_at: float) -> dict | None:
+    """The last restart's timeline, as MTTR parts: from the previous attempt's last
+    recorded progress to the failure's detection (a rank's collective failing, or a
+    watchdog/health verdict), on to the new processes' start (rendezvous and spawn), the
+    process group, the checkpoint load, and the first step at ``first_step_at``."""
+    attempts = _attempts(events)
+    if len(attempts) < 2:
+        return None
+    previous, current = attempts[-2], attempts[-1]
+    progress = max((e["end"] for e in previous if e["event"] == "span"),
+                   default=previous[0]["ts"])
+    detected = min((e["ts"] for e in previous if e["event"] in _FAILURE_SIGNS
+                    and e["ts"] >= progress), default=None)
+    spans = {e["name"]: e for e in current if e["event"] == "span"}
+    marks = {"last_progress": progress, "failure_detected": detected,
+             "process_start": current[0]["process_start"],
+             "process_group_up": spans.get("process_group", {}).get("end"),
+             "checkpoint_loaded": spans.get("resume", {}).get("end"),
+             "first_step": first_step_at}
+    known = [(k, v) for k, v in marks.items() if v is not None]
+    return {"marks": marks, "total_s": first_step_at - (detected or progress),
+            "parts_s": {f"{a}->{b}": t1 - t0 for (a, t0), (b, t1) in zip(known, known[1:])}}
+
+
+_FAILURE_SIGNS = ("failure", "hang", "collective_error", "stop_vote", "node_excluded",
+                  "preempted")

@@ -1,21 +1,18 @@
-"""Elastic restarts across "nodes": several `llmtrain launch` agents on this machine (one
-process group each, on loopback, each with its own node name), a rendezvous store in its
-own process, real torchrun c10d rendezvous, real kills."""
+"""Elastic restarts across "nodes": several `llmtrain launch` agents on this machine (on
+loopback, each with its own node name), a rendezvous store in its own process, real
+torchrun c10d rendezvous, real kills."""
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, check, events, llmtrain, wait_for_event
+from conftest import check, events, llmtrain, wait_for_event
 
 from llmtrain.checkpoint import storage
 from llmtrain.reliability.elastic import ExitCode, excluded_hosts
+from llmtrain.reliability.local_cluster import LocalCluster
 from nvml_states import node, write_script
 
 STEPS = 60
@@ -24,77 +21,13 @@ TRAIN = ("--training.steps", str(STEPS), "--checkpoint.interval_steps", "20",
          "--health.interval_s", "1")
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout.split()
-    children = [int(p) for p in out]
-    return children + [d for c in children for d in descendants(c)]
-
-
-class Cluster:
-    """A rendezvous store and node launchers, each node in its own process group."""
-
-    def __init__(self, tmp: Path, nnodes: str):
-        self.tmp, self.nnodes, self.run = tmp, nnodes, tmp / "run"
-        self.port = free_port()
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.store = subprocess.Popen(
-            [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", "127.0.0.1",
-             "--port", str(self.port)], cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL)
-        self.nodes: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "w")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmtrain", "launch", "--nnodes", self.nnodes,
-             "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--external-store",
-             "--rdzv-id", "test", "--host", name, "--max-restarts", "3",
-             "--config", "debug_cpu", "--training.run_dir", str(self.run), *TRAIN, *extra],
-            cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        self.nodes[name] = proc
-        return proc
-
-    def kill(self, name: str) -> None:
-        """The node dies: its launcher, agent and workers, all at once (torchrun starts
-        workers in sessions of their own, so the process tree is walked, not the group)."""
-        for pid in descendants(self.nodes[name].pid) + [self.nodes[name].pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def wait(self, name: str, timeout: float = 300) -> int:
-        try:
-            return self.nodes[name].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} still running after {timeout} s\n{self.log(name)}")
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text()[-4000:]
-
-    def close(self) -> None:
-        for name, proc in self.nodes.items():
-            if proc.poll() is None:
-                self.kill(name)
-                proc.wait()
-        self.store.terminate()
-        self.store.wait()
-
-
 @pytest.fixture
 def cluster(tmp_path):
     made = []
 
-    def make(nnodes: str) -> Cluster:
-        made.append(Cluster(tmp_path, nnodes))
+    def make(nnodes: str) -> LocalCluster:
+        made.append(LocalCluster(tmp_path, tmp_path / "run", nnodes,
+                                 ("--config", "debug_cpu", *TRAIN)))
         return made[-1]
     yield make
     for c in made:

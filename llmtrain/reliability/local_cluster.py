@@ -1,0 +1,78 @@
+"""Several "nodes" on one machine: a rendezvous store and one ``llmtrain launch`` per node,
+on loopback, each node with its own name and its own process tree, so that a node can be
+killed whole. The elastic tests, the recovery benchmark and chaos runs use it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout.split()
+    children = [int(p) for p in out]
+    return children + [d for c in children for d in descendants(c)]
+
+
+class LocalCluster:
+    def __init__(self, workdir: Path, run_dir: Path, nnodes: str, train_args: tuple[str, ...],
+                 *, max_restarts: int = 3, env: dict | None = None):
+        self.workdir, self.run, self.nnodes = workdir, run_dir, nnodes
+        self.train_args, self.max_restarts = train_args, max_restarts
+        self.port = free_port()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    **(env or {})}
+        self.store = subprocess.Popen(
+            [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", "127.0.0.1",
+             "--port", str(self.port)], env=self.env, stdout=subprocess.DEVNULL)
+        self.nodes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+        """Starts node ``name``'s launcher; ``extra`` are more training overrides."""
+        log = open(self.workdir / f"{name}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmtrain", "launch", "--nnodes", self.nnodes,
+             "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--external-store",
+             "--rdzv-id", "local", "--host", name, "--max-restarts", str(self.max_restarts),
+             "--training.run_dir", str(self.run), *self.train_args, *extra],
+            env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self.nodes[name] = proc
+        return proc
+
+    def kill(self, name: str) -> None:
+        """The node dies: its launcher, agent and workers at once (torchrun starts workers
+        in sessions of their own, so the process tree is walked, not the group)."""
+        for pid in descendants(self.nodes[name].pid) + [self.nodes[name].pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, name: str, timeout: float = 300) -> int:
+        try:
+            return self.nodes[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout} s\n{self.log(name)}")
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text()[-4000:]
+
+    def close(self) -> None:
+        for name, proc in self.nodes.items():
+            if proc.poll() is None:
+                self.kill(name)
+                proc.wait()
+        self.store.terminate()
+        self.store.wait()
