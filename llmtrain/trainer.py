@@ -377,7 +377,6 @@ class Trainer:
                               f"after launch")
 
     def report(self, step: int, loss: float, step_time: float) -> None:
-        self.events.emit("rank_step", step=step, step_time_s=step_time)
         if not self.is_logger:
             return
         self.ledger.steps_done(step)

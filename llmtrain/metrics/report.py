@@ -48,7 +48,7 @@ CATEGORY_COLORS = {"productive": "#43a047", "startup": "#90caf9", "checkpoint_lo
 OTHER_COLORS = ["#bcaaa4", "#80cbc4", "#e6ee9c", "#ffcc80"]
 COMMIT_COLOR = "#2e7d32"
 HEALTH_COLORS = {"unknown": "#8c8c8c", "warn": "#f9a825", "fatal": "#c62828"}
-NOTICEABLY_SLOWER = 1.1  # a rank's step time over the median that the report calls out
+NOTICEABLY_SLOWER = 1.1  # a slowdown against the other ranks that the report calls out
 INCIDENTS = ("hang", "collective_error", "straggler", "preempted", "checkpoint_failed",
              "checkpoint_rejected", "health", "node_excluded")
 
@@ -178,23 +178,24 @@ class Run:
 
     @cached_property
     def ratios(self) -> RankRatios | None:
-        """Per-rank step times against the median; None with fewer than two ranks reporting."""
-        records = self.of["rank_step"]
-        if len({e["rank"] for e in records}) < 2:
+        """Each rank's slowdown in every straggler window: the watchdog's estimate from when
+        ranks reached their collectives, about 1 for a rank nobody waits for; None with
+        fewer than two ranks."""
+        records = self.of["straggler_scores"]
+        if not records or len(records[0]["slowdowns"]) < 2:
             return None
-        columns = sorted({(self.attempt_of(e["ts"]), e["step"]) for e in records})
-        index = {c: j for j, c in enumerate(columns)}
-        times = np.full((max(e["rank"] for e in records) + 1, len(columns)), np.nan)
-        for e in records:
-            times[e["rank"], index[self.attempt_of(e["ts"]), e["step"]]] = e["step_time_s"]
-        return RankRatios(columns, times / np.nanmedian(times, axis=0))
+        columns = [(self.attempt_of(e["ts"]), e["step"]) for e in records]
+        world = max(len(e["slowdowns"]) for e in records)
+        scores = np.full((world, len(columns)), np.nan)
+        for j, e in enumerate(records):
+            scores[: len(e["slowdowns"]), j] = e["slowdowns"]
+        return RankRatios(columns, scores)
 
 
 @dataclass
 class RankRatios:
-    """Each rank's step time over the median of all ranks: one row per rank, one column per
-    logged interval in order (a step redone after a restart once per attempt), NaN where a
-    rank did not report."""
+    """Each rank's slowdown against the others: one row per rank, one column per straggler
+    window in order (with the step it ended at), NaN where a rank was missing."""
     columns: list[tuple[int, int]]  # (attempt, step)
     ratio: np.ndarray
 
@@ -212,11 +213,11 @@ class RankRatios:
         in its worst one."""
         if not self.straggling:
             return (f"no straggler: every rank within {NOTICEABLY_SLOWER - 1:.0%} of the "
-                    f"median at every step")
+                    f"others in every window")
         rank = self.slowest_rank
         worst = int(np.nanargmax(self.ratio[rank]))
-        return (f"rank {rank} is slowest, {np.nanmean(self.ratio[rank]):.2f}× the median on "
-                f"average, {self.ratio[rank, worst]:.2f}× at worst (step "
+        return (f"rank {rank} is slowest, {np.nanmean(self.ratio[rank]):.2f}× slower than the "
+                f"others on average, {self.ratio[rank, worst]:.2f}× at worst (step "
                 f"{self.columns[worst][1]})")
 
 
@@ -386,7 +387,7 @@ def _goodput_figure(run: Run) -> Figure | str:
 def _stragglers(run: Run) -> Figure | str:
     found = run.ratios
     if found is None:
-        return "needs rank_step events from at least two ranks"
+        return "needs straggler_scores events (the watchdog, two or more ranks)"
     ratio = found.ratio
     world = ratio.shape[0]
     top = max(float(np.nanmax(ratio)), 1.25)
@@ -395,7 +396,7 @@ def _stragglers(run: Run) -> Figure | str:
     ax = fig.add_subplot()
     image = ax.imshow(ratio, aspect="auto", interpolation="nearest", cmap=cmap,
                       norm=LogNorm(vmin=1 / top, vmax=top))
-    bar = fig.colorbar(image, ax=ax, pad=0.01, label="step time / median over ranks")
+    bar = fig.colorbar(image, ax=ax, pad=0.01, label="slowdown against the other ranks")
     ticks = [t for t in (0.5, 0.8, 1, 1.25, 1.5, 2, 3, 5, 10) if 1 / top <= t <= top]
     bar.ax.yaxis.set_major_locator(FixedLocator(ticks))
     bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}×"))
@@ -418,7 +419,7 @@ def _stragglers(run: Run) -> Figure | str:
         label = next(t for t in ax.get_yticklabels() if t.get_text() == str(slow))
         label.set(color="#c62828", fontweight="bold")
     ax.grid(False)
-    ax.set(xlabel="step", ylabel="rank", title=f"Per-rank step time: {found.describe()}")
+    ax.set(xlabel="step", ylabel="rank", title=f"Per-rank slowdown: {found.describe()}")
     return fig
 
 
@@ -432,8 +433,9 @@ FIGURES: list[tuple[str, str, str, Callable[[Run], Figure | str]]] = [
      "measured, checkpoints, hangs, stragglers and health events.", _timeline),
     ("goodput", "Goodput", "Productive time against each kind of lost time (badput) over "
      "the whole run, restarts included; ETTR is the productive share.", _goodput_figure),
-    ("stragglers", "Stragglers", "Each rank's step time relative to the median over ranks at "
-     "that step: red is slower, blue faster, grey not reported. A red row is a straggler.",
+    ("stragglers", "Stragglers", "Each rank's slowdown against the others in each watchdog "
+     "window, from when ranks reached their collectives (1×: nobody waits for it): red is "
+     "slower, grey not reported. A red row is a straggler.",
      _stragglers),
 ]
 

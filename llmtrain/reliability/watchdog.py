@@ -167,7 +167,8 @@ class Watchdog:
         In a collective everyone waits for the last to arrive, so a rank whose work takes
         f times as long is late by (f - 1) of the others' work at every step. Over the
         collectives all ranks recorded, a rank's slowdown is span / (span - its summed
-        lateness); about 1 for everyone else.
+        lateness); about 1 for everyone else. Every estimate is an event (the report's
+        per-rank heatmap); a rank slow two windows running is a ``straggler`` event.
         """
         keys = [f"arrivals/{r}" for r in range(self.world_size)]
         if not self.store.check(keys):
@@ -181,6 +182,9 @@ class Watchdog:
         for r, a in enumerate(arrivals):
             late = sum(a[k] - first[k] for k in common)
             self.slowdowns[r] = span / max(span - late, 1)
+        self.events.emit("straggler_scores", step=self.step,
+                         slowdowns=[round(x, 3) for x in self.slowdowns])
+        for r in range(self.world_size):
             slow = self.slowdowns[r] > self.cfg.straggler_factor
             self._streaks[r] = self._streaks[r] + 1 if slow else 0
             if self._streaks[r] >= 2:

@@ -60,9 +60,9 @@ class Log:
             if step % 10:
                 continue
             mean, elapsed = elapsed / 10, 0.0
-            for r in range(self.world):
-                own = mean if r == slow_rank or not straggling else 0.5 + 0.002 * (r % 5)
-                self.emit("rank_step", rank=r, step=step, step_time_s=own)
+            self.emit("straggler_scores", step=step, slowdowns=[
+                1.8 if straggling and r == slow_rank else 1.0 + 0.002 * (r % 5)
+                for r in range(self.world)])
             self.emit("span", category="productive", name="steps", start=start, end=self.t,
                       steps=[begin, step])
             self.emit("step", step=step, loss=8.0 * 0.97 ** step, tokens_per_s=16384 / mean,
@@ -170,7 +170,7 @@ def test_any_fsspec_run_dir_and_figures_without_data_are_skipped(tmp_path):
     page = Path(index).read_text(encoding="utf-8")
     assert (tmp_path / "out" / "loss.png").exists()
     assert not (tmp_path / "out" / "stragglers.png").exists()
-    assert "No figure: needs rank_step events from at least two ranks." in page
+    assert "No figure: needs straggler_scores events (the watchdog, two or more ranks)." in page
     assert "not finished" in page and "None: no hangs" in page
 
 
