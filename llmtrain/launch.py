@@ -106,22 +106,28 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, lambda signum, _: proc.send_signal(signum))
     rc = proc.wait()
-    code = _outcome(rc, run_dir, host, started)
+    code = _outcome(rc, run_dir, host, started, cfg.training.steps)
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
     events.close()
     return code
 
 
-def _outcome(rc: int, run_dir: str, host: str, since: float) -> ExitCode:
+def _outcome(rc: int, run_dir: str, host: str, since: float, steps: int) -> ExitCode:
     if host in elastic.excluded_hosts(run_dir):
         return ExitCode.EXCLUDE_NODE
     if rc == 0:
         return ExitCode.CLEAN
     try:
-        fatal = [e for e in read_events(run_dir, "fatal") if e["ts"] >= since]
+        events = [e for e in read_events(run_dir) if e["ts"] >= since]
     except FileNotFoundError:
-        fatal = []
-    return ExitCode.FATAL if fatal else ExitCode.RETRYABLE
+        events = []
+    if any(e["event"] == "fatal" for e in events):
+        return ExitCode.FATAL
+    # A spare that was never needed: torch 2.13's agent fails when the job it waited for
+    # ends without it, but the job is done.
+    if any(e["event"] == "run_end" and e["steps"] == steps for e in events):
+        return ExitCode.CLEAN
+    return ExitCode.RETRYABLE
 
 
 def stop_agent(code: int) -> None:
