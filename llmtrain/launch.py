@@ -102,9 +102,11 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
     proc = subprocess.Popen(torchrun_command(lc, train_args), env=env)
     # A scheduler's SIGTERM (preemption, scancel) goes to the agent, which passes it to
-    # the workers: they save, then exit RETRYABLE.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, _: proc.send_signal(signum))
+    # the workers: they save, then exit RETRYABLE. Slurm signals every process of a step
+    # itself, so there it is not passed on a second time.
+    if "SLURM_STEP_ID" not in os.environ:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, lambda signum, _: proc.send_signal(signum))
     rc = proc.wait()
     code = _outcome(rc, run_dir, host, started, cfg.training.steps)
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
