@@ -25,6 +25,8 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/watchdog.py
 	$(BIN)/python benchmarks/store_scale.py
+	$(BIN)/python benchmarks/startup.py
+	$(BIN)/python benchmarks/recovery.py
 
 clean:
 	rm -rf runs .pytest_cache

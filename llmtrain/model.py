@@ -190,8 +190,8 @@ class Transformer(nn.Module):
         """Sets every parameter, re-ties the output projection and recomputes the rope tables.
 
         Each rank draws only the rows of its own shards, so initializing a model sharded
-        over N ranks costs each rank 1/N of the whole (a 405B model drawn whole on every
-        rank takes minutes). The values still do not depend on how the model was built
+        over N ranks costs each rank 1/N of the whole (drawn whole, a 405B model would be
+        405e9 draws on every rank). The values still do not depend on how the model was built
         (directly, or on ``meta`` then sharded and ``to_empty``) nor on the world size: a
         parameter is drawn in float32, in fixed blocks of whole rows along dim 0 (the dim
         FSDP2 shards), each block from its own generator seeded by (seed, parameter name,
@@ -234,10 +234,13 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-# Rows per init block sum to this many elements (4 MiB of float32): few enough blocks
-# that per-block overhead vanishes, small enough that a rank draws at most two blocks'
-# worth of rows beyond its shard and never holds more than one block extra.
-INIT_BLOCK_ELEMENTS = 1 << 20
+# Rows per init block sum to about this many elements (1 MiB of float32): big enough that
+# the per-block cost (a generator, a hash) stays near 1% of drawing the block, small
+# enough that the rows a rank draws beyond its shard (less than a block at each end)
+# stay few even when shards are thin (Llama 3 8B's w1 over 64 ranks: 224 rows a shard,
+# 64 rows a block). A constant: blocks that depended on the world size would change the
+# weights with it.
+INIT_BLOCK_ELEMENTS = 1 << 18
 
 # Module wrappers that ``parallelize`` may insert into parameter names (activation
 # checkpointing, torch.compile); the init seed is keyed by the name without them.

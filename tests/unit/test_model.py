@@ -196,6 +196,22 @@ def test_init_weights_after_meta_and_to_empty_matches_eager_model():
     torch.testing.assert_close(model(x), eager(x), rtol=0, atol=0)
 
 
+def test_init_weights_ignores_the_wrappers_parallelize_adds():
+    """Init seeds are keyed by parameter name; activation checkpointing and compile put
+    prefixes into the names, which must not change the weights."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    cfg = tiny()
+    plain, wrapped = Transformer(cfg), Transformer(cfg)
+    for name, block in list(wrapped.layers.items()):
+        wrapped.layers[name] = torch.compile(checkpoint_wrapper(block))
+    assert "_orig_mod._checkpoint_wrapped_module" in next(
+        n for n, _ in wrapped.named_parameters() if n.startswith("layers."))
+    plain.init_weights(seed=4)
+    wrapped.init_weights(seed=4)
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_flops_per_token_formula(tie):
     cfg = tiny(tie_embeddings=tie)
