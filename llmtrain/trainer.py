@@ -27,7 +27,7 @@ from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_s
 from llmtrain.fsio import join, write_atomic
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics import goodput
-from llmtrain.metrics.events import EventLog, read_events
+from llmtrain.metrics.events import EventLog, EventTail
 from llmtrain.metrics.goodput import GoodputLedger, launch_time, process_start_time
 from llmtrain.metrics.prometheus import Exporter
 from llmtrain.model import Transformer, count_params, flops_per_token
@@ -169,6 +169,9 @@ class Trainer:
         self.peak_flops = _peak_flops(cfg, self.device)
         self.console = ConsoleReporter(cfg.metrics, t.steps)
         self.goodput_at = 0.0
+        # What the goodput accounting reads, followed incrementally (rank 0 only uses it).
+        self.ledger_tail = EventTail(t.run_dir, keep=goodput.INPUTS)
+        self.ledger_events: list[dict] = []
         self.watchdog = None
         with self.ledger.span("startup", "components"):
             if cfg.reliability.watchdog:
@@ -358,23 +361,24 @@ class Trainer:
         return value.item() / self.world.world_size
 
     def report_startup(self) -> None:
-        """The start-up timeline, once the first step is done: where a restart's time goes."""
+        """The start-up timeline, once the first step is done: where a restart's time goes;
+        after a restart, rank 0 also logs the recovery's parts."""
         phases = dict(self.ledger.timeline)
         since_launch = time.time() - launch_time()
         self.events.emit("startup", phases=phases, since_launch_s=since_launch)
-        restart = self.is_logger and goodput.recovery(read_events(self.cfg.training.run_dir),
-                                                      time.time())
+        if self.exporter is not None:
+            for name, seconds in phases.items():
+                self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)
+        if not self.is_logger:
+            return
+        parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
+        self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s after launch")
+        self.ledger_events += self.ledger_tail.read()
+        restart = goodput.recovery(self.ledger_events, time.time())
         if restart:
             self.events.emit("recovery", **restart)
             self.console.line(f"recovered in {restart['total_s']:.1f}s from the failure: " +
                               ", ".join(f"{k} {v:.2f}s" for k, v in restart["parts_s"].items()))
-        if self.exporter is not None:
-            for name, seconds in phases.items():
-                self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)
-        if self.is_logger:
-            parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
-            self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s "
-                              f"after launch")
 
     def report(self, step: int, loss: float, step_time: float) -> None:
         if not self.is_logger:
@@ -400,7 +404,8 @@ class Trainer:
         if not final and time.monotonic() - self.goodput_at < self.cfg.metrics.goodput_every_s:
             return
         self.goodput_at = time.monotonic()
-        b = goodput.account(read_events(self.cfg.training.run_dir), now=time.time())
+        self.ledger_events += self.ledger_tail.read()
+        b = goodput.account(self.ledger_events, now=time.time())
         advice = goodput.advise(b, self.cfg.metrics.assumed_mtbf_s)
         if self.exporter is not None:
             self.exporter.goodput(b, advice)

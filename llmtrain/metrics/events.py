@@ -43,8 +43,35 @@ class EventLog:
             self._file.close()
 
 
+def _parse(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The whole lines of ``data`` as events, and how many bytes they took: a last line
+    without its newline is an event still being written (or torn by a crash), not yet one."""
+    end = data.rfind(b"\n") + 1
+    return [json.loads(line) for line in data[:end].splitlines() if line.strip()], end
+
+
 def read_events(run_dir: str, event: str | None = None) -> list[dict[str, Any]]:
     """The run's events, optionally only those named ``event``."""
-    with fsspec.open(f"{run_dir.rstrip('/')}/events.jsonl", "r") as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    with fsspec.open(f"{run_dir.rstrip('/')}/events.jsonl", "rb") as f:
+        records, _ = _parse(f.read())
     return [r for r in records if event is None or r["event"] == event]
+
+
+class EventTail:
+    """Follows a run's event log: each ``read`` returns only the events appended since the
+    last one, so that re-reading a long run's log stays cheap."""
+
+    def __init__(self, run_dir: str, keep: frozenset[str] | None = None):
+        self.url = f"{run_dir.rstrip('/')}/events.jsonl"
+        self.keep = keep
+        self.offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with fsspec.open(self.url, "rb") as f:
+                f.seek(self.offset)
+                records, used = _parse(f.read())
+        except FileNotFoundError:
+            return []
+        self.offset += used
+        return [r for r in records if self.keep is None or r["event"] in self.keep]

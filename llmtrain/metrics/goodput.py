@@ -267,3 +267,6 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
 
 _FAILURE_SIGNS = ("failure", "hang", "collective_error", "stop_vote", "node_excluded",
                   "preempted")
+# Every event ``account`` and ``recovery`` read: a follower of the log may keep only these.
+INPUTS = frozenset({"attempt_start", "span", "checkpoint_loaded", "checkpoint_staged",
+                    *_FAILURE_SIGNS})

@@ -59,6 +59,12 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, tmp_path)
     assert world_sizes(c.run) == [2, 2]
     resumed = events(c.run, "checkpoint_loaded")
     assert [e["step"] for e in resumed] in ([20], [40]), c.log("node1")
+    # the restart's parts, from the failure seen by node1's rank to the first step
+    (rec,) = events(c.run, "recovery")
+    marks = rec["marks"]
+    assert marks["failure_detected"] is not None and 0 < rec["total_s"] < 120
+    assert (marks["last_progress"] <= marks["failure_detected"] < marks["process_start"]
+            < marks["process_group_up"] < marks["checkpoint_loaded"] < marks["first_step"])
     # the same final weights as a run that never failed, bit for bit
     check(llmtrain(tmp_path / "reference", *TRAIN, nproc=2))
     ref = final_weights(tmp_path / "reference", STEPS, tmp_path)
