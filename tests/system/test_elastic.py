@@ -122,3 +122,25 @@ def test_a_fatal_config_error_exits_once_without_a_restart_loop(cluster):
     assert time.monotonic() - started < 30
     assert "global_batch_size" in c.log("node1")
     assert not (c.run / "events.jsonl").exists()  # no rank ever started
+
+
+def test_a_gpu_failing_mid_run_takes_its_node_out_and_a_spare_goes_on(cluster, tmp_path):
+    script = tmp_path / "node2-gpus.json"
+    state = node(1)
+    write_script(script, state)
+    c = cluster("2:2")
+    c.start("node1")
+    c.start("node2", env={"LLMTRAIN_NVML_SCRIPT": str(script)})
+    wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 10, timeout=180)
+    c.start("node3")  # the spare
+    time.sleep(3)
+    state["gpus"][0]["ecc"]["volatile"]["sram"] = 1
+    write_script(script, state)
+    assert c.wait("node2") == ExitCode.EXCLUDE_NODE, c.log("node2")
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    assert c.wait("node3") == ExitCode.CLEAN, c.log("node3")
+    stop = events(c.run, "stop_vote")[0]["step"]
+    assert "ecc_volatile" in excluded_hosts(str(c.run))["node2"]["reason"]
+    # the last checkpoint before the node left is where the spare's round resumed
+    assert events(c.run, "checkpoint_loaded")[-1]["step"] == stop
+    assert world_sizes(c.run) == [2, 2]
