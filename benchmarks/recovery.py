@@ -51,7 +51,7 @@ def one_recovery(workdir: Path) -> dict:
         cluster.start("node1")
         cluster.start("node2")
         first = wait_for(run, "startup", lambda e: e["rank"] == 0)
-        cluster.start("node3")  # the spare
+        cluster.start("node3", spare=True)
         wait_for(run, "checkpoint_committed", lambda e: e["step"] >= 40)
         time.sleep(2)  # mid-interval, with the spare waiting in the rendezvous
         killed = time.time()

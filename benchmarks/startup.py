@@ -54,15 +54,6 @@ ONE_B = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
              ffn_dim_multiplier=1.5, multiple_of=256, tie_embeddings=True)
 
 
-def proc_start(pid: int) -> float:
-    """A process's start as unix time, from /proc (as llmtrain's own start-up timeline)."""
-    with open(f"/proc/{pid}/stat") as f:
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -79,7 +70,6 @@ def stock_worker(out: str, micro: str) -> None:
 
     from llmtrain.config import load_config
     from llmtrain.model import Transformer
-    started, agent = proc_start(os.getpid()), proc_start(os.getppid())
     t0 = time.time()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -102,6 +92,10 @@ def stock_worker(out: str, micro: str) -> None:
     optimizer.zero_grad()
     done = time.time()
     if dist.get_rank() == 0:
+        # Process start times are on record in /proc: read them now, as llmtrain's start-up
+        # timeline does, so that importing the reader adds nothing to the stock side's times.
+        from llmtrain.metrics.goodput import process_start_time
+        started, agent = process_start_time(), process_start_time(os.getppid())
         phases = {"launch": started - agent, "imports": t0 - started,
                   "process_group": t1 - t0, "model": t2 - t1}
         Path(out).write_text(json.dumps({"phases": phases, "since_launch_s": done - agent}))

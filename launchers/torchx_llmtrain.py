@@ -148,6 +148,8 @@ def train(
            "--rdzv-id", macros.app_id,
            "--host", _host_word(host),
            "--max-restarts", str(max_restarts),
+           # replicas past the first `nodes` are spares: on standby outside the rendezvous
+           f"$([ {macros.replica_id} -ge {nodes} ] && echo --standby)",
            "--config", shlex.quote(config),
            "--training.run_dir", shlex.quote(run_dir),
            *(shlex.quote(a) for a in (args[1:] if args[:1] == ("--",) else args))]

@@ -22,6 +22,13 @@
 Workers that exit FATAL or EXCLUDE_NODE stop their own agent (``stop_agent``), since
 torchrun restarts workers whatever their exit code; the other nodes' agents then form a
 new round without this node.
+
+**Spares wait outside the rendezvous** (``--standby``) and join only when a round is
+short of nodes. In torch 2.13, a spare sitting in the rendezvous while a rank (not its
+whole node) fails makes the agents restart for ever: after the restart one of the three
+lands in the round's wait list, the others see a "new node" and restart to admit it, and
+so on. A standby launcher reads the rendezvous state from the store instead, and joins
+when a round has waited for nodes for ``STANDBY_GRACE_S``: a node is gone.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class LaunchConfig:
     max_restarts: int = 3
     external_store: bool = False  # the endpoint is an `llmtrain rdzv-store`, not an agent
     host: str = ""                # the node's name in exclusion records (default: hostname)
+    standby: bool = False         # a spare: wait outside the rendezvous until one is short
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 5.0
     monitor_interval_s: float = 1.0
@@ -97,6 +105,9 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if gate != ExitCode.CLEAN:
         return gate
     started = time.time()
+    if lc.standby and not await_vacancy(lc, run_dir, cfg.training.steps, started):
+        EventLog(run_dir, rank=None).emit("spare_released", host=host)
+        return ExitCode.CLEAN  # the job finished without needing this spare
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host}
     events = EventLog(run_dir, rank=None)
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
@@ -120,16 +131,55 @@ def _outcome(rc: int, run_dir: str, host: str, since: float, steps: int) -> Exit
     if rc == 0:
         return ExitCode.CLEAN
     try:
-        events = [e for e in read_events(run_dir) if e["ts"] >= since]
+        fatal = [e for e in read_events(run_dir, "fatal") if e["ts"] >= since]
     except FileNotFoundError:
-        events = []
-    if any(e["event"] == "fatal" for e in events):
+        fatal = []
+    if fatal:
         return ExitCode.FATAL
-    # A spare that was never needed: torch 2.13's agent fails when the job it waited for
-    # ends without it, but the job is done.
-    if any(e["event"] == "run_end" and e["steps"] == steps for e in events):
-        return ExitCode.CLEAN
-    return ExitCode.RETRYABLE
+    # A node left waiting when the job ended: torch 2.13's agent fails on that, but the
+    # job is done.
+    return ExitCode.CLEAN if _finished(run_dir, steps, since) else ExitCode.RETRYABLE
+
+
+STANDBY_GRACE_S = 3.0
+
+
+def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> bool:
+    """Waits, as a spare, until the job's rendezvous is short of nodes (True), or the job
+    has finished (False)."""
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend)
+    host, _, port = lc.rdzv_endpoint.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                          timeout=datetime.timedelta(seconds=lc.join_timeout_s))
+    backend = C10dRendezvousBackend(store, lc.rdzv_id)
+    min_nodes, _, max_nodes = lc.nnodes.partition(":")
+    short_since = None
+    while True:
+        got = backend.get_state()
+        state = pickle.loads(got[0]) if got else None
+        short = state is not None and not state.closed and (
+            (not state.complete and 0 < len(state.participants) < int(min_nodes))
+            or (state.complete and len(state.participants) < int(max_nodes or min_nodes)))
+        now = time.monotonic()
+        short_since = (short_since or now) if short else None
+        if short_since is not None and now - short_since >= STANDBY_GRACE_S:
+            return True
+        if _finished(run_dir, steps, since):
+            return False
+        time.sleep(0.5)
+
+
+def _finished(run_dir: str, steps: int, since: float) -> bool:
+    try:
+        return any(e["ts"] >= since and e["steps"] == steps
+                   for e in read_events(run_dir, "run_end"))
+    except FileNotFoundError:
+        return False
 
 
 def stop_agent(code: int) -> None:
@@ -166,10 +216,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--external-store", action="store_true",
                    help="the endpoint is an `llmtrain rdzv-store` process")
     p.add_argument("--host", default="", help="this node's name (default: the hostname)")
+    p.add_argument("--standby", action="store_true",
+                   help="a spare: join only when the job's rendezvous is short of nodes")
 
 
 def from_args(args: argparse.Namespace) -> LaunchConfig:
     return LaunchConfig(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                         max_restarts=args.max_restarts, external_store=args.external_store,
-                        host=args.host)
+                        host=args.host, standby=args.standby)

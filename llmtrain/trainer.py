@@ -365,7 +365,8 @@ class Trainer:
         after a restart, rank 0 also logs the recovery's parts."""
         phases = dict(self.ledger.timeline)
         since_launch = time.time() - launch_time()
-        self.events.emit("startup", phases=phases, since_launch_s=since_launch)
+        self.events.emit("startup", phases=phases, since_launch_s=since_launch,
+                         pid=os.getpid(), host=self.world.host)
         if self.exporter is not None:
             for name, seconds in phases.items():
                 self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)

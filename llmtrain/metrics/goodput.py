@@ -225,9 +225,17 @@ def young_daly(save_cost_s: float, mtbf_s: float, restart_cost_s: float) -> Inte
         tau = math.sqrt(2 * c * m) * (1 + math.sqrt(c / (2 * m)) / 3 + c / (18 * m)) - c
     else:
         tau = m
-    waste = c / tau + (tau / 2 + restart_cost_s) / m
-    return IntervalAdvice(optimal_interval_s=tau, expected_ettr=max(0.0, 1 - waste),
+    return IntervalAdvice(optimal_interval_s=tau,
+                          expected_ettr=expected_ettr(c, tau, m, restart_cost_s),
                           save_cost_s=save_cost_s, restart_cost_s=restart_cost_s, mtbf_s=m)
+
+
+def expected_ettr(save_cost_s: float, interval_s: float, mtbf_s: float,
+                  restart_cost_s: float) -> float:
+    """The first-order model's ETTR for saving every ``interval_s``: C/τ is spent saving,
+    and each failure (every M) costs half an interval of redone work plus the restart."""
+    waste = save_cost_s / interval_s + (interval_s / 2 + restart_cost_s) / mtbf_s
+    return max(0.0, 1 - waste)
 
 
 def advise(b: Breakdown, assumed_mtbf_s: float = 0.0) -> IntervalAdvice | None:

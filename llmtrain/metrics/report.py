@@ -26,6 +26,7 @@ from typing import Any, Callable
 import fsspec
 import matplotlib
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm, to_rgb
 from matplotlib.figure import Figure
@@ -124,7 +125,7 @@ class Attempt:
     index: int
     start: float
     end: float
-    record: Event  # its attempt_start (or run_start) event: world size, hosts
+    record: Event  # its attempt_start event: world size, rank 0's host
 
 
 class Run:
@@ -136,8 +137,9 @@ class Run:
         self.of: dict[str, list[Event]] = defaultdict(list)
         for e in self.events:
             self.of[e["event"]].append(e)
-        # Older logs have no attempt_start; every process start still writes a run_start.
-        starts = self.of["attempt_start"] or self.of["run_start"] or self.events[:1]
+        # A run whose trainer never started (every node failed the gate) has only the
+        # launchers' events: one attempt, from the first of them.
+        starts = self.of["attempt_start"] or self.events[:1]
         self.starts = [s["ts"] for s in starts]
         times = [e["ts"] for e in self.events]
         self.attempts = []
@@ -224,20 +226,25 @@ class RankRatios:
 # -- figures: each returns the figure, or why there is none ---------------------------------
 
 
-def _loss(run: Run) -> Figure | str:
-    steps = run.of["step"]
-    if not steps:
-        return "the log has no step events (rank 0 writes one every metrics.log_every steps)"
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    for i, group in sorted(run.by_attempt(steps).items()):
-        ax.plot([e["step"] for e in group], [e["loss"] for e in group], lw=1.6,
+def _per_attempt(ax: Axes, run: Run, x: Callable[[Event], float], y: str) -> None:
+    """Field ``y`` of the step events, one line per attempt so that a restart's repeated
+    steps stay apart, and the committed checkpoints as dotted lines at ``x``."""
+    for i, group in sorted(run.by_attempt(run.of["step"]).items()):
+        ax.plot([x(e) for e in group], [e[y] for e in group], lw=1.6,
                 marker="o" if len(group) < 30 else None, ms=3,
                 color=_attempt_color(i), label=f"attempt {i}")
     for j, c in enumerate(run.of["checkpoint_committed"]):
-        ax.axvline(c["step"], color=COMMIT_COLOR, lw=1.0, ls=":", zorder=1,
+        ax.axvline(x(c), color=COMMIT_COLOR, lw=1.0, ls=":", zorder=1,
                    label="checkpoint committed" if j == 0 else None)
     ax.grid(axis="x", visible=False)  # the dotted lines are the checkpoints
+
+
+def _loss(run: Run) -> Figure | str:
+    if not run.of["step"]:
+        return "the log has no step events (rank 0 writes one every metrics.log_every steps)"
+    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    _per_attempt(ax, run, lambda e: e["step"], "loss")
     ax.set(xlabel="step", ylabel="loss", title="Training loss")
     ax.legend(loc="upper right")
     return fig
@@ -249,15 +256,9 @@ def _throughput(run: Run) -> Figure | str:
         return "the log has no step events"
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     ax = fig.add_subplot()
-    for i, group in sorted(run.by_attempt(steps).items()):
-        ax.plot([run.x(e["ts"]) for e in group], [e["tokens_per_s"] for e in group], lw=1.6,
-                marker="o" if len(group) < 30 else None, ms=3,
-                color=_attempt_color(i), label=f"attempt {i}")
+    _per_attempt(ax, run, lambda e: run.x(e["ts"]), "tokens_per_s")
     median = statistics.median(e["tokens_per_s"] for e in steps)
     ax.axhline(median, color="#616161", lw=0.9, ls="--", label=f"median {median:,.0f} tok/s")
-    for j, c in enumerate(run.of["checkpoint_committed"]):
-        ax.axvline(run.x(c["ts"]), color=COMMIT_COLOR, lw=1.0, ls=":", zorder=1,
-                   label="checkpoint committed" if j == 0 else None)
     ratios = [e["mfu"] / e["tokens_per_s"] for e in steps if e.get("mfu") and e["tokens_per_s"]]
     if ratios:  # MFU is proportional to tokens/s: the same curve read on a second scale
         k = statistics.median(ratios)
@@ -265,7 +266,6 @@ def _throughput(run: Run) -> Figure | str:
                            ).set_ylabel("MFU (%)")
     ax.set_ylim(bottom=0)
     ax.set_xlim(0, run.x(run.t_end))
-    ax.grid(axis="x", visible=False)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.set(xlabel=f"wall time since the first event ({run.unit})", ylabel="tokens/s",
            title="Throughput")
@@ -556,16 +556,12 @@ def _attempts_table(run: Run) -> str:
             ended = "still running, or died without logging why"
         else:
             ended = "died without logging why (no hang or preemption recorded)"
-        hosts = a.record.get("hosts") or []
-        shown = ", ".join(map(str, hosts[:6])) + (f" (+{len(hosts) - 6} more)"
-                                                   if len(hosts) > 6 else "")
-        if not hosts and a.record.get("host"):
-            shown = f"{a.record['host']} (rank 0)"
+        host = f"{a.record['host']} (rank 0)" if a.record.get("host") else ""
         cells = [str(a.index), _utc(a.start), f"+{_duration(a.start - run.t0)}",
-                 _duration(a.end - a.start), str(a.record.get("world_size", "")), shown,
+                 _duration(a.end - a.start), str(a.record.get("world_size", "")), host,
                  f"step {loaded['step']}" if loaded else "-", ended]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    head = ("attempt", "started (UTC)", "after first event", "ran for", "ranks", "hosts",
+    head = ("attempt", "started (UTC)", "after first event", "ran for", "ranks", "host",
             "resumed from", "ended by")
     return _table(head, rows)
 

@@ -22,6 +22,11 @@ shard write, in the background writer). Keys: ``rank`` and ``step`` (default: an
 ``restart``: the TorchElastic restart count the fault fires on (default 0, the first
 attempt), so a restarted job does not meet the same fault again. ``slow`` also takes
 ``factor`` and, unlike the others, strikes at every step from ``step`` on.
+
+Faults can also arrive while the job runs (chaos runs): lines appended to the file named
+by ``$LLMTRAIN_FAULTS_FILE`` are armed at the next fault point. Those carry ``id=NAME``
+instead of a restart count and strike once per rank across the whole run, whatever the
+restarts: a marker ``<file>.fired/NAME.<rank>`` records that they did.
 """
 
 from __future__ import annotations
@@ -52,11 +57,12 @@ class Fault:
     step: int | None = None
     restart: int = 0
     factor: int = 1
+    id: str | None = None  # a fault armed at run time: once per rank, any restart
 
     def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
         at = step >= self.step - 1 if self.action == "slow" and self.step else \
             self.step in (None, step)
-        return (self.point == point and self.restart == restart
+        return (self.point == point and (self.id is not None or self.restart == restart)
                 and self.rank in (None, rank) and at)
 
 
@@ -68,12 +74,15 @@ def parse(spec: str) -> list[Fault]:
         if action not in ACTIONS or point not in POINTS:
             raise FaultSpecError(f"reliability.faults: {item!r} is not ACTION@POINT, with "
                                  f"ACTION in {ACTIONS} and POINT in {POINTS}")
-        keys = {}
+        keys: dict = {}
         for pair in filter(None, args.split(",")):
             key, _, value = pair.partition("=")
+            if key == "id" and value.isidentifier():
+                keys[key] = value
+                continue
             if key not in ("rank", "step", "restart", "factor") or not value.isdigit():
                 raise FaultSpecError(f"reliability.faults: in {item!r}, {pair!r} is not "
-                                     f"rank=N, step=N, restart=N or factor=N")
+                                     f"rank=N, step=N, restart=N, factor=N or id=NAME")
             keys[key] = int(value)
         faults.append(Fault(action, point, **keys))
     return faults
@@ -81,6 +90,7 @@ def parse(spec: str) -> list[Fault]:
 
 _faults: list[Fault] = []
 _rank = 0
+_file_mtime: float | None = None
 
 
 def install(spec: str, rank: int) -> None:
@@ -90,17 +100,52 @@ def install(spec: str, rank: int) -> None:
     _rank = rank
 
 
+def _armed_at_run_time() -> list[Fault]:
+    """The faults of ``$LLMTRAIN_FAULTS_FILE``, re-read when it changes."""
+    global _file_mtime, _from_file
+    path = os.environ.get("LLMTRAIN_FAULTS_FILE")
+    if not path:
+        return []
+    try:
+        mtime = os.stat(path).st_mtime
+    except FileNotFoundError:
+        return []
+    if mtime != _file_mtime:
+        with open(path) as f:
+            _from_file = [fault for fault in parse(f.read().replace("\n", ";")) if fault.id]
+        _file_mtime = mtime
+    return _from_file
+
+
+_from_file: list[Fault] = []
+
+
+def _first_time(fault: Fault) -> bool:
+    """Claims a run-time fault for this rank; False if it already struck here."""
+    fired = f"{os.environ['LLMTRAIN_FAULTS_FILE']}.fired"
+    os.makedirs(fired, exist_ok=True)
+    try:
+        os.close(os.open(os.path.join(fired, f"{fault.id}.{_rank}"),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def point(name: str, step: int) -> None:
     """Called where a fault may strike; does nothing unless one is armed here."""
-    if not _faults:
+    faults = _faults + _armed_at_run_time()
+    if not faults:
         return
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    for fault in _faults:
+    for fault in faults:
         if (fault.action.startswith("desync") and fault.point == name
-                and fault.step in (None, step) and fault.restart == restart):
+                and fault.step in (None, step)
+                and (fault.restart == restart if fault.id is None else _first_time(fault))):
             _desync(target=fault.rank if fault.rank is not None else 0,
                     by_size=fault.action == "desync_size")
-        elif fault.matches(name, _rank, step, restart):
+        elif fault.matches(name, _rank, step, restart) and (
+                fault.id is None or fault.action == "slow" or _first_time(fault)):
             _strike(fault, step)
 
 

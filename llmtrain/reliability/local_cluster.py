@@ -38,13 +38,16 @@ class LocalCluster:
              "--port", str(self.port)], env=self.env, stdout=subprocess.DEVNULL)
         self.nodes: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-        """Starts node ``name``'s launcher; ``extra`` are more training overrides."""
+    def start(self, name: str, *extra: str, env: dict | None = None,
+              spare: bool = False) -> subprocess.Popen:
+        """Starts node ``name``'s launcher (``spare``: on standby); ``extra`` are more
+        training overrides."""
         log = open(self.workdir / f"{name}.log", "w")
         proc = subprocess.Popen(
             [sys.executable, "-m", "llmtrain", "launch", "--nnodes", self.nnodes,
              "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--external-store",
              "--rdzv-id", "local", "--host", name, "--max-restarts", str(self.max_restarts),
+             *(["--standby"] if spare else []),
              "--training.run_dir", str(self.run), *self.train_args, *extra],
             env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)

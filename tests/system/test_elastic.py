@@ -50,7 +50,7 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, tmp_path)
     c.start("node1")
     c.start("node2")
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 5, timeout=180)
-    c.start("node3")  # the spare waits in the rendezvous
+    c.start("node3", spare=True)  # the spare stands by
     wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
                    where=lambda e: e["step"] == 20, timeout=180)
     c.kill("node2")
@@ -105,7 +105,7 @@ def test_a_node_failing_the_gate_never_joins_and_a_spare_takes_its_place(cluster
     c.start("node2", env={"LLMTRAIN_NVML_SCRIPT": bad_script})
     assert c.wait("node2", timeout=120) == ExitCode.EXCLUDE_NODE, c.log("node2")
     assert "row_remap" in excluded_hosts(str(c.run))["node2"]["reason"]
-    c.start("node3")  # the spare
+    c.start("node3", spare=True)
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
     assert c.wait("node3") == ExitCode.CLEAN, c.log("node3")
     assert [e["host"] for e in events(c.run, "node_excluded")] == ["node2"]
@@ -132,7 +132,7 @@ def test_a_gpu_failing_mid_run_takes_its_node_out_and_a_spare_goes_on(cluster, t
     c.start("node1")
     c.start("node2", env={"LLMTRAIN_NVML_SCRIPT": str(script)})
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 10, timeout=180)
-    c.start("node3")  # the spare
+    c.start("node3", spare=True)
     time.sleep(3)
     state["gpus"][0]["ecc"]["volatile"]["sram"] = 1
     write_script(script, state)

@@ -15,25 +15,12 @@ import pytest
 from conftest import ROOT, events
 
 from llmtrain.checkpoint import storage
+from llmtrain.reliability.local_cluster import descendants, free_port
 
 COMPONENT = f"{ROOT / 'launchers' / 'torchx_llmtrain.py'}:train"
 BIN = Path(sys.executable).parent
 TRAIN = ("--checkpoint.interval_steps", "20", "--metrics.log_every", "10",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout.split()
-    children = [int(p) for p in out]
-    return children + [d for c in children for d in descendants(c)]
 
 
 def torchx_run(tmp_path: Path, *component_args: str, train: tuple[str, ...] = (),
@@ -88,8 +75,8 @@ def test_torchx_local_cwd_trains_the_debug_model_to_completion(tmp_path):
 
 @pytest.mark.slow
 def test_torchx_two_nodes_and_a_spare_finish_cleanly(tmp_path):
-    """Three replicas on this machine, each its own node; two train, the spare waits in
-    the rendezvous, and every replica exits 0 when the run ends."""
+    """Three replicas on this machine, each its own node; two train, the spare stands by
+    and is released when the run ends, and every replica exits 0."""
     run = tmp_path / "run"
     rc, out = torchx_run(tmp_path, "--nodes", "2", "--spares", "1", "--host", "node{replica_id}",
                          "--rdzv_port", str(free_port()), "--run_dir", str(run),
@@ -97,9 +84,10 @@ def test_torchx_two_nodes_and_a_spare_finish_cleanly(tmp_path):
     # the training itself is right whatever the spare does
     assert_trained(run, 20, out)
     assert [e["world_size"] for e in events(run, "attempt_start")] == [2]
-    assert sorted(e["host"] for e in events(run, "node_launch")) == ["node0", "node1", "node2"]
+    assert sorted(e["host"] for e in events(run, "node_launch")) == ["node0", "node1"]
+    assert [e["host"] for e in events(run, "spare_released")] == ["node2"]
     exits = {e["host"]: e["exit_code"] for e in events(run, "node_exit")}
-    assert rc == 0 and set(exits.values()) == {0}, (exits, out[-6000:])
+    assert rc == 0 and exits == {"node0": 0, "node1": 0}, (exits, out[-6000:])
 
 
 def dryrun(scheduler: str, *component_args: str, cfg: dict | None = None):
@@ -128,6 +116,8 @@ def test_dryrun_two_nodes_and_a_spare(tmp_path):
         env = {**os.environ, **replica.env, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}
         argv = json.loads(subprocess.run(replica.args, env=env, capture_output=True, text=True,
                                          check=True).stdout)
+        assert ("--standby" in argv) == (i >= 2)  # the third replica is the spare
+        argv = [a for a in argv if a != "--standby"]
         opts = dict(zip(argv[1::2], argv[2::2]))
         assert argv[0] == "launch"
         assert opts["--nnodes"] == "2:2" and opts["--nproc-per-node"] == "1"

@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
@@ -21,12 +20,11 @@ ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
 CUDA_PYTORCH = ("pytorch/pytorch", "docker.io/pytorch/pytorch", "nvcr.io/nvidia/pytorch")
 
 
-def instructions(path: Path | None = None) -> list[tuple[str, str, int]]:
+def instructions() -> list[tuple[str, str, int]]:
     """(INSTRUCTION, arguments, line) for each instruction of the Dockerfile: continuation
     lines joined, comment lines (also those inside a continuation) dropped."""
-    path = path or DOCKERFILE
     out, buf, start = [], "", 0
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(DOCKERFILE.read_text().splitlines(), 1):
         stripped = line.strip()
         if stripped.startswith("#") or (not stripped and not buf):
             continue
@@ -35,12 +33,10 @@ def instructions(path: Path | None = None) -> list[tuple[str, str, int]]:
         if stripped.endswith("\\"):
             buf += stripped[:-1] + " "
             continue
-        buf += stripped
-        if buf:
-            keyword, _, args = buf.partition(" ")
-            out.append((keyword.upper(), args.strip(), start))
+        keyword, _, args = (buf + stripped).partition(" ")
+        out.append((keyword.upper(), args.strip(), start))
         buf = ""
-    assert not buf, f"{path}: a line continuation runs off the end of the file"
+    assert not buf, f"{DOCKERFILE}: a line continuation runs off the end of the file"
     return out
 
 

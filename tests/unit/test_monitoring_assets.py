@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import ROOT
+
 MONITORING = ROOT / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "llmtrain.json"
 ALERTS = MONITORING / "alerts.yml"
