@@ -186,6 +186,29 @@ def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     return ExitCode.CLEAN
 
 
+def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
+    """Injects every kind of fault into a running multi-node job; exit 1 unless every
+    fault was detected and diagnosed, the job finished with the reference's weights and
+    no committed checkpoint was lost."""
+    from llmtrain.reliability import chaos
+    if rest:
+        raise ConfigError(f"unexpected arguments {rest}")
+    cfg = chaos.ChaosConfig(workdir=args.workdir, steps=args.steps, interval_s=args.interval,
+                            seed=args.seed, faults=args.faults or ",".join(chaos.KINDS),
+                            repeat=args.repeat,
+                            nodes=args.nodes, reference=not args.no_reference)
+    unknown = set(cfg.faults.split(",")) - set(chaos.KINDS)
+    if unknown:
+        raise ConfigError(f"--faults: unknown {sorted(unknown)}; choose from {chaos.KINDS}")
+    result = chaos.Chaos(cfg).execute()
+    out = os.path.join(args.workdir, "verdict.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(chaos.table(result))
+    print(f"verdict: {out}")
+    return ExitCode.CLEAN if chaos.passed(result) else 1
+
+
 def cmd_analyze(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.reliability import flightrec
     dumps = flightrec.load_dumps(args.dir)
@@ -225,6 +248,19 @@ def main(argv: list[str] | None = None) -> int:
     store.add_argument("--bind", default="0.0.0.0")
     store.add_argument("--port", type=int, default=29400)
     store.set_defaults(func=cmd_rdzv_store)
+    ch = sub.add_parser("chaos", help="inject the fault matrix into a running job; verdicts")
+    ch.add_argument("--workdir", default="runs/chaos", help="a new directory for the run")
+    ch.add_argument("--steps", type=int, default=1000, help="the job's length")
+    ch.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--faults", default="", help="comma-separated kinds (default: all; "
+                                                 "see llmtrain/reliability/chaos.py)")
+    ch.add_argument("--repeat", action="store_true",
+                    help="after each kind once, keep injecting at random until near the end")
+    ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus one spare)")
+    ch.add_argument("--no-reference", action="store_true",
+                    help="skip the fault-free run that the final weights are compared with")
+    ch.set_defaults(func=cmd_chaos)
     report = sub.add_parser("report", help="an HTML report (and PNGs) of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")

@@ -165,8 +165,12 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
         where = f"its last collective there is #{last[-1].seq} ({last[-1].op})" if last else \
             "it recorded no collective there"
         details.append(f"rank {r} never arrived at {ref.op} #{seq} on {pg}: {where}")
-    odd = sorted(r for r, c in there.items() if c.signature() != majority)
-    for r in odd:
+    counts = Counter(c.signature() for c in there.values()).most_common()
+    # No majority (two ranks, or an even split): which side is wrong cannot be told, so
+    # every rank of the split is named, and the verdict says so.
+    tie = len(counts) > 1 and counts[0][1] == counts[1][1]
+    odd = sorted(r for r, c in there.items() if tie or c.signature() != majority)
+    for r in ([] if tie else odd):
         details.append(f"rank {r} called {there[r].signature()} as #{seq} on {pg}, "
                        f"the others {majority}")
     for r in missing:
@@ -176,7 +180,12 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
     culprits = sorted(set(behind) | set(odd) | set(missing))
     stuck = sorted(r for r in there if r not in odd)
     what = f"{ref.op} #{seq} on process group {pg} (sizes {ref.sizes}, dtypes {ref.dtypes})"
-    if odd:
+    if tie:
+        sides = ", ".join(f"rank {r} called {there[r].signature()}" for r in odd)
+        verdict = (f"desync at collective #{seq} on process group {pg}, with no majority to "
+                   f"tell the odd rank out: {sides}")
+        details.append(f"{sides}; with more ranks the odd one out would be named")
+    elif odd:
         verdict = (f"desync at {what}: rank(s) {odd} called a different collective "
                    f"({', '.join(there[r].signature() for r in odd)})")
     elif behind or missing:

@@ -18,14 +18,17 @@ WATCH = ("--reliability.hang_timeout_s", str(TIMEOUT), "--reliability.dump_timeo
 BOUND = 1.0 + 3.0 + 6.0
 
 
-@pytest.mark.parametrize("fault, verdict_words, culprit_stack", [
-    ("hang", ["rank(s) [1] never reached", "gloo:"], "_strike"),
-    ("sigstop", ["rank(s) [1] never reached", "gloo:"], None),
-    ("desync", ["desync at gloo:all_reduce", "gloo:all_gather"], "_desync"),
+@pytest.mark.parametrize("fault, verdict_words, culprit_stack, nproc", [
+    ("hang", ["rank(s) [1] never reached", "gloo:"], "_strike", 2),
+    ("sigstop", ["rank(s) [1] never reached", "gloo:"], None, 2),
+    # three ranks: with two, which of them called the wrong collective cannot be told
+    ("desync", ["desync at gloo:all_reduce", "gloo:all_gather"], "_desync", 3),
 ])
-def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culprit_stack):
+def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culprit_stack,
+                                            nproc):
     run = tmp_path / "run"
-    proc = llmtrain(run, *WATCH, nproc=2, env={"LLMTRAIN_FAULTS": f"{fault}@step:rank=1,step=6"})
+    proc = llmtrain(run, *WATCH, "--training.global_batch_size", str(8 * nproc), nproc=nproc,
+                    env={"LLMTRAIN_FAULTS": f"{fault}@step:rank=1,step=6"})
     assert proc.returncode != 0
     assert f"exitcode  : {int(ExitCode.RETRYABLE)}" in proc.stderr  # the live rank(s)
     [hang] = events(run, "hang")
@@ -38,7 +41,7 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
     assert report["culprits"] == [1] and report["collective"]["pg"]
     dumps = sorted(p.name for p in report_dir.glob("rank-*.json"))
     assert dumps == (["rank-00000.json"] if fault == "sigstop"
-                     else ["rank-00000.json", "rank-00001.json"])
+                     else [f"rank-{r:05d}.json" for r in range(nproc)])
     if culprit_stack:
         assert culprit_stack in report["stacks"]["1"]
     assert "Python stack of rank" in (report_dir / "report.md").read_text()

@@ -41,6 +41,14 @@ def test_desync_by_size_and_by_op_names_the_odd_rank():
     assert r.culprits == [1] and "gloo:all_gather" in r.verdict
 
 
+def test_two_ranks_that_disagree_are_both_named():
+    """With no majority, which rank is wrong cannot be told: both are named, and said so."""
+    r = analyze({0: dump(0, entry(5, done=False)),
+                 1: dump(1, entry(5, op="gloo:all_gather", done=False))})
+    assert r.culprits == [0, 1] and "no majority" in r.verdict
+    assert "rank 0 called gloo:all_reduce" in r.verdict and "rank 1 called gloo:all_gather" in r.verdict
+
+
 def test_missing_dump_is_the_likely_culprit():
     r = analyze({0: dump(0, entry(1), entry(2, done=False))}, world_size=2)
     assert r.culprits == [1] and r.missing_dumps == [1]

@@ -1,0 +1,48 @@
+"""The long soak: a fault every minute or two for half an hour, on one running job.
+
+Runs ``llmtrain chaos --repeat`` (every kind once in a seeded order, then at random) on
+a job long enough to last ``--minutes``, and prints the verdict table and where the lost
+time went; the baseline is the Young/Daly model's ETTR for the costs and failure rate
+measured in the same run.
+
+    python benchmarks/soak.py [--minutes 30] [--interval 60] [--workdir runs/soak]
+
+Prints the table, then one JSON line of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from llmtrain.reliability import chaos
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--interval", type=float, default=60.0, help="mean seconds between faults")
+    ap.add_argument("--step-s", type=float, default=0.2, help="expected seconds per step, "
+                    "to size the job")
+    ap.add_argument("--workdir", default=f"runs/soak-{int(time.time())}")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cfg = chaos.ChaosConfig(workdir=args.workdir, interval_s=args.interval, seed=args.seed,
+                            repeat=True, steps=int(args.minutes * 60 / args.step_s))
+    start = time.time()
+    result = chaos.Chaos(cfg).execute()
+    print(chaos.table(result))
+    figures = {k: result.get(k) for k in ("finished", "faults", "detected", "correct", "ettr",
+                                          "ettr_predicted", "mtbf_s", "restart_cost_s",
+                                          "bitwise_equal_to_reference")}
+    figures["committed_checkpoints_lost"] = len(result["committed_checkpoints_lost"])
+    figures["ettr_over_predicted"] = (round(result["ettr"] / result["ettr_predicted"], 3)
+                                      if result.get("ettr_predicted") else None)
+    figures["badput_s"] = {k: round(v, 1) for k, v in result.get("badput_s", {}).items()}
+    figures["minutes"] = round((time.time() - start) / 60, 1)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,503 @@
+"""Chaos runs: the whole fault matrix against one running job, and a verdict on each fault.
+
+A job runs on this machine as several "nodes" (``LocalCluster``: ``llmtrain launch``
+agents on loopback, an external rendezvous store) with one spare waiting, checkpoints on
+the fault-injecting FUSE filesystem and a scripted NVML per node. A seeded schedule
+injects every kind of fault at least once, then random ones, one at a time:
+
+==================  ===================================================================
+kill_rank           SIGKILL one rank mid-step
+kill_in_save        a rank dies inside its checkpoint shard write (a run-time fault)
+hang                SIGSTOP one rank: it stops inside a collective, watchdog thread and all
+desync              one rank calls a different collective (a run-time fault)
+slow_rank           one rank stopped 2/3 of the time for a while: a straggler
+node_loss           a whole node (launcher, agent, workers) dies; the spare takes over
+enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / EIO
+gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
+truncated_shard     a shard of the newest committed checkpoint is cut short, then a rank
+                    is killed so that the restart must notice and fall back
+==================  ===================================================================
+
+Each fault's verdict comes from the run's own event log: whether and when it was
+detected, whether the diagnosis named the right rank, collective, check or checkpoint,
+what the job did, how long until the first step after it, and the steps it cost. A node
+that was lost or excluded is repaired (its GPU fixed, its exclusion lifted) and started
+again as the next spare. At the end: did the job finish, are its final weights bitwise
+those of a fault-free run at the same world size, was any committed checkpoint lost, and
+how does the measured ETTR compare with the Young/Daly model's for the measured costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from llmtrain.checkpoint import storage
+from llmtrain.metrics import goodput
+from llmtrain.metrics.events import read_events
+from llmtrain.reliability.elastic import EXCLUDED_HOSTS, excluded_hosts
+from llmtrain.reliability.fault_mount import FaultMount
+from llmtrain.reliability.local_cluster import LocalCluster
+
+KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "enospc",
+         "eio", "gpu_bad", "truncated_shard")
+
+
+@dataclass
+class ChaosConfig:
+    workdir: str = "runs/chaos"
+    steps: int = 1000              # the job's length: faults come until 3 intervals before
+    interval_s: float = 20.0       # mean quiet time after a fault's recovery
+    seed: int = 0
+    faults: str = ",".join(KINDS)  # kinds to inject: each once in a seeded order, then
+    repeat: bool = False           # (with repeat) at random until the job nears its end
+    nodes: int = 2                 # training nodes, one rank each, plus one spare
+    checkpoint_every: int = 20
+    reference: bool = True         # train again without faults to compare the weights
+
+
+@dataclass
+class Verdict:
+    kind: str
+    target: str
+    at_step: int
+    injected_at: float
+    detected: bool = False
+    detect_s: float | None = None
+    diagnosis: str = ""
+    correct: bool = False
+    action: str = ""
+    recover_s: float | None = None
+    steps_lost: int | None = None
+
+
+def _healthy_gpu() -> dict:
+    return {"name": "scripted GPU", "uuid": "GPU-chaos", "pci_bus_id": "00000000:18:00.0",
+            "ecc": {"volatile": {"dram": 0, "sram": 0}, "aggregate": {"dram": 0, "sram": 0}},
+            "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False,
+                              "failure": False},
+            "pcie": {"gen": 5, "width": 16, "max_gen": 5, "max_width": 16},
+            "temperature_c": 40, "power_w": 100, "throttle": [], "processes": [],
+            "recovery_action": "none"}
+
+
+class Chaos:
+    def __init__(self, cfg: ChaosConfig):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.dir = Path(cfg.workdir).resolve()
+        if self.dir.exists() and any(self.dir.iterdir()):
+            raise FileExistsError(f"chaos workdir {self.dir} is not empty: give a new one")
+        self.run = self.dir / "run"
+        self.faults_file = self.dir / "faults.txt"
+        self.names = [f"node{i + 1}" for i in range(cfg.nodes + 1)]
+        self.verdicts: list[Verdict] = []
+        self.truncated: set[int] = set()
+        self.train_args = (
+            "--config", "debug_cpu", "--training.steps", str(cfg.steps),
+            "--checkpoint.interval_steps", str(cfg.checkpoint_every),
+            "--checkpoint.keep_last", "4", "--metrics.log_every", "5",
+            "--metrics.address", "127.0.0.1", "--metrics.port", "0",
+            "--reliability.hang_timeout_s", "8", "--reliability.straggler_window_s", "4",
+            "--health.interval_s", "1")
+
+    # -- the run --------------------------------------------------------------------------
+
+    def execute(self) -> dict:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "nvml").mkdir()
+        self.faults_file.write_text("")
+        self.mount = FaultMount(self.dir / "ckpt").start()
+        env = {"LLMTRAIN_FAULTS_FILE": str(self.faults_file)}
+        self.cluster = LocalCluster(self.dir, self.run, f"{self.cfg.nodes}:{self.cfg.nodes}",
+                                    (*self.train_args, "--checkpoint.url", str(self.mount.mount)),
+                                    max_restarts=100, env=env)
+        try:
+            for name in self.names:
+                self._gpu(name, healthy=True)
+            for name in self.names[:-1]:
+                self._start(name, spare=False)
+            self._wait(lambda: self._latest("step"), "the first step", 300)
+            self._start(self.names[-1])
+            kinds = [k for k in KINDS if k in self.cfg.faults.split(",")]
+            schedule = self.rng.sample(kinds, len(kinds))
+            last = self.cfg.steps - 3 * self.cfg.checkpoint_every
+            while schedule or self.cfg.repeat:
+                kind = schedule.pop(0) if schedule else self.rng.choice(kinds)
+                self._settle()
+                if self._step() >= last:
+                    break
+                self.verdicts.append(getattr(self, f"_{kind}")())
+                print(_row(self.verdicts[-1]), flush=True)
+            final = self._finish()
+        finally:
+            self.cluster.close()
+            self.mount.stop()
+        return final
+
+    def _start(self, name: str, spare: bool = True) -> None:
+        self.cluster.start(name, env={"LLMTRAIN_NVML_SCRIPT": str(self._script(name))},
+                           spare=spare)
+
+    def _script(self, name: str) -> Path:
+        return self.dir / "nvml" / f"{name}.json"
+
+    def _gpu(self, name: str, healthy: bool) -> None:
+        gpu = _healthy_gpu()
+        if not healthy:
+            gpu["ecc"]["volatile"]["dram"] = 2
+        path = self._script(name)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"gpus": [gpu]}))
+        os.replace(tmp, path)
+
+    # -- what the job is doing --------------------------------------------------------------
+
+    def _events(self, kind: str | None = None, since: float = 0.0) -> list[dict]:
+        try:
+            return [e for e in read_events(str(self.run), kind) if e["ts"] >= since]
+        except FileNotFoundError:
+            return []
+
+    def _latest(self, kind: str, since: float = 0.0) -> dict | None:
+        found = self._events(kind, since)
+        return found[-1] if found else None
+
+    def _wait(self, probe, what: str, timeout: float):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            value = probe()
+            if value:
+                return value
+            time.sleep(0.2)
+        raise TimeoutError(f"chaos: no {what} within {timeout:.0f} s; see {self.dir}/*.log")
+
+    def _ranks(self) -> dict[int, dict]:
+        """This attempt's ranks: rank -> its startup event (pid, host)."""
+        attempt = self._latest("attempt_start")
+        return {e["rank"]: e for e in self._events("startup", attempt["ts"] if attempt else 0)}
+
+    def _step(self) -> int:
+        last = self._latest("step")
+        return last["step"] if last else 0
+
+    def _settle(self) -> None:
+        """Waits until every training node runs the current attempt and has stepped, and
+        the quiet interval has passed."""
+        self._wait(lambda: len(self._ranks()) == self.cfg.nodes, "full world", 300)
+        since = time.time()
+        self._wait(lambda: self._latest("step", since), "a step", 120)
+        time.sleep(self.cfg.interval_s * self.rng.uniform(0.5, 1.5))
+
+    def _pick_rank(self, not_zero: bool = False) -> tuple[int, dict]:
+        ranks = self._ranks()
+        rank = self.rng.choice(sorted(r for r in ranks if r or not not_zero))
+        return rank, ranks[rank]
+
+    def _recovered(self, v: Verdict, since: float, timeout: float = 240) -> None:
+        """Waits for the next attempt's first step; fills in recovery and steps lost."""
+        rec = self._wait(lambda: self._latest("recovery", since), "recovery", timeout)
+        v.recover_s = rec["marks"]["first_step"] - v.injected_at
+        loaded = self._latest("checkpoint_loaded", since)
+        # a save at the stop (gpu_bad) can be past the step the fault was injected at
+        v.steps_lost = max(0, v.at_step - (loaded["step"] if loaded else 0))
+
+    # -- the faults --------------------------------------------------------------------------
+
+    def _kill_rank(self) -> Verdict:
+        rank, info = self._pick_rank()
+        v = Verdict("kill_rank", f"rank {rank} ({info['host']})", self._step(), time.time())
+        os.kill(info["pid"], signal.SIGKILL)
+        seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 120)
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.diagnosis = f"rank {seen['rank']}'s collective failed: {seen['error'][:80]}"
+        v.correct = seen["rank"] != rank
+        v.action = "restart from the last checkpoint"
+        self._recovered(v, v.injected_at)
+        return v
+
+    def _kill_in_save(self) -> Verdict:
+        rank, info = self._pick_rank()
+        v = Verdict("kill_in_save", f"rank {rank} ({info['host']})", self._step(), time.time())
+        with open(self.faults_file, "a") as f:
+            f.write(f"kill@checkpoint_write:rank={rank},id=save{len(self.verdicts)}\n")
+        seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 180)
+        v.at_step = seen["step"]
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        self._recovered(v, v.injected_at)
+        loaded = self._latest("checkpoint_loaded", v.injected_at)
+        half = storage.step_dir(str(self.mount.mount), (v.at_step // self.cfg.checkpoint_every)
+                                * self.cfg.checkpoint_every)
+        committed = storage.read_manifest(half) is not None
+        v.diagnosis = (f"save of step {v.at_step // self.cfg.checkpoint_every * self.cfg.checkpoint_every}"
+                       f" left {'committed' if committed else 'uncommitted'}; resumed from "
+                       f"{loaded['step'] if loaded else 0}")
+        v.correct = not committed
+        v.action = "restart from the previous committed checkpoint"
+        return v
+
+    def _hang(self) -> Verdict:
+        # Not rank 0: with a store per rendezvous round, rank 0's process hosts the store
+        # the watchdogs meet in, and a stopped rank 0 takes it along (a known limit).
+        rank, info = self._pick_rank(not_zero=True)
+        v = Verdict("hang", f"rank {rank} ({info['host']})", self._step(), time.time())
+        os.kill(info["pid"], signal.SIGSTOP)
+        try:
+            seen = self._wait(lambda: self._latest("hang", v.injected_at), "hang report", 120)
+        finally:
+            os.kill(info["pid"], signal.SIGKILL)  # a stopped process ignores SIGTERM
+        self._judge_report(v, seen, rank)
+        self._recovered(v, v.injected_at)
+        return v
+
+    def _desync(self) -> Verdict:
+        rank, info = self._pick_rank()
+        at = self._step() + 10
+        v = Verdict("desync", f"rank {rank} ({info['host']})", at, time.time())
+        with open(self.faults_file, "a") as f:
+            f.write(f"desync@step:rank={rank},step={at},id=desync{len(self.verdicts)}\n")
+        seen = self._wait(lambda: self._latest("hang", v.injected_at)
+                          or self._latest("collective_error", v.injected_at), "verdict", 180)
+        self._judge_report(v, seen, rank)
+        self._recovered(v, v.injected_at)
+        return v
+
+    @staticmethod
+    def _judge_report(v: Verdict, seen: dict, rank: int) -> None:
+        """A watchdog verdict: detected when the watchdog decided (before the dumps and the
+        report), right if it names the rank as the one the others wait for."""
+        v.detected = True
+        v.detect_s = (seen["ts"] - seen.get("reported_after_s", 0)
+                      + seen.get("detected_after_s", 0) - v.injected_at)
+        v.diagnosis = seen.get("verdict") or seen["reason"]
+        v.correct = rank in seen.get("culprits", [])
+        v.action = f"flight-recorder report {seen['id']}, restart"
+
+    def _slow_rank(self) -> Verdict:
+        rank, info = self._pick_rank()
+        v = Verdict("slow_rank", f"rank {rank} ({info['host']})", self._step(), time.time())
+        stop = threading.Event()
+
+        def throttle() -> None:  # about 3x slower: stopped 2/3 of every 150 ms
+            while not stop.is_set():
+                try:
+                    os.kill(info["pid"], signal.SIGSTOP)
+                    time.sleep(0.1)
+                    os.kill(info["pid"], signal.SIGCONT)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.05)
+        thread = threading.Thread(target=throttle, daemon=True)
+        thread.start()
+        try:
+            seen = self._wait(lambda: self._latest("straggler", v.injected_at), "straggler", 90)
+        finally:
+            stop.set()
+            thread.join()
+            os.kill(info["pid"], signal.SIGCONT)
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.diagnosis = f"rank {seen['straggler_rank']} {seen['slowdown']}x slower"
+        v.correct = seen["straggler_rank"] == rank
+        v.action = "straggler event and metric; training goes on"
+        v.recover_s, v.steps_lost = 0.0, 0
+        return v
+
+    def _node_loss(self) -> Verdict:
+        rank, info = self._pick_rank()
+        node = info["host"]
+        v = Verdict("node_loss", node, self._step(), time.time())
+        self.cluster.kill(node)
+        seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 120)
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        self._recovered(v, v.injected_at)
+        hosts = {e["host"] for e in self._ranks().values()}
+        v.diagnosis = f"world re-formed on {sorted(hosts)}"
+        v.correct = node not in hosts and len(hosts) == self.cfg.nodes
+        v.action = "spare admitted, restart from the last checkpoint"
+        self._start(node)  # repaired: the next spare
+        return v
+
+    def _storage_error(self, kind: str, errno_name: str) -> Verdict:
+        v = Verdict(kind, "checkpoint filesystem", self._step(), time.time())
+        self.mount.set_rules([{"ops": ["write", "create", "fsync"], "errno": errno_name,
+                               "path": "*.distcp", "name": kind}])
+        try:
+            seen = self._wait(lambda: self._latest("checkpoint_failed", v.injected_at),
+                              "checkpoint_failed", 180)
+        finally:
+            self.mount.clear()
+        v.at_step = seen["step"]
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.diagnosis = seen["error"][:120]
+        v.correct = errno_name in seen["error"] or os.strerror(
+            {"ENOSPC": 28, "EIO": 5}[errno_name]) in seen["error"]
+        after = self._wait(lambda: self._latest("checkpoint_committed", seen["ts"]),
+                           "the next commit", 180)
+        v.action = f"save failed, training went on; next commit at step {after['step']}"
+        v.recover_s, v.steps_lost = 0.0, 0
+        return v
+
+    def _enospc(self) -> Verdict:
+        return self._storage_error("enospc", "ENOSPC")
+
+    def _eio(self) -> Verdict:
+        return self._storage_error("eio", "EIO")
+
+    def _gpu_bad(self) -> Verdict:
+        rank, info = self._pick_rank()
+        node = info["host"]
+        v = Verdict("gpu_bad", f"{node} GPU 0", self._step(), time.time())
+        self._gpu(node, healthy=False)
+        seen = self._wait(lambda: [e for e in self._events("health", v.injected_at)
+                                   if e["severity"] == "fatal"], "fatal health event", 60)[0]
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.diagnosis = f"{seen['check']} on {seen['host']} GPU {seen['gpu']}"
+        v.correct = seen["check"] == "ecc_volatile" and seen["host"] == node
+        self._wait(lambda: self.cluster.nodes[node].poll() is not None, f"{node} to exit", 120)
+        v.action = (f"last checkpoint, {node} exited {self.cluster.nodes[node].returncode} "
+                    f"(76 = excluded), spare admitted")
+        v.correct &= self.cluster.nodes[node].returncode == 76
+        self._recovered(v, v.injected_at)
+        # repaired: the GPU replaced, the exclusion lifted, back as a spare
+        self._gpu(node, healthy=True)
+        hosts = excluded_hosts(str(self.run))
+        hosts.pop(node, None)
+        (self.run / EXCLUDED_HOSTS).write_text(json.dumps(hosts))
+        self._start(node)
+        return v
+
+    def _truncated_shard(self) -> Verdict:
+        since = time.time()
+        newest = self._wait(lambda: self._latest("checkpoint_committed", since),
+                            "a commit", 180)["step"]
+        shard = max((self.mount.root / Path(storage.step_dir(str(self.mount.mount), newest)).name)
+                    .glob("*.distcp"), key=lambda p: p.stat().st_size)
+        with open(shard, "r+b") as f:  # behind the filesystem's back, as bit rot would be
+            f.truncate(shard.stat().st_size // 2)
+        self.truncated.add(newest)
+        rank, info = self._pick_rank()
+        v = Verdict("truncated_shard", f"step {newest} ({shard.name})", self._step(), time.time())
+        os.kill(info["pid"], signal.SIGKILL)  # before the next commit makes it not the newest
+        seen = self._wait(lambda: self._latest("checkpoint_rejected", v.injected_at),
+                          "checkpoint_rejected", 180)
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.diagnosis = f"step {seen['step']} rejected: {seen['problems'][0][:80]}"
+        self._recovered(v, v.injected_at)
+        loaded = self._latest("checkpoint_loaded", v.injected_at)
+        v.correct = seen["step"] == newest and (loaded is None or loaded["step"] < newest)
+        v.action = (f"fell back to step {loaded['step']}" if loaded else
+                    "no older checkpoint: started over")
+        return v
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def _finish(self) -> dict:
+        """Lets the job run to its end, then judges it."""
+        for name, proc in self.cluster.nodes.items():
+            try:
+                proc.wait(timeout=1800)
+            except subprocess.TimeoutExpired:
+                self.cluster.kill(name)
+        end = self._latest("run_end")
+        finished = end is not None and end["steps"] == self.cfg.steps
+        result = {"finished": finished, "steps": self.cfg.steps,
+                  "faults": len(self.verdicts),
+                  "kinds": sorted({v.kind for v in self.verdicts}),
+                  "detected": sum(v.detected for v in self.verdicts),
+                  "correct": sum(v.correct for v in self.verdicts),
+                  "committed_checkpoints_lost": self._lost_checkpoints()}
+        result.update(self._ettr())
+        if self.cfg.reference and finished:
+            result["bitwise_equal_to_reference"] = self._compare(self.cfg.steps)
+        result["verdicts"] = [asdict(v) for v in self.verdicts]
+        return result
+
+    def _lost_checkpoints(self) -> list[int]:
+        """Committed steps that are neither retired by retention, nor the one chaos broke,
+        nor still whole."""
+        removed = {e["step"] for e in self._events("checkpoint_removed")}
+        lost = []
+        for e in self._events("checkpoint_committed"):
+            step = e["step"]
+            if step in removed or step in self.truncated:
+                continue
+            url = storage.step_dir(str(self.mount.root), step)
+            if storage.read_manifest(url) is None or storage.verify(url, checksums=True):
+                lost.append(step)
+        return sorted(set(lost))
+
+    def _ettr(self) -> dict:
+        final = self._latest("goodput")
+        if final is None:
+            return {}
+        restarts = [v for v in self.verdicts if v.recover_s]
+        steps = self._events("step")
+        step_s = sorted(e["step_time_s"] for e in steps)[len(steps) // 2]
+        mtbf = final["wall_s"] / max(1, len(restarts))
+        restart_cost = (sum(v.recover_s for v in restarts) / len(restarts)) if restarts else 0.0
+        predicted = goodput.expected_ettr(final["save_cost_s"] or 0.0,
+                                          self.cfg.checkpoint_every * step_s, mtbf,
+                                          restart_cost)
+        return {"ettr": final["ettr"], "ettr_predicted": predicted, "wall_s": final["wall_s"],
+                "badput_s": final["badput"], "mtbf_s": mtbf, "restart_cost_s": restart_cost}
+
+    def _compare(self, final_step: int) -> bool:
+        """Trains the same job without faults at the same world size, then compares the
+        final weights bit for bit."""
+        import torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        ref = self.dir / "reference"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={self.cfg.nodes}", "-m", "llmtrain", "train",
+                        *self.train_args, "--training.steps", str(final_step),
+                        "--training.run_dir", str(ref), "--health.monitor", "false"],
+                       check=True, capture_output=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        weights = []
+        for root in (ref / "checkpoints", self.mount.root):
+            out = self.dir / f"weights-{len(weights)}.pt"
+            dcp_to_torch_save(storage.step_dir(str(root), final_step), out)
+            weights.append(torch.load(out, weights_only=False)["model"])
+        a, b = weights
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _row(v: Verdict) -> str:
+    def num(x):
+        return "-" if x is None else f"{x:.1f}"
+    return (f"{v.kind:<16} {v.target:<28} {'yes' if v.detected else 'NO':<4} "
+            f"{num(v.detect_s):>7} {'ok' if v.correct else 'WRONG':<6} {num(v.recover_s):>8} "
+            f"{'-' if v.steps_lost is None else v.steps_lost:>5}  {v.diagnosis[:70]}")
+
+
+def table(result: dict) -> str:
+    head = (f"{'fault':<16} {'target':<28} {'det':<4} {'detect_s':>7} {'diag':<6} "
+            f"{'recover_s':>8} {'lost':>5}  diagnosis")
+    rows = [_row(Verdict(**v)) for v in result["verdicts"]]
+    summary = [f"job finished: {result['finished']} (step {result['steps']})",
+               f"faults detected: {result['detected']}/{result['faults']}, diagnosed right: "
+               f"{result['correct']}/{result['faults']}",
+               f"committed checkpoints lost: {len(result['committed_checkpoints_lost'])}"]
+    if "bitwise_equal_to_reference" in result:
+        summary.append(f"final weights bitwise equal to a fault-free run: "
+                       f"{result['bitwise_equal_to_reference']}")
+    if "ettr" in result:
+        summary.append(f"ETTR measured {result['ettr']:.3f}, Young/Daly model "
+                       f"{result['ettr_predicted']:.3f} (MTBF {result['mtbf_s']:.0f} s, "
+                       f"restart {result['restart_cost_s']:.1f} s); badput: " + ", ".join(
+                           f"{k} {v:.1f}s" for k, v in result["badput_s"].items() if v > 0.05))
+    return "\n".join([head, *rows, "", *summary])
+
+
+def passed(result: dict) -> bool:
+    return (result["finished"] and result["detected"] == result["correct"] == result["faults"]
+            and not result["committed_checkpoints_lost"]
+            and result.get("bitwise_equal_to_reference", True))
