@@ -184,7 +184,7 @@ class Run:
         ranks reached their collectives, about 1 for a rank nobody waits for; None with
         fewer than two ranks."""
         records = self.of["straggler_scores"]
-        if not records or len(records[0]["slowdowns"]) < 2:
+        if not records or max(len(e["slowdowns"]) for e in records) < 2:
             return None
         columns = [(self.attempt_of(e["ts"]), e["step"]) for e in records]
         world = max(len(e["slowdowns"]) for e in records)
