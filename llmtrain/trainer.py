@@ -436,6 +436,8 @@ class Trainer:
         return s
 
     def close(self) -> None:
+        """Stops every component; the time it takes is in the ledger too (as "other")."""
+        started = time.time()
         if self.health is not None:
             self.health.close()
         if self.exporter is not None:
@@ -444,5 +446,6 @@ class Trainer:
             self.watchdog.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
-        self.events.close()
         shutdown()
+        self.ledger.record("other", "shutdown", started, time.time())
+        self.events.close()

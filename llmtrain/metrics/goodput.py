@@ -258,8 +258,8 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     if len(attempts) < 2:
         return None
     previous, current = attempts[-2], attempts[-1]
-    progress = max((e["end"] for e in previous if e["event"] == "span"),
-                   default=previous[0]["ts"])
+    progress = max((e["end"] for e in previous if e["event"] == "span"
+                    and e["category"] != "other"), default=previous[0]["ts"])
     detected = min((e["ts"] for e in previous if e["event"] in _FAILURE_SIGNS
                     and e["ts"] >= progress), default=None)
     spans = {e["name"]: e for e in current if e["event"] == "span"}
