@@ -57,3 +57,14 @@ def write_atomic(url: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     fs.pipe_file(tmp, data)
     fs.mv(tmp, path)
+
+
+def probe_writable(url: str, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Creates the directory ``url`` if needed and writes, then removes, a small file
+    ``name`` in it: raises whatever the storage raises when it cannot take files."""
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.makedirs(path, exist_ok=True)
+    probe = join(url, name)
+    write_atomic(probe, b"ok")
+    fs.rm_file(fsspec.core.url_to_fs(probe)[1])
+    return fs, path

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-import fsspec
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,7 +23,7 @@ from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
                                                 init_process_group, open_store, shutdown)
-from llmtrain.fsio import join, write_atomic
+from llmtrain.fsio import probe_writable
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics import goodput
 from llmtrain.metrics.events import EventLog, EventTail
@@ -63,11 +62,7 @@ def _memory_gb(device: torch.device) -> float:
 def _check_writable(field: str, url: str) -> None:
     """Fails before any process group starts if ``url`` cannot take files."""
     try:
-        fs, path = fsspec.core.url_to_fs(url)
-        fs.makedirs(path, exist_ok=True)
-        probe = join(url, f".llmtrain-write-test-{os.getpid()}")
-        write_atomic(probe, b"ok")
-        fs.rm_file(fsspec.core.url_to_fs(probe)[1])
+        probe_writable(url, f".llmtrain-write-test-{os.getpid()}")
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"{field}={url!r} is not writable ({type(e).__name__}: {e}); "
                           f"give a writable local path or fsspec URL") from None

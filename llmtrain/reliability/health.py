@@ -36,15 +36,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Callable
 
-import fsspec
 import pynvml
 
 from llmtrain.config import ConfigError, HealthConfig
-from llmtrain.fsio import is_local, join, write_atomic
+from llmtrain.fsio import is_local, probe_writable
 from llmtrain.reliability.nvml_scripted import THROTTLE_BITS, ScriptedNVML
 
 SEVERITIES = ("ok", "unknown", "warn", "fatal")
@@ -451,11 +450,7 @@ class HealthChecker:
 
     def _storage(self, check: str, url: str) -> Finding:
         try:
-            fs, path = fsspec.core.url_to_fs(url)
-            fs.makedirs(path, exist_ok=True)
-            probe = join(url, f".llmtrain-health-{self.host}-{os.getpid()}")
-            write_atomic(probe, b"ok")
-            fs.rm_file(fsspec.core.url_to_fs(probe)[1])
+            fs, path = probe_writable(url, f".llmtrain-health-{self.host}-{os.getpid()}")
         except Exception as e:  # noqa: BLE001 - any failure means the node cannot save
             return Finding(check, "fatal", f"{url} is not writable from this node "
                            f"({type(e).__name__}: {e}): checkpoints would fail; check the "
