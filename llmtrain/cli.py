@@ -196,7 +196,10 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = chaos.ChaosConfig(workdir=args.workdir, steps=args.steps, interval_s=args.interval,
                             seed=args.seed, faults=args.faults or ",".join(chaos.KINDS),
                             repeat=args.repeat,
-                            nodes=args.nodes, reference=not args.no_reference)
+                            nodes=args.nodes, rank=args.rank,
+                            reference=not args.no_reference)
+    if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
+        raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
     unknown = set(cfg.faults.split(",")) - set(chaos.KINDS)
     if unknown:
         raise ConfigError(f"--faults: unknown {sorted(unknown)}; choose from {chaos.KINDS}")
@@ -258,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--repeat", action="store_true",
                     help="after each kind once, keep injecting at random until near the end")
     ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus one spare)")
+    ch.add_argument("--rank", type=int, default=None,
+                    help="the rank every rank-level fault hits (default: a random one)")
     ch.add_argument("--no-reference", action="store_true",
                     help="skip the fault-free run that the final weights are compared with")
     ch.set_defaults(func=cmd_chaos)

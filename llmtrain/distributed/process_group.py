@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -91,11 +92,25 @@ def _attempt_namespace() -> str:
 
 
 def open_store(name: str, timeout: timedelta) -> dist.Store:
-    """A new client of the job's store, in this attempt's namespace under ``name``: for
-    threads that must reach the store while the main thread may be stuck in it."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout, use_libuv=True)
-    return dist.PrefixStore(f"{_attempt_namespace()}/{name}", store)
+    """A new store client under ``name`` for a thread that must reach a store while the
+    main thread may be stuck: the watchdog's.
+
+    Under ``llmtrain launch`` (``LLMTRAIN_RDZV_ENDPOINT``) it is the rendezvous store,
+    served by an agent or ``llmtrain rdzv-store`` and so outside every worker: with a
+    store per round, the job's own store lives in rank 0's process, and a rank 0 that is
+    stopped (SIGSTOP, a kernel hang) would take the watchdogs' meeting point along. The
+    keys go under a name the round's ranks agree on through the job's store at start.
+    """
+    job = dist.PrefixStore(_attempt_namespace(), dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout, use_libuv=True))
+    endpoint = os.environ.get("LLMTRAIN_RDZV_ENDPOINT")
+    if not endpoint:
+        return dist.PrefixStore(name, job)
+    round_id = job.compare_set(f"{name}/round", "", uuid.uuid4().hex).decode()
+    host, _, port = endpoint.rpartition(":")
+    outside = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
+    return dist.PrefixStore(f"llmtrain/rounds/{round_id}/{name}", outside)
 
 
 def connect_store(world: WorldInfo, r: ReliabilityConfig) -> dist.Store:

@@ -60,6 +60,7 @@ class ChaosConfig:
     faults: str = ",".join(KINDS)  # kinds to inject: each once in a seeded order, then
     repeat: bool = False           # (with repeat) at random until the job nears its end
     nodes: int = 2                 # training nodes, one rank each, plus one spare
+    rank: int | None = None        # the rank every rank-level fault hits (default: random)
     checkpoint_every: int = 20
     reference: bool = True         # train again without faults to compare the weights
 
@@ -197,9 +198,9 @@ class Chaos:
         self._wait(lambda: self._latest("step", since), "a step", 120)
         time.sleep(self.cfg.interval_s * self.rng.uniform(0.5, 1.5))
 
-    def _pick_rank(self, not_zero: bool = False) -> tuple[int, dict]:
+    def _pick_rank(self) -> tuple[int, dict]:
         ranks = self._ranks()
-        rank = self.rng.choice(sorted(r for r in ranks if r or not not_zero))
+        rank = self.cfg.rank if self.cfg.rank is not None else self.rng.choice(sorted(ranks))
         return rank, ranks[rank]
 
     def _recovered(self, v: Verdict, since: float, timeout: float = 240) -> None:
@@ -245,9 +246,7 @@ class Chaos:
         return v
 
     def _hang(self) -> Verdict:
-        # Not rank 0: with a store per rendezvous round, rank 0's process hosts the store
-        # the watchdogs meet in, and a stopped rank 0 takes it along (a known limit).
-        rank, info = self._pick_rank(not_zero=True)
+        rank, info = self._pick_rank()
         v = Verdict("hang", f"rank {rank} ({info['host']})", self._step(), time.time())
         os.kill(info["pid"], signal.SIGSTOP)
         try:

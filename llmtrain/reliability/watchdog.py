@@ -2,12 +2,14 @@
 verdict, and a retryable exit.
 
 The training thread only stamps its progress (``beat``: three attribute writes). A thread
-per rank does the rest through its own connection to the job's TCPStore, never through a
-process group (which may be the thing that is stuck):
+per rank does the rest through its own store connection (the rendezvous store under
+``llmtrain launch``, which no worker hosts; see ``open_store``), never through a process
+group (which may be the thing that is stuck):
 
 - every ``heartbeat_interval_s`` it publishes the rank's progress under ``hb/<rank>``;
-- it declares a hang when its own rank made no progress for the hang timeout, or (rank 0)
-  when another rank's heartbeat is older than that (a rank stopped whole, e.g. SIGSTOP);
+- it declares a hang when its own rank made no progress for the hang timeout, or when a
+  watched rank's heartbeat is older than that (a rank stopped whole, e.g. SIGSTOP):
+  rank 0 watches every rank, rank 1 watches rank 0;
 - the first rank to declare one claims the event in the store and becomes its leader;
   every rank seeing the event dumps its flight-recorder entries and Python stacks to
   ``<run dir>/diagnostics/<event>/rank-N.json``; the leader waits for the dumps (up to
@@ -109,6 +111,11 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        try:  # the rendezvous store outlives the round: leave it no per-rank keys
+            for key in (f"hb/{self.rank}", f"arrivals/{self.rank}"):
+                self.store.delete_key(key)
+        except Exception:  # the store may be gone at the end; nothing is lost
+            pass
 
     # -- the thread -------------------------------------------------------------------
 
@@ -140,12 +147,12 @@ class Watchdog:
         if age > self.timeout:
             return (f"rank {self.rank} made no progress for {age:.0f} s (last: {self.phase} "
                     f"{self.step}; hang timeout {self.timeout:.0f} s)")
-        if self.rank != 0:
+        # rank 0 watches everyone's heartbeat, rank 1 watches rank 0's
+        watched = range(self.world_size) if self.rank == 0 else [0] if self.rank == 1 else []
+        keys = [f"hb/{r}" for r in watched]
+        if not keys or not self.store.check(keys):
             return None
-        keys = [f"hb/{r}" for r in range(self.world_size)]
-        if not self.store.check(keys):
-            return None
-        for r, raw in enumerate(self.store.multi_get(keys)):
+        for r, raw in zip(watched, self.store.multi_get(keys)):
             beat = json.loads(raw)
             silent = time.time() - beat["wall"]
             if silent > self.timeout:
@@ -232,6 +239,14 @@ class Watchdog:
         self.events.close()
         os._exit(ExitCode.RETRYABLE)
 
+    def _silent_ranks(self) -> set[int]:
+        """Ranks whose heartbeat is older than the hang timeout."""
+        beating = [r for r in range(self.world_size) if self.store.check([f"hb/{r}"])]
+        beats = self.store.multi_get([f"hb/{r}" for r in beating]) if beating else []
+        fresh = {r for r, raw in zip(beating, beats)
+                 if time.time() - json.loads(raw)["wall"] <= self.timeout}
+        return set(range(self.world_size)) - fresh
+
     def _await(self, keys: list[str], seconds: float) -> list[str]:
         """Waits up to ``seconds`` for ``keys``; returns those still missing."""
         deadline = time.monotonic() + seconds
@@ -242,7 +257,9 @@ class Watchdog:
             time.sleep(0.1)
 
     def _report(self, event: dict, url: str) -> None:
-        self._await([f"dumped/{r}" for r in range(self.world_size)], self.cfg.dump_timeout_s)
+        silent = self._silent_ranks()  # stopped or dead: no dump will come from them
+        self._await([f"dumped/{r}" for r in range(self.world_size) if r not in silent],
+                    self.cfg.dump_timeout_s)
         report = flightrec.analyze(flightrec.load_dumps(url), self.world_size)
         detected_after = event["progress_age"]
         flightrec.write_report(url, report, {"event": event["id"], "reason": event["reason"],
