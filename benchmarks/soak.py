@@ -19,6 +19,22 @@ import time
 from llmtrain.reliability import chaos
 
 
+def by_kind(verdicts: list[dict]) -> str:
+    """Per fault kind: how many, all right or not, mean seconds to detect and recover,
+    steps lost in all."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return f"{sum(xs) / len(xs):.1f}" if xs else "-"
+    lines = [f"{'kind':<16} {'n':>3} {'right':>5} {'detect_s':>8} {'recover_s':>9} {'lost':>5}"]
+    for kind in sorted({v["kind"] for v in verdicts}):
+        vs = [v for v in verdicts if v["kind"] == kind]
+        lines.append(f"{kind:<16} {len(vs):>3} {sum(v['correct'] for v in vs):>5} "
+                     f"{mean(v['detect_s'] for v in vs):>8} "
+                     f"{mean(v['recover_s'] for v in vs):>9} "
+                     f"{sum(v['steps_lost'] or 0 for v in vs):>5}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
@@ -33,7 +49,10 @@ def main() -> None:
                             repeat=True, steps=int(args.minutes * 60 / args.step_s))
     start = time.time()
     result = chaos.Chaos(cfg).execute()
+    with open(f"{args.workdir}/verdict.json", "w") as f:
+        json.dump(result, f, indent=1)
     print(chaos.table(result))
+    print(by_kind(result["verdicts"]))
     figures = {k: result.get(k) for k in ("finished", "faults", "detected", "correct", "ettr",
                                           "ettr_predicted", "mtbf_s", "restart_cost_s",
                                           "bitwise_equal_to_reference")}
