@@ -30,10 +30,9 @@ from typing import Iterator
 
 import pytest
 
+from needs import unavailable
+
 __all__ = ["SlurmCluster", "slurm_cluster", "slurm_problem"]
-
-IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
 
 def slurm_problem() -> str | None:
     """Why no cluster can be started here, or None."""
@@ -315,10 +314,7 @@ def slurm_cluster() -> Iterator:
     """A factory: ``slurm_cluster(nodes=4)`` starts a cluster, torn down after the test."""
     problem = slurm_problem()
     if problem:
-        if IN_CI:
-            pytest.fail(f"{problem} (CI=true: the Slurm tests must run here; see .ci/run)",
-                        pytrace=False)
-        pytest.skip(problem)
+        unavailable(problem)
     made: list[SlurmCluster] = []
 
     def make(nodes: int = 4, cpus: int = 2, kill_wait: int = 5) -> SlurmCluster:

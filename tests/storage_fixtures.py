@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import pytest
+from needs import unavailable
 
 from llmtrain.reliability.fault_mount import FaultMount as FaultFS
 from llmtrain.reliability.fault_mount import fuse_mounts, fuse_problem, is_mounted, unmount
@@ -29,16 +30,6 @@ from llmtrain.reliability.fault_mount import wait_mounted as _wait_mounted
 
 __all__ = ["FaultFS", "FuseDirs", "bindfs_dirs", "bindfs_mount", "faultfs", "fuse_mounts",
            "is_mounted", "s3_server", "s3_url", "S3_ENV", "unmount"]
-
-IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
-def _unavailable(reason: str):
-    if IN_CI:
-        pytest.fail(f"{reason} (CI=true: storage fixtures must work here; see .ci/run)",
-                    pytrace=False)
-    pytest.skip(reason)
-
 
 # --------------------------------------------------------------------------- bindfs
 class FuseDirs(NamedTuple):
@@ -51,7 +42,7 @@ def bindfs_dirs(tmp_path) -> Iterator[FuseDirs]:
     """A real bindfs FUSE mount of a fresh directory."""
     problem = fuse_problem("bindfs")
     if problem:
-        _unavailable(problem)
+        unavailable(problem)
     root, mnt = tmp_path / "bindfs-root", tmp_path / "bindfs-mnt"
     root.mkdir()
     mnt.mkdir()
@@ -59,7 +50,7 @@ def bindfs_dirs(tmp_path) -> Iterator[FuseDirs]:
     r = subprocess.run(["bindfs", "--no-allow-other", str(root), str(mnt)],
                        capture_output=True, text=True, timeout=30)
     if r.returncode != 0:
-        _unavailable(f"bindfs failed (exit {r.returncode}): {r.stderr.strip()}")
+        unavailable(f"bindfs failed (exit {r.returncode}): {r.stderr.strip()}")
     try:
         _wait_mounted(mnt)
         yield FuseDirs(mnt, root)
@@ -79,11 +70,11 @@ def faultfs(tmp_path) -> Iterator[FaultFS]:
     """llmtrain.reliability.faultfs mounted on ``.mount`` over ``.root``, no rules yet."""
     problem = fuse_problem()
     if problem:
-        _unavailable(problem)
+        unavailable(problem)
     try:
         import mfusepy  # noqa: F401  (loads libfuse3)
     except (ImportError, OSError) as e:
-        _unavailable(f"mfusepy unusable ({e}): pip install -e '.[dev]' and apt-get install fuse3")
+        unavailable(f"mfusepy unusable ({e}): pip install -e '.[dev]' and apt-get install fuse3")
     fs = FaultFS(tmp_path / "faultfs")
     try:
         fs.start()
@@ -112,7 +103,7 @@ def s3_server() -> Iterator[str]:
     try:
         from moto.server import ThreadedMotoServer
     except ImportError as e:
-        _unavailable(f"moto[server] not installed ({e}): pip install -e '.[dev]'")
+        unavailable(f"moto[server] not installed ({e}): pip install -e '.[dev]'")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log line per request
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -130,7 +121,7 @@ def s3_url(s3_server, monkeypatch) -> Iterator[str]:
     try:
         import s3fs
     except ImportError as e:
-        _unavailable(f"s3fs not installed ({e}): pip install -e '.[dev]'")
+        unavailable(f"s3fs not installed ({e}): pip install -e '.[dev]'")
     for key, value in {**S3_ENV, "AWS_ENDPOINT_URL_S3": s3_server,
                        "AWS_ENDPOINT_URL": s3_server}.items():
         monkeypatch.setenv(key, value)

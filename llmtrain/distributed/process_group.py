@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtrain.config import ParallelismConfig, ReliabilityConfig
+from llmtrain.reliability.local_cluster import free_port
 
 
 def node_name() -> str:
@@ -58,18 +59,12 @@ class WorldInfo:
                    host=node_name())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _standalone_env() -> None:
     """Lets ``llmtrain train`` run as one process without torchrun."""
     if "RANK" in os.environ:
         return
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def resolve_device(p: ParallelismConfig, local_rank: int) -> torch.device:

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from llmtrain.config import MetricsConfig
 from llmtrain.fsio import join, write_atomic
-from llmtrain.metrics import goodput
+from llmtrain.metrics.goodput import Breakdown, IntervalAdvice
 from llmtrain.metrics.events import read_events
 
 # name -> (type, help, extra labels)
@@ -225,7 +225,7 @@ class Exporter:
         elif kind == "collective_error":
             self.series("llmtrain_desyncs_total").inc()
 
-    def goodput(self, b: goodput.Breakdown, advice: goodput.IntervalAdvice | None) -> None:
+    def goodput(self, b: Breakdown, advice: IntervalAdvice | None) -> None:
         self.set("llmtrain_goodput_ratio", b.ettr)
         self.set("llmtrain_wall_seconds", b.wall_s)
         self.set("llmtrain_productive_seconds", b.productive_s)

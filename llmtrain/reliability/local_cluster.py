@@ -25,6 +25,16 @@ def descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in descendants(c)]
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILLs ``pid`` and everything under it. torchrun and torchx start workers in
+    sessions of their own, so the tree is walked: killing the group would miss them."""
+    for p in descendants(pid) + [pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 class LocalCluster:
     def __init__(self, workdir: Path, run_dir: Path, nnodes: str, train_args: tuple[str, ...],
                  *, max_restarts: int = 3, env: dict | None = None):
@@ -55,13 +65,8 @@ class LocalCluster:
         return proc
 
     def kill(self, name: str) -> None:
-        """The node dies: its launcher, agent and workers at once (torchrun starts workers
-        in sessions of their own, so the process tree is walked, not the group)."""
-        for pid in descendants(self.nodes[name].pid) + [self.nodes[name].pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """The node dies: its launcher, agent and workers at once."""
+        kill_tree(self.nodes[name].pid)
 
     def wait(self, name: str, timeout: float = 300) -> int:
         try:

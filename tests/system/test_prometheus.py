@@ -2,7 +2,6 @@
 config and alert rules; killing a rank fires the alert that names it."""
 
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -13,22 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+import needs
 from conftest import ROOT, llmtrain_start
 
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="Debian `prometheus` not installed (.ci/run installs it)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from llmtrain.reliability.local_cluster import free_port
 
 @pytest.fixture
 def prometheus(tmp_path):
     """Prometheus on loopback with monitoring/prometheus.yml and monitoring/alerts.yml,
     made fast for a test: 1 s scrapes and evaluations, alerts without their `for:` wait."""
+    exe = needs.tool("prometheus", "Debian/Ubuntu: apt-get install prometheus")
     d = tmp_path / "prom"
     (d / "targets").mkdir(parents=True)
     config = yaml.safe_load((ROOT / "monitoring/prometheus.yml").read_text())
@@ -45,7 +38,7 @@ def prometheus(tmp_path):
     (d / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     proc = subprocess.Popen(
-        ["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+        [exe, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=open(d / "prometheus.log", "w"))
     api = Api(f"http://127.0.0.1:{port}/api/v1", d)

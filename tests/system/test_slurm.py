@@ -3,7 +3,6 @@ slurmctld, one slurmd per fake node, munge): a training node set DOWN mid-run is
 by the spare inside the same job; a preemption signal checkpoints, requeues and resumes,
 and a node that fails the health gate is drained and left out of the requeued run."""
 
-import socket
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
 
 from llmtrain.checkpoint import storage
 from llmtrain.reliability.elastic import excluded_hosts
+from llmtrain.reliability.local_cluster import free_port
 from nvml_states import node, write_script
 
 pytestmark = pytest.mark.slow
@@ -23,12 +23,6 @@ SBATCH = ROOT / "slurm" / "llmtrain.sbatch"
 STEPS = 60
 TRAIN = ("--training.steps", str(STEPS), "--metrics.log_every", "5",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:

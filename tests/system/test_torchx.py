@@ -5,7 +5,6 @@ spares; torchx's component linter."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from conftest import ROOT, events
 
 from llmtrain.checkpoint import storage
-from llmtrain.reliability.local_cluster import descendants, free_port
+from llmtrain.reliability.local_cluster import free_port, kill_tree
 
 COMPONENT = f"{ROOT / 'launchers' / 'torchx_llmtrain.py'}:train"
 BIN = Path(sys.executable).parent
@@ -38,12 +37,7 @@ def torchx_run(tmp_path: Path, *component_args: str, train: tuple[str, ...] = ()
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # torchx starts each replica in a session of its own: walk the tree
-        for pid in descendants(proc.pid) + [proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(f"torchx run still running after {timeout} s\n{out[-6000:]}")
     return proc.returncode, out

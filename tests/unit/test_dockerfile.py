@@ -6,13 +6,13 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tomllib
 
 import pytest
 
+import needs
 from conftest import ROOT
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -140,8 +140,7 @@ def test_no_pip_cache_no_remote_add_and_a_stated_healthcheck():
 
 def test_entry_script_passes_bash_n_and_shellcheck():
     subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True)
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck not installed")
+    needs.tool("shellcheck", "Debian/Ubuntu: apt-get install shellcheck")
     out = subprocess.run(["shellcheck", str(ENTRYPOINT)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 

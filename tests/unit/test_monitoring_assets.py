@@ -7,9 +7,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
+import needs
 from conftest import ROOT
 
 MONITORING = ROOT / "monitoring"
@@ -24,9 +24,7 @@ METRIC_IN_TEXT = re.compile(r"\bllmtrain_[a-z0-9_]+")
 
 def promtool(*args: str, cwd: Path = ROOT) -> str:
     """Runs promtool; fails the test with its output unless it exits 0."""
-    exe = shutil.which("promtool")
-    if exe is None:
-        pytest.skip("promtool is not installed (Debian/Ubuntu: apt-get install prometheus)")
+    exe = needs.tool("promtool", "Debian/Ubuntu: apt-get install prometheus")
     proc = subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"promtool {' '.join(args)} exited {proc.returncode}:\n{out}"
