@@ -108,8 +108,9 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if lc.standby and not await_vacancy(lc, run_dir, cfg.training.steps, started):
         EventLog(run_dir, rank=None).emit("spare_released", host=host)
         return ExitCode.CLEAN  # the job finished without needing this spare
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host,
-           "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint}  # the watchdogs meet there
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host}
+    if not lc.rdzv_endpoint.endswith(":0"):  # port 0: the agent picks one we cannot know
+        env["LLMTRAIN_RDZV_ENDPOINT"] = lc.rdzv_endpoint  # the watchdogs meet there
     events = EventLog(run_dir, rank=None)
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
     proc = subprocess.Popen(torchrun_command(lc, train_args), env=env)
