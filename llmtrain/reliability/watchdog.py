@@ -149,16 +149,19 @@ class Watchdog:
                     f"{self.step}; hang timeout {self.timeout:.0f} s)")
         # rank 0 watches everyone's heartbeat, rank 1 watches rank 0's
         watched = range(self.world_size) if self.rank == 0 else [0] if self.rank == 1 else []
-        keys = [f"hb/{r}" for r in watched]
-        if not keys or not self.store.check(keys):
-            return None
-        for r, raw in zip(watched, self.store.multi_get(keys)):
-            beat = json.loads(raw)
+        for r, beat in (self._heartbeats(watched) or {}).items():
             silent = time.time() - beat["wall"]
             if silent > self.timeout:
                 return (f"rank {r} sent no heartbeat for {silent:.0f} s (last at step "
                         f"{beat['step']}, {beat['phase']}): stopped or dead")
         return None
+
+    def _heartbeats(self, ranks) -> dict[int, dict] | None:
+        """The latest heartbeats of ``ranks``; None until every one has published."""
+        keys = [f"hb/{r}" for r in ranks]
+        if not keys or not self.store.check(keys):
+            return None
+        return {r: json.loads(raw) for r, raw in zip(ranks, self.store.multi_get(keys))}
 
     # -- stragglers: who arrives late at collectives ----------------------------------
 
@@ -242,9 +245,8 @@ class Watchdog:
     def _silent_ranks(self) -> set[int]:
         """Ranks whose heartbeat is older than the hang timeout."""
         beating = [r for r in range(self.world_size) if self.store.check([f"hb/{r}"])]
-        beats = self.store.multi_get([f"hb/{r}" for r in beating]) if beating else []
-        fresh = {r for r, raw in zip(beating, beats)
-                 if time.time() - json.loads(raw)["wall"] <= self.timeout}
+        fresh = {r for r, beat in (self._heartbeats(beating) or {}).items()
+                 if time.time() - beat["wall"] <= self.timeout}
         return set(range(self.world_size)) - fresh
 
     def _await(self, keys: list[str], seconds: float) -> list[str]:

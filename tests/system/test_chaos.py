@@ -8,6 +8,7 @@ import pytest
 
 from conftest import ROOT
 
+from llmtrain.config import ReliabilityConfig
 from llmtrain.metrics.events import read_events
 from llmtrain.reliability.chaos import KINDS
 
@@ -47,5 +48,5 @@ def test_a_stopped_rank_0_is_named_and_its_dump_not_awaited(tmp_path):
     assert v["kind"] == "hang" and v["target"].startswith("rank 0 ") and v["correct"], table
     (hang,) = read_events(str(work / "run"), "hang")
     assert hang["culprits"] == [0] and hang["rank"] == 1, hang  # rank 1 led the report
-    dump_timeout_s = 10.0  # the default reliability.dump_timeout_s
+    dump_timeout_s = ReliabilityConfig().dump_timeout_s  # chaos runs with the default
     assert hang["reported_after_s"] - hang["detected_after_s"] < dump_timeout_s / 2, hang
