@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.config import ModelConfig, load_config, parse_overrides
-from llmtrain.metrics.events import read_events
+from llmtrain.events import read_events
 from llmtrain.model import count_params
 from llmtrain.trainer import Trainer
 

@@ -58,8 +58,8 @@ import time
 from prometheus_client import generate_latest
 
 from llmtrain.config import load_config, parse_overrides
+from llmtrain.events import EventTail, read_events
 from llmtrain.metrics import goodput
-from llmtrain.metrics.events import EventTail, read_events
 from llmtrain.trainer import Trainer
 
 # A separate process, so that its HTTP client never holds the trainer's GIL. Commands on

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmtrain.metrics.events import read_events
-from llmtrain.reliability.local_cluster import LocalCluster
+from llmtrain.chaos.local_cluster import LocalCluster
+from llmtrain.events import read_events
 
 TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",

@@ -16,7 +16,7 @@ import argparse
 import json
 import time
 
-from llmtrain.reliability import chaos
+from llmtrain.chaos import runner as chaos
 
 
 def by_kind(verdicts: list[dict]) -> str:

@@ -200,7 +200,7 @@ def micro_batch(nproc: int) -> int:
 
 
 def llmtrain_start(nproc: int, tmp: Path) -> tuple[dict[str, float], dict[str, float]]:
-    from llmtrain.metrics.events import read_events
+    from llmtrain.events import read_events
     run_dir = tmp / f"llmtrain-w{nproc}"
     shutil.rmtree(run_dir, ignore_errors=True)
     wall = run([*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "llmtrain", "train",

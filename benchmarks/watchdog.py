@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from llmtrain.config import load_config, parse_overrides
-from llmtrain.metrics.events import read_events
+from llmtrain.events import read_events
 from llmtrain.trainer import Trainer
 
 

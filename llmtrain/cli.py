@@ -1,21 +1,33 @@
 """The ``llmtrain`` command.
 
-Exit codes follow :class:`llmtrain.reliability.elastic.ExitCode`: a configuration or data
+Exit codes follow :class:`llmtrain.exit_codes.ExitCode`: a configuration or data
 error is FATAL (a restart would fail the same way), so launchers do not loop on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import socket
 import sys
-from dataclasses import asdict
 
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
 from llmtrain.data import ShardError
-from llmtrain.reliability.elastic import ExitCode
+from llmtrain.exit_codes import ExitCode
+
+
+class MissingExtra(Exception):
+    pass
+
+
+def _need_extra(extra: str, module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(f"this command needs the {extra!r} extra ({module} is not "
+                           f"installed): pip install 'llmtrain[{extra}]'") from None
 
 
 def _config(args: argparse.Namespace, rest: list[str]):
@@ -23,36 +35,8 @@ def _config(args: argparse.Namespace, rest: list[str]):
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    cfg = _config(args, rest)
-    from llmtrain.distributed.process_group import node_name
-    from llmtrain.launch import stop_agent
-    from llmtrain.metrics.events import EventLog
-    from llmtrain.reliability import elastic
-    from llmtrain.trainer import Trainer
-    host = node_name()
-    if host in (excluded := elastic.excluded_hosts(cfg.training.run_dir)):
-        print(f"llmtrain: {host} is excluded from this run ({excluded[host]['reason']})",
-              file=sys.stderr)
-        stop_agent(ExitCode.EXCLUDE_NODE)
-        return ExitCode.EXCLUDE_NODE
-    try:
-        trainer = Trainer(cfg)
-    except (ConfigError, ShardError) as e:
-        EventLog(cfg.training.run_dir, int(os.environ.get("RANK", 0))).emit(
-            "fatal", host=host, error=f"{type(e).__name__}: {e}")
-        stop_agent(ExitCode.FATAL)
-        raise
-    try:
-        trainer.run()
-    except BaseException as e:
-        # The first sign of a failure elsewhere (a dead peer breaks our collective): the
-        # start of the recovery clock.
-        trainer.events.emit("failure", step=trainer.step, error=f"{type(e).__name__}: {e}"[:500])
-        raise
-    finally:
-        trainer.close()
-    stop_agent(trainer.exit_code)
-    return trainer.exit_code
+    from llmtrain.launch.worker import run_worker
+    return run_worker(_config(args, rest))
 
 
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
@@ -115,67 +99,32 @@ def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
+    from llmtrain.reliability.health.checks import table, to_json, worst
+    from llmtrain.reliability.health.gate import check_node, run_gate
     cfg = _config(args, rest)
     host = args.host or socket.gethostname()
     if args.gate:
         return run_gate(cfg, host, as_json=args.json)
-    from llmtrain.reliability import health
-    findings, values, backend = _check_node(cfg, host)
-    print(health.to_json(findings, values, backend) if args.json else health.table(findings))
-    worst = health.worst(findings)
-    return {"fatal": ExitCode.EXCLUDE_NODE, "warn": 1}.get(worst, ExitCode.CLEAN)
-
-
-def _check_node(cfg, host: str):
-    from llmtrain.reliability import health
-    storage = {"run_storage": cfg.training.run_dir}
-    if cfg.checkpoint.enable:
-        storage["checkpoint_storage"] = cfg.checkpoint_url
-    checker = health.HealthChecker(cfg.health, health.open_backend(cfg.health), host=host,
-                                   storage=storage)
-    findings, values = checker.run()
-    return findings, values, checker.backend
-
-
-def run_gate(cfg, host: str, as_json: bool = False) -> ExitCode:
-    """The preflight gate: a fatal finding (or an earlier exclusion) keeps the node out of
-    the job; it is recorded in the run's excluded_hosts.json. Warnings let it join."""
-    from llmtrain.metrics.events import EventLog
-    from llmtrain.reliability import elastic, health
-    run_dir = cfg.training.run_dir
-    if host in (excluded := elastic.excluded_hosts(run_dir)):
-        print(f"llmtrain health: {host} was excluded from this run earlier: "
-              f"{excluded[host]['reason']}; remove it from {run_dir}/excluded_hosts.json "
-              f"once it is repaired", file=sys.stderr)
-        return ExitCode.EXCLUDE_NODE
-    findings, values, backend = _check_node(cfg, host)
-    print(health.to_json(findings, values, backend) if as_json else health.table(findings))
-    fatal = [f for f in findings if f.severity == "fatal"]
-    if not fatal:
-        return ExitCode.CLEAN
-    reason = "; ".join(f.sentence() for f in fatal)
-    elastic.exclude_host(run_dir, host, reason, findings=[asdict(f) for f in fatal])
-    events = EventLog(run_dir, rank=None)
-    events.emit("node_excluded", host=host, reason=reason, source="gate")
-    events.close()
-    print(f"llmtrain health: {host} excluded from the run: {reason}", file=sys.stderr)
-    return ExitCode.EXCLUDE_NODE
+    findings, values, backend = check_node(cfg, host)
+    print(to_json(findings, values, backend) if args.json else table(findings))
+    return {"fatal": ExitCode.EXCLUDE_NODE, "warn": 1}.get(worst(findings), ExitCode.CLEAN)
 
 
 def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from llmtrain import launch
+    from llmtrain.launch import node
     cfg = _config(args, rest)
-    return launch.launch(cfg, launch.from_args(args), ["--config", args.config, *rest])
+    return node.launch(cfg, node.from_args(args), ["--config", args.config, *rest])
 
 
 def cmd_rdzv_store(args: argparse.Namespace, rest: list[str]) -> int:
-    from llmtrain.launch import serve_store
+    from llmtrain.launch.store import serve_store
     serve_store(args.bind, args.port)
     return ExitCode.CLEAN
 
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
-    from llmtrain.metrics.report import write_report
+    _need_extra("report", "matplotlib")
+    from llmtrain.report.html import write_report
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
     try:
@@ -190,7 +139,8 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     """Injects every kind of fault into a running multi-node job; exit 1 unless every
     fault was detected and diagnosed, the job finished with the reference's weights and
     no committed checkpoint was lost."""
-    from llmtrain.reliability import chaos
+    _need_extra("chaos", "mfusepy")
+    from llmtrain.chaos import runner as chaos
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
     cfg = chaos.ChaosConfig(workdir=args.workdir, steps=args.steps, interval_s=args.interval,
@@ -245,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="preflight: a fatal finding excludes this node from the run (exit 76)")
     hp.add_argument("--json", action="store_true")
     hp.add_argument("--host", default="", help="name to record (default: the hostname)")
-    from llmtrain.launch import add_arguments
+    from llmtrain.launch.node import add_arguments
     add_arguments(sub.choices["launch"])
     store = sub.add_parser("rdzv-store", help="serve a rendezvous store for the node agents")
     store.add_argument("--bind", default="0.0.0.0")
@@ -257,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--faults", default="", help="comma-separated kinds (default: all; "
-                                                 "see llmtrain/reliability/chaos.py)")
+                                                 "see llmtrain/chaos/runner.py)")
     ch.add_argument("--repeat", action="store_true",
                     help="after each kind once, keep injecting at random until near the end")
     ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus one spare)")
@@ -290,4 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.FATAL
     except ShardError as e:
         print(f"llmtrain: data error: {e}", file=sys.stderr)
+        return ExitCode.FATAL
+    except MissingExtra as e:
+        print(f"llmtrain {args.command}: {e}", file=sys.stderr)
         return ExitCode.FATAL

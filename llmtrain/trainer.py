@@ -16,23 +16,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from llmtrain import fault_points
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
-from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
-                                                init_process_group, open_store, shutdown)
+from llmtrain.distributed.process_group import (
+    WorldInfo,
+    build_mesh,
+    connect_store,
+    init_process_group,
+    open_store,
+    shutdown,
+)
+from llmtrain.events import EventLog, EventTail
+from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import probe_writable
-from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics import goodput
-from llmtrain.metrics.events import EventLog, EventTail
+from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.goodput import GoodputLedger, launch_time, process_start_time
 from llmtrain.metrics.prometheus import Exporter
 from llmtrain.model import Transformer, count_params, flops_per_token
-from llmtrain.reliability import faults, health
-from llmtrain.reliability.elastic import ExitCode, exclude_host
-from llmtrain.reliability.health import HealthChecker, HealthMonitor
+from llmtrain.reliability.health.checks import HealthChecker, open_backend
+from llmtrain.reliability.health.exclusion import exclude_host
+from llmtrain.reliability.health.monitor import HealthMonitor, rank_gpu
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
@@ -96,7 +104,7 @@ class Trainer:
         self.world = WorldInfo.from_env()
         cfg.validate(self.world.world_size)
         t = cfg.training
-        faults.install(cfg.reliability.faults, self.world.rank)
+        fault_points.install(cfg.reliability.faults, self.world.rank)
         self.accum_steps = cfg.accumulation_steps(self.world.world_size)
         self.is_logger = self.world.rank == 0
 
@@ -201,8 +209,8 @@ class Trainer:
 
     def _start_health_monitor(self) -> HealthMonitor:
         """Watches this rank's GPU (and, on local rank 0, the node) while training."""
-        backend = health.open_backend(self.cfg.health)
-        gpu = health.rank_gpu(backend, self.device)
+        backend = open_backend(self.cfg.health)
+        gpu = rank_gpu(backend, self.device)
         monitor = HealthMonitor(
             HealthChecker(self.cfg.health, backend, host=self.world.host),
             [] if gpu is None else [gpu], interval_s=self.cfg.health.interval_s,
@@ -267,7 +275,7 @@ class Trainer:
         for step in range(self.step + 1, t.steps + 1):
             step_start = time.perf_counter()
             with self.diagnosed():
-                faults.point("step", step)
+                fault_points.point("step", step)
                 micro_batches = self.data.next_step()
                 local_loss = self.train_step(micro_batches)
             self.step = step

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.metrics.events import read_events
+from llmtrain.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from needs import unavailable
 
 __all__ = ["SlurmCluster", "slurm_cluster", "slurm_problem"]

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import pytest
-from needs import unavailable
 
-from llmtrain.reliability.fault_mount import FaultMount as FaultFS
-from llmtrain.reliability.fault_mount import fuse_mounts, fuse_problem, is_mounted, unmount
-from llmtrain.reliability.fault_mount import wait_mounted as _wait_mounted
+from needs import unavailable
+from llmtrain.chaos.mount import FaultMount as FaultFS
+from llmtrain.chaos.mount import fuse_mounts, fuse_problem, is_mounted, unmount
+from llmtrain.chaos.mount import wait_mounted as _wait_mounted
 
 __all__ = ["FaultFS", "FuseDirs", "bindfs_dirs", "bindfs_mount", "faultfs", "fuse_mounts",
            "is_mounted", "s3_server", "s3_url", "S3_ENV", "unmount"]
@@ -67,7 +67,7 @@ def bindfs_mount(bindfs_dirs) -> Path:
 # --------------------------------------------------------------------------- faultfs
 @pytest.fixture
 def faultfs(tmp_path) -> Iterator[FaultFS]:
-    """llmtrain.reliability.faultfs mounted on ``.mount`` over ``.root``, no rules yet."""
+    """llmtrain.chaos.faultfs mounted on ``.mount`` over ``.root``, no rules yet."""
     problem = fuse_problem()
     if problem:
         unavailable(problem)

@@ -21,14 +21,14 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.api import CheckpointException
 
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig
-from llmtrain.metrics.events import EventLog
+from llmtrain.events import EventLog
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
 SAVE_ERRORS = (Exception, CheckpointException)

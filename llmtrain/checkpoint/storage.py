@@ -39,8 +39,8 @@ import fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 from torch.futures import Future
 
+from llmtrain import fault_points
 from llmtrain.fsio import join, write_atomic
-from llmtrain.reliability import faults
 
 MANIFEST = "MANIFEST.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -119,7 +119,7 @@ class CommitWriter(FsspecWriter):
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan, planner):
-        faults.point("checkpoint_write", step=self.manifest["step"])
+        fault_points.point("checkpoint_write", step=self.manifest["step"])
         results = super().write_data(plan, planner).wait()
         # Carry each file's sums to the coordinator inside DCP's gather of the results;
         # ``finish`` takes them out again before DCP's metadata is pickled.

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtrain.config import ParallelismConfig, ReliabilityConfig
-from llmtrain.reliability.local_cluster import free_port
 
 
 def node_name() -> str:
@@ -57,6 +56,13 @@ class WorldInfo:
                    world_size=int(os.environ.get("WORLD_SIZE", 1)),
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)),
                    host=node_name())
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for single-process runs and local clusters)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _standalone_env() -> None:

@@ -1,1 +1,1 @@
-"""What a run reports: the event log and the console."""
+"""What a run reports while it trains: Prometheus metrics, the goodput ledger, the console."""

@@ -32,7 +32,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from llmtrain.metrics.events import EventLog
+from llmtrain.events import EventLog
 
 CATEGORIES = ("startup", "checkpoint_load", "checkpoint_stall", "lost_steps", "hang",
               "restart", "other")

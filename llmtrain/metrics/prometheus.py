@@ -22,9 +22,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from llmtrain.config import MetricsConfig
+from llmtrain.events import read_events
 from llmtrain.fsio import join, write_atomic
 from llmtrain.metrics.goodput import Breakdown, IntervalAdvice
-from llmtrain.metrics.events import read_events
 
 # name -> (type, help, extra labels)
 _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {

@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.config import ReliabilityConfig
+from llmtrain.events import EventLog
+from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import join, write_atomic
-from llmtrain.metrics.events import EventLog
 from llmtrain.reliability import flightrec
-from llmtrain.reliability.elastic import ExitCode
-
 
 HOST = socket.gethostname()
 

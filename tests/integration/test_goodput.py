@@ -6,8 +6,8 @@ import time
 
 from conftest import check, events, llmtrain
 
+from llmtrain.events import read_events
 from llmtrain.metrics import goodput
-from llmtrain.metrics.events import read_events
 
 
 def test_goodput_closes_over_a_kill_and_a_restart(tmp_path):

@@ -7,7 +7,8 @@ from conftest import events, llmtrain_start, wait_for_event
 from nvml_states import healthy_gpu, write_script
 
 from llmtrain.checkpoint import storage
-from llmtrain.reliability.elastic import ExitCode, excluded_hosts
+from llmtrain.exit_codes import ExitCode
+from llmtrain.reliability.health.exclusion import excluded_hosts
 
 
 def test_gpu_turning_bad_mid_run_stops_its_rank_with_exclude(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import check, llmtrain, step_losses
 from llmtrain.data import write_shard
-from llmtrain.reliability.elastic import ExitCode
+from llmtrain.exit_codes import ExitCode
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import check, events, llmtrain
-from llmtrain.reliability.elastic import ExitCode
+from llmtrain.exit_codes import ExitCode
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,9 @@ import sys
 import pytest
 
 from conftest import ROOT
-
+from llmtrain.chaos.runner import KINDS
 from llmtrain.config import ReliabilityConfig
-from llmtrain.metrics.events import read_events
-from llmtrain.reliability.chaos import KINDS
+from llmtrain.events import read_events
 
 pytestmark = pytest.mark.slow
 

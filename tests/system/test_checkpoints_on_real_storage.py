@@ -8,9 +8,9 @@ import time
 import pytest
 
 from conftest import check, events, llmtrain, step_losses
-from llmtrain.checkpoint import storage
-from llmtrain.reliability.elastic import ExitCode
 from storage_fixtures import is_mounted
+from llmtrain.checkpoint import storage
+from llmtrain.exit_codes import ExitCode
 
 pytestmark = pytest.mark.slow
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import check, events, llmtrain, wait_for_event
-
-from llmtrain.checkpoint import storage
-from llmtrain.reliability.elastic import ExitCode, excluded_hosts
-from llmtrain.reliability.local_cluster import LocalCluster
 from nvml_states import node, write_script
+
+from llmtrain.chaos.local_cluster import LocalCluster
+from llmtrain.checkpoint import storage
+from llmtrain.exit_codes import ExitCode
+from llmtrain.reliability.health.exclusion import excluded_hosts
 
 STEPS = 60
 TRAIN = ("--training.steps", str(STEPS), "--checkpoint.interval_steps", "20",

@@ -9,13 +9,13 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import needs
 import pytest
 import yaml
-
-import needs
 from conftest import ROOT, llmtrain_start
 
-from llmtrain.reliability.local_cluster import free_port
+from llmtrain.distributed.process_group import free_port
+
 
 @pytest.fixture
 def prometheus(tmp_path):

@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, events
-from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
-
-from llmtrain.checkpoint import storage
-from llmtrain.reliability.elastic import excluded_hosts
-from llmtrain.reliability.local_cluster import free_port
 from nvml_states import node, write_script
+from slurm_cluster import slurm_cluster  # noqa: F401  (the fixture)
+from llmtrain.checkpoint import storage
+from llmtrain.distributed.process_group import free_port
+from llmtrain.reliability.health.exclusion import excluded_hosts
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, events
-
+from llmtrain.chaos.local_cluster import kill_tree
 from llmtrain.checkpoint import storage
-from llmtrain.reliability.local_cluster import free_port, kill_tree
+from llmtrain.distributed.process_group import free_port
 
 COMPONENT = f"{ROOT / 'launchers' / 'torchx_llmtrain.py'}:train"
 BIN = Path(sys.executable).parent

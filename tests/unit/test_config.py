@@ -4,8 +4,8 @@ import sys
 import pytest
 
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
+from llmtrain.exit_codes import ExitCode
 from llmtrain.model import count_params
-from llmtrain.reliability.elastic import ExitCode
 
 
 def load(*args: str, preset: str = "debug_cpu"):

@@ -59,9 +59,12 @@ def test_from_pins_an_official_cuda_pytorch_image_matching_pyproject():
         # the base image's torch must satisfy pyproject's, or pip would replace it
         deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
         (req,) = [d for d in deps if re.match(r"torch\s*>=", d)]
-        need = tuple(int(x) for x in req.split(">=")[1].split(".")[:2])
+        lo = tuple(map(int, re.search(r">=\s*(\d+)\.(\d+)", req).groups()))
+        below = re.search(r"<\s*(\d+)\.(\d+)", req)
         have = tuple(int(x) for x in tag.split("-")[0].split(".")[:2])
-        assert have >= need, f"{tag} is older than pyproject's {req}"
+        assert have >= lo, f"{tag} is older than pyproject's {req}"
+        assert below is None or have < tuple(map(int, below.groups())), \
+            f"{tag} is newer than pyproject's {req}"
 
 
 def test_a_non_root_user_runs_the_image_after_the_installs():

@@ -6,14 +6,20 @@ from datetime import datetime, timezone
 
 import pytest
 
+from nvml_states import node, write_script
 from llmtrain.cli import main
 from llmtrain.config import ConfigError, HealthConfig
-from llmtrain.metrics.events import read_events
-from llmtrain.reliability.elastic import ExitCode, excluded_hosts
-from llmtrain.reliability.health import (Backend, HealthChecker, HealthMonitor, open_backend,
-                                         worst)
-from llmtrain.reliability.nvml_scripted import ScriptedNVML
-from nvml_states import node, write_script
+from llmtrain.events import read_events
+from llmtrain.exit_codes import ExitCode
+from llmtrain.reliability.health.checks import (
+    Backend,
+    HealthChecker,
+    open_backend,
+    worst,
+)
+from llmtrain.reliability.health.exclusion import excluded_hosts
+from llmtrain.reliability.health.monitor import HealthMonitor
+from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
 
 HOST = "node-a"
 

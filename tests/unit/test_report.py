@@ -8,7 +8,7 @@ import fsspec
 import pytest
 from matplotlib.image import imread
 
-from llmtrain.metrics.report import write_report
+from llmtrain.report.html import write_report
 
 T0 = 1_714_000_000.0
 HANG = ("rank 2 never reached gloo:all_reduce #812 (no progress for 60 s after step 45 "

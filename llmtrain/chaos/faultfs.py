@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """faultfs: a passthrough FUSE filesystem that injects storage faults on demand.
 
-    python -m llmtrain.reliability.faultfs ROOT MOUNTPOINT --control RULES.json [--fired FIRED.jsonl]
+    python -m llmtrain.chaos.faultfs ROOT MOUNTPOINT --control RULES.json [--fired FIRED.jsonl]
                                     [--foreground] [--allow-other]
 
 Every operation on MOUNTPOINT is forwarded to the same path under ROOT, unless a rule in

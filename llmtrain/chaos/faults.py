@@ -1,5 +1,7 @@
 """Fault injection for tests and chaos runs: real failures at named points of a real run.
 
+Training reaches these only through ``llmtrain.fault_points``, and only when a run asks.
+
 A spec (config ``reliability.faults``, or the environment variable ``LLMTRAIN_FAULTS``,
 both applied) lists faults separated by ``;``::
 
@@ -88,95 +90,85 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-_faults: list[Fault] = []
-_rank = 0
-_file_mtime: float | None = None
+class Injector:
+    """The faults armed in one process; ``llmtrain.fault_points`` calls ``point``."""
 
+    def __init__(self, spec: str, rank: int):
+        self.faults = parse(f"{spec};{os.environ.get('LLMTRAIN_FAULTS', '')}")
+        self.rank = rank
+        self._file_mtime: float | None = None
+        self._from_file: list[Fault] = []
+        self._started: dict[Fault, float] = {}   # slow faults: when the last full-speed step began
+        self._baseline: dict[Fault, float] = {}  # and how long it took
 
-def install(spec: str, rank: int) -> None:
-    """Arms the faults of ``spec`` and of ``$LLMTRAIN_FAULTS`` for this process."""
-    global _rank
-    _faults[:] = parse(f"{spec};{os.environ.get('LLMTRAIN_FAULTS', '')}")
-    _rank = rank
+    def _armed_at_run_time(self) -> list[Fault]:
+        """The faults of ``$LLMTRAIN_FAULTS_FILE``, re-read when it changes."""
+        path = os.environ.get("LLMTRAIN_FAULTS_FILE")
+        if not path:
+            return []
+        try:
+            mtime = os.stat(path).st_mtime
+        except FileNotFoundError:
+            return []
+        if mtime != self._file_mtime:
+            with open(path) as f:
+                self._from_file = [fault for fault in parse(f.read().replace("\n", ";"))
+                                   if fault.id]
+            self._file_mtime = mtime
+        return self._from_file
 
+    def _first_time(self, fault: Fault) -> bool:
+        """Claims a run-time fault for this rank; False if it already struck here."""
+        fired = f"{os.environ['LLMTRAIN_FAULTS_FILE']}.fired"
+        os.makedirs(fired, exist_ok=True)
+        try:
+            os.close(os.open(os.path.join(fired, f"{fault.id}.{self.rank}"),
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
 
-def _armed_at_run_time() -> list[Fault]:
-    """The faults of ``$LLMTRAIN_FAULTS_FILE``, re-read when it changes."""
-    global _file_mtime, _from_file
-    path = os.environ.get("LLMTRAIN_FAULTS_FILE")
-    if not path:
-        return []
-    try:
-        mtime = os.stat(path).st_mtime
-    except FileNotFoundError:
-        return []
-    if mtime != _file_mtime:
-        with open(path) as f:
-            _from_file = [fault for fault in parse(f.read().replace("\n", ";")) if fault.id]
-        _file_mtime = mtime
-    return _from_file
+    def point(self, name: str, step: int) -> None:
+        """Strikes the faults armed at point ``name`` of ``step``, if any."""
+        faults = self.faults + self._armed_at_run_time()
+        if not faults:
+            return
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        for fault in faults:
+            if (fault.action.startswith("desync") and fault.point == name
+                    and fault.step in (None, step)
+                    and (fault.restart == restart if fault.id is None
+                         else self._first_time(fault))):
+                self._desync(target=fault.rank if fault.rank is not None else 0,
+                             by_size=fault.action == "desync_size")
+            elif fault.matches(name, self.rank, step, restart) and (
+                    fault.id is None or fault.action == "slow" or self._first_time(fault)):
+                self._strike(fault, step)
 
+    def _strike(self, fault: Fault, step: int) -> None:
+        if fault.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.action == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.action == "hang":
+            while True:
+                time.sleep(3600)
+        elif fault.action == "slow":
+            if step == fault.step - 1:
+                self._started[fault] = time.perf_counter()
+            elif fault not in self._baseline:
+                self._baseline[fault] = (time.perf_counter()
+                                         - self._started.pop(fault, time.perf_counter()))
+            if fault in self._baseline:
+                time.sleep((fault.factor - 1) * self._baseline[fault])
 
-_from_file: list[Fault] = []
-
-
-def _first_time(fault: Fault) -> bool:
-    """Claims a run-time fault for this rank; False if it already struck here."""
-    fired = f"{os.environ['LLMTRAIN_FAULTS_FILE']}.fired"
-    os.makedirs(fired, exist_ok=True)
-    try:
-        os.close(os.open(os.path.join(fired, f"{fault.id}.{_rank}"),
-                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        return True
-    except FileExistsError:
-        return False
-
-
-def point(name: str, step: int) -> None:
-    """Called where a fault may strike; does nothing unless one is armed here."""
-    faults = _faults + _armed_at_run_time()
-    if not faults:
-        return
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    for fault in faults:
-        if (fault.action.startswith("desync") and fault.point == name
-                and fault.step in (None, step)
-                and (fault.restart == restart if fault.id is None else _first_time(fault))):
-            _desync(target=fault.rank if fault.rank is not None else 0,
-                    by_size=fault.action == "desync_size")
-        elif fault.matches(name, _rank, step, restart) and (
-                fault.id is None or fault.action == "slow" or _first_time(fault)):
-            _strike(fault, step)
-
-
-_started: dict[Fault, float] = {}   # slow faults: when the last full-speed step began
-_baseline: dict[Fault, float] = {}  # and how long it took
-
-
-def _strike(fault: Fault, step: int) -> None:
-    if fault.action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif fault.action == "sigstop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif fault.action == "hang":
-        while True:
-            time.sleep(3600)
-    elif fault.action == "slow":
-        if step == fault.step - 1:
-            _started[fault] = time.perf_counter()
-        elif fault not in _baseline:
-            _baseline[fault] = time.perf_counter() - _started.pop(fault, time.perf_counter())
-        if fault in _baseline:
-            time.sleep((fault.factor - 1) * _baseline[fault])
-
-
-def _desync(target: int, by_size: bool) -> None:
-    """A collective the ranks disagree on: the target gathers while the others reduce,
-    or (``by_size``) reduces a larger tensor."""
-    t = torch.ones(16)
-    if _rank == target and by_size:
-        dist.all_reduce(torch.ones(20))
-    elif _rank == target:
-        dist.all_gather([torch.empty(16) for _ in range(dist.get_world_size())], t)
-    else:
-        dist.all_reduce(t)
+    def _desync(self, target: int, by_size: bool) -> None:
+        """A collective the ranks disagree on: the target gathers while the others reduce,
+        or (``by_size``) reduces a larger tensor."""
+        t = torch.ones(16)
+        if self.rank == target and by_size:
+            dist.all_reduce(torch.ones(20))
+        elif self.rank == target:
+            dist.all_gather([torch.empty(16) for _ in range(dist.get_world_size())], t)
+        else:
+            dist.all_reduce(t)

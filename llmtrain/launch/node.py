@@ -19,7 +19,7 @@
    excluded (by the gate or by a rank's health monitor), 78 when a rank hit a FATAL error,
    else 75 (retryable: requeue).
 
-Workers that exit FATAL or EXCLUDE_NODE stop their own agent (``stop_agent``), since
+Workers that exit FATAL or EXCLUDE_NODE stop their own agent (``worker.stop_agent``), since
 torchrun restarts workers whatever their exit code; the other nodes' agents then form a
 new round without this node.
 
@@ -43,9 +43,10 @@ import time
 from dataclasses import dataclass
 
 from llmtrain.config import ConfigError, JobConfig
-from llmtrain.metrics.events import EventLog, read_events
-from llmtrain.reliability import elastic
-from llmtrain.reliability.elastic import ExitCode
+from llmtrain.events import EventLog, read_events
+from llmtrain.exit_codes import ExitCode
+from llmtrain.reliability.health.exclusion import excluded_hosts
+from llmtrain.reliability.health.gate import run_gate
 
 
 @dataclass
@@ -97,7 +98,6 @@ def torchrun_command(lc: LaunchConfig, train_args: list[str]) -> list[str]:
 
 
 def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
-    from llmtrain.cli import run_gate
     host = lc.host or socket.gethostname()
     run_dir = cfg.training.run_dir
     preflight(cfg, lc)
@@ -128,7 +128,7 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
 
 
 def _outcome(rc: int, run_dir: str, host: str, since: float, steps: int) -> ExitCode:
-    if host in elastic.excluded_hosts(run_dir):
+    if host in excluded_hosts(run_dir):
         return ExitCode.EXCLUDE_NODE
     if rc == 0:
         return ExitCode.CLEAN
@@ -154,7 +154,8 @@ def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> b
 
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend)
+        C10dRendezvousBackend,
+    )
     host, _, port = lc.rdzv_endpoint.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
                           timeout=datetime.timedelta(seconds=lc.join_timeout_s))
@@ -182,30 +183,6 @@ def _finished(run_dir: str, steps: int, since: float) -> bool:
                    for e in read_events(run_dir, "run_end"))
     except FileNotFoundError:
         return False
-
-
-def stop_agent(code: int) -> None:
-    """After a FATAL or EXCLUDE_NODE exit, stops this node's torchrun agent, which would
-    otherwise restart the workers into the same failure."""
-    if code not in (ExitCode.FATAL, ExitCode.EXCLUDE_NODE) or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        os.kill(os.getppid(), signal.SIGTERM)
-
-
-def serve_store(host: str, port: int) -> None:
-    """A rendezvous store in its own process, so no training node is a single point of
-    failure for the rendezvous (torchrun agents connect with ``is_host=0``)."""
-    import datetime
-
-    import torch.distributed as dist
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                          multi_tenant=True, use_libuv=True,
-                          timeout=datetime.timedelta(seconds=300))
-    print(f"llmtrain rdzv-store: serving {host}:{port}", flush=True)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    del store
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

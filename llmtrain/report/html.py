@@ -32,9 +32,9 @@ from matplotlib.colors import LogNorm, to_rgb
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
+from llmtrain.events import read_events
 from llmtrain.fsio import is_local, join
 from llmtrain.metrics import goodput
-from llmtrain.metrics.events import read_events
 
 Event = dict[str, Any]
 

@@ -36,28 +36,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tomllib
 from types import SimpleNamespace
 
 import pynvml
+import tomllib
 
-THROTTLE_BITS = {
-    "gpu_idle": pynvml.nvmlClocksThrottleReasonGpuIdle,
-    "applications_clocks": pynvml.nvmlClocksThrottleReasonApplicationsClocksSetting,
-    "sw_power_cap": pynvml.nvmlClocksThrottleReasonSwPowerCap,
-    "hw_slowdown": pynvml.nvmlClocksThrottleReasonHwSlowdown,
-    "sync_boost": pynvml.nvmlClocksThrottleReasonSyncBoost,
-    "sw_thermal": pynvml.nvmlClocksThrottleReasonSwThermalSlowdown,
-    "hw_thermal": pynvml.nvmlClocksThrottleReasonHwThermalSlowdown,
-    "hw_power_brake": pynvml.nvmlClocksThrottleReasonHwPowerBrakeSlowdown,
-}
-RECOVERY_ACTIONS = {
-    "none": pynvml.NVML_GPU_RECOVERY_ACTION_NONE,
-    "gpu_reset": pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET,
-    "node_reboot": pynvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT,
-    "drain_p2p": pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_P2P,
-    "drain_and_reset": pynvml.NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET,
-}
+from llmtrain.reliability.health.nvml import RECOVERY_ACTIONS, THROTTLE_BITS
+
 _NVLINK_COUNTERS = {pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
                     pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
                     pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit"}

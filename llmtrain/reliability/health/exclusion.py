@@ -1,21 +1,9 @@
-"""How a run ends, as the launcher must read it.
-
-=====  ===============  ==================================================================
-code   name             what the launcher does
-=====  ===============  ==================================================================
-0      CLEAN            nothing: the run finished
-75     RETRYABLE        restart the workers, on the same nodes or on a spare
-76     EXCLUDE_NODE     take this node out of the job, then restart on the others/spares
-78     FATAL            stop: bad configuration or data; a restart would fail the same way
-=====  ===============  ==================================================================
-
-75 and 78 are the BSD sysexits EX_TEMPFAIL and EX_CONFIG. Any other non-zero code (an
-uncaught exception gives 1, a signal gives 128+N) counts as RETRYABLE.
-"""
+"""The run's exclusion record, ``<run_dir>/excluded_hosts.json``: nodes kept out of the
+job (by the preflight gate or by a rank's health monitor) and why, until a person removes
+them once the node is repaired."""
 
 from __future__ import annotations
 
-import enum
 import json
 import random
 import time
@@ -25,13 +13,6 @@ import fsspec
 from llmtrain.fsio import join, write_atomic
 
 EXCLUDED_HOSTS = "excluded_hosts.json"
-
-
-class ExitCode(enum.IntEnum):
-    CLEAN = 0
-    RETRYABLE = 75
-    EXCLUDE_NODE = 76
-    FATAL = 78
 
 
 def excluded_hosts(run_dir: str) -> dict[str, dict]:

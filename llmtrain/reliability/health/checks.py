@@ -33,8 +33,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -44,11 +42,11 @@ import pynvml
 
 from llmtrain.config import ConfigError, HealthConfig
 from llmtrain.fsio import is_local, probe_writable
-from llmtrain.reliability.nvml_scripted import THROTTLE_BITS, ScriptedNVML
+from llmtrain.reliability.health.nvml import UNKNOWN, read_gpu, readings, recovery_name
+from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
 
 SEVERITIES = ("ok", "unknown", "warn", "fatal")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
-UNKNOWN = object()  # an NVML field this driver or GPU does not report
 # Throttle reasons that mean the GPU is being slowed by a fault, not by normal power limits.
 _BAD_THROTTLE = ("hw_slowdown", "hw_thermal", "hw_power_brake", "sw_thermal")
 _XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+),?(.*)")
@@ -119,78 +117,6 @@ def open_backend(cfg: HealthConfig) -> Backend | None:
         raise ConfigError("health.backend='scripted' needs health.script (or the "
                           "LLMTRAIN_NVML_SCRIPT environment variable)")
     return None
-
-
-# -- reading a GPU -----------------------------------------------------------------------
-
-
-def _read(call: Callable, *args) -> Any:
-    try:
-        return call(*args)
-    except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound,
-            pynvml.NVMLError_NoPermission, pynvml.NVMLError_InvalidArgument):
-        return UNKNOWN
-
-
-def read_gpu(nvml: Any, index: int) -> dict[str, Any]:
-    """Every field the checks need, UNKNOWN where unsupported; raises GpuIsLost."""
-    h = nvml.nvmlDeviceGetHandleByIndex(index)
-    s: dict[str, Any] = {"index": index, "name": _read(nvml.nvmlDeviceGetName, h),
-                         "uuid": _read(nvml.nvmlDeviceGetUUID, h)}
-    pci = _read(nvml.nvmlDeviceGetPciInfo, h)
-    bus = UNKNOWN if pci is UNKNOWN else pci.busId
-    s["pci_bus_id"] = bus.decode() if isinstance(bus, bytes) else bus
-    unc = nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-    for scope, counter in (("volatile", nvml.NVML_VOLATILE_ECC),
-                           ("aggregate", nvml.NVML_AGGREGATE_ECC)):
-        s[f"ecc_{scope}"] = _read(nvml.nvmlDeviceGetTotalEccErrors, h, unc, counter)
-        for loc, location in (("dram", nvml.NVML_MEMORY_LOCATION_DRAM),
-                              ("sram", nvml.NVML_MEMORY_LOCATION_SRAM)):
-            s[f"ecc_{scope}_{loc}"] = _read(nvml.nvmlDeviceGetMemoryErrorCounter, h, unc,
-                                            counter, location)
-    pending = _read(nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
-    s["retired_pages_pending"] = pending if pending is UNKNOWN else bool(pending)
-    s["remapped_rows"] = _read(nvml.nvmlDeviceGetRemappedRows, h)
-    for key, call in (("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration),
-                      ("pcie_width", nvml.nvmlDeviceGetCurrPcieLinkWidth),
-                      ("pcie_max_gen", nvml.nvmlDeviceGetMaxPcieLinkGeneration),
-                      ("pcie_width_max", nvml.nvmlDeviceGetMaxPcieLinkWidth)):
-        s[key] = _read(call, h)
-    mask = _read(nvml.nvmlDeviceGetCurrentClocksEventReasons, h)
-    s["throttle"] = mask if mask is UNKNOWN else {
-        reason: bool(mask & bit) for reason, bit in THROTTLE_BITS.items()}
-    s["temperature_c"] = _read(nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU)
-    power = _read(nvml.nvmlDeviceGetPowerUsage, h)
-    s["power_w"] = power if power is UNKNOWN else power / 1000
-    s["nvlink"] = _read_nvlink(nvml, h)
-    procs = _read(nvml.nvmlDeviceGetComputeRunningProcesses, h)
-    s["processes"] = procs if procs is UNKNOWN else [
-        (p.pid, (p.usedGpuMemory or 0) / 2**20) for p in procs]
-    action = _read(nvml.nvmlDeviceGetFieldValues, h, [nvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
-    s["recovery_action"] = (action[0].value.uiVal if action is not UNKNOWN
-                            and action[0].nvmlReturn == nvml.NVML_SUCCESS else UNKNOWN)
-    return s
-
-
-def _read_nvlink(nvml: Any, h: Any) -> list[dict] | Any:
-    links = []
-    for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-        state = _read(nvml.nvmlDeviceGetNvLinkState, h, link)
-        if state is UNKNOWN:
-            break  # no NVLink, or no more links
-        errors = {name: _read(nvml.nvmlDeviceGetNvLinkErrorCounter, h, link, counter)
-                  for name, counter in (("replay", nvml.NVML_NVLINK_ERROR_DL_REPLAY),
-                                        ("recovery", nvml.NVML_NVLINK_ERROR_DL_RECOVERY),
-                                        ("crc_flit", nvml.NVML_NVLINK_ERROR_DL_CRC_FLIT))}
-        links.append({"link": link, "active": state == nvml.NVML_FEATURE_ENABLED, **errors})
-    return links
-
-
-def readings(s: dict[str, Any]) -> dict[str, Any]:
-    """The numbers worth a metric, without the UNKNOWNs."""
-    keep = ("temperature_c", "power_w", "pcie_width", "pcie_width_max", "ecc_volatile",
-            "ecc_aggregate", "throttle")
-    return {k: s[k] for k in keep if s.get(k, UNKNOWN) is not UNKNOWN}
 
 
 # -- the checks ------------------------------------------------------------------------
@@ -433,7 +359,7 @@ class HealthChecker:
             unknown("recovery_action", "a recovery action (driver 550+)")
         elif action != pynvml.NVML_GPU_RECOVERY_ACTION_NONE:
             add("recovery_action", "fatal", f"the driver asks for recovery action "
-                f"{_recovery_name(action)}: drain the node and do it")
+                f"{recovery_name(action)}: drain the node and do it")
         else:
             add("recovery_action", "ok", "the driver asks for no recovery")
         return out
@@ -516,11 +442,6 @@ def _xid_meaning(xid: int) -> str:
     return _XID_MEANINGS.get(xid, "see NVIDIA's XID catalog")
 
 
-def _recovery_name(action: int) -> str:
-    from llmtrain.reliability.nvml_scripted import RECOVERY_ACTIONS
-    return next((k for k, v in RECOVERY_ACTIONS.items() if v == action), str(action))
-
-
 class _Timex(ctypes.Structure):
     _fields_ = [("modes", ctypes.c_uint), ("rest", ctypes.c_byte * 256)]
 
@@ -542,78 +463,6 @@ def _load_plugin(spec: str) -> Callable[[HealthConfig, str], list[Finding]]:
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"health.plugins: cannot load {spec!r} ({e}); give "
                           f"'module:function' importable on every node") from None
-
-
-# -- the monitor -----------------------------------------------------------------------
-
-
-class HealthMonitor:
-    """A thread that re-runs this rank's GPU checks (and, on local rank 0, the node's).
-
-    A change of any check's severity becomes a ``health`` event; every pass feeds the
-    metrics. The first fatal finding is kept in ``fatal`` for the training loop, which
-    stops this rank with EXCLUDE_NODE once the checkpoint policy has had its chance.
-    """
-
-    def __init__(self, checker: HealthChecker, gpus: list[int], *, interval_s: float,
-                 node_checks: bool, events, on_pass: Callable[[list, dict], None] | None = None):
-        self.checker, self.gpus, self.interval_s = checker, gpus, interval_s
-        self.node_checks, self.events, self.on_pass = node_checks, events, on_pass
-        self.fatal: Finding | None = None
-        self.last: dict[tuple[str, int | None], str] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llmtrain-health", daemon=True)
-
-    def start(self) -> None:
-        if self.checker.backend is not None and self.gpus:
-            self.checker.watch_xids(self.gpus)
-        self.check()
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check()
-            except Exception as e:  # noqa: BLE001 - a broken check must not kill training
-                print(f"llmtrain health: check failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-    def check(self) -> list[Finding]:
-        findings, values = (self.checker.gpus(self.gpus) if self.gpus and self.checker.backend
-                            else ([], {}))
-        if self.node_checks:
-            findings += self.checker.node()
-        for f in findings:
-            key = (f.check, f.gpu)
-            if self.last.get(key, "ok") != f.severity:
-                self.events.emit("health", **asdict(f))
-            self.last[key] = f.severity
-            if f.severity == "fatal" and self.fatal is None:
-                self.fatal = f
-                print(f"llmtrain health: {f.sentence()}", file=sys.stderr, flush=True)
-        if self.on_pass is not None:
-            self.on_pass(findings, values)
-        return findings
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-
-def rank_gpu(backend: Backend | None, device) -> int | None:
-    """The NVML index of this rank's GPU: NVML counts every GPU on the node, while CUDA
-    counts only the visible ones, so match by UUID. On CPU the local rank stands in."""
-    if backend is None:
-        return None
-    if device.type == "cuda":
-        import torch
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        nvml = backend.nvml
-        for i in range(nvml.nvmlDeviceGetCount()):
-            if uuid in str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))):
-                return i
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    return local if local < backend.nvml.nvmlDeviceGetCount() else None
 
 
 def table(findings: list[Finding]) -> str:

@@ -1,4 +1,4 @@
-"""Mounting the fault-injecting filesystem (``llmtrain.reliability.faultfs``) and FUSE
+"""Mounting the fault-injecting filesystem (``llmtrain.chaos.faultfs``) and FUSE
 mounts in general: start it over a backing directory, change its rules while a job writes
 through it, and take it down cleanly. Chaos runs put checkpoints on it; the storage tests
 use it through their fixtures."""
@@ -89,7 +89,7 @@ def unmount(mnt: os.PathLike | str, proc: subprocess.Popen | None = None,
 
 
 class FaultMount:
-    """A running faultfs mount. See ``llmtrain.reliability.faultfs`` for the rule format."""
+    """A running faultfs mount. See ``llmtrain.chaos.faultfs`` for the rule format."""
 
     def __init__(self, base: Path):
         self.base = base
@@ -104,7 +104,7 @@ class FaultMount:
         for d in (self.root, self.mount):
             d.mkdir(parents=True, exist_ok=True)
         self.set_rules([])
-        cmd = [sys.executable, "-m", "llmtrain.reliability.faultfs", str(self.root), str(self.mount),
+        cmd = [sys.executable, "-m", "llmtrain.chaos.faultfs", str(self.root), str(self.mount),
                "--control", str(self.rules_file), "--fired", str(self.fired_file), "--foreground"]
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -40,12 +40,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from llmtrain.chaos.local_cluster import LocalCluster
+from llmtrain.chaos.mount import FaultMount
 from llmtrain.checkpoint import storage
+from llmtrain.events import read_events
 from llmtrain.metrics import goodput
-from llmtrain.metrics.events import read_events
-from llmtrain.reliability.elastic import EXCLUDED_HOSTS, excluded_hosts
-from llmtrain.reliability.fault_mount import FaultMount
-from llmtrain.reliability.local_cluster import LocalCluster
+from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 
 KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "enospc",
          "eio", "gpu_bad", "truncated_shard")

@@ -1,0 +1,54 @@
+"""One rank's life under torchrun (``llmtrain train``): refuse to run on an excluded node,
+train, record how it ended, and tell the agent when a restart would not help."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from llmtrain.config import ConfigError, JobConfig
+from llmtrain.data import ShardError
+from llmtrain.distributed.process_group import node_name
+from llmtrain.events import EventLog
+from llmtrain.exit_codes import ExitCode
+from llmtrain.reliability.health.exclusion import excluded_hosts
+from llmtrain.trainer import Trainer
+
+
+def run_worker(cfg: JobConfig) -> ExitCode:
+    """Trains this rank to the end; raises what the trainer raised, after logging it."""
+    host = node_name()
+    if host in (excluded := excluded_hosts(cfg.training.run_dir)):
+        print(f"llmtrain: {host} is excluded from this run ({excluded[host]['reason']})",
+              file=sys.stderr)
+        stop_agent(ExitCode.EXCLUDE_NODE)
+        return ExitCode.EXCLUDE_NODE
+    try:
+        trainer = Trainer(cfg)
+    except (ConfigError, ShardError) as e:
+        EventLog(cfg.training.run_dir, int(os.environ.get("RANK", 0))).emit(
+            "fatal", host=host, error=f"{type(e).__name__}: {e}")
+        stop_agent(ExitCode.FATAL)
+        raise
+    try:
+        trainer.run()
+    except BaseException as e:
+        # The first sign of a failure elsewhere (a dead peer breaks our collective): the
+        # start of the recovery clock.
+        trainer.events.emit("failure", step=trainer.step, error=f"{type(e).__name__}: {e}"[:500])
+        raise
+    finally:
+        trainer.close()
+    stop_agent(trainer.exit_code)
+    return trainer.exit_code
+
+
+def stop_agent(code: int) -> None:
+    """After a FATAL or EXCLUDE_NODE exit, stops this node's torchrun agent, which would
+    otherwise restart the workers into the same failure."""
+    if code not in (ExitCode.FATAL, ExitCode.EXCLUDE_NODE) or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        os.kill(os.getppid(), signal.SIGTERM)

@@ -1,0 +1,81 @@
+"""The in-training health monitor: this rank's GPU (and, on local rank 0, the node)
+re-checked every ``health.interval_s`` and on NVML XID events while the job runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import asdict
+from typing import Callable
+
+from llmtrain.reliability.health.checks import Backend, Finding, HealthChecker
+
+
+class HealthMonitor:
+    """A thread that re-runs this rank's GPU checks (and, on local rank 0, the node's).
+
+    A change of any check's severity becomes a ``health`` event; every pass feeds the
+    metrics. The first fatal finding is kept in ``fatal`` for the training loop, which
+    stops this rank with EXCLUDE_NODE once the checkpoint policy has had its chance.
+    """
+
+    def __init__(self, checker: HealthChecker, gpus: list[int], *, interval_s: float,
+                 node_checks: bool, events, on_pass: Callable[[list, dict], None] | None = None):
+        self.checker, self.gpus, self.interval_s = checker, gpus, interval_s
+        self.node_checks, self.events, self.on_pass = node_checks, events, on_pass
+        self.fatal: Finding | None = None
+        self.last: dict[tuple[str, int | None], str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmtrain-health", daemon=True)
+
+    def start(self) -> None:
+        if self.checker.backend is not None and self.gpus:
+            self.checker.watch_xids(self.gpus)
+        self.check()
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - a broken check must not kill training
+                print(f"llmtrain health: check failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def check(self) -> list[Finding]:
+        findings, values = (self.checker.gpus(self.gpus) if self.gpus and self.checker.backend
+                            else ([], {}))
+        if self.node_checks:
+            findings += self.checker.node()
+        for f in findings:
+            key = (f.check, f.gpu)
+            if self.last.get(key, "ok") != f.severity:
+                self.events.emit("health", **asdict(f))
+            self.last[key] = f.severity
+            if f.severity == "fatal" and self.fatal is None:
+                self.fatal = f
+                print(f"llmtrain health: {f.sentence()}", file=sys.stderr, flush=True)
+        if self.on_pass is not None:
+            self.on_pass(findings, values)
+        return findings
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+
+def rank_gpu(backend: Backend | None, device) -> int | None:
+    """The NVML index of this rank's GPU: NVML counts every GPU on the node, while CUDA
+    counts only the visible ones, so match by UUID. On CPU the local rank stands in."""
+    if backend is None:
+        return None
+    if device.type == "cuda":
+        import torch
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        nvml = backend.nvml
+        for i in range(nvml.nvmlDeviceGetCount()):
+            if uuid in str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))):
+                return i
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    return local if local < backend.nvml.nvmlDeviceGetCount() else None

@@ -1,0 +1,1 @@
+"""The offline run report (the ``report`` extra: matplotlib): ``llmtrain report RUN_DIR``."""

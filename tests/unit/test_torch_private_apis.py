@@ -1,0 +1,113 @@
+"""Canaries for the private torch APIs llmtrain relies on (pyproject pins torch to one
+minor release for them). Each test names the API and the code that uses it, so a torch
+upgrade that moves one fails here, plainly, rather than deep inside a training run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import posixpath
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import torch
+
+from conftest import ROOT
+
+
+def test_dcp_fsspec_writer_and_metadata_tmp_name(tmp_path):
+    """checkpoint/storage.py wraps ``FsspecWriter.fs.fs`` (the fsspec filesystem inside
+    DCP's private ``_fsspec_filesystem.FileSystem``) to hash every file as it is written,
+    and takes the sums of ``.metadata`` from the file DCP writes as ``.metadata.tmp``
+    before renaming it."""
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import (FileSystem, FsspecReader,
+                                                                 FsspecWriter)
+
+    class Recording(FileSystem):
+        opened: list[str] = []
+
+        @contextmanager
+        def create_stream(self, path, mode):
+            self.opened.append(posixpath.basename(os.fspath(path)))
+            with super().create_stream(path, mode) as stream:
+                yield stream
+
+    writer = FsspecWriter(str(tmp_path))
+    assert isinstance(writer.fs, FileSystem), "FsspecWriter.fs is no longer a FileSystem"
+    assert isinstance(writer.fs.fs, fsspec.AbstractFileSystem), "FsspecWriter.fs.fs moved"
+    recording = Recording()
+    recording.fs = writer.fs.fs
+    writer.fs = recording
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=writer, no_dist=True)
+    assert ".metadata.tmp" in Recording.opened, (
+        f"DCP no longer writes .metadata.tmp (opened: {Recording.opened}): "
+        f"CommitWriter.finish in llmtrain/checkpoint/storage.py reads its sums by that name")
+    out = {"w": torch.zeros(8)}
+    dcp.load(out, storage_reader=FsspecReader(str(tmp_path)), no_dist=True)
+    assert torch.equal(out["w"], torch.arange(8.0))
+
+
+def test_rendezvous_state_fields():
+    """launch/node.py's standby spare reads the c10d rendezvous state (the private
+    ``_RendezvousState``: closed, complete, participants) to see a round short of nodes."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend)
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          use_libuv=True)
+    backend = C10dRendezvousBackend(store, "canary")
+    assert backend.get_state() is None
+    backend.set_state(pickle.dumps(_RendezvousState()))
+    state = pickle.loads(backend.get_state()[0])
+    assert (state.closed, state.complete, state.participants) == (False, False, {})
+
+
+FLIGHT_RECORDER = """
+import json, os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.distributed_c10d._set_pg_timeout(timedelta(seconds=42))
+dist.all_reduce(torch.ones(4))
+raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
+print(json.dumps(json.loads(raw).get("entries", [])))
+dist.destroy_process_group()
+"""
+
+
+def test_flight_recorder_dump_and_pg_timeout():
+    """reliability/watchdog.py dumps the flight recorder through the private
+    ``_dump_fr_trace_json``; reliability/flightrec.py reads these entry fields;
+    distributed/process_group.py sets the collective timeout with ``_set_pg_timeout``."""
+    proc = subprocess.run([sys.executable, "-c", FLIGHT_RECORDER], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    entries = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert entries, "the flight recorder recorded no collective"
+    entry = entries[-1]
+    missing = {"collective_seq_id", "profiling_name", "input_sizes", "input_dtypes",
+               "time_created_ns", "state", "process_group"} - set(entry)
+    assert not missing, f"flight-recorder entries lack {missing}: {sorted(entry)}"
+    assert "all_reduce" in entry["profiling_name"]
+
+
+def test_dtensor_and_activation_checkpoint_helpers():
+    """model.py computes each rank's shard offset with ``compute_local_shape_and_global_offset``;
+    distributed/parallelize.py wraps blocks with the private ``checkpoint_wrapper`` and lists
+    aten ops (private names among them) for selective activation checkpointing."""
+    import inspect
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    import llmtrain.distributed.parallelize  # noqa: F401 - its op list resolves at import
+    assert callable(checkpoint_wrapper)
+    params = list(inspect.signature(compute_local_shape_and_global_offset).parameters)
+    assert params[:3] == ["global_shape", "mesh", "placements"], params
