@@ -18,7 +18,7 @@ train: $(BIN)/llmtrain
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m llmtrain train --config debug_cpu $(ARGS)
 
 test: $(BIN)/llmtrain
-	$(BIN)/python -m pytest tests $(ARGS)
+	$(BIN)/python -m pytest tests --durations=10 $(ARGS)
 
 bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/step_overhead.py

@@ -40,14 +40,22 @@ def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path):
         assert torch.equal(ref[name], got[name]), name
 
 
+RESHARD = ("--training.steps", "12", "--training.global_batch_size", "24",
+           "--training.micro_batch_size", "4", *CKPT)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> Path:
+    two = tmp_path_factory.mktemp("reshard") / "two"
+    check(llmtrain(two, *RESHARD, nproc=2))
+    return two
+
+
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_a_two_rank_checkpoint_on_another_world_size(tmp_path, world):
+def test_resume_a_two_rank_checkpoint_on_another_world_size(tmp_path, two_rank_run, world):
     """Global batch 24 fits 1, 2 and 3 ranks; the data order is global, so the resumed
     run sees the same batches and its losses follow the 2-rank run's."""
-    args = ("--training.steps", "12", "--training.global_batch_size", "24",
-            "--training.micro_batch_size", "4", *CKPT)
-    two = tmp_path / "two"
-    check(llmtrain(two, *args, nproc=2))
+    two, args = two_rank_run, RESHARD
     other = tmp_path / "other"
     shutil.copytree(two / "checkpoints", other / "checkpoints")
     storage.remove(storage.step_dir(str(other / "checkpoints"), 12))

@@ -33,19 +33,32 @@ def test_one_and_two_ranks_give_the_same_losses(tmp_path):
 
 
 def test_fp8_tracks_full_precision(tmp_path):
-    """torchao float8 (tensorwise) under FSDP2 follows the fp32 run over 200 steps on the
-    same batches. Stated tolerance, after warm-up (step >= 50): mean |loss gap| < 0.05
-    nats, no logged step apart by more than 0.25, final loss within 3%. (Seen here: mean
-    0.024, max 0.15, final 1.771 vs 1.777.)"""
-    args = ("--training.steps", "200", "--metrics.log_every", "5")
-    check(llmtrain(tmp_path / "fp32", *args, nproc=2))
-    check(llmtrain(tmp_path / "fp8", *args, "--parallelism.fp8", "tensorwise", nproc=2))
-    ref, fp8 = step_losses(tmp_path / "fp32"), step_losses(tmp_path / "fp8")
-    late = [s for s in ref if s >= 50]
-    gaps = np.array([abs(ref[s] - fp8[s]) for s in late])
-    assert gaps.mean() < 0.05 and gaps.max() < 0.25, dict(zip(late, gaps.round(3)))
-    assert fp8[200] == pytest.approx(ref[200], rel=0.03)
-    assert ref[200] < 2.2 and fp8[1] > 5.0  # both really trained, from chance
+    """torchao float8 (tensorwise) under FSDP2 follows the fp32 run on the same batches.
+
+    Tolerance, derived in this run rather than from one machine's numbers: FP8 must move
+    the loss curve less than a harmless change does. The harmless change is the init seed:
+    fp32 runs with seeds 1 and 2 see the same batches as seed 0, and their mean |loss gap|
+    to it after warm-up (step >= 30) is the spread of equally good runs. FP8's mean gap to
+    the fp32 seed-0 run must stay under the average of those two spreads. CPU kernels
+    differ between CPU models, and so do both sides of the comparison. (Seen on an Intel
+    Xeon: FP8 gap 0.027, seed spreads 0.108 and 0.086, a margin of 3.7x.)
+    """
+    args = ("--training.steps", "60", "--metrics.log_every", "5", "--checkpoint.enable", "false")
+    runs = {"fp32": (), "seed1": ("--training.seed", "1"), "seed2": ("--training.seed", "2"),
+            "fp8": ("--parallelism.fp8", "tensorwise")}
+    losses = {}
+    for name, extra in runs.items():
+        check(llmtrain(tmp_path / name, *args, *extra, nproc=2))
+        losses[name] = step_losses(tmp_path / name)
+    late = [s for s in losses["fp32"] if s >= 30]
+
+    def gap(name: str) -> float:
+        return float(np.mean([abs(losses[name][s] - losses["fp32"][s]) for s in late]))
+
+    spread = (gap("seed1") + gap("seed2")) / 2
+    assert gap("fp8") < spread, {name: round(gap(name), 4) for name in runs}
+    fp8 = losses["fp8"]
+    assert abs(fp8[1] - math.log(256)) < 0.3 and fp8[60] < fp8[1] - 2.0  # it really trained
 
 
 def test_truncated_shard_is_a_fatal_data_error(tmp_path):

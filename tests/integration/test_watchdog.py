@@ -2,10 +2,12 @@
 collective, and the job exits RETRYABLE for torchrun to restart."""
 
 import json
+import os
+import signal
 
 import pytest
 
-from conftest import check, events, llmtrain
+from conftest import check, events, llmtrain, llmtrain_start, wait_for_event
 from llmtrain.exit_codes import ExitCode
 
 pytestmark = pytest.mark.slow
@@ -27,10 +29,17 @@ BOUND = 1.0 + 3.0 + 6.0
 def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culprit_stack,
                                             nproc):
     run = tmp_path / "run"
-    proc = llmtrain(run, *WATCH, "--training.global_batch_size", str(8 * nproc), nproc=nproc,
-                    env={"LLMTRAIN_FAULTS": f"{fault}@step:rank=1,step=6"})
+    proc = llmtrain_start(run, *WATCH, "--training.global_batch_size", str(8 * nproc),
+                          nproc=nproc, env={"LLMTRAIN_FAULTS": f"{fault}@step:rank=1,step=6"})
+    if fault == "sigstop":
+        # A stopped process ignores SIGTERM, so torchrun would wait out its 30 s grace
+        # before its SIGKILL: once the watchdog has reported, kill it as an operator would.
+        wait_for_event(run, "hang", proc)
+        (stopped,) = [e["pid"] for e in events(run, "startup") if e["rank"] == 1]
+        os.kill(stopped, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    assert f"exitcode  : {int(ExitCode.RETRYABLE)}" in proc.stderr  # the live rank(s)
+    assert f"exitcode  : {int(ExitCode.RETRYABLE)}" in stderr  # the live rank(s)
     [hang] = events(run, "hang")
     assert hang["culprits"] == [1], hang
     for w in verdict_words:
@@ -60,12 +69,12 @@ def test_three_times_slower_rank_is_reported_as_straggler(tmp_path):
 
 def test_healthy_run_raises_no_false_alarm(tmp_path):
     run = tmp_path / "run"
-    check(llmtrain(run, "--training.steps", "300", "--reliability.hang_timeout_s", "3",
+    check(llmtrain(run, "--training.steps", "200", "--reliability.hang_timeout_s", "3",
                    "--reliability.straggler_window_s", "3",
-                   "--checkpoint.interval_steps", "100", nproc=2))
+                   "--checkpoint.interval_steps", "50", nproc=2))
     assert events(run, "hang") == [] and events(run, "straggler") == []
     assert [p.name for p in (run / "diagnostics").iterdir()] == ["nccl-timeout"]
-    assert events(run, "run_end")[0]["steps"] == 300
+    assert events(run, "run_end")[0]["steps"] == 200
 
 
 def test_mismatched_sizes_are_caught_by_the_desync_check(tmp_path):

@@ -34,6 +34,14 @@ def cluster(tmp_path):
         c.close()
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One unbroken 2-rank run of the same job, for the tests that compare with it."""
+    run = tmp_path_factory.mktemp("elastic") / "reference"
+    check(llmtrain(run, *TRAIN, nproc=2))
+    return run
+
+
 def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     out = tmp_path / f"{run_dir.name}-{step}.pt"
@@ -45,7 +53,7 @@ def world_sizes(run: Path) -> list[int]:
     return [e["world_size"] for e in events(run, "attempt_start")]
 
 
-def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, tmp_path):
+def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference, tmp_path):
     c = cluster("2:2")
     c.start("node1")
     c.start("node2")
@@ -66,15 +74,14 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, tmp_path)
     assert (marks["last_progress"] <= marks["failure_detected"] < marks["process_start"]
             < marks["process_group_up"] < marks["checkpoint_loaded"] < marks["first_step"])
     # the same final weights as a run that never failed, bit for bit
-    check(llmtrain(tmp_path / "reference", *TRAIN, nproc=2))
-    ref = final_weights(tmp_path / "reference", STEPS, tmp_path)
+    ref = final_weights(reference, STEPS, tmp_path)
     got = final_weights(c.run, STEPS, tmp_path)
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
 
 
-def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, tmp_path):
+def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, reference):
     c = cluster("1:2")
     c.start("node1")
     c.start("node2")
@@ -87,8 +94,7 @@ def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, tmp_p
     # The data order is global: the same steps see the same samples at world 1 as at
     # world 2, so the losses after the resume follow an unbroken 2-rank run's closely
     # (summation order differs, nothing else).
-    check(llmtrain(tmp_path / "reference", *TRAIN, nproc=2))
-    ref = {e["step"]: e["loss"] for e in events(tmp_path / "reference", "step")}
+    ref = {e["step"]: e["loss"] for e in events(reference, "step")}
     after = [e for e in events(c.run, "step") if e["step"] > resumed and e["step"] in ref
              and e["ts"] > events(c.run, "checkpoint_loaded")[-1]["ts"]]
     assert after and after[-1]["step"] == STEPS
