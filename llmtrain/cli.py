@@ -19,7 +19,7 @@ from llmtrain.exit_codes import ExitCode
 
 
 class MissingExtra(Exception):
-    pass
+    """An optional dependency of the command is not installed: exit FATAL, say which extra."""
 
 
 def _need_extra(extra: str, module: str) -> None:
