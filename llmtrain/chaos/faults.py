@@ -9,6 +9,7 @@ both applied) lists faults separated by ``;``::
 
     kill@step:rank=1,step=7                SIGKILL rank 1 as it starts step 7
     kill@checkpoint_write:rank=0,step=10   SIGKILL rank 0 while it writes checkpoint 10
+    kill@resume:rank=1                     SIGKILL rank 1 as it starts loading a checkpoint
     hang@step:rank=1,step=5                rank 1 stops in Python (sleeps for ever)
     sigstop@step:rank=1,step=5             rank 1 SIGSTOPs itself, watchdog thread and all
     desync@step:rank=1,step=5              every rank joins an extra collective at step 5:
@@ -20,7 +21,8 @@ both applied) lists faults separated by ``;``::
                                            long as its step 4 did
 
 Points: ``step`` (start of a training step), ``checkpoint_write`` (inside a rank's DCP
-shard write, in the background writer). Keys: ``rank`` and ``step`` (default: any), and
+shard write, in the background writer), ``resume`` (a verified checkpoint about to be
+loaded; ``step`` is the checkpoint's). Keys: ``rank`` and ``step`` (default: any), and
 ``restart``: the TorchElastic restart count the fault fires on (default 0, the first
 attempt), so a restarted job does not meet the same fault again. ``slow`` also takes
 ``factor`` and, unlike the others, strikes at every step from ``step`` on.
@@ -44,7 +46,7 @@ import torch.distributed as dist
 from llmtrain.config import ConfigError
 
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow")
-POINTS = ("step", "checkpoint_write")
+POINTS = ("step", "checkpoint_write", "resume")
 
 
 class FaultSpecError(ConfigError):

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from llmtrain import fault_points
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig
@@ -32,6 +33,11 @@ from llmtrain.events import EventLog
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
 SAVE_ERRORS = (Exception, CheckpointException)
+
+
+class CheckpointUnreadable(RuntimeError):
+    """A checkpoint could not be read for a reason that says nothing about its contents:
+    the attempt fails (retryable) and the checkpoint stays committed."""
 
 
 def describe(error: BaseException) -> str:
@@ -182,38 +188,67 @@ class CheckpointManager:
         """Loads the newest committed checkpoint that verifies; returns its step (0: none).
 
         Every rank checks a share of the files, and all agree before DCP reads any of
-        them; a checkpoint that fails is named with its reason and the previous one is
-        tried.
+        them. Only a verified mismatch (a size, a checksum, a missing file) demotes a
+        checkpoint: it is quarantined with its reasons and the previous one is tried. Any
+        other failure, on any rank (a read error, a timeout, a peer lost mid-load), raises
+        CheckpointUnreadable: the attempt ends, retryable, and the checkpoint stays
+        committed for the next one.
         """
-        candidates = [None]
-        if self.rank == 0:
-            candidates = [[c.step for c in storage.list_checkpoints(self.url) if c.committed]]
-        dist.broadcast_object_list(candidates, src=0, group=self.control_group)
-        for step in reversed(candidates[0]):
+        listing = self._agree(lambda: [c.step for c in storage.list_checkpoints(self.url)
+                                       if c.committed] if self.rank == 0 else None)
+        for step in reversed(listing[0]):
             url = storage.step_dir(self.url, step)
-            mine = storage.verify(url, checksums=self.cfg.verify_checksums,
-                                  part=(self.rank, self.world))
-            problems: list = [None] * self.world
-            dist.all_gather_object(problems, mine, group=self.control_group)
-            problems = [p for rank_problems in problems for p in rank_problems]
+            verdicts = self._agree(lambda: storage.verify(
+                url, checksums=self.cfg.verify_checksums, part=(self.rank, self.world)), step)
+            problems = [p for rank_problems in verdicts for p in rank_problems]
             if problems:
-                self._reject(step, problems)
+                self._quarantine(step, problems)
                 continue
             start = time.perf_counter()
+            fault_points.point("resume", step)
             try:
                 loaded_step, had_rng = state.load(url, self.io_group)
             except SAVE_ERRORS as e:
-                self._reject(step, [f"load failed: {describe(e)}"])
-                continue
+                error = f"rank {self.rank}: load failed: {describe(e)}"
+                self.events.emit("checkpoint_unreadable", step=step, errors=[error])
+                raise self._unreadable(step, [error]) from e
             self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
-                             rng_restored=had_rng)
+                        rng_restored=had_rng)
             return loaded_step
         return 0
 
-    def _reject(self, step: int, problems: list[str]) -> None:
-        if self.rank == 0:
-            self.events.emit("checkpoint_rejected", step=step, problems=problems[:20])
-            storage.reject(storage.step_dir(self.url, step), problems)
+    def _agree(self, read, step: int | None = None) -> list:
+        """Every rank's result of ``read()``; if it raised on any rank, every rank raises
+        CheckpointUnreadable together, instead of the others waiting for the failed one."""
+        try:
+            mine = (read(), None)
+        except Exception as e:  # noqa: BLE001 - a read error is no verdict on the checkpoint
+            mine = (None, f"rank {self.rank}: {type(e).__name__}: {e}")
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, mine, group=self.control_group)
+        errors = [error for _, error in gathered if error]
+        if errors:
+            self._emit0("checkpoint_unreadable", step=step, errors=errors[:20])
+            raise self._unreadable(step, errors)
+        return [result for result, _ in gathered]
+
+    def _unreadable(self, step: int | None, errors: list[str]) -> CheckpointUnreadable:
+        what = "the checkpoints" if step is None else f"the checkpoint of step {step}"
+        return CheckpointUnreadable(
+            f"could not read {what} under {self.url} ({'; '.join(errors)[:1000]}); it stays "
+            f"committed and the next attempt tries again")
+
+    def _quarantine(self, step: int, problems: list[str]) -> None:
+        """Rank 0 moves the checkpoint aside; if the move fails, it stays where it is
+        (the others are already verifying the next one, so this must not raise)."""
+        if self.rank != 0:
+            return
+        try:
+            moved = storage.quarantine(storage.step_dir(self.url, step), problems)
+        except Exception as e:  # noqa: BLE001
+            moved = f"not moved ({type(e).__name__}: {e})"
+        self.events.emit("checkpoint_rejected", step=step, problems=problems[:20],
+                         quarantined=moved)
 
     def close(self) -> None:
         self.wait()

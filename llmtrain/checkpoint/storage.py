@@ -43,6 +43,7 @@ from llmtrain import fault_points
 from llmtrain.fsio import join, write_atomic
 
 MANIFEST = "MANIFEST.json"
+REJECTED = "REJECTED.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -166,13 +167,15 @@ class CheckpointInfo:
 
 
 def read_manifest(url: str) -> dict[str, Any] | None:
-    """The checkpoint's manifest, or None when it has none (incomplete) or it is unreadable."""
+    """The checkpoint's manifest; None when it has none (incomplete); ``{"unreadable":
+    True}`` when its bytes are not a manifest. A read error (EIO, a timeout) raises: it
+    says nothing about the checkpoint."""
     fs, path = fsspec.core.url_to_fs(join(url, MANIFEST))
     try:
         return json.loads(fs.cat_file(path))
     except FileNotFoundError:
         return None
-    except (ValueError, OSError):
+    except ValueError:
         return {"unreadable": True}
 
 
@@ -256,13 +259,16 @@ def tensor_index(url: str) -> dict[str, str]:
     return out
 
 
-def reject(url: str, problems: list[str]) -> None:
-    """Marks a committed checkpoint that failed verification as incomplete, so it can
-    neither be resumed from nor count towards retention; REJECTED.json keeps the reasons
-    until retention removes the directory."""
-    write_atomic(join(url, "REJECTED.json"), json.dumps({"problems": problems}).encode())
-    fs, path = fsspec.core.url_to_fs(join(url, MANIFEST))
-    fs.rm_file(path)
+def quarantine(url: str, problems: list[str]) -> str:
+    """Moves a committed checkpoint that failed verification aside, to
+    ``step-N.rejected-<unix time>`` with its reasons in REJECTED.json: it can no longer be
+    resumed from or count towards retention, and nothing of it is deleted, so a person can
+    look at it (and move it back if the mismatch was the verifier's). Returns its new URL."""
+    write_atomic(join(url, REJECTED), json.dumps({"problems": problems}).encode())
+    suffix = f".rejected-{int(time.time())}"
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.mv(path, path.rstrip("/") + suffix, recursive=True)
+    return url.rstrip("/") + suffix
 
 
 def remove(url: str) -> None:

@@ -102,3 +102,21 @@ def test_other_save_modes_commit_and_resume(tmp_path, mode):
     assert storage.verify(storage.step_dir(root, 12), checksums=True) == []
     check(llmtrain(run, "--training.steps", "14", *args, nproc=2))
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
+
+
+def test_a_peer_killed_during_resume_leaves_the_checkpoint_committed(tmp_path):
+    """Rank 1 dies as the ranks start loading checkpoint 12, so rank 0's load fails too.
+    That says nothing about the checkpoint: it stays committed (not demoted, not removed),
+    the attempt fails as retryable, and torchrun's restart resumes from it."""
+    run = tmp_path / "run"
+    check(llmtrain(run, "--training.steps", "12", *CKPT, nproc=2))
+    check(llmtrain(run, "--training.steps", "14", *CKPT, nproc=2,
+                   torchrun_args=("--max-restarts", "1"),
+                   env={"LLMTRAIN_FAULTS": "kill@resume:rank=1,restart=0"}))
+    assert events(run, "checkpoint_rejected") == []
+    (unreadable,) = [e for e in events(run, "checkpoint_unreadable") if e["rank"] == 0]
+    assert unreadable["step"] == 12 and "load failed" in unreadable["errors"][0]
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
+    assert max(step_losses(run)) == 14
+    root = str(run / "checkpoints")
+    assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 14]

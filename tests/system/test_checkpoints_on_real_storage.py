@@ -59,6 +59,30 @@ def test_enospc_and_eio_fail_saves_but_lose_nothing(faultfs, tmp_path):
     assert {r["errno"] for r in faultfs.fired()} == {"ENOSPC", "EIO"}
 
 
+def test_an_eio_in_one_ranks_verify_ends_the_attempt_and_costs_no_checkpoint(faultfs, tmp_path):
+    """The rank that verifies checkpoint 12's second shard gets EIO reading it. Before, it
+    raised while the other rank waited in the agreement (a hang until the watchdog); now
+    both end the attempt at once, retryable, and the checkpoint stays committed: with the
+    storage healthy again, the next attempt resumes from it."""
+    ckpt = faultfs.mount / "ckpt"
+    run = tmp_path / "run"
+    on_faultfs = ("--checkpoint.url", str(ckpt), *CKPT)
+    check(llmtrain(run, "--training.steps", "12", *on_faultfs, nproc=2))
+    faultfs.set_rules([{"ops": ["read"], "path": "/ckpt/step-00000012/__1_0.distcp",
+                        "errno": "EIO"}])
+    started = time.monotonic()
+    proc = llmtrain(run, "--training.steps", "14", *on_faultfs, nproc=2,
+                    timeout=120)  # a hang would last the watchdog's default 300 s
+    assert proc.returncode != 0 and time.monotonic() - started < 60
+    assert {r["errno"] for r in faultfs.fired()} == {"EIO"}
+    (unreadable,) = events(run, "checkpoint_unreadable")
+    assert unreadable["step"] == 12 and "Input/output error" in unreadable["errors"][0]
+    assert events(run, "checkpoint_rejected") == [] and committed_steps(str(ckpt)) == [6, 12]
+    faultfs.set_rules([])
+    check(llmtrain(run, "--training.steps", "14", *on_faultfs, nproc=2))
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
+
+
 def test_slow_storage_does_not_stall_training(faultfs, tmp_path):
     """Every shard takes 2 s to create: saves stage in well under a second, write in the
     background, and a save due while the previous one still writes is skipped."""

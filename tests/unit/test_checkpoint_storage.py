@@ -1,4 +1,5 @@
 import json
+import posixpath
 import subprocess
 import sys
 
@@ -59,17 +60,39 @@ def test_verify_names_each_kind_of_damage(root):
     assert "never completed" in storage.verify(incomplete, checksums=True)[0]
 
 
-def test_list_reject_and_remove(root):
+def test_list_quarantine_and_remove(root):
     fake_checkpoint(root, 5, FILES)
     fake_checkpoint(root, 10, FILES, commit=False)
     fake_checkpoint(root, 15, FILES)
     assert [(c.step, c.committed) for c in storage.list_checkpoints(root)] == [
         (5, True), (10, False), (15, True)]
-    storage.reject(storage.step_dir(root, 15), ["flipped byte"])
-    assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [5]
+    moved = storage.quarantine(storage.step_dir(root, 15), ["flipped byte"])
+    # out of the listing (so out of resume and retention), every file kept, reasons beside
+    assert [c.step for c in storage.list_checkpoints(root)] == [5, 10]
+    fs, path = fsspec.core.url_to_fs(moved)
+    assert sorted(posixpath.basename(f) for f in fs.ls(path, detail=False)) == sorted(
+        [*FILES, storage.MANIFEST, storage.REJECTED])
+    assert storage.verify(moved, checksums=True) == []  # whole: a person may move it back
     storage.remove(storage.step_dir(root, 5))
-    assert [c.step for c in storage.list_checkpoints(root)] == [10, 15]
+    assert [c.step for c in storage.list_checkpoints(root)] == [10]
     assert storage.list_checkpoints(join(root, "nothing-here")) == []
+
+
+def test_a_read_error_is_no_verdict_on_the_manifest(root, monkeypatch):
+    """EIO while reading a manifest raises; only bytes that are not a manifest make it
+    "unreadable" (a verified problem)."""
+    url = fake_checkpoint(root, 5, FILES)
+    fs, _ = fsspec.core.url_to_fs(url)
+
+    def eio(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(type(fs), "cat_file", eio)
+    with pytest.raises(OSError):
+        storage.read_manifest(url)
+    monkeypatch.undo()
+    with fsspec.open(join(url, storage.MANIFEST), "wb") as f:
+        f.write(b"{not json")
+    assert "unreadable" in storage.verify(url, checksums=False)[0]
 
 
 def info(step: int, committed: bool = True) -> CheckpointInfo:
