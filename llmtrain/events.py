@@ -45,9 +45,19 @@ class EventLog:
 
 def _parse(data: bytes) -> tuple[list[dict[str, Any]], int]:
     """The whole lines of ``data`` as events, and how many bytes they took: a last line
-    without its newline is an event still being written (or torn by a crash), not yet one."""
+    without its newline is an event still being written (or torn by a crash), not yet one.
+    A line that is not an event (garbled by concurrent appends on a shared filesystem) is
+    skipped, so one bad line never hides the rest of the log."""
     end = data.rfind(b"\n") + 1
-    return [json.loads(line) for line in data[:end].splitlines() if line.strip()], end
+    return [r for line in data[:end].splitlines() if (r := _event(line)) is not None], end
+
+
+def _event(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+    return record if isinstance(record, dict) and "event" in record else None
 
 
 def read_events(run_dir: str, event: str | None = None) -> list[dict[str, Any]]:

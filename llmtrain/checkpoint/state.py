@@ -70,5 +70,5 @@ class TrainState:
         self.data.load_state_dict(trainer["data"])
         if rng_key in state:
             state[rng_key].seek(0)
-            _set_rng_state(torch.load(state[rng_key], weights_only=False))
+            _set_rng_state(torch.load(state[rng_key], weights_only=True))
         return trainer["step"], rng_key in state

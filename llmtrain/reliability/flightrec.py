@@ -23,10 +23,12 @@ errors together give the majority and so the odd rank out.
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import posixpath
 import re
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -198,6 +200,19 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
                   stacks={r: s for r, s in stacks.items() if r in culprits or r in stuck[:1]})
 
 
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class _DataOnly(pickle.Unpickler):
+    """PyTorch's flight-recorder pickles hold only dicts, lists, strings and numbers. A
+    pickle that names any class or function (the way a pickle runs code) is refused, so
+    analyzing someone else's dumps cannot run their code."""
+
+    def find_class(self, module: str, name: str):
+        raise _Refused(f"it asks for {module}.{name}; flight-recorder dumps hold plain data only")
+
+
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.json)?$")
 
 
@@ -215,8 +230,11 @@ def load_dumps(url: str) -> dict[int, dict[str, Any]]:
             dump = json.loads(raw)
         except (UnicodeDecodeError, ValueError):
             try:
-                dump = pickle.loads(raw)  # PyTorch's own format; trust the directory
-            except Exception:
+                dump = _DataOnly(io.BytesIO(raw)).load()  # PyTorch's own format
+            except _Refused as e:
+                print(f"llmtrain: refused {path}: {e}", file=sys.stderr)
+                continue
+            except Exception:  # noqa: BLE001 - not a dump at all
                 continue
         if not isinstance(dump, dict) or "entries" not in dump:
             continue

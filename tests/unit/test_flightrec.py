@@ -1,4 +1,5 @@
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -89,3 +90,40 @@ def test_desync_check_errors_give_the_odd_rank():
     r = analyze(dumps)
     assert r.culprits == [1] and r.stuck == [0, 2]
     assert "rank(s) [1] called ALLREDUCE shape [20]" in r.verdict
+
+
+REAL_DUMP = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(4))
+sys.stdout.buffer.write(torch._C._distributed_c10d._dump_fr_trace())
+dist.destroy_process_group()
+"""
+
+
+def test_pytorchs_own_pickled_dump_loads_as_plain_data(tmp_path):
+    raw = subprocess.run([sys.executable, "-c", REAL_DUMP], capture_output=True, check=True,
+                         env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16"}).stdout
+    (tmp_path / "fr_trace_rank_0").write_bytes(raw)
+    (dump0,) = load_dumps(str(tmp_path)).values()
+    assert "all_reduce" in dump0["entries"][-1]["profiling_name"]
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_malicious_pickle_is_refused_without_running(tmp_path):
+    marker = tmp_path / "pwned"
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    (dumps / "nccl_trace_rank_0").write_bytes(pickle.dumps(
+        {"entries": [], "payload": _Exploit(marker)}))
+    out = subprocess.run([sys.executable, "-m", "llmtrain", "analyze", str(dumps)],
+                         capture_output=True, text=True)
+    assert not marker.exists()
+    assert out.returncode == 1 and "refused" in out.stderr and "posix.system" in out.stderr
