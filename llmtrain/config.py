@@ -132,6 +132,10 @@ class ReliabilityConfig:
     faults: str = _f("", doc="faults to inject, see llmtrain/chaos/faults.py")
     watchdog: bool = _f(True, doc="detect hangs, dump the flight recorder, report, restart")
     hang_timeout_s: float = _f(300.0, gt=0, doc="no progress for this long is a hang")
+    phase_timeout_s: float = _f(1800.0, gt=0,
+                                doc="the hang timeout of long phases that cannot beat: "
+                                    "start-up, resume, the first (compiled) step, a "
+                                    "blocking save")
     hang_timeout_step_factor: float = _f(0.0, ge=0,
                                          doc="raise the timeout to this many times the "
                                              "slowest step seen; 0: fixed")

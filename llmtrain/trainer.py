@@ -193,6 +193,7 @@ class Trainer:
                     stop_votes=cfg.health.monitor)
             self.health = self._start_health_monitor() if cfg.health.monitor else None
         if self.checkpoints is not None and cfg.checkpoint.resume:
+            self.beat("resume", long=True)
             with self.ledger.span("checkpoint_load", "resume"):
                 self.step = self.checkpoints.resume(self.state)
             if self.step and self.is_logger:
@@ -326,10 +327,11 @@ class Trainer:
         due, stop = self.checkpoints.due(step, stop_vote=unhealthy)
         last = step == self.cfg.training.steps
         if due or last:
-            self.beat("checkpoint")
+            final = stop or last
+            self.beat("checkpoint", long=final or self.cfg.checkpoint.mode == "sync")
             self.ledger.steps_done(step)
             with self.ledger.span("checkpoint_stall", f"save step {step}"):
-                self.checkpoints.save(step, self.state, final=stop or last)
+                self.checkpoints.save(step, self.state, final=final)
             self.beat("step")
         self.preempted = stop
         return stop
@@ -353,9 +355,9 @@ class Trainer:
         print(f"llmtrain: rank {self.world.rank} stops with EXCLUDE_NODE: {f.sentence()}",
               file=sys.stderr, flush=True)
 
-    def beat(self, phase: str, step: int | None = None) -> None:
+    def beat(self, phase: str, step: int | None = None, long: bool = False) -> None:
         if self.watchdog is not None:
-            self.watchdog.beat(self.step if step is None else step, phase)
+            self.watchdog.beat(self.step if step is None else step, phase, long)
 
     def global_mean(self, value: torch.Tensor) -> float:
         """The mean over all ranks (every rank holds an equal share of the batch)."""

@@ -59,9 +59,10 @@ class _HashingStream:
     ones are views of the staged tensors, which stay untouched until the save ends.
     """
 
-    def __init__(self, stream, hasher: ThreadPoolExecutor):
+    def __init__(self, stream, hasher: ThreadPoolExecutor, errors: list[OSError]):
         self._stream = stream
         self._hasher = hasher
+        self._errors = errors
         self._sha = hashlib.sha256()
         self.size = 0
 
@@ -69,7 +70,11 @@ class _HashingStream:
         view = memoryview(data).cast("B")
         self.size += len(view)
         self._hasher.submit(self._sha.update, view if len(view) >= 1 << 20 else bytes(view))
-        return self._stream.write(data)
+        try:
+            return self._stream.write(data)
+        except OSError as e:
+            self._errors.append(e)
+            raise
 
     def hexdigest(self) -> str:
         return self._hasher.submit(self._sha.hexdigest).result()
@@ -84,6 +89,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, dict[str, Any]] = {}
+        self.write_errors: list[OSError] = []  # what the storage said, see write_data
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -92,7 +98,7 @@ class _HashingFileSystem(FileSystem):
                 yield stream
                 return
             with ThreadPoolExecutor(max_workers=1) as hasher:
-                hashed = _HashingStream(stream, hasher)
+                hashed = _HashingStream(stream, hasher, self.write_errors)
                 yield hashed
                 self.sums[posixpath.basename(os.fspath(path))] = {
                     "size": hashed.size, "sha256": hashed.hexdigest()}
@@ -121,7 +127,14 @@ class CommitWriter(FsspecWriter):
 
     def write_data(self, plan, planner):
         fault_points.point("checkpoint_write", step=self.manifest["step"])
-        results = super().write_data(plan, planner).wait()
+        try:
+            results = super().write_data(plan, planner).wait()
+        except Exception as e:
+            # torch.save, which writes the tensors, turns a failed write into "unexpected
+            # pos N vs M": raise what the storage said instead (ENOSPC, EIO...).
+            if self.fs.write_errors:
+                raise self.fs.write_errors[0] from e
+            raise
         # Carry each file's sums to the coordinator inside DCP's gather of the results;
         # ``finish`` takes them out again before DCP's metadata is pickled.
         sums = self.fs.sums

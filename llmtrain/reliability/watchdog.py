@@ -76,6 +76,7 @@ class Watchdog:
         self.rank, self.world_size = rank, world_size
         self.diagnostics = join(run_dir, "diagnostics")
         self.step, self.phase = 0, "start-up"
+        self.limit: float | None = cfg.phase_timeout_s  # start-up is a long phase
         self.progress = self._step_began = time.monotonic()
         self.slowest_step = 0.0
         self._stop = threading.Event()
@@ -92,19 +93,30 @@ class Watchdog:
                                         daemon=True)
         self._thread.start()
 
-    def beat(self, step: int, phase: str) -> None:
+    def beat(self, step: int, phase: str, long: bool = False) -> None:
         """Progress from the training thread (a few attribute writes): ``phase`` is what
-        the rank does now in ``step``; "step" means the step just ended."""
+        the rank does now in ``step``; "step" means the step just ended. ``long`` declares
+        a phase that cannot beat (resume, a blocking save): until the next step ends, the
+        hang timeout is ``phase_timeout_s``, as it is from start-up to the first step."""
         now = time.monotonic()
         if phase == "step":
             self.slowest_step = max(self.slowest_step, now - self._step_began)
             self._step_began = now
+            self.limit = None
+        elif long:
+            self.limit = self.cfg.phase_timeout_s
         self.step, self.phase, self.progress = step, phase, now
 
     @property
     def timeout(self) -> float:
-        """The configured timeout, or more when steps themselves are that slow."""
+        """The configured timeout, or more when steps themselves are that slow. A heartbeat
+        silent this long is a stopped or dead rank, whatever phase it was in."""
         return max(self.cfg.hang_timeout_s, self.cfg.hang_timeout_step_factor * self.slowest_step)
+
+    @property
+    def progress_timeout(self) -> float:
+        """How long this rank may go without progress: more in a declared long phase."""
+        return self.timeout if self.limit is None else max(self.timeout, self.limit)
 
     def close(self) -> None:
         self._stop.set()
@@ -143,9 +155,9 @@ class Watchdog:
 
     def _detect(self) -> str | None:
         age = time.monotonic() - self.progress
-        if age > self.timeout:
+        if age > self.progress_timeout:
             return (f"rank {self.rank} made no progress for {age:.0f} s (last: {self.phase} "
-                    f"{self.step}; hang timeout {self.timeout:.0f} s)")
+                    f"{self.step}; hang timeout {self.progress_timeout:.0f} s)")
         # rank 0 watches everyone's heartbeat, rank 1 watches rank 0's
         watched = range(self.world_size) if self.rank == 0 else [0] if self.rank == 1 else []
         for r, beat in (self._heartbeats(watched) or {}).items():

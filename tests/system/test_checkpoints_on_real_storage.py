@@ -83,6 +83,22 @@ def test_an_eio_in_one_ranks_verify_ends_the_attempt_and_costs_no_checkpoint(fau
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
 
 
+def test_a_resume_longer_than_the_hang_timeout_is_not_a_hang(faultfs, tmp_path):
+    """Resume cannot beat the watchdog: it is a declared long phase, with
+    reliability.phase_timeout_s instead of the 3 s hang timeout. Opening each shard takes
+    2 s here, and the run resumes and finishes without a hang."""
+    ckpt = faultfs.mount / "ckpt"
+    run = tmp_path / "run"
+    on_faultfs = ("--checkpoint.url", str(ckpt), "--reliability.hang_timeout_s", "3", *CKPT)
+    check(llmtrain(run, "--training.steps", "12", *on_faultfs, nproc=2))
+    faultfs.set_rules([{"ops": ["open"], "path": "/ckpt/step-00000012/*.distcp", "delay": 2}])
+    check(llmtrain(run, "--training.steps", "14", *on_faultfs, nproc=2))
+    assert events(run, "hang") == []
+    resume = [e for e in events(run, "span") if e["name"] == "resume"][-1]  # the second run's
+    assert resume["end"] - resume["start"] > 3, resume
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
+
+
 def test_slow_storage_does_not_stall_training(faultfs, tmp_path):
     """Every shard takes 2 s to create: saves stage in well under a second, write in the
     background, and a save due while the previous one still writes is skipped."""

@@ -128,3 +128,26 @@ def test_write_atomic_replaces_whole_files(tmp_path):
     write_atomic(url, b"two")
     assert (tmp_path / "d" / "f.json").read_bytes() == b"two"
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["f.json"]  # no temp left over
+
+
+FULL_DISK = """
+import resource, signal, sys
+import torch, torch.distributed.checkpoint as dcp
+from llmtrain.checkpoint.storage import CommitWriter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+try:
+    dcp.save({"w": torch.zeros(1 << 18)}, storage_writer=CommitWriter(sys.argv[1], {"step": 1}),
+             no_dist=True)
+except BaseException as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+def test_a_failed_tensor_write_names_the_storage_error(tmp_path):
+    """torch.save writes the tensors and hides a failed write behind "unexpected pos";
+    the save's error must say what the storage said (here EFBIG from a file-size limit,
+    ENOSPC or EIO on a real disk)."""
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "step-1")],
+                         capture_output=True, text=True, timeout=120)
+    assert "File too large" in out.stdout, out.stdout + out.stderr[-2000:]
