@@ -22,14 +22,8 @@ from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
-from llmtrain.distributed.process_group import (
-    WorldInfo,
-    build_mesh,
-    connect_store,
-    init_process_group,
-    open_store,
-    shutdown,
-)
+from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
+                                                init_process_group, open_store, shutdown)
 from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import probe_writable

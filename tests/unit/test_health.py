@@ -11,12 +11,7 @@ from llmtrain.cli import main
 from llmtrain.config import ConfigError, HealthConfig
 from llmtrain.events import read_events
 from llmtrain.exit_codes import ExitCode
-from llmtrain.reliability.health.checks import (
-    Backend,
-    HealthChecker,
-    open_backend,
-    worst,
-)
+from llmtrain.reliability.health.checks import Backend, HealthChecker, open_backend, worst
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.monitor import HealthMonitor
 from llmtrain.reliability.health.nvml_scripted import ScriptedNVML

@@ -10,14 +10,8 @@ from dataclasses import asdict
 from llmtrain.config import JobConfig
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
-from llmtrain.reliability.health.checks import (
-    Backend,
-    Finding,
-    HealthChecker,
-    open_backend,
-    table,
-    to_json,
-)
+from llmtrain.reliability.health.checks import (Backend, Finding, HealthChecker, open_backend,
+                                                table, to_json)
 from llmtrain.reliability.health.exclusion import exclude_host, excluded_hosts
 
 
