@@ -16,6 +16,7 @@ import sys
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
 from llmtrain.data import ShardError
 from llmtrain.exit_codes import ExitCode
+from llmtrain.reliability.integrity import TrainingDiverged
 
 
 class MissingExtra(Exception):
@@ -240,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.FATAL
     except ShardError as e:
         print(f"llmtrain: data error: {e}", file=sys.stderr)
+        return ExitCode.FATAL
+    except TrainingDiverged as e:
+        print(f"llmtrain: {e}", file=sys.stderr)
         return ExitCode.FATAL
     except MissingExtra as e:
         print(f"llmtrain {args.command}: {e}", file=sys.stderr)

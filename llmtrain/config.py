@@ -152,6 +152,33 @@ class ReliabilityConfig:
 
 
 @dataclass
+class IntegrityConfig:
+    """Training-state integrity: bad steps never reach the weights, bad state never a
+    checkpoint (llmtrain/reliability/integrity.py)."""
+    enable: bool = _f(True, doc="judge every step's loss and gradient norm on the device, "
+                                "and check the state before every save")
+    on_nonfinite: str = _f("skip", choices=("skip", "rollback", "stop"),
+                           doc="a step whose loss or gradients are inf/NaN is never "
+                               "applied; then: go on, roll back to the last checkpoint "
+                               "and skip its batch, or stop")
+    spike_z: float = _f(8.0, ge=0, doc="a loss this many robust deviations (MAD) above "
+                                       "the window's median is a spike; 0: off")
+    spike_window: int = _f(64, ge=4, doc="steps the spike statistic and max_bad_steps look at")
+    on_spike: str = _f("skip", choices=("skip", "rollback", "stop", "warn"))
+    max_bad_steps: int = _f(8, ge=1, doc="this many skipped steps within spike_window: the "
+                                         "run has diverged and stops (exit 78)")
+    rollback_skip: int = _f(1, ge=1, doc="batches skipped after a rollback, ending with "
+                                         "the bad step")
+    sdc_every: int = _f(0, ge=0, doc="compare the replicas' parameter fingerprints every N "
+                                     "steps (and before every save); 0: before saves only")
+    on_sdc: str = _f("rollback", choices=("rollback", "exclude"),
+                     doc="replicas that differ: roll back to the last checkpoint and name "
+                         "the rank; exclude: then also exclude its node (exit 76)")
+    skip_steps: str = _f("", doc="steps whose batches are consumed but not trained on, "
+                                 "e.g. '120-130,400'")
+
+
+@dataclass
 class HealthConfig:
     """GPU and node health checks: the preflight gate and the in-training monitor."""
     backend: str = _f("auto", choices=("auto", "nvml", "scripted", "none"),
@@ -203,6 +230,7 @@ SECTIONS: dict[str, type] = {
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
     "reliability": ReliabilityConfig,
+    "integrity": IntegrityConfig,
     "health": HealthConfig,
     "metrics": MetricsConfig,
 }
@@ -217,6 +245,7 @@ class JobConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -283,8 +312,21 @@ class JobConfig:
                 f"reliability.collective_timeout_s={r.collective_timeout_s} must exceed "
                 f"reliability.hang_timeout_s={r.hang_timeout_s}, or the backend aborts "
                 f"before the watchdog can dump and diagnose the hang")
+        step_ranges("integrity.skip_steps", self.integrity.skip_steps)
         self.mesh_shape(world_size)
         self.accumulation_steps(world_size)
+
+
+def step_ranges(field_name: str, text: str) -> set[int]:
+    """``'120-130,400'`` as the set of steps it names, or ConfigError naming the field."""
+    steps: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or not (last or first).isdigit() or int(last or first) < int(first):
+            raise ConfigError(f"{field_name}={text!r}: {part!r} is not a step N or a range "
+                              f"A-B with A <= B; e.g. '120-130,400'")
+        steps.update(range(int(first), int(last or first) + 1))
+    return steps
 
 
 def preset_names() -> list[str]:

@@ -33,7 +33,9 @@ def install(spec: str, rank: int) -> None:
     _injector = harness.Injector(spec, rank)
 
 
-def point(name: str, step: int) -> None:
-    """Called where a fault may strike; does nothing unless a run armed one here."""
+def point(name: str, step: int, target=None):
+    """Called where a fault may strike; does nothing unless a run armed one here. Returns
+    ``target`` (a tensor or module the fault may corrupt), or what replaced it."""
     if _injector is not None:
-        _injector.point(name, step)
+        return _injector.point(name, step, target)
+    return target

@@ -35,11 +35,16 @@ from llmtrain.model import Transformer, count_params, flops_per_token
 from llmtrain.reliability.health.checks import HealthChecker, open_backend
 from llmtrain.reliability.health.exclusion import exclude_host
 from llmtrain.reliability.health.monitor import HealthMonitor, rank_gpu
+from llmtrain.reliability.integrity import (Integrity, TrainingDiverged, learned_skips,
+                                           replica_groups)
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
 
+
+# Rollbacks from the same stretch of steps before the fault counts as persistent.
+_MAX_ROLLBACKS = 3
 
 # How long ranks stopped by a peer's failed health check wait before exiting.
 _PEER_STOP_GRACE_S = 2.0
@@ -156,6 +161,13 @@ class Trainer:
             self.optimizer = self._build_optimizer()
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
+        self.integrity = Integrity(
+            cfg.integrity, events=self.events, device=self.device, rank=self.world.rank,
+            world_size=self.world.world_size, replicas=replica_groups(self.mesh.mesh),
+            global_batch_size=t.global_batch_size, learned_skips=learned_skips(t.run_dir))
+        self.checked_step = -1  # the last step whose state was checked
+        self.rollbacks: list[int] = []  # steps rolled back from, since the run got past them
+        self.sdc_named: list[int] = []  # ranks whose replica diverged, when they must go
 
         self.step = 0
         self.grad_norm: torch.Tensor | None = None
@@ -220,8 +232,9 @@ class Trainer:
         # Norm gains and other vectors are not decayed: shrinking them only hurts.
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        # Fused: one kernel per step, and it takes the integrity verdict as ``found_inf``.
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                 fused=self.device.type == "cuda")
+                                 fused=True)
 
     # -- one step ---------------------------------------------------------------------
 
@@ -232,30 +245,44 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for inputs, targets in micro_batches:
             self.beat("forward", step)
-            loss = self.loss(inputs.to(self.device), targets.to(self.device))
+            loss = fault_points.point(
+                "loss", step, self.loss(inputs.to(self.device), targets.to(self.device)))
             self.beat("backward", step)
             (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
         self.beat("optimizer", step)
         self.grad_norm = self.clip_gradients()
+        loss = loss_sum / len(micro_batches)
+        # A bad step's verdict stops the update on the device: no host sync.
+        self.optimizer.found_inf = self.integrity.judge(step, loss, self.grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / len(micro_batches)
+        return loss
+
+    def skip_step(self, step: int) -> torch.Tensor:
+        """A step of ``integrity.skip_steps`` (or one a rollback learned): its batch is
+        consumed, the schedule moves on, nothing is trained; as a judged-bad step does."""
+        self.scheduler.step()
+        if self.is_logger:
+            self.events.emit("step_skipped", step=step, reason="skip_steps")
+        return torch.full((), math.nan)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
     def clip_gradients(self) -> torch.Tensor | None:
+        """The global gradient norm (when clipping or integrity needs it), clipped to."""
         max_norm = self.cfg.optim.max_grad_norm
-        if not max_norm:
+        if not (max_norm or self.cfg.integrity.enable):
             return None
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # sums the shards' partial norms across ranks
-        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, norm)
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), max_norm, norm)
         return norm
 
     # -- the loop ---------------------------------------------------------------------
@@ -267,12 +294,14 @@ class Trainer:
         first_step = last_step = self.step
         first_loss = loss = float("nan")
         self.ledger.steps_done(self.step)  # productive time starts here
-        for step in range(self.step + 1, t.steps + 1):
+        while self.step < t.steps:
+            step = self.step + 1
             step_start = time.perf_counter()
             with self.diagnosed():
-                fault_points.point("step", step)
+                fault_points.point("step", step, self.model)
                 micro_batches = self.data.next_step()
-                local_loss = self.train_step(micro_batches)
+                local_loss = (self.skip_step(step) if step in self.integrity.skips
+                              else self.train_step(micro_batches))
             self.step = step
             self.beat("step")
             now = time.perf_counter()
@@ -280,8 +309,16 @@ class Trainer:
                 self.exporter.step_done(step, now - step_start)
             if step == first_step + 1:
                 self.report_startup()
-            if step % log_every == 0 or step in (first_step + 1, t.steps):
-                loss = self.global_mean(local_loss)  # the only host sync of the step
+            due = step % log_every == 0 or step in (first_step + 1, t.steps)
+            if (due or self.integrity.check_due(step)) and self.review(step):
+                last_step, last_time = self.step, time.perf_counter()
+                continue  # rolled back: the loop goes on from the checkpoint's step
+            if self.sdc_named:
+                break
+            if due:
+                # The only host sync of the step (integrity's verdicts were read with it).
+                loss = self.integrity.loss if self.cfg.integrity.enable else \
+                    self.global_mean(local_loss)
                 now = time.perf_counter()
                 self.report(step, loss, (now - last_time) / (step - last_step))
                 last_step, last_time = step, now
@@ -300,6 +337,61 @@ class Trainer:
             steps=self.step, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
             first_loss=first_loss, final_loss=loss, memory_gb=_memory_gb(self.device)))
 
+    def review(self, step: int, save: bool = False) -> bool:
+        """Reads the integrity verdicts and, when due (always before a save), checks the
+        state; rolls back when the policy says so. True when it did."""
+        bad = self.integrity.read()
+        if bad and self.integrity.review(bad, step):
+            return self.roll_back(f"{bad[0].reason} at step {bad[0].step}", bad[-1].step)
+        if not (save or self.integrity.check_due(step)) or self.checked_step == step:
+            return False
+        self.checked_step = step
+        check = self.integrity.check_state(step, self.model, self.grad_norm)
+        if check.diverged and self.is_logger:
+            self.console.line(f"integrity: rank(s) {check.diverged} held a corrupted replica "
+                              f"at step {step} (the replay after the rollback says so)")
+        if check.diverged and self.cfg.integrity.on_sdc == "exclude":
+            self.sdc_named = check.diverged
+            if self.world.rank in check.diverged:
+                self.exclude_node(f"its replica of the model diverged from the others' at "
+                                  f"step {step} (silent data corruption)", source="integrity")
+        if check.ok:
+            return False
+        what = (f"non-finite parameters on rank(s) {check.nonfinite_ranks}"
+                if check.nonfinite_ranks else
+                f"replicas differ: rank(s) {check.suspects or check.split}")
+        return self.roll_back(f"{what} at step {step}", None)
+
+    def roll_back(self, reason: str, bad_step: int | None) -> bool:
+        """Back to the newest committed checkpoint (each was checked before it was saved),
+        skipping the bad step's batches; True when the state was rolled back. Without a
+        checkpoint, a bad step (never applied) is only skipped; a bad state stops the run."""
+        skipped = self.integrity.learn_skips(bad_step) if bad_step else []
+        self.rollbacks = [s for s in self.rollbacks if s >= self.step] + [self.step]
+        if len(self.rollbacks) > _MAX_ROLLBACKS:
+            raise TrainingDiverged(
+                f"{reason}, again after {_MAX_ROLLBACKS} rollbacks without getting past "
+                f"step {self.step}: the fault is not transient; check the named ranks' GPUs "
+                f"(llmtrain health) and exclude their nodes")
+        step = 0
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+            self.beat("resume", long=True)
+            with self.ledger.span("checkpoint_load", "rollback"):
+                step = self.checkpoints.resume(self.state)
+        if self.is_logger:
+            self.events.emit("rollback", step=self.step, to_step=step or None, reason=reason,
+                             skip=skipped)
+            self.console.line(f"integrity: {reason}; " + (
+                f"rolled back to the checkpoint of step {step}" if step else
+                "no checkpoint to roll back to") + (f", skipping step(s) {skipped}" if skipped else ""))
+        if not step and bad_step is None:
+            raise TrainingDiverged(f"the training state is bad ({reason}) and there is no "
+                                   f"checkpoint to roll back to; restart the run")
+        if step:
+            self.step, self.checked_step = step, -1
+        return bool(step)
+
     @contextmanager
     def diagnosed(self):
         """A collective that fails PyTorch's desync check is diagnosed like a hang."""
@@ -314,18 +406,21 @@ class Trainer:
         """Saves when due (always after the last step, and before stopping for a failed
         health check anywhere); True when the run must stop now."""
         unhealthy = self.health is not None and self.health.fatal is not None
-        if unhealthy and not self.excluded:
-            self.exclude_node()  # first, so the record exists however the job ends
+        if unhealthy and not self.excluded:  # first, so the record exists however it ends
+            self.exclude_node(self.health.fatal.sentence(), findings=[asdict(self.health.fatal)])
         if self.checkpoints is None:
             return unhealthy
         due, stop = self.checkpoints.due(step, stop_vote=unhealthy)
         last = step == self.cfg.training.steps
         if due or last:
+            if self.cfg.integrity.enable and self.review(step, save=True):
+                return False  # never save a state that failed its check
             final = stop or last
             self.beat("checkpoint", long=final or self.cfg.checkpoint.mode == "sync")
             self.ledger.steps_done(step)
             with self.ledger.span("checkpoint_stall", f"save step {step}"):
-                self.checkpoints.save(step, self.state, final=final)
+                self.checkpoints.save(step, self.state, final=final,
+                                      checked=self.cfg.integrity.enable)
             self.beat("step")
         self.preempted = stop
         return stop
@@ -334,19 +429,18 @@ class Trainer:
     def exit_code(self) -> ExitCode:
         """EXCLUDE_NODE for the rank whose hardware failed, RETRYABLE for ranks stopped
         early (a signal, or a peer's failure), else CLEAN."""
-        if self.health is not None and self.health.fatal is not None:
+        if self.excluded:
             return ExitCode.EXCLUDE_NODE
-        return ExitCode.RETRYABLE if self.preempted else ExitCode.CLEAN
+        return ExitCode.RETRYABLE if self.preempted or self.sdc_named else ExitCode.CLEAN
 
-    def exclude_node(self) -> None:
-        """Takes this node out of the run after its GPU failed a check."""
-        f = self.health.fatal
+    def exclude_node(self, reason: str, source: str = "monitor", findings=()) -> None:
+        """Takes this node out of the run: its GPU failed a check, or its replica diverged."""
         self.excluded = True
-        exclude_host(self.cfg.training.run_dir, self.world.host, f.sentence(),
-                     findings=[asdict(f)], rank=self.world.rank)
-        self.events.emit("node_excluded", host=self.world.host, reason=f.sentence(),
-                         source="monitor", step=self.step)
-        print(f"llmtrain: rank {self.world.rank} stops with EXCLUDE_NODE: {f.sentence()}",
+        exclude_host(self.cfg.training.run_dir, self.world.host, reason,
+                     findings=list(findings), rank=self.world.rank)
+        self.events.emit("node_excluded", host=self.world.host, reason=reason,
+                         source=source, step=self.step)
+        print(f"llmtrain: rank {self.world.rank} stops with EXCLUDE_NODE: {reason}",
               file=sys.stderr, flush=True)
 
     def beat(self, phase: str, step: int | None = None, long: bool = False) -> None:

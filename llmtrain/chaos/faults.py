@@ -19,8 +19,13 @@ both applied) lists faults separated by ``;``::
                                            reliability.desync_debug catches it first)
     slow@step:rank=1,step=5,factor=3       from step 5 on, rank 1's steps take 3 times as
                                            long as its step 4 did
+    nan@loss:rank=1,step=5                 rank 1's loss of step 5 becomes NaN (and so
+                                           every rank's gradients)
+    bitflip@step:rank=1,step=5,bit=20      rank 1 flips bit 20 of one parameter value of
+                                           its shard as step 5 starts (silent corruption)
 
-Points: ``step`` (start of a training step), ``checkpoint_write`` (inside a rank's DCP
+Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
+``checkpoint_write`` (inside a rank's DCP
 shard write, in the background writer), ``resume`` (a verified checkpoint about to be
 loaded; ``step`` is the checkpoint's). Keys: ``rank`` and ``step`` (default: any), and
 ``restart``: the TorchElastic restart count the fault fires on (default 0, the first
@@ -42,11 +47,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
 
-ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow")
-POINTS = ("step", "checkpoint_write", "resume")
+ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip")
+POINTS = ("step", "loss", "checkpoint_write", "resume")
 
 
 class FaultSpecError(ConfigError):
@@ -61,6 +67,7 @@ class Fault:
     step: int | None = None
     restart: int = 0
     factor: int = 1
+    bit: int = 20  # bitflip: which bit of the value (20: a high mantissa bit of a float32)
     id: str | None = None  # a fault armed at run time: once per rank, any restart
 
     def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
@@ -84,9 +91,9 @@ def parse(spec: str) -> list[Fault]:
             if key == "id" and value.isidentifier():
                 keys[key] = value
                 continue
-            if key not in ("rank", "step", "restart", "factor") or not value.isdigit():
+            if key not in ("rank", "step", "restart", "factor", "bit") or not value.isdigit():
                 raise FaultSpecError(f"reliability.faults: in {item!r}, {pair!r} is not "
-                                     f"rank=N, step=N, restart=N, factor=N or id=NAME")
+                                     f"rank=N, step=N, restart=N, factor=N, bit=N or id=NAME")
             keys[key] = int(value)
         faults.append(Fault(action, point, **keys))
     return faults
@@ -102,6 +109,7 @@ class Injector:
         self._from_file: list[Fault] = []
         self._started: dict[Fault, float] = {}   # slow faults: when the last full-speed step began
         self._baseline: dict[Fault, float] = {}  # and how long it took
+        self._corrupted: set[Fault] = set()  # nan/bitflip strike once: a replay runs clean
 
     def _armed_at_run_time(self) -> list[Fault]:
         """The faults of ``$LLMTRAIN_FAULTS_FILE``, re-read when it changes."""
@@ -130,11 +138,12 @@ class Injector:
         except FileExistsError:
             return False
 
-    def point(self, name: str, step: int) -> None:
-        """Strikes the faults armed at point ``name`` of ``step``, if any."""
+    def point(self, name: str, step: int, target=None):
+        """Strikes the faults armed at point ``name`` of ``step``, if any; returns
+        ``target``, or the corrupted value that replaces it."""
         faults = self.faults + self._armed_at_run_time()
         if not faults:
-            return
+            return target
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         for fault in faults:
             if (fault.action.startswith("desync") and fault.point == name
@@ -145,10 +154,19 @@ class Injector:
                              by_size=fault.action == "desync_size")
             elif fault.matches(name, self.rank, step, restart) and (
                     fault.id is None or fault.action == "slow" or self._first_time(fault)):
-                self._strike(fault, step)
+                target = self._strike(fault, step, target)
+        return target
 
-    def _strike(self, fault: Fault, step: int) -> None:
-        if fault.action == "kill":
+    def _strike(self, fault: Fault, step: int, target):
+        if fault.action in ("nan", "bitflip"):
+            if fault in self._corrupted:
+                return target
+            self._corrupted.add(fault)
+        if fault.action == "nan":
+            return target * float("nan")
+        if fault.action == "bitflip":
+            _flip_bit(target, fault.bit)
+        elif fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -163,6 +181,7 @@ class Injector:
                                          - self._started.pop(fault, time.perf_counter()))
             if fault in self._baseline:
                 time.sleep((fault.factor - 1) * self._baseline[fault])
+        return target
 
     def _desync(self, target: int, by_size: bool) -> None:
         """A collective the ranks disagree on: the target gathers while the others reduce,
@@ -174,3 +193,12 @@ class Injector:
             dist.all_gather([torch.empty(16) for _ in range(dist.get_world_size())], t)
         else:
             dist.all_reduce(t)
+
+
+def _flip_bit(model: torch.nn.Module, bit: int) -> None:
+    """Flips ``bit`` of the middle value of this rank's largest parameter shard, in place:
+    memory that changed under the program, as a bad DRAM cell or a cosmic ray does."""
+    shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    shard = max(shards, key=lambda t: t.numel()).detach()
+    ints = shard.view(-1).view({2: torch.int16, 4: torch.int32}[shard.element_size()])
+    ints[ints.numel() // 2] ^= 1 << bit

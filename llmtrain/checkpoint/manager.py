@@ -111,8 +111,11 @@ class CheckpointManager:
 
     # -- save -------------------------------------------------------------------------
 
-    def save(self, step: int, state: TrainState, *, final: bool = False) -> None:
-        """Stages ``state`` and starts writing it; ``final`` waits for the commit."""
+    def save(self, step: int, state: TrainState, *, final: bool = False,
+             checked: bool = False) -> None:
+        """Stages ``state`` and starts writing it; ``final`` waits for the commit.
+        ``checked``: the state passed the integrity checks (retention keeps the newest
+        such checkpoint whatever comes after it)."""
         if self.inflight is not None and not self.inflight.done():
             if self.cfg.if_busy == "skip" and not final:
                 self._emit0("checkpoint_skipped", step=step, reason="previous still writing")
@@ -125,7 +128,8 @@ class CheckpointManager:
         try:
             writer = storage.CommitWriter(
                 storage.step_dir(self.url, step),
-                {**self.manifest_base, "step": step, "world_size": self.world},
+                {**self.manifest_base, "step": step, "world_size": self.world,
+                 "integrity_checked": checked},
                 thread_count=self.cfg.writer_threads)
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":

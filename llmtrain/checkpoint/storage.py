@@ -212,12 +212,15 @@ def retention_victims(ckpts: list[CheckpointInfo], keep_last: int,
                       keep_every: int) -> list[CheckpointInfo]:
     """What retention deletes: committed checkpoints beyond the newest ``keep_last`` that
     are not a multiple of ``keep_every``, and incomplete ones older than the newest
-    committed (newer ones may still be being written). The newest committed always stays.
+    committed (newer ones may still be being written). The newest committed always stays,
+    and so does the newest whose state passed the integrity checks.
     """
     committed = [c for c in ckpts if c.committed]
     if not committed:
         return []
     keep = {c.step for c in committed[-keep_last:]}
+    checked = [c.step for c in committed if c.manifest.get("integrity_checked")]
+    keep |= set(checked[-1:])
     if keep_every:
         keep |= {c.step for c in committed if c.step % keep_every == 0}
     newest = committed[-1].step

@@ -13,6 +13,7 @@ from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
+from llmtrain.reliability.integrity import TrainingDiverged
 from llmtrain.trainer import Trainer
 
 
@@ -33,6 +34,10 @@ def run_worker(cfg: JobConfig) -> ExitCode:
         raise
     try:
         trainer.run()
+    except TrainingDiverged as e:  # a restart would diverge the same way
+        trainer.events.emit("fatal", host=host, step=trainer.step, error=f"{type(e).__name__}: {e}")
+        stop_agent(ExitCode.FATAL)
+        raise
     except BaseException as e:
         # The first sign of a failure elsewhere (a dead peer breaks our collective): the
         # start of the recovery clock.

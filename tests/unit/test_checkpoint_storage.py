@@ -151,3 +151,10 @@ def test_a_failed_tensor_write_names_the_storage_error(tmp_path):
     out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "step-1")],
                          capture_output=True, text=True, timeout=120)
     assert "File too large" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_retention_keeps_the_newest_checkpoint_that_passed_integrity_checks():
+    checked = CheckpointInfo(step=100, url="x/100", committed=True,
+                             manifest={"integrity_checked": True})
+    later = [info(s) for s in (200, 300, 400)]
+    assert {c.step for c in retention_victims([checked, *later], 2, 0)} == {200}

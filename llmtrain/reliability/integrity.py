@@ -1,0 +1,264 @@
+"""Training-state integrity: a bad step never reaches the weights, a bad state never a
+checkpoint.
+
+Every step, on the device and without a host sync, the step is *judged*: each rank's loss
+goes into one small all-reduce (so every rank holds every rank's loss and all judge
+alike); the step is non-finite when a loss or the global gradient norm is inf/NaN, and a
+spike when the global loss lies ``spike_z`` robust deviations (MAD) above the median of
+the last ``spike_window`` applied losses. A judged step is not applied: the verdict is the
+fused AdamW's ``found_inf``, which leaves weights, moments and step count as they were.
+
+The verdicts are read on the host only where the loop reads values anyway (a report, a
+save, a state check), become events naming the step, the ranks and the samples, and a
+policy: go on (the step was skipped), roll back to the last checkpoint and skip the batch,
+or stop after ``max_bad_steps`` within the window (the run diverges; exit 78).
+
+Before every save (and every ``sdc_every`` steps) the state is *checked*: each rank
+fingerprints its parameter shards bit for bit (an integer sum of their bits, so any
+flipped bit changes it) and counts non-finite values; replicas that must be equal (HSDP)
+and the gradient norm every rank computed are compared. A majority names the odd rank.
+Two replicas have none: the run rolls back and replays, and the rank whose fingerprint
+at the mismatched step changed in the replay is the one that diverged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from llmtrain.config import IntegrityConfig, step_ranges
+from llmtrain.events import EventLog, read_events
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Verdict codes, as the device computes them.
+_OK, _NONFINITE, _SPIKE = 0, 1, 2
+
+
+class TrainingDiverged(RuntimeError):
+    """The run keeps producing bad steps or bad state: a restart would do the same."""
+
+
+@dataclass
+class BadStep:
+    step: int
+    reason: str              # "nonfinite" or "spike"
+    loss: float
+    grad_norm: float | None
+    ranks: list[int]         # ranks whose own loss was not finite
+    applied: bool = False    # a spike under on_spike="warn"
+
+
+@dataclass
+class StateCheck:
+    step: int
+    nonfinite_ranks: list[int] = field(default_factory=list)
+    split: list[list[int]] = field(default_factory=list)  # replicas that differ, no majority
+    suspects: list[int] = field(default_factory=list)     # odd ranks out of a majority
+    diverged: list[int] = field(default_factory=list)     # named by the replay of a split
+
+    @property
+    def ok(self) -> bool:
+        return not (self.nonfinite_ranks or self.split or self.suspects)
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each tensor's elements' bits summed as integers, the count of non-finite elements)
+    on the device; equal replicas give equal sums, in any summation order."""
+    bits = torch.stack([t.detach().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+                        .sum(dtype=torch.int64) for t in tensors])
+    bad = [(~torch.isfinite(t.detach())).sum() for t in tensors if t.is_floating_point()]
+    return bits, sum(bad, torch.zeros((), dtype=torch.int64, device=bits.device))
+
+
+def replica_groups(mesh: torch.Tensor) -> list[list[int]]:
+    """The groups of ranks holding the same shards (HSDP replicas) in a (replicate,
+    shard) or (shard,) mesh of ranks."""
+    return mesh.reshape(-1, mesh.shape[-1]).T.tolist()
+
+
+def learned_skips(run_dir: str) -> set[int]:
+    """The batches earlier rollbacks of this run chose to skip (their events)."""
+    try:
+        return {s for e in read_events(run_dir, "integrity_skip") for s in e["steps"]}
+    except FileNotFoundError:
+        return set()
+
+
+class Integrity:
+    """Judges steps and checks the state for one rank; every rank decides alike."""
+
+    def __init__(self, cfg: IntegrityConfig, *, events: EventLog, device: torch.device,
+                 rank: int, world_size: int, replicas: list[list[int]],
+                 global_batch_size: int, learned_skips: set[int] = frozenset()):
+        self.cfg, self.events, self.device = cfg, events, device
+        self.rank, self.world = rank, world_size
+        self.replicas = replicas
+        self.batch = global_batch_size
+        self.skips = step_ranges("integrity.skip_steps", cfg.skip_steps) | set(learned_skips)
+        self.history = torch.full((cfg.spike_window,), math.nan, device=device)
+        self.judged = 0
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (step, [code, loss, norm, *losses])
+        self.bad_steps: list[int] = []
+        self.loss = math.nan  # the global loss of the last step read
+        self.replayed: dict[int, list[int]] = {}  # split step -> each rank's fingerprint
+
+    # -- every step, on the device --------------------------------------------------
+
+    def judge(self, step: int, local_loss: torch.Tensor,
+              grad_norm: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's verdict as the optimizer's ``found_inf`` (1.0: do not apply), or
+        None when integrity is off. Costs one all-reduce of ``world_size`` floats."""
+        if not self.cfg.enable:
+            return None
+        losses = torch.zeros(self.world, device=self.device)
+        losses[self.rank] = local_loss.detach().float()
+        dist.all_reduce(losses)
+        loss = losses.mean()
+        norm = (grad_norm.detach().float() if grad_norm is not None
+                else torch.zeros((), device=self.device))
+        nonfinite = ~(torch.isfinite(losses).all() & torch.isfinite(norm))
+        spike = self._spike(loss) & ~nonfinite
+        code = torch.where(nonfinite, _NONFINITE, torch.where(spike, _SPIKE, _OK))
+        skip = nonfinite | spike if self.cfg.on_spike != "warn" else nonfinite
+        self.history[self.judged % self.cfg.spike_window] = torch.where(skip, math.nan, loss)
+        self.judged += 1
+        self.pending.append((step, torch.cat([torch.stack([code.float(), loss, norm]), losses])))
+        return skip.float()
+
+    def _spike(self, loss: torch.Tensor) -> torch.Tensor:
+        if not self.cfg.spike_z or self.judged < self.cfg.spike_window // 2:
+            return torch.zeros((), dtype=torch.bool, device=self.device)
+        median = self.history.nanmedian()
+        spread = torch.maximum(1.4826 * (self.history - median).abs().nanmedian(),
+                               0.01 * median.abs())  # a flat loss is no licence to flag noise
+        return loss - median > self.cfg.spike_z * spread
+
+    # -- where the loop reads values anyway, on the host -----------------------------
+
+    def read(self) -> list[BadStep]:
+        """The bad steps judged since the last read (one device-to-host copy)."""
+        if not self.pending:
+            return []
+        steps = [step for step, _ in self.pending]
+        rows = torch.stack([row for _, row in self.pending]).cpu().tolist()
+        self.pending.clear()
+        self.loss = rows[-1][1]
+        bad = []
+        for step, (code, loss, norm, *losses) in zip(steps, rows):
+            if code == _OK:
+                continue
+            bad.append(BadStep(
+                step=step, reason="nonfinite" if code == _NONFINITE else "spike", loss=loss,
+                grad_norm=norm, ranks=[r for r, v in enumerate(losses) if not math.isfinite(v)],
+                applied=code == _SPIKE and self.cfg.on_spike == "warn"))
+        return bad
+
+    def review(self, bad: list[BadStep], step: int) -> bool:
+        """Records ``bad`` as events and applies the policy: True when the run must roll
+        back; raises TrainingDiverged when it must stop."""
+        for b in bad:
+            self._emit0("step_skipped" if not b.applied else "loss_spike", step=b.step,
+                        reason=b.reason, loss=b.loss, grad_norm=b.grad_norm, ranks=b.ranks,
+                        samples=[(b.step - 1) * self.batch, b.step * self.batch])
+        skipped = [b for b in bad if not b.applied]
+        window = self.cfg.spike_window
+        self.bad_steps = [s for s in self.bad_steps if s > step - window]
+        self.bad_steps += [b.step for b in skipped]
+        policies = {self.cfg.on_nonfinite if b.reason == "nonfinite" else self.cfg.on_spike
+                    for b in skipped}
+        if len(self.bad_steps) >= self.cfg.max_bad_steps or "stop" in policies:
+            first = skipped[0] if skipped else bad[0]
+            ranks = sorted({r for b in skipped for r in b.ranks})
+            raise TrainingDiverged(
+                f"training diverged at step {first.step}: {len(self.bad_steps)} step(s) of "
+                f"the last {window} were non-finite or loss spikes (steps "
+                f"{', '.join(map(str, self.bad_steps[-10:]))}"
+                + (f"; non-finite loss on rank(s) {ranks}" if ranks else "")
+                + f"; loss {first.loss:.4g}, grad norm {first.grad_norm:.4g}). Resume from an "
+                f"earlier checkpoint with a lower optim.lr, or skip the data with "
+                f"integrity.skip_steps")
+        return "rollback" in policies
+
+    def learn_skips(self, bad_step: int) -> list[int]:
+        """The batches a rollback skips: ``rollback_skip`` of them, ending with the bad
+        step's. Recorded as an event, so a restart skips them too."""
+        steps = list(range(max(1, bad_step - self.cfg.rollback_skip + 1), bad_step + 1))
+        self.skips.update(steps)
+        self._emit0("integrity_skip", steps=steps)
+        return steps
+
+    # -- the state, before every save and every sdc_every steps -----------------------
+
+    def check_due(self, step: int) -> bool:
+        every = self.cfg.sdc_every
+        return self.cfg.enable and (bool(every) and step % every == 0 or step in self.replayed)
+
+    def check_state(self, step: int, model: torch.nn.Module,
+                    grad_norm: torch.Tensor | None) -> StateCheck:
+        """Fingerprints every rank's parameter shards and compares replicas (one all-reduce
+        of ``3 * world_size`` integers and a host read)."""
+        shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        bits, nonfinite = fingerprint(shards)
+        norm = torch.zeros((), device=self.device) if grad_norm is None else grad_norm.detach()
+        table = torch.zeros(self.world, 3, dtype=torch.int64, device=self.device)
+        table[self.rank] = torch.stack([bits.sum(), norm.float().view(torch.int32).long(),
+                                        nonfinite])
+        dist.all_reduce(table)
+        rows = table.cpu().tolist()
+        check = StateCheck(step, nonfinite_ranks=[r for r, row in enumerate(rows) if row[2]])
+        for group, column in [(g, 0) for g in self.replicas] + [(list(range(self.world)), 1)]:
+            values = Counter(rows[r][column] for r in group)
+            if len(values) < 2:
+                continue
+            common, count = values.most_common(1)[0]
+            if count * 2 > len(group):
+                check.suspects += [r for r in group if rows[r][column] != common]
+            else:
+                check.split.append(group)
+        if step in self.replayed and check.ok:
+            check.diverged, distances = self._farthest_from_replay(self.replayed.pop(step), shards)
+            self._emit0("replica_diverged", step=step, ranks=check.diverged, how="replay",
+                        distances=distances)
+        elif check.split:
+            self.replayed[step] = self._differing(bits, shards, check.split)
+        check.suspects = sorted(set(check.suspects))
+        if not check.ok:
+            self._emit0("state_check_failed", step=step, nonfinite_ranks=check.nonfinite_ranks,
+                        split=check.split, suspects=check.suspects)
+        return check
+
+    def _differing(self, bits: torch.Tensor, shards: list[torch.Tensor],
+                   split: list[list[int]]) -> dict[int, torch.Tensor]:
+        """Copies of this rank's shards that differ between split replicas, for the replay
+        to judge (every rank joins: the split is known to all)."""
+        table = torch.zeros(self.world, len(shards), dtype=torch.int64, device=self.device)
+        table[self.rank] = bits
+        dist.all_reduce(table)
+        rows = table.cpu().tolist()
+        differ = {i for group in split for i in range(len(shards))
+                  if len({rows[r][i] for r in group}) > 1}
+        return {i: shards[i].detach().clone() for i in differ}
+
+    def _farthest_from_replay(self, before: dict[int, torch.Tensor],
+                              shards: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+        """After a split was rolled back and replayed: each rank's largest distance between
+        its old values and the replay's. Corruption that reached the others only through
+        averaged gradients leaves them close; the corrupted rank stands out (10x)."""
+        mine = max([(old.double() - shards[i].double()).abs().max() for i, old in before.items()],
+                   default=torch.zeros((), dtype=torch.float64, device=self.device))
+        distances = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        distances[self.rank] = mine
+        dist.all_reduce(distances)
+        d = distances.cpu().tolist()
+        order = sorted(range(self.world), key=lambda r: -d[r])
+        clear = d[order[0]] > 0 and (self.world < 2 or d[order[0]] > 10 * d[order[1]])
+        return ([order[0]] if clear else []), d
+
+    def _emit0(self, event: str, **fields) -> None:
+        if self.rank == 0:
+            self.events.emit(event, **fields)
