@@ -129,7 +129,9 @@ class ReliabilityConfig:
     """Timeouts of the process groups, and injected faults."""
     init_timeout_s: float = _f(300.0, gt=0, doc="rendezvous and process-group creation")
     collective_timeout_s: float = _f(600.0, gt=0, doc="one collective during training")
-    faults: str = _f("", doc="faults to inject, see llmtrain/chaos/faults.py")
+    faults: str = _f("", doc="faults to inject, see llmtrain/chaos/faults.py; \"env\": "
+                             "those of $LLMTRAIN_FAULTS and $LLMTRAIN_FAULTS_FILE (the "
+                             "environment is ignored otherwise)")
     watchdog: bool = _f(True, doc="detect hangs, dump the flight recorder, report, restart")
     hang_timeout_s: float = _f(300.0, gt=0, doc="no progress for this long is a hang")
     phase_timeout_s: float = _f(1800.0, gt=0,
