@@ -57,8 +57,9 @@ def time_to_report(hang_timeout: float) -> dict[str, float]:
     run = tempfile.mkdtemp(prefix="llmtrain-bench-watchdog-")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "llmtrain", "train", "--training.run_dir", run, "--training.steps", "1000",
-           "--checkpoint.enable", "false", "--reliability.hang_timeout_s", str(hang_timeout)]
-    env = {**os.environ, "LLMTRAIN_FAULTS": "hang@step:rank=1,step=6", "OMP_NUM_THREADS": "1"}
+           "--checkpoint.enable", "false", "--reliability.hang_timeout_s", str(hang_timeout),
+           "--reliability.faults", "hang@step:rank=1,step=6"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, env=env, capture_output=True, timeout=hang_timeout * 10 + 120)
     [hang] = read_events(run, "hang")
     shutil.rmtree(run)

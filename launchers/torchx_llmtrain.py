@@ -152,6 +152,10 @@ def train(
            f"$([ {macros.replica_id} -ge {nodes} ] && echo --standby)",
            "--config", shlex.quote(config),
            "--training.run_dir", shlex.quote(run_dir),
+           # Prometheus scrapes each replica from outside its host, at an address (pod IP,
+           # node address) the component cannot name for every scheduler: every interface
+           # of the replica's network; `-- --metrics.address ADDR` narrows it.
+           "--metrics.address", "0.0.0.0",
            *(shlex.quote(a) for a in (args[1:] if args[:1] == ("--",) else args))]
     return specs.AppDef(
         name=name,

@@ -199,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     from llmtrain.launch.node import add_arguments
     add_arguments(sub.choices["launch"])
     store = sub.add_parser("rdzv-store", help="serve a rendezvous store for the node agents")
-    store.add_argument("--bind", default="0.0.0.0")
+    store.add_argument("--bind", default="127.0.0.1",
+                       help="address to listen on (default: this host only); on a cluster, "
+                            "the address the nodes reach this host at")
     store.add_argument("--port", type=int, default=29400)
     store.set_defaults(func=cmd_rdzv_store)
     ch = sub.add_parser("chaos", help="inject the fault matrix into a running job; verdicts")

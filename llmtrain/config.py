@@ -129,7 +129,9 @@ class ReliabilityConfig:
     """Timeouts of the process groups, and injected faults."""
     init_timeout_s: float = _f(300.0, gt=0, doc="rendezvous and process-group creation")
     collective_timeout_s: float = _f(600.0, gt=0, doc="one collective during training")
-    faults: str = _f("", doc="faults to inject, see llmtrain/chaos/faults.py")
+    faults: str = _f("", doc="faults to inject, see llmtrain/chaos/faults.py; \"env\": "
+                             "those of $LLMTRAIN_FAULTS and $LLMTRAIN_FAULTS_FILE (the "
+                             "environment is ignored otherwise)")
     watchdog: bool = _f(True, doc="detect hangs, dump the flight recorder, report, restart")
     hang_timeout_s: float = _f(300.0, gt=0, doc="no progress for this long is a hang")
     phase_timeout_s: float = _f(1800.0, gt=0,
@@ -211,7 +213,9 @@ class MetricsConfig:
                        doc="auto: a progress bar on a terminal, plain lines otherwise")
     peak_tflops: float = _f(0.0, ge=0, doc="per-device peak for MFU; 0: known GPUs only")
     prometheus: bool = _f(True, doc="serve /metrics on every rank")
-    address: str = _f("0.0.0.0", doc="address the exporter listens on")
+    address: str = _f("127.0.0.1", doc="address the exporter listens on; loopback serves "
+                                       "a scraper on this host only, a cluster passes the "
+                                       "node's address (or 0.0.0.0: every interface)")
     port: int = _f(9400, ge=0, le=65535, doc="base port, plus the local rank; 0: any free port")
     targets_dir: str = _f("", doc="where each rank writes its Prometheus file_sd entry; "
                               "empty: <run_dir>/monitoring/targets")

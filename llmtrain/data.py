@@ -26,6 +26,7 @@ import os
 import posixpath
 import struct
 import sysconfig
+import time
 from typing import Any
 
 import fsspec
@@ -38,6 +39,8 @@ from llmtrain.fsio import is_local, join, write_atomic
 MAGIC = b"LLMTOK01"
 HEADER = struct.Struct("<8sIIQ8x")  # magic, itemsize, reserved, count, padding: 32 bytes
 EMBEDDED_SHARD_TOKENS = 4 * 1024 * 1024
+EMBEDDED_MARKER = "corpus.json"
+EMBEDDED_WAIT_S = 600.0  # how long ranks that do not prepare the corpus wait for it
 # Directories of the stdlib that are not representative library code (or not stdlib).
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
               "__pycache__"}
@@ -90,7 +93,12 @@ class _Shard:
         if size < HEADER.size:
             raise ShardError(f"shard {url} is truncated: it has {size} bytes, less than "
                              f"the {HEADER.size}-byte header; {fix}")
-        magic, itemsize, _, count = HEADER.unpack(self.fs.cat_file(self.path, 0, HEADER.size))
+        # start/end by keyword: s3fs's third positional parameter is a version id
+        header = self.fs.cat_file(self.path, start=0, end=HEADER.size)
+        if len(header) < HEADER.size:  # cut short since its size was read
+            raise ShardError(f"shard {url} is truncated: reading its {HEADER.size}-byte "
+                             f"header gave {len(header)} bytes; {fix}")
+        magic, itemsize, _, count = HEADER.unpack(header)
         if magic != MAGIC:
             raise ShardError(f"shard {url} is not a token shard: it starts with {magic!r}, "
                              f"not {MAGIC!r}; {fix}")
@@ -113,8 +121,11 @@ class _Shard:
         if self.memmap is not None:
             return self.memmap[start:stop]
         size = self.dtype.itemsize
-        raw = self.fs.cat_file(self.path, HEADER.size + start * size,
-                               HEADER.size + stop * size)
+        raw = self.fs.cat_file(self.path, start=HEADER.size + start * size,
+                               end=HEADER.size + stop * size)
+        if len(raw) != (stop - start) * size:
+            raise ShardError(f"shard {self.url} was cut short while the run read it: tokens "
+                             f"[{start}, {stop}) gave {len(raw)} bytes; re-create it")
         return np.frombuffer(raw, dtype=self.dtype)
 
 
@@ -175,22 +186,44 @@ def _stdlib_bytes(max_bytes: int) -> bytes:
     return b"".join(parts)[:max_bytes]
 
 
-def prepare_embedded_corpus(data_dir_url: str, max_bytes: int) -> list[str]:
+def _committed_corpus(fs: fsspec.AbstractFileSystem, dir_path: str,
+                      max_bytes: int) -> list[str] | None:
+    """The shard names the corpus marker commits for ``max_bytes``, if all are there."""
+    fs.invalidate_cache(dir_path)  # an object store's cached listing may predate the marker
+    try:
+        manifest = json.loads(fs.cat_file(join(dir_path, EMBEDDED_MARKER)))
+    except (FileNotFoundError, ValueError):
+        return None
+    names = [s["name"] for s in manifest["shards"]]
+    if manifest["max_bytes"] != max_bytes or not all(fs.exists(join(dir_path, n))
+                                                     for n in names):
+        return None
+    return names
+
+
+def prepare_embedded_corpus(data_dir_url: str, max_bytes: int, *, preparer: bool = True,
+                            wait_s: float = EMBEDDED_WAIT_S) -> list[str]:
     """Byte-tokenize the stdlib sources into shards under ``data_dir_url``; their URLs.
 
-    Every rank may call this at once without a barrier: each builds the same bytes and
-    every file is written atomically, so racing writers only replace a shard with an
-    identical one. ``corpus.json`` is written last, so when it exists the shards it lists
-    are complete, and later calls reuse them.
+    Only a ``preparer`` writes; the others poll for the marker ``corpus.json``, which is
+    written after every shard, so no reader ever opens a shard that is still being
+    written. Preparers may run at once (one per node on a shared run dir): each builds
+    the same bytes and writes every file atomically, so a reader only ever meets whole,
+    identical shards. A committed corpus is reused.
     """
     fs, dir_path = fsspec.core.url_to_fs(data_dir_url)
-    manifest_path = join(dir_path, "corpus.json")
-    if fs.exists(manifest_path):
-        manifest = json.loads(fs.cat_file(manifest_path))
-        names = [s["name"] for s in manifest["shards"]]
-        if manifest["max_bytes"] == max_bytes and all(
-                fs.exists(join(dir_path, n)) for n in names):
-            return [join(data_dir_url, n) for n in names]
+    deadline = time.monotonic() + wait_s
+    while (names := _committed_corpus(fs, dir_path, max_bytes)) is None and not preparer:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"waited {wait_s:.0f} s for {join(data_dir_url, EMBEDDED_MARKER)}, which "
+                f"this node's local rank 0 writes once the embedded corpus is complete; "
+                f"see that rank's log for why it has not, or, if it is only slow, lower "
+                f"data.embedded_max_bytes or prepare the corpus before the job starts "
+                f"(`llmtrain launch` does in its preflight)")
+        time.sleep(0.5)
+    if names is not None:
+        return [join(data_dir_url, n) for n in names]
     tokens = np.frombuffer(_stdlib_bytes(max_bytes), dtype=np.uint8).astype(np.uint16)
     shards = []
     for i, start in enumerate(range(0, len(tokens), EMBEDDED_SHARD_TOKENS)):
@@ -200,15 +233,19 @@ def prepare_embedded_corpus(data_dir_url: str, max_bytes: int) -> list[str]:
         shards.append({"name": name, "tokens": len(chunk)})
     manifest = {"max_bytes": max_bytes, "shards": shards,
                 "sha256": hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest()}
-    write_atomic(join(data_dir_url, "corpus.json"), json.dumps(manifest, indent=1).encode())
+    write_atomic(join(data_dir_url, EMBEDDED_MARKER),
+                 json.dumps(manifest, indent=1).encode())
     return [join(data_dir_url, s["name"]) for s in shards]
 
 
 def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
     """The shard URLs a run reads, in a fixed order (the sample index depends on it)."""
     if data_cfg.source == "embedded":
+        # One preparer per node, as the run dir may be node-local: local rank 0, or a
+        # process outside torchrun (the launcher's preflight).
         return prepare_embedded_corpus(join(run_dir_url, "data/embedded"),
-                                       data_cfg.embedded_max_bytes)
+                                       data_cfg.embedded_max_bytes,
+                                       preparer=os.environ.get("LOCAL_RANK", "0") == "0")
     fs, root = fsspec.core.url_to_fs(data_cfg.path)
     if not fs.isdir(root):
         raise ShardError(f"data.path={data_cfg.path!r} is not a directory; check data.path")

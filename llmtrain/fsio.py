@@ -10,10 +10,15 @@ What ``write_atomic`` relies on, per kind of storage:
   S3 gives strong read-after-write consistency, so the object is written directly.
 - anything else fsspec offers (``memory://`` and others): write a temporary name, then
   ``mv`` it into place.
+
+Local files and directories get explicit modes, ``FILE_MODE`` and ``DIR_MODE``, whatever
+the umask: a permissive one (``umask 0``) must not leave a run dir that anyone can write,
+where a manifest, an exclusion record or a shard could be swapped.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import uuid
@@ -22,6 +27,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
+FILE_MODE, DIR_MODE = 0o644, 0o755
 
 
 def join(url: str, *names: str) -> str:
@@ -32,13 +38,44 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def set_mode(target: str | int, mode: int) -> None:
+    """``chmod`` of a local path or descriptor, so its mode does not depend on the umask;
+    storage without modes of its own (some FUSE mounts of object stores) is left as is."""
+    try:
+        os.chmod(target, mode)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.ENOSYS):
+            raise
+
+
+def makedirs(path: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
+    """``fs.makedirs(path, exist_ok=True)`` (``fs`` None: local), and every local directory
+    it creates gets ``DIR_MODE`` (``os.makedirs`` applies the umask, and its mode argument
+    only to the last directory)."""
+    if fs is not None and not is_local(fs):
+        fs.makedirs(path, exist_ok=True)
+        return
+    missing = []
+    path = path.rstrip("/")
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:  # another writer made it: its mode is that one's
+            continue
+        set_mode(d, DIR_MODE)
+
+
 def write_atomic(url: str, data: bytes) -> None:
     """Writes ``data`` so that readers see either the old file or all of the new one."""
     fs, path = fsspec.core.url_to_fs(url)
     if is_local(fs):
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
+        makedirs(os.path.dirname(path))
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
+            set_mode(f.fileno(), FILE_MODE)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -63,7 +100,7 @@ def probe_writable(url: str, name: str) -> tuple[fsspec.AbstractFileSystem, str]
     """Creates the directory ``url`` if needed and writes, then removes, a small file
     ``name`` in it: raises whatever the storage raises when it cannot take files."""
     fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(path, exist_ok=True)
+    makedirs(path, fs)
     probe = join(url, name)
     write_atomic(probe, b"ok")
     fs.rm_file(fsspec.core.url_to_fs(probe)[1])

@@ -2,8 +2,8 @@
 
 Training reaches these only through ``llmtrain.fault_points``, and only when a run asks.
 
-A spec (config ``reliability.faults``, or the environment variable ``LLMTRAIN_FAULTS``,
-both applied) lists faults separated by ``;``::
+A spec (config ``reliability.faults``; with ``reliability.faults = "env"``, the
+environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
 
     ACTION@POINT[:key=value,...]
 
@@ -32,10 +32,11 @@ loaded; ``step`` is the checkpoint's). Keys: ``rank`` and ``step`` (default: any
 attempt), so a restarted job does not meet the same fault again. ``slow`` also takes
 ``factor`` and, unlike the others, strikes at every step from ``step`` on.
 
-Faults can also arrive while the job runs (chaos runs): lines appended to the file named
-by ``$LLMTRAIN_FAULTS_FILE`` are armed at the next fault point. Those carry ``id=NAME``
-instead of a restart count and strike once per rank across the whole run, whatever the
-restarts: a marker ``<file>.fired/NAME.<rank>`` records that they did.
+Faults can also arrive while the job runs (chaos runs, ``reliability.faults = "env"``):
+lines appended to the file named by ``$LLMTRAIN_FAULTS_FILE`` are armed at the next fault
+point. Those carry ``id=NAME`` instead of a restart count and strike once per rank across
+the whole run, whatever the restarts: a marker ``<file>.fired/NAME.<rank>`` records that
+they did.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def parse(spec: str) -> list[Fault]:
 class Injector:
     """The faults armed in one process; ``llmtrain.fault_points`` calls ``point``."""
 
-    def __init__(self, spec: str, rank: int):
-        self.faults = parse(f"{spec};{os.environ.get('LLMTRAIN_FAULTS', '')}")
+    def __init__(self, spec: str, rank: int, faults_file: str | None = None):
+        self.faults = parse(spec)
         self.rank = rank
+        self.faults_file = faults_file
         self._file_mtime: float | None = None
         self._from_file: list[Fault] = []
         self._started: dict[Fault, float] = {}   # slow faults: when the last full-speed step began
@@ -112,16 +114,15 @@ class Injector:
         self._corrupted: set[Fault] = set()  # nan/bitflip strike once: a replay runs clean
 
     def _armed_at_run_time(self) -> list[Fault]:
-        """The faults of ``$LLMTRAIN_FAULTS_FILE``, re-read when it changes."""
-        path = os.environ.get("LLMTRAIN_FAULTS_FILE")
-        if not path:
+        """The faults of the run-time file, re-read when it changes."""
+        if not self.faults_file:
             return []
         try:
-            mtime = os.stat(path).st_mtime
+            mtime = os.stat(self.faults_file).st_mtime
         except FileNotFoundError:
             return []
         if mtime != self._file_mtime:
-            with open(path) as f:
+            with open(self.faults_file) as f:
                 self._from_file = [fault for fault in parse(f.read().replace("\n", ";"))
                                    if fault.id]
             self._file_mtime = mtime
@@ -129,7 +130,7 @@ class Injector:
 
     def _first_time(self, fault: Fault) -> bool:
         """Claims a run-time fault for this rank; False if it already struck here."""
-        fired = f"{os.environ['LLMTRAIN_FAULTS_FILE']}.fired"
+        fired = f"{self.faults_file}.fired"
         os.makedirs(fired, exist_ok=True)
         try:
             os.close(os.open(os.path.join(fired, f"{fault.id}.{self.rank}"),

@@ -108,7 +108,7 @@ class Chaos:
             "--checkpoint.keep_last", "4", "--metrics.log_every", "5",
             "--metrics.address", "127.0.0.1", "--metrics.port", "0",
             "--reliability.hang_timeout_s", "8", "--reliability.straggler_window_s", "4",
-            "--health.interval_s", "1")
+            "--health.interval_s", "1", "--reliability.faults", "env")
 
     # -- the run --------------------------------------------------------------------------
 

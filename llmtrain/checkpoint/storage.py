@@ -40,7 +40,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.futures import Future
 
 from llmtrain import fault_points
-from llmtrain.fsio import join, write_atomic
+from llmtrain.fsio import FILE_MODE, is_local, join, makedirs, set_mode, write_atomic
 
 MANIFEST = "MANIFEST.json"
 REJECTED = "REJECTED.json"
@@ -91,12 +91,17 @@ class _HashingFileSystem(FileSystem):
         self.sums: dict[str, dict[str, Any]] = {}
         self.write_errors: list[OSError] = []  # what the storage said, see write_data
 
+    def mkdir(self, path) -> None:
+        makedirs(os.fspath(path), self.fs)
+
     @contextmanager
     def create_stream(self, path, mode: str):
         with super().create_stream(path, mode) as stream:
             if "w" not in mode:
                 yield stream
                 return
+            if is_local(self.fs):
+                set_mode(os.fspath(path), FILE_MODE)
             with ThreadPoolExecutor(max_workers=1) as hasher:
                 hashed = _HashingStream(stream, hasher, self.write_errors)
                 yield hashed

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from llmtrain.config import ReliabilityConfig
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
-from llmtrain.fsio import join, write_atomic
+from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
 
 HOST = socket.gethostname()
@@ -53,7 +53,7 @@ def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if "://" not in run_dir:
         target = os.path.join(run_dir, "diagnostics", "nccl-timeout")
-        os.makedirs(target, exist_ok=True)
+        makedirs(target)
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(target, "rank-"))
 
 

@@ -29,9 +29,9 @@ def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path):
     check(llmtrain(tmp_path / "reference", *args, nproc=2))
     faulty = tmp_path / "faulty"
     check(llmtrain(
-        faulty, *args, nproc=2, torchrun_args=("--max-restarts", "2"),
-        env={"LLMTRAIN_FAULTS": "kill@checkpoint_write:rank=0,step=12,restart=0;"
-                                "kill@step:rank=1,step=17,restart=1"}))
+        faulty, *args, "--reliability.faults", "kill@checkpoint_write:rank=0,step=12,"
+        "restart=0;kill@step:rank=1,step=17,restart=1", nproc=2,
+        torchrun_args=("--max-restarts", "2")))
     assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [6, 12]
     ref = final_weights(tmp_path / "reference", 24, tmp_path)
     got = final_weights(faulty, 24, tmp_path)
@@ -110,9 +110,9 @@ def test_a_peer_killed_during_resume_leaves_the_checkpoint_committed(tmp_path):
     the attempt fails as retryable, and torchrun's restart resumes from it."""
     run = tmp_path / "run"
     check(llmtrain(run, "--training.steps", "12", *CKPT, nproc=2))
-    check(llmtrain(run, "--training.steps", "14", *CKPT, nproc=2,
-                   torchrun_args=("--max-restarts", "1"),
-                   env={"LLMTRAIN_FAULTS": "kill@resume:rank=1,restart=0"}))
+    check(llmtrain(run, "--training.steps", "14", *CKPT,
+                   "--reliability.faults", "kill@resume:rank=1,restart=0", nproc=2,
+                   torchrun_args=("--max-restarts", "1")))
     assert events(run, "checkpoint_rejected") == []
     (unreadable,) = [e for e in events(run, "checkpoint_unreadable") if e["rank"] == 0]
     assert unreadable["step"] == 12 and "load failed" in unreadable["errors"][0]

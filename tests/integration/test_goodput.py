@@ -14,8 +14,9 @@ def test_goodput_closes_over_a_kill_and_a_restart(tmp_path):
     run = tmp_path / "run"
     launched = time.time()
     check(llmtrain(run, "--training.steps", "160", "--checkpoint.interval_steps", "40",
-                   "--metrics.log_every", "10", nproc=2, torchrun_args=("--max-restarts", "1"),
-                   env={"LLMTRAIN_FAULTS": "kill@step:rank=1,step=75,restart=0"}))
+                   "--metrics.log_every", "10",
+                   "--reliability.faults", "kill@step:rank=1,step=75,restart=0", nproc=2,
+                   torchrun_args=("--max-restarts", "1")))
     ended = time.time()
 
     # The goodput event is rank 0's account at the end of training; the log, read back

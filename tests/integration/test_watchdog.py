@@ -30,7 +30,7 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
                                             nproc):
     run = tmp_path / "run"
     proc = llmtrain_start(run, *WATCH, "--training.global_batch_size", str(8 * nproc),
-                          nproc=nproc, env={"LLMTRAIN_FAULTS": f"{fault}@step:rank=1,step=6"})
+                          "--reliability.faults", f"{fault}@step:rank=1,step=6", nproc=nproc)
     if fault == "sigstop":
         # A stopped process ignores SIGTERM, so torchrun would wait out its 30 s grace
         # before its SIGKILL: once the watchdog has reported, kill it as an operator would.
@@ -59,8 +59,8 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
 def test_three_times_slower_rank_is_reported_as_straggler(tmp_path):
     run = tmp_path / "run"
     check(llmtrain(run, "--training.steps", "50", "--reliability.straggler_window_s", "3",
-                   "--checkpoint.enable", "false", nproc=2,
-                   env={"LLMTRAIN_FAULTS": "slow@step:rank=1,step=5,factor=3"}))
+                   "--checkpoint.enable", "false",
+                   "--reliability.faults", "slow@step:rank=1,step=5,factor=3", nproc=2))
     found = events(run, "straggler")
     assert found and {e["straggler_rank"] for e in found} == {1}
     assert 2.0 < found[-1]["slowdown"] < 4.5, found
@@ -83,7 +83,7 @@ def test_mismatched_sizes_are_caught_by_the_desync_check(tmp_path):
     run = tmp_path / "run"
     proc = llmtrain(run, "--training.steps", "10", "--training.global_batch_size", "24",
                     "--reliability.desync_debug", "true", "--checkpoint.enable", "false",
-                    nproc=3, env={"LLMTRAIN_FAULTS": "desync_size@step:rank=1,step=4"})
+                    "--reliability.faults", "desync_size@step:rank=1,step=4", nproc=3)
     # the first rank out exits 75; torchrun may stop the others before they do the same
     assert f"exitcode  : {int(ExitCode.RETRYABLE)}" in proc.stderr, proc.stderr[-3000:]
     [desync] = events(run, "collective_error")

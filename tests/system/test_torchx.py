@@ -145,6 +145,7 @@ def test_dryrun_slurm_one_het_group_per_replica_with_gpus():
     assert script.count("--gpus-per-task=8") == 3
     assert "export TORCHX_MAX_RETRIES=2" in script
     assert script.count("--nproc-per-node 8") == 3  # one rank per GPU
+    assert script.count("--metrics.address 0.0.0.0") == 3  # scraped from another host
     assert "${SLURM_JOB_NODELIST_HET_GROUP_0:=localhost}:29500" in script
     assert "--rdzv-id '\"$SLURM_JOB_ID\"'" in script
 

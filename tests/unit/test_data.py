@@ -1,5 +1,6 @@
 import json
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -7,6 +8,7 @@ import fsspec
 import numpy as np
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from llmtrain import data
 from llmtrain.config import DataConfig
@@ -69,6 +71,16 @@ def test_truncated_shard(tmp_path):
     with open(url, "r+b") as f:
         f.truncate(20)  # not even a whole header
     with pytest.raises(ShardError, match="cut.bin.*truncated"):
+        TokenDataset([url], seq_len=8)
+
+
+def test_shard_cut_after_its_size_was_read(tmp_path, monkeypatch):
+    url = str(tmp_path / "cut.bin")
+    write_shard(url, np.arange(1000))
+    with open(url, "r+b") as f:
+        f.truncate(20)
+    monkeypatch.setattr(LocalFileSystem, "size", lambda self, path: 2032)
+    with pytest.raises(ShardError, match="cut.bin is truncated.*header gave 20 bytes"):
         TokenDataset([url], seq_len=8)
 
 
@@ -225,8 +237,33 @@ def test_embedded_corpus_concurrent_callers(tmp_path):
     assert len(TokenDataset(results[0], seq_len=64)) == 59_999 // 64
 
 
-def test_shard_urls_embedded(tmp_path):
+def test_embedded_corpus_waiters_wait_for_the_marker(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "EMBEDDED_SHARD_TOKENS", 40_000)
+    # A preparer half-way through its first shard (as a non-atomic storage shows it).
+    (tmp_path / "embedded-00000.bin").write_bytes(b"LLMTOK01" + bytes(10))
+    with pytest.raises(TimeoutError, match=f"{tmp_path}/corpus.json.*local rank 0"):
+        prepare_embedded_corpus(str(tmp_path), 100_000, preparer=False, wait_s=0.2)
+
+    def waiter():  # opens the shards as soon as it is told they are there
+        return TokenDataset(prepare_embedded_corpus(str(tmp_path), 100_000, preparer=False),
+                            seq_len=99)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(waiter)
+        time.sleep(1.0)
+        assert not waiting.done()
+        urls = prepare_embedded_corpus(str(tmp_path), 100_000)
+        ds = waiting.result(timeout=30)  # the partial shard would have raised ShardError
+    assert [s.url for s in ds.shards] == urls and len(ds) == len(TokenDataset(urls, 99))
+    with pytest.raises(TimeoutError):  # a marker for another size commits nothing
+        prepare_embedded_corpus(str(tmp_path), 50_000, preparer=False, wait_s=0.2)
+
+
+def test_shard_urls_embedded(tmp_path, monkeypatch):
     cfg = DataConfig(source="embedded", embedded_max_bytes=20_000)
+    monkeypatch.setenv("LOCAL_RANK", "0")
     urls = shard_urls(cfg, str(tmp_path))
     assert urls == [f"{tmp_path}/data/embedded/embedded-00000.bin"]
     assert len(TokenDataset(urls, 100)) == 19_999 // 100
+    monkeypatch.setenv("LOCAL_RANK", "1")  # waits for local rank 0's corpus, writes nothing
+    monkeypatch.setattr(data, "write_atomic", None)
+    assert shard_urls(cfg, str(tmp_path)) == urls

@@ -1,0 +1,48 @@
+"""Faults are injected only when the run's config asks: the environment alone arms none."""
+
+import pytest
+
+from llmtrain import fault_points
+from llmtrain.chaos.faults import Fault
+
+
+@pytest.fixture(autouse=True)
+def disarm():
+    yield
+    fault_points._injector = None
+
+
+def test_environment_alone_arms_nothing_and_says_so(monkeypatch, capsys):
+    monkeypatch.setenv("LLMTRAIN_FAULTS", "kill@step:rank=0,step=1")
+    monkeypatch.setenv("LLMTRAIN_FAULTS_FILE", "/tmp/faults.txt")
+    fault_points.install("", rank=0)
+    assert fault_points._injector is None
+    fault_points.point("step", 1)  # would SIGKILL this process if armed
+    err = capsys.readouterr().err
+    assert "ignoring $LLMTRAIN_FAULTS and $LLMTRAIN_FAULTS_FILE" in err
+    assert 'reliability.faults = "env"' in err
+
+    fault_points.install("hang@step:rank=1,step=3", rank=0)  # the config's own, only
+    assert fault_points._injector.faults == [Fault("hang", "step", rank=1, step=3)]
+    assert fault_points._injector.faults_file is None
+    assert "ignoring $LLMTRAIN_FAULTS " in capsys.readouterr().err
+
+
+def test_config_env_takes_the_faults_from_the_environment(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("LLMTRAIN_FAULTS", "kill@step:rank=1,step=7")
+    monkeypatch.setenv("LLMTRAIN_FAULTS_FILE", str(tmp_path / "faults.txt"))
+    fault_points.install("env", rank=0)
+    injector = fault_points._injector
+    assert injector.faults == [Fault("kill", "step", rank=1, step=7)]
+    (tmp_path / "faults.txt").write_text("hang@step:rank=0,id=late\n")
+    assert injector._armed_at_run_time() == [Fault("hang", "step", rank=0, id="late")]
+    assert capsys.readouterr().err == ""
+
+
+def test_nothing_set_nothing_armed_nothing_said(monkeypatch, capsys):
+    monkeypatch.delenv("LLMTRAIN_FAULTS", raising=False)
+    monkeypatch.delenv("LLMTRAIN_FAULTS_FILE", raising=False)
+    for spec in ("", "env"):
+        fault_points.install(spec, rank=0)
+        assert fault_points._injector is None
+    assert capsys.readouterr().err == ""
