@@ -4,14 +4,16 @@ Both loops run in this process on the same process group, alternating in segment
 that drift in machine speed hits both alike. The bare loop is what a person would write:
 the same FSDP2-sharded model, AdamW, cross-entropy, gradient clipping, one fixed batch.
 llmtrain's loop adds its data pipeline, LR schedule, gradient accumulation, the periodic
-loss all-reduce, console and event log. A second baseline without FSDP2 shows what
-sharding itself costs on one rank.
+loss all-reduce, console, event log and the integrity checks (each step judged on the
+device, the state fingerprinted every 10 steps here). The same trainer with integrity off
+is the baseline for what those checks cost (the goal: <= 1.01). A second baseline without
+FSDP2 shows what sharding itself costs on one rank.
 
     python benchmarks/step_overhead.py                       # one rank
     torchrun --nproc-per-node 2 benchmarks/step_overhead.py  # two ranks
     ... [--segments 6] [--steps 20] [--section.field VALUE ...]
 
-Prints a table, then one JSON line: {"llmtrain_over_bare": ..., ...}.
+Prints a table, then one JSON line: {"llmtrain_over_bare": ..., "integrity_overhead": ...}.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def bare_loop(model: torch.nn.Module, cfg, device: torch.device):
     return run
 
 
-def llmtrain_loop(trainer: Trainer):
+def llmtrain_loop(trainer: Trainer, integrity: bool):
     def run(n: int) -> float:
+        trainer.cfg.integrity.enable = integrity
         trainer.cfg.training.steps = trainer.step + n
         start = time.perf_counter()
         trainer.run()
@@ -73,12 +76,14 @@ def main() -> None:
     args, rest = parser.parse_known_args()
     cfg = load_config(args.config, parse_overrides(
         ["--training.run_dir", "runs/bench_step_overhead", "--metrics.progress", "plain",
-         "--training.steps", str(10**6), "--metrics.log_every", "10", "--checkpoint.enable", "false", *rest]))
+         "--training.steps", str(10**6), "--metrics.log_every", "10", "--checkpoint.enable", "false",
+         "--integrity.sdc_every", "10", *rest]))
     trainer = Trainer(cfg)
     torch.manual_seed(0)
     sharded = parallelize(Transformer(cfg.model), trainer.mesh, cfg.parallelism)
     plain = Transformer(cfg.model).to(trainer.device)
-    loops = {"llmtrain": llmtrain_loop(trainer),
+    loops = {"llmtrain": llmtrain_loop(trainer, integrity=True),
+             "no integrity": llmtrain_loop(trainer, integrity=False),
              "bare (FSDP2)": bare_loop(sharded, cfg, trainer.device),
              "bare (no FSDP)": bare_loop(plain, cfg, trainer.device)}
     if dist.get_world_size() > 1:
@@ -104,6 +109,7 @@ def main() -> None:
     figures = {"llmtrain_over_bare": round(median["llmtrain"] / base, 4),
                "llmtrain_ms": round(median["llmtrain"] * 1e3, 2),
                "bare_ms": round(base * 1e3, 2),
+               "integrity_overhead": round(median["llmtrain"] / median["no integrity"], 4),
                "world_size": trainer.world.world_size}
     if "bare (no FSDP)" in median:
         figures["fsdp_over_plain"] = round(base / median["bare (no FSDP)"], 4)

@@ -16,7 +16,13 @@ enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / 
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
 truncated_shard     a shard of the newest committed checkpoint is cut short, then a rank
                     is killed so that the restart must notice and fall back
+nan                 one rank's loss turns NaN for a step (a run-time fault)
+bitflip             one rank flips a bit of its replica of the parameters (the job runs
+                    HSDP, each node a replica, so that corruption has a witness)
 ==================  ===================================================================
+
+A missed detection is a verdict too ("no"), not the end of the chaos run; a kill is
+diagnosed right only if the job names the rank that died.
 
 Each fault's verdict comes from the run's own event log: whether and when it was
 detected, whether the diagnosis named the right rank, collective, check or checkpoint,
@@ -48,7 +54,7 @@ from llmtrain.metrics import goodput
 from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 
 KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "enospc",
-         "eio", "gpu_bad", "truncated_shard")
+         "eio", "gpu_bad", "truncated_shard", "nan", "bitflip")
 
 
 @dataclass
@@ -108,7 +114,9 @@ class Chaos:
             "--checkpoint.keep_last", "4", "--metrics.log_every", "5",
             "--metrics.address", "127.0.0.1", "--metrics.port", "0",
             "--reliability.hang_timeout_s", "8", "--reliability.straggler_window_s", "4",
-            "--health.interval_s", "1", "--reliability.faults", "env")
+            "--health.interval_s", "1", "--reliability.faults", "env",
+            "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5")
+        self.skipped: set[int] = set()  # batches the job skipped: the reference skips them
 
     # -- the run --------------------------------------------------------------------------
 
@@ -136,7 +144,13 @@ class Chaos:
                 self._settle()
                 if self._step() >= last:
                     break
-                self.verdicts.append(getattr(self, f"_{kind}")())
+                before = len(self.verdicts)
+                try:
+                    getattr(self, f"_{kind}")()
+                except TimeoutError as e:
+                    if len(self.verdicts) == before:
+                        raise  # the job itself stopped answering, before any fault
+                    self.verdicts[-1].diagnosis = f"missed: {e}"
                 print(_row(self.verdicts[-1]), flush=True)
             final = self._finish()
         finally:
@@ -203,31 +217,39 @@ class Chaos:
         rank = self.cfg.rank if self.cfg.rank is not None else self.rng.choice(sorted(ranks))
         return rank, ranks[rank]
 
-    def _recovered(self, v: Verdict, since: float, timeout: float = 240) -> None:
+    def _verdict(self, kind: str, target: str, at_step: int | None = None) -> Verdict:
+        v = Verdict(kind, target, self._step() if at_step is None else at_step, time.time())
+        self.verdicts.append(v)
+        return v
+
+    def _recovered(self, v: Verdict, since: float, timeout: float = 240) -> dict:
         """Waits for the next attempt's first step; fills in recovery and steps lost."""
         rec = self._wait(lambda: self._latest("recovery", since), "recovery", timeout)
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
         loaded = self._latest("checkpoint_loaded", since)
         # a save at the stop (gpu_bad) can be past the step the fault was injected at
         v.steps_lost = max(0, v.at_step - (loaded["step"] if loaded else 0))
+        return rec
 
     # -- the faults --------------------------------------------------------------------------
 
     def _kill_rank(self) -> Verdict:
         rank, info = self._pick_rank()
-        v = Verdict("kill_rank", f"rank {rank} ({info['host']})", self._step(), time.time())
+        v = self._verdict("kill_rank", f"rank {rank} ({info['host']})")
         os.kill(info["pid"], signal.SIGKILL)
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 120)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         v.diagnosis = f"rank {seen['rank']}'s collective failed: {seen['error'][:80]}"
-        v.correct = seen["rank"] != rank
         v.action = "restart from the last checkpoint"
-        self._recovered(v, v.injected_at)
+        rec = self._recovered(v, v.injected_at)
+        # right only if the job named the dead rank: the one that went silent
+        v.correct = rec.get("silent_ranks") == [rank]
+        v.diagnosis = f"rank(s) {rec.get('silent_ranks')} died silently; " + v.diagnosis
         return v
 
     def _kill_in_save(self) -> Verdict:
         rank, info = self._pick_rank()
-        v = Verdict("kill_in_save", f"rank {rank} ({info['host']})", self._step(), time.time())
+        v = self._verdict("kill_in_save", f"rank {rank} ({info['host']})")
         with open(self.faults_file, "a") as f:
             f.write(f"kill@checkpoint_write:rank={rank},id=save{len(self.verdicts)}\n")
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 180)
@@ -247,7 +269,7 @@ class Chaos:
 
     def _hang(self) -> Verdict:
         rank, info = self._pick_rank()
-        v = Verdict("hang", f"rank {rank} ({info['host']})", self._step(), time.time())
+        v = self._verdict("hang", f"rank {rank} ({info['host']})")
         os.kill(info["pid"], signal.SIGSTOP)
         try:
             seen = self._wait(lambda: self._latest("hang", v.injected_at), "hang report", 120)
@@ -260,7 +282,7 @@ class Chaos:
     def _desync(self) -> Verdict:
         rank, info = self._pick_rank()
         at = self._step() + 10
-        v = Verdict("desync", f"rank {rank} ({info['host']})", at, time.time())
+        v = self._verdict("desync", f"rank {rank} ({info['host']})", at)
         with open(self.faults_file, "a") as f:
             f.write(f"desync@step:rank={rank},step={at},id=desync{len(self.verdicts)}\n")
         seen = self._wait(lambda: self._latest("hang", v.injected_at)
@@ -282,7 +304,7 @@ class Chaos:
 
     def _slow_rank(self) -> Verdict:
         rank, info = self._pick_rank()
-        v = Verdict("slow_rank", f"rank {rank} ({info['host']})", self._step(), time.time())
+        v = self._verdict("slow_rank", f"rank {rank} ({info['host']})")
         stop = threading.Event()
 
         def throttle() -> None:  # about 3x slower: stopped 2/3 of every 150 ms
@@ -312,7 +334,7 @@ class Chaos:
     def _node_loss(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
-        v = Verdict("node_loss", node, self._step(), time.time())
+        v = self._verdict("node_loss", node)
         self.cluster.kill(node)
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 120)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
@@ -325,7 +347,7 @@ class Chaos:
         return v
 
     def _storage_error(self, kind: str, errno_name: str) -> Verdict:
-        v = Verdict(kind, "checkpoint filesystem", self._step(), time.time())
+        v = self._verdict(kind, "checkpoint filesystem")
         self.mount.set_rules([{"ops": ["write", "create", "fsync"], "errno": errno_name,
                                "path": "*.distcp", "name": kind}])
         try:
@@ -353,7 +375,7 @@ class Chaos:
     def _gpu_bad(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
-        v = Verdict("gpu_bad", f"{node} GPU 0", self._step(), time.time())
+        v = self._verdict("gpu_bad", f"{node} GPU 0")
         self._gpu(node, healthy=False)
         seen = self._wait(lambda: [e for e in self._events("health", v.injected_at)
                                    if e["severity"] == "fatal"], "fatal health event", 60)[0]
@@ -383,7 +405,7 @@ class Chaos:
             f.truncate(shard.stat().st_size // 2)
         self.truncated.add(newest)
         rank, info = self._pick_rank()
-        v = Verdict("truncated_shard", f"step {newest} ({shard.name})", self._step(), time.time())
+        v = self._verdict("truncated_shard", f"step {newest} ({shard.name})")
         os.kill(info["pid"], signal.SIGKILL)  # before the next commit makes it not the newest
         seen = self._wait(lambda: self._latest("checkpoint_rejected", v.injected_at),
                           "checkpoint_rejected", 180)
@@ -394,6 +416,43 @@ class Chaos:
         v.correct = seen["step"] == newest and (loaded is None or loaded["step"] < newest)
         v.action = (f"fell back to step {loaded['step']}" if loaded else
                     "no older checkpoint: started over")
+        return v
+
+    def _nan(self) -> Verdict:
+        rank, info = self._pick_rank()
+        at = self._step() + 3
+        v = self._verdict("nan", f"rank {rank} ({info['host']})", at)
+        with open(self.faults_file, "a") as f:
+            f.write(f"nan@loss:rank={rank},step={at},id=nan{len(self.verdicts)}\n")
+        seen = self._wait(lambda: self._latest("step_skipped", v.injected_at), "step_skipped", 120)
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.at_step = seen["step"]
+        self.skipped.add(seen["step"])
+        v.diagnosis = (f"step {seen['step']} not applied ({seen['reason']}): non-finite loss "
+                       f"on rank(s) {seen['ranks']}")
+        v.correct = seen["reason"] == "nonfinite" and seen["ranks"] == [rank]
+        v.action = "the step's update skipped on the device; training went on"
+        v.recover_s, v.steps_lost = 0.0, 1
+        return v
+
+    def _bitflip(self) -> Verdict:
+        rank, info = self._pick_rank()
+        at = self._step() + 3
+        v = self._verdict("bitflip", f"rank {rank} ({info['host']})", at)
+        with open(self.faults_file, "a") as f:
+            f.write(f"bitflip@step:rank={rank},step={at},bit=12,id=flip{len(self.verdicts)}\n")
+        seen = self._wait(lambda: self._latest("state_check_failed", v.injected_at),
+                          "state_check_failed", 120)
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        named = self._wait(lambda: self._latest("replica_diverged", v.injected_at),
+                           "replica_diverged", 180)
+        rolled = self._latest("rollback", v.injected_at)
+        v.diagnosis = (f"replicas differ at step {seen['step']}; the replay names rank(s) "
+                       f"{named['ranks']}")
+        v.correct = named["ranks"] == [rank]
+        v.action = f"rolled back to step {rolled['to_step']} and replayed"
+        v.recover_s = named["ts"] - seen["ts"]
+        v.steps_lost = seen["step"] - rolled["to_step"]
         return v
 
     # -- the end ----------------------------------------------------------------------------
@@ -422,11 +481,13 @@ class Chaos:
     def _lost_checkpoints(self) -> list[int]:
         """Committed steps that are neither retired by retention, nor the one chaos broke,
         nor still whole."""
-        removed = {e["step"] for e in self._events("checkpoint_removed")}
-        lost = []
+        # retired by retention while committed; a rejected one chaos did not break was lost
+        removed = {e["step"] for e in self._events("checkpoint_removed") if e.get("committed")}
+        wrongly_rejected = {e["step"] for e in self._events("checkpoint_rejected")} - self.truncated
+        lost = sorted(wrongly_rejected)
         for e in self._events("checkpoint_committed"):
             step = e["step"]
-            if step in removed or step in self.truncated:
+            if step in removed or step in self.truncated or step in wrongly_rejected:
                 continue
             url = storage.step_dir(str(self.mount.root), step)
             if storage.read_manifest(url) is None or storage.verify(url, checksums=True):
@@ -457,7 +518,8 @@ class Chaos:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={self.cfg.nodes}", "-m", "llmtrain", "train",
                         *self.train_args, "--training.steps", str(final_step),
-                        "--training.run_dir", str(ref), "--health.monitor", "false"],
+                        "--training.run_dir", str(ref), "--health.monitor", "false",
+                        "--integrity.skip_steps", ",".join(map(str, sorted(self.skipped)))],
                        check=True, capture_output=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
         weights = []

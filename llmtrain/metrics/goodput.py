@@ -253,7 +253,8 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     """The last restart's timeline, as MTTR parts: from the previous attempt's last
     recorded progress to the failure's detection (a rank's collective failing, or a
     watchdog/health verdict), on to the new processes' start (rendezvous and spawn), the
-    process group, the checkpoint load, and the first step at ``first_step_at``."""
+    process group, the checkpoint load, and the first step at ``first_step_at``; and the
+    ranks of the previous attempt that died without a word (killed, or crashed hard)."""
     attempts = _attempts(events)
     if len(attempts) < 2:
         return None
@@ -269,8 +270,12 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
              "checkpoint_loaded": spans.get("resume", {}).get("end"),
              "first_step": first_step_at}
     known = [(k, v) for k, v in marks.items() if v is not None]
+    # A rank that was killed or crashed says nothing; its peers report their failure.
+    spoke = {e["rank"] for e in previous if e["event"] in _FAILURE_SIGNS}
+    silent = sorted(set(range(previous[0].get("world_size", 0))) - spoke) if spoke else []
     return {"marks": marks, "total_s": first_step_at - (detected or progress),
-            "parts_s": {f"{a}->{b}": t1 - t0 for (a, t0), (b, t1) in zip(known, known[1:])}}
+            "parts_s": {f"{a}->{b}": t1 - t0 for (a, t0), (b, t1) in zip(known, known[1:])},
+            "silent_ranks": silent}
 
 
 _FAILURE_SIGNS = ("failure", "hang", "collective_error", "stop_vote", "node_excluded",
