@@ -173,6 +173,10 @@ class IntegrityConfig:
                                          "the bad step")
     sdc_every: int = _f(0, ge=0, doc="compare the replicas' parameter fingerprints every N "
                                      "steps (and before every save); 0: before saves only")
+    recompute_every: int = _f(0, ge=0, doc="every N steps each rank also computes the next "
+                                           "rank's first micro-batch, compared bit for bit: "
+                                           "a rank whose arithmetic is wrong disagrees with "
+                                           "both neighbours (3+ ranks name it); 0: off")
     on_sdc: str = _f("rollback", choices=("rollback", "exclude"),
                      doc="replicas that differ: roll back to the last checkpoint and name "
                          "the rank; exclude: then also exclude its node (exit 76)")

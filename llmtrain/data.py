@@ -293,12 +293,18 @@ class GlobalSampler:
 
     def next_batch_indices(self) -> list[int]:
         """Dataset indices of this rank's slice of the next global batch; advances."""
-        start = self.consumed_samples + self.dp_rank * self.local_batch_size
+        out = self.slice_indices(self.consumed_samples, self.dp_rank)
+        self.consumed_samples += self.global_batch_size
+        return out
+
+    def slice_indices(self, consumed: int, dp_rank: int) -> list[int]:
+        """Dataset indices of ``dp_rank``'s slice of the global batch starting at global
+        sample ``consumed``."""
+        start = consumed + dp_rank * self.local_batch_size
         out = []
         for g in range(start, start + self.local_batch_size):
             epoch, pos = divmod(g, self.num_samples)
             out.append(int(self._permutation(epoch)[pos]))
-        self.consumed_samples += self.global_batch_size
         return out
 
     def state_dict(self) -> dict[str, int]:
@@ -328,7 +334,16 @@ class BatchIterator:
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(inputs, targets), ...]``, each ``[micro_batch_size, seq_len]`` int64."""
-        samples = torch.stack([self.dataset[i] for i in self.sampler.next_batch_indices()])
+        return self._micro_batches(self.sampler.next_batch_indices())
+
+    def peer_micro_batch(self, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first micro-batch ``dp_rank`` got in the step just taken, for a recompute."""
+        s = self.sampler
+        indices = s.slice_indices(s.consumed_samples - s.global_batch_size, dp_rank)
+        return self._micro_batches(indices[:self.micro_batch_size])[0]
+
+    def _micro_batches(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        samples = torch.stack([self.dataset[i] for i in indices])
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
                 for mb in samples.split(self.micro_batch_size)]
 

@@ -243,13 +243,14 @@ class Trainer:
         Returns this rank's mean loss (a tensor, so reading it costs no sync)."""
         step = self.step + 1
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in micro_batches:
+        for i, (inputs, targets) in enumerate(micro_batches):
             self.beat("forward", step)
-            loss = fault_points.point(
-                "loss", step, self.loss(inputs.to(self.device), targets.to(self.device)))
+            loss = self.loss(inputs, targets, step)
             self.beat("backward", step)
             (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
+            if i == 0 and self.integrity.recompute_due(step):
+                self.recompute(step, own=loss.detach())
         self.beat("optimizer", step)
         self.grad_norm = self.clip_gradients()
         loss = loss_sum / len(micro_batches)
@@ -268,9 +269,26 @@ class Trainer:
             self.events.emit("step_skipped", step=step, reason="skip_steps")
         return torch.full((), math.nan)
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
+        logits = self.model(inputs.to(self.device))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten(0, 1))
+        return fault_points.point("loss", step, loss)
+
+    def recompute(self, step: int, own: torch.Tensor) -> None:
+        """Computes the next rank's first micro-batch here too: a rank whose arithmetic is
+        wrong disagrees with both neighbours; it is named, and excluded if so configured."""
+        inputs, targets = self.data.peer_micro_batch((self.world.rank + 1) % self.world.world_size)
+        with torch.no_grad():
+            peer = self.loss(inputs, targets, step)
+        named = self.integrity.compare_recompute(step, own, peer)
+        if named and self.is_logger:
+            self.console.line(f"integrity: rank(s) {named} computed step {step}'s losses "
+                              f"differently from their neighbours (faulty arithmetic)")
+        if named and self.cfg.integrity.on_sdc == "exclude":
+            self.sdc_named = named
+            if self.world.rank in named:
+                self.exclude_node(f"its arithmetic disagreed with both neighbours' at step "
+                                  f"{step} (silent data corruption)", source="integrity")
 
     def clip_gradients(self) -> torch.Tensor | None:
         """The global gradient norm (when clipping or integrity needs it), clipped to."""
@@ -327,7 +345,8 @@ class Trainer:
             if self.checkpoint(step):
                 break
         self.ledger.steps_done(self.step)
-        if self.checkpoints is not None and self.checkpoints.stopped_by_peer:
+        if ((self.checkpoints is not None and self.checkpoints.stopped_by_peer)
+                or (self.sdc_named and not self.excluded)):
             # Let the failed node's rank exit first, so the launcher sees its EXCLUDE_NODE
             # rather than stopping it in favor of our RETRYABLE.
             time.sleep(_PEER_STOP_GRACE_S)

@@ -23,6 +23,8 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            every rank's gradients)
     bitflip@step:rank=1,step=5,bit=20      rank 1 flips bit 20 of one parameter value of
                                            its shard as step 5 starts (silent corruption)
+    badmath@loss:rank=1,step=5             from step 5 on, every loss rank 1 computes is
+                                           off by one part in 2**20 (faulty arithmetic)
 
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 ``checkpoint_write`` (inside a rank's DCP
@@ -52,7 +54,8 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
 
-ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip")
+ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
+           "badmath")
 POINTS = ("step", "loss", "checkpoint_write", "resume")
 
 
@@ -72,8 +75,12 @@ class Fault:
     id: str | None = None  # a fault armed at run time: once per rank, any restart
 
     def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
-        at = step >= self.step - 1 if self.action == "slow" and self.step else \
-            self.step in (None, step)
+        if self.action == "slow" and self.step:
+            at = step >= self.step - 1  # the step before is the baseline
+        elif self.action == "badmath" and self.step:
+            at = step >= self.step
+        else:
+            at = self.step in (None, step)
         return (self.point == point and (self.id is not None or self.restart == restart)
                 and self.rank in (None, rank) and at)
 
@@ -154,7 +161,8 @@ class Injector:
                 self._desync(target=fault.rank if fault.rank is not None else 0,
                              by_size=fault.action == "desync_size")
             elif fault.matches(name, self.rank, step, restart) and (
-                    fault.id is None or fault.action == "slow" or self._first_time(fault)):
+                    fault.id is None or fault.action in ("slow", "badmath")
+                    or self._first_time(fault)):
                 target = self._strike(fault, step, target)
         return target
 
@@ -165,6 +173,8 @@ class Injector:
             self._corrupted.add(fault)
         if fault.action == "nan":
             return target * float("nan")
+        if fault.action == "badmath":
+            return target * (1 + 2.0 ** -20)
         if fault.action == "bitflip":
             _flip_bit(target, fault.bit)
         elif fault.action == "kill":

@@ -17,8 +17,13 @@ Before every save (and every ``sdc_every`` steps) the state is *checked*: each r
 fingerprints its parameter shards bit for bit (an integer sum of their bits, so any
 flipped bit changes it) and counts non-finite values; replicas that must be equal (HSDP)
 and the gradient norm every rank computed are compared. A majority names the odd rank.
-Two replicas have none: the run rolls back and replays, and the rank whose fingerprint
-at the mismatched step changed in the replay is the one that diverged.
+Two replicas have none: the run rolls back and replays, and the rank whose values at the
+mismatched step lie far from the replay's held the corrupted replica.
+
+Every ``recompute_every`` steps each rank also computes the next rank's first micro-batch:
+the two losses must agree bit for bit, so a rank whose arithmetic is wrong disagrees with
+both its neighbours (corruption that replicas share, since it arrives through averaged
+gradients, is invisible to fingerprints).
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ def fingerprint(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
                         .sum(dtype=torch.int64) for t in tensors])
     bad = [(~torch.isfinite(t.detach())).sum() for t in tensors if t.is_floating_point()]
     return bits, sum(bad, torch.zeros((), dtype=torch.int64, device=bits.device))
+
+
+def _number(x: float | None) -> float | str | None:
+    """A float as JSON can hold it: "nan", "inf" and "-inf" as strings."""
+    return x if x is None or math.isfinite(x) else str(x)
 
 
 def replica_groups(mesh: torch.Tensor) -> list[list[int]]:
@@ -163,7 +173,8 @@ class Integrity:
         back; raises TrainingDiverged when it must stop."""
         for b in bad:
             self._emit0("step_skipped" if not b.applied else "loss_spike", step=b.step,
-                        reason=b.reason, loss=b.loss, grad_norm=b.grad_norm, ranks=b.ranks,
+                        reason=b.reason, loss=_number(b.loss), grad_norm=_number(b.grad_norm),
+                        ranks=b.ranks,
                         samples=[(b.step - 1) * self.batch, b.step * self.batch])
         skipped = [b for b in bad if not b.applied]
         window = self.cfg.spike_window
@@ -258,6 +269,29 @@ class Integrity:
         order = sorted(range(self.world), key=lambda r: -d[r])
         clear = d[order[0]] > 0 and (self.world < 2 or d[order[0]] > 10 * d[order[1]])
         return ([order[0]] if clear else []), d
+
+    # -- a recomputed micro-batch, every recompute_every steps ---------------------------
+
+    def recompute_due(self, step: int) -> bool:
+        every = self.cfg.recompute_every
+        return self.cfg.enable and bool(every) and self.world > 1 and step % every == 0
+
+    def compare_recompute(self, step: int, own: torch.Tensor, peer: torch.Tensor) -> list[int]:
+        """``own``: this rank's loss of its first micro-batch; ``peer``: this rank's loss of
+        the next rank's. Each pair must agree bit for bit; a rank in two disagreements (its
+        own batch and the one it recomputed) computes wrongly. Returns the ranks named."""
+        table = torch.zeros(self.world, 2, dtype=torch.int64, device=self.device)
+        table[self.rank] = torch.stack([own.detach().float(), peer.detach().float()]
+                                       ).view(torch.int32).long()
+        dist.all_reduce(table)
+        rows = table.cpu().tolist()
+        pairs = [[r, (r + 1) % self.world] for r in range(self.world)
+                 if rows[r][1] != rows[(r + 1) % self.world][0]]
+        counts = Counter(r for pair in pairs for r in pair)
+        named = sorted(r for r, n in counts.items() if n >= 2) if self.world >= 3 else []
+        if pairs:
+            self._emit0("recompute_mismatch", step=step, pairs=pairs, ranks=named)
+        return named
 
     def _emit0(self, event: str, **fields) -> None:
         if self.rank == 0:
