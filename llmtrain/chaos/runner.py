@@ -420,7 +420,7 @@ class Chaos:
 
     def _nan(self) -> Verdict:
         rank, info = self._pick_rank()
-        at = self._step() + 3
+        at = self._step() + 10  # step events come every 5 steps: safely ahead
         v = self._verdict("nan", f"rank {rank} ({info['host']})", at)
         with open(self.faults_file, "a") as f:
             f.write(f"nan@loss:rank={rank},step={at},id=nan{len(self.verdicts)}\n")
@@ -437,7 +437,7 @@ class Chaos:
 
     def _bitflip(self) -> Verdict:
         rank, info = self._pick_rank()
-        at = self._step() + 3
+        at = self._step() + 10  # step events come every 5 steps: safely ahead
         v = self._verdict("bitflip", f"rank {rank} ({info['host']})", at)
         with open(self.faults_file, "a") as f:
             f.write(f"bitflip@step:rank={rank},step={at},bit=12,id=flip{len(self.verdicts)}\n")
