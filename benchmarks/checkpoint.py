@@ -44,6 +44,7 @@ training steps of the step-time figure. Prints a table, then one JSON line:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -214,9 +215,9 @@ def main() -> None:
 
     if int(os.environ.get("RANK", 0)) == 0:  # fresh saves on every run; keep the data
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-        events_file = os.path.join(cfg.training.run_dir, "events.jsonl")
-        if os.path.exists(events_file):
-            os.remove(events_file)
+        shutil.rmtree(os.path.join(cfg.training.run_dir, "events"), ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):  # an older version's single log
+            os.remove(os.path.join(cfg.training.run_dir, "events.jsonl"))
     trainer = Trainer(cfg)
     rank, world = trainer.world.rank, trainer.world.world_size
     device = trainer.device

@@ -149,18 +149,24 @@ def median_ms(fn, n: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def rank0_log(run_dir: str) -> str:
+    """The event log's file of the benchmark's one process (a local run dir)."""
+    return os.path.join(run_dir, "events", "rank-0.jsonl")
+
+
 def long_log_pass(run_dir: str, events: int, assumed_mtbf_s: float) -> float:
     """Rank 0's periodic goodput pass once the run's log holds ``events`` lines (padded
     with copies of its step events, which the accounting does not keep): the trainer
     follows the log with an EventTail, so a pass reads only what is new, then accounts
     over the kept events."""
-    with open(os.path.join(run_dir, "events.jsonl")) as f:
+    with open(rank0_log(run_dir)) as f:
         lines = f.readlines()
     steps = [line for line in lines if '"event": "step"' in line]
     padded = tempfile.mkdtemp(prefix="llmtrain-bench-metrics-log-")
     try:
         pad = max(0, events - len(lines))
-        with open(os.path.join(padded, "events.jsonl"), "w") as f:
+        os.makedirs(os.path.dirname(rank0_log(padded)))
+        with open(rank0_log(padded), "w") as f:
             f.writelines(lines + [steps[i % len(steps)] for i in range(pad)])
         tail = EventTail(padded, keep=goodput.INPUTS)
         kept = tail.read()
@@ -216,7 +222,7 @@ def measure(segments: int, steps: int, scrape_every: float, fetches: int,
         goodput_long_ms = long_log_pass(run_dir, long_log, cfg.metrics.assumed_mtbf_s)
         scraped = scraper.close()
         events = len(read_events(run_dir))
-        log_kb = os.path.getsize(os.path.join(run_dir, "events.jsonl")) / 1024
+        log_kb = os.path.getsize(rank0_log(run_dir)) / 1024
         body_kb = len(generate_latest(exporter.registry)) / 1024
     finally:
         if scraper.proc.poll() is None:

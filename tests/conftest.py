@@ -44,7 +44,7 @@ def wait_for_event(run_dir: Path, name: str, proc: subprocess.Popen, timeout: fl
     """The first ``name`` event matching ``where``, once the running job has written it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (run_dir / "events.jsonl").exists():
+        if (run_dir / "events").exists():
             found = [e for e in events(run_dir, name) if where(e)]
             if found:
                 return found[0]

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 
 from llmtrain.config import ConfigError, JobConfig
-from llmtrain.events import EventLog, read_events
+from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.gate import run_gate
@@ -105,13 +105,14 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if gate != ExitCode.CLEAN:
         return gate
     started = time.time()
+    events = EventLog(run_dir, rank=None)
     if lc.standby and not await_vacancy(lc, run_dir, cfg.training.steps, started):
-        EventLog(run_dir, rank=None).emit("spare_released", host=host)
+        events.emit("spare_released", host=host)
+        events.close()
         return ExitCode.CLEAN  # the job finished without needing this spare
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host}
     if not lc.rdzv_endpoint.endswith(":0"):  # port 0: the agent picks one we cannot know
         env["LLMTRAIN_RDZV_ENDPOINT"] = lc.rdzv_endpoint  # the watchdogs meet there
-    events = EventLog(run_dir, rank=None)
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
     proc = subprocess.Popen(torchrun_command(lc, train_args), env=env)
     # A scheduler's SIGTERM (preemption, scancel) goes to the agent, which passes it to
@@ -132,15 +133,12 @@ def _outcome(rc: int, run_dir: str, host: str, since: float, steps: int) -> Exit
         return ExitCode.EXCLUDE_NODE
     if rc == 0:
         return ExitCode.CLEAN
-    try:
-        fatal = [e for e in read_events(run_dir, "fatal") if e["ts"] >= since]
-    except FileNotFoundError:
-        fatal = []
-    if fatal:
+    ended = EventTail(run_dir, keep=frozenset({"fatal", "run_end"})).read()
+    if any(e["event"] == "fatal" and e["ts"] >= since for e in ended):
         return ExitCode.FATAL
     # A node left waiting when the job ended: torch 2.13's agent fails on that, but the
     # job is done.
-    return ExitCode.CLEAN if _finished(run_dir, steps, since) else ExitCode.RETRYABLE
+    return ExitCode.CLEAN if _finished(ended, steps, since) else ExitCode.RETRYABLE
 
 
 STANDBY_GRACE_S = 3.0
@@ -162,6 +160,7 @@ def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> b
     backend = C10dRendezvousBackend(store, lc.rdzv_id)
     min_nodes, _, max_nodes = lc.nnodes.partition(":")
     short_since = None
+    ends = EventTail(run_dir, keep=frozenset({"run_end"}))  # each poll reads what is new
     while True:
         got = backend.get_state()
         state = pickle.loads(got[0]) if got else None
@@ -172,17 +171,14 @@ def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> b
         short_since = (short_since or now) if short else None
         if short_since is not None and now - short_since >= STANDBY_GRACE_S:
             return True
-        if _finished(run_dir, steps, since):
+        if _finished(ends.read(), steps, since):
             return False
         time.sleep(0.5)
 
 
-def _finished(run_dir: str, steps: int, since: float) -> bool:
-    try:
-        return any(e["ts"] >= since and e["steps"] == steps
-                   for e in read_events(run_dir, "run_end"))
-    except FileNotFoundError:
-        return False
+def _finished(events: list[dict], steps: int, since: float) -> bool:
+    return any(e["event"] == "run_end" and e["ts"] >= since and e["steps"] == steps
+               for e in events)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,8 +28,9 @@ def run_worker(cfg: JobConfig) -> ExitCode:
     try:
         trainer = Trainer(cfg)
     except (ConfigError, ShardError) as e:
-        EventLog(cfg.training.run_dir, int(os.environ.get("RANK", 0))).emit(
-            "fatal", host=host, error=f"{type(e).__name__}: {e}")
+        events = EventLog(cfg.training.run_dir, int(os.environ.get("RANK", 0)))
+        events.emit("fatal", host=host, error=f"{type(e).__name__}: {e}")
+        events.close()  # written before the agent is stopped (and stops this process)
         stop_agent(ExitCode.FATAL)
         raise
     try:

@@ -1,7 +1,7 @@
 """Goodput: where a run's wall time went, across every restart, from the event log.
 
 Rank 0 of each attempt (one process start of the job) records what it spent time on as
-``span`` events in ``events.jsonl``: start-up phases, checkpoint loads and stalls, and the
+``span`` events in the event log: start-up phases, checkpoint loads and stalls, and the
 productive steps in between. Reading the log back, every second of the run's wall time,
 from the launcher's start to the last event, is put in exactly one category:
 

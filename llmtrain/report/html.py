@@ -91,17 +91,14 @@ def write_report(run_dir: str, out_dir: str | None = None) -> str:
 
 def _load(run_dir: str) -> list[Event]:
     """The events, or an error that says what to check instead of a parser's traceback."""
-    url = join(run_dir, "events.jsonl")
+    url = join(run_dir, "events/")
     try:
         events = read_events(run_dir)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no event log at {url}: {run_dir} is not a run directory, or its run has not "
             f"started yet. Pass the run's training.run_dir (the directory that holds "
-            f"events.jsonl and checkpoints/).") from None
-    except ValueError as e:
-        raise ValueError(f"{url} is not a JSON-lines event log ({e}); pass the run directory "
-                         f"that `llmtrain train` wrote.") from None
+            f"events/ and checkpoints/).") from None
     if not events:
         raise ValueError(f"{url} has no events yet: the run has not logged anything. Run the "
                          f"report again once training has started, or check that {run_dir} "

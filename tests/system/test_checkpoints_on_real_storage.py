@@ -142,7 +142,7 @@ def test_sigterm_saves_then_exits_for_a_restart(tmp_path, launcher):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (
-            (run / "events.jsonl").exists() and len(events(run, "step")) >= 5):
+            (run / "events").exists() and len(events(run, "step")) >= 5):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     stderr = proc.communicate(timeout=120)[1]

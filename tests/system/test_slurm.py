@@ -45,7 +45,7 @@ class Job:
         return self.out.read_text(errors="replace") if self.out.exists() else ""
 
     def events(self, name: str) -> list[dict]:
-        return events(self.run, name) if (self.run / "events.jsonl").exists() else []
+        return events(self.run, name) if (self.run / "events").exists() else []
 
     def diagnosis(self) -> str:
         return (f"job: {self.info()}\n--- job output (tail)\n{self.output()[-6000:]}\n"

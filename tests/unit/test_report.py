@@ -17,7 +17,7 @@ FIGURES = ("loss", "throughput", "timeline", "goodput", "stragglers")
 
 
 class Log:
-    """A run's events.jsonl as the trainer, goodput ledger, checkpoint manager and watchdog
+    """A run's event log as the trainer, goodput ledger, checkpoint manager and watchdog
     write it."""
 
     def __init__(self, world: int = 4):
@@ -80,8 +80,11 @@ class Log:
             start, begin = self.t, step + 1
 
     def write(self, run_dir: str) -> None:
-        with fsspec.open(f"{run_dir}/events.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
+        """One file per process, as EventLog leaves them on a disk."""
+        for rank in {r["rank"] for r in self.records}:
+            name = "launcher-node-a-1" if rank is None else f"rank-{rank}"
+            with fsspec.open(f"{run_dir}/events/{name}.jsonl", "w", auto_mkdir=True) as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records if r["rank"] == rank)
 
 
 def two_attempts_with_a_hang() -> Log:
@@ -175,9 +178,10 @@ def test_any_fsspec_run_dir_and_figures_without_data_are_skipped(tmp_path):
 
 
 def test_missing_or_empty_event_log_says_what_to_do(tmp_path):
-    log = re.escape(f"{tmp_path}/events.jsonl")
+    log = re.escape(f"{tmp_path}/events/")
     with pytest.raises(FileNotFoundError, match=rf"no event log at {log}.*training\.run_dir"):
         write_report(str(tmp_path))
-    (tmp_path / "events.jsonl").write_text("\n")
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "rank-0.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=rf"{log} has no events yet"):
         write_report(str(tmp_path))
