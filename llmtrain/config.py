@@ -133,14 +133,19 @@ class ReliabilityConfig:
                              "those of $LLMTRAIN_FAULTS and $LLMTRAIN_FAULTS_FILE (the "
                              "environment is ignored otherwise)")
     watchdog: bool = _f(True, doc="detect hangs, dump the flight recorder, report, restart")
-    hang_timeout_s: float = _f(300.0, gt=0, doc="no progress for this long is a hang")
+    hang_timeout_s: float = _f(300.0, gt=0, doc="no progress for this long is a hang: the "
+                                                "ceiling of the learned timeout")
     phase_timeout_s: float = _f(1800.0, gt=0,
                                 doc="the hang timeout of long phases that cannot beat: "
                                     "start-up, resume, the first (compiled) step, a "
                                     "blocking save")
-    hang_timeout_step_factor: float = _f(0.0, ge=0,
-                                         doc="raise the timeout to this many times the "
-                                             "slowest step seen; 0: fixed")
+    hang_timeout_step_factor: float = _f(10.0, ge=0,
+                                         doc="once the run has shown its pace (10 steps), "
+                                             "the hang timeout is this many times its "
+                                             "slowest recent step, within [hang_timeout_"
+                                             "floor_s, hang_timeout_s]; 0: always "
+                                             "hang_timeout_s")
+    hang_timeout_floor_s: float = _f(5.0, gt=0, doc="the learned hang timeout's least value")
     heartbeat_interval_s: float = _f(1.0, gt=0)
     dump_timeout_s: float = _f(10.0, gt=0, doc="how long the report waits for ranks' dumps")
     flight_recorder_entries: int = _f(2000, ge=0, doc="collectives each rank remembers")

@@ -486,6 +486,7 @@ class Trainer:
             return
         parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
         self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s after launch")
+        self.beat("events", long=True)
         self.ledger_events += self.ledger_tail.read()
         restart = goodput.recovery(self.ledger_events, time.time())
         if restart:
@@ -516,6 +517,7 @@ class Trainer:
         that time suggests."""
         if not final and time.monotonic() - self.goodput_at < self.cfg.metrics.goodput_every_s:
             return
+        self.beat("events", long=True)  # reading the log may take long: peers wait for it
         self.goodput_at = time.monotonic()
         self.ledger_events += self.ledger_tail.read()
         b = goodput.account(self.ledger_events, now=time.time())

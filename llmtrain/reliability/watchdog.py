@@ -6,10 +6,19 @@ per rank does the rest through its own store connection (the rendezvous store un
 ``llmtrain launch``, which no worker hosts; see ``open_store``), never through a process
 group (which may be the thing that is stuck):
 
-- every ``heartbeat_interval_s`` it publishes the rank's progress under ``hb/<rank>``;
+- every ``heartbeat_interval_s`` it publishes the rank's progress under ``hb/<rank>``; a
+  rank that has been quiet (no progress) for a few of its usual gaps between beats also
+  publishes the collective it waits in, per process group: sequence number and signature
+  (op, sizes, dtypes), read from its flight recorder, and beats four times as often;
+- rank 0 compares those: ranks waiting in the same collective of a group with different
+  signatures are a desync, declared at once (about two seconds after it happens);
 - it declares a hang when its own rank made no progress for the hang timeout, or when a
   watched rank's heartbeat is older than that (a rank stopped whole, e.g. SIGSTOP):
-  rank 0 watches every rank, rank 1 watches rank 0;
+  rank 0 watches every rank, rank 1 watches rank 0. The timeout is learned from the run:
+  once it has shown its pace, ``hang_timeout_step_factor`` times its slowest recent step,
+  kept within [``hang_timeout_floor_s``, ``hang_timeout_s``]; a rank in a declared long
+  phase (start-up, resume, a blocking save, rank 0 reading the event log) says so in its
+  heartbeat, and ranks waiting for it wait ``phase_timeout_s``;
 - the first rank to declare one claims the event in the store and becomes its leader;
   every rank seeing the event dumps its flight-recorder entries and Python stacks to
   ``<run dir>/diagnostics/<event>/rank-N.json``; the leader waits for the dumps (up to
@@ -28,6 +37,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -39,6 +49,9 @@ from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
 
 HOST = socket.gethostname()
+# Steps a run must show before its hang timeout is learned from their pace, and how many
+# recent ones that pace is taken from.
+_LEARN_AFTER_STEPS, _RECENT_STEPS = 10, 100
 
 
 def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
@@ -58,9 +71,26 @@ def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
 
 
 def flight_recorder_entries() -> list[dict]:
-    raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True,
-                                                         onlyActive=False)
-    return json.loads(raw).get("entries", [])
+    """Every recorded collective of this process: the common recorder (gloo, and the CPU
+    side of everything) and, on NCCL, NCCL's own, which holds the GPU collectives."""
+    c10d = torch._C._distributed_c10d
+    dumps = [c10d._dump_fr_trace_json]
+    if dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(
+            c10d, "_dump_nccl_trace_json"):
+        dumps.append(c10d._dump_nccl_trace_json)
+    return [e for dump in dumps
+            for e in json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries", [])]
+
+
+def waiting_collectives(entries: list[dict]) -> dict[str, list]:
+    """Per process group, the oldest collective entered and not finished: [seq, signature]."""
+    out: dict[str, list] = {}
+    for c in map(flightrec.Collective.from_entry, entries):
+        if not c.completed and (c.pg not in out or c.seq < out[c.pg][0]):
+            # all-to-all may take other sizes on every rank: only its op and dtypes must agree
+            uneven = "to_all" in c.op or "toall" in c.op
+            out[c.pg] = [c.seq, f"{c.op} dtypes={c.dtypes}" if uneven else c.signature()]
+    return out
 
 
 def thread_stacks() -> dict[str, str]:
@@ -78,7 +108,8 @@ class Watchdog:
         self.step, self.phase = 0, "start-up"
         self.limit: float | None = cfg.phase_timeout_s  # start-up is a long phase
         self.progress = self._step_began = time.monotonic()
-        self.slowest_step = 0.0
+        self.recent_steps: deque[float] = deque(maxlen=_RECENT_STEPS)
+        self.recent_gaps: deque[float] = deque(maxlen=_RECENT_STEPS)  # between beats
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._responding = threading.Lock()  # one response per process, whoever starts it
@@ -99,8 +130,11 @@ class Watchdog:
         a phase that cannot beat (resume, a blocking save): until the next step ends, the
         hang timeout is ``phase_timeout_s``, as it is from start-up to the first step."""
         now = time.monotonic()
+        if self.limit is None:
+            self.recent_gaps.append(now - self.progress)
         if phase == "step":
-            self.slowest_step = max(self.slowest_step, now - self._step_began)
+            if self.limit is None:
+                self.recent_steps.append(now - self._step_began)
             self._step_began = now
             self.limit = None
         elif long:
@@ -109,9 +143,22 @@ class Watchdog:
 
     @property
     def timeout(self) -> float:
-        """The configured timeout, or more when steps themselves are that slow. A heartbeat
-        silent this long is a stopped or dead rank, whatever phase it was in."""
-        return max(self.cfg.hang_timeout_s, self.cfg.hang_timeout_step_factor * self.slowest_step)
+        """``hang_timeout_s`` until the run has shown its pace, then the learned timeout. A
+        heartbeat silent this long is a stopped or dead rank, whatever phase it was in."""
+        c = self.cfg
+        if not c.hang_timeout_step_factor or len(self.recent_steps) < _LEARN_AFTER_STEPS:
+            return c.hang_timeout_s
+        learned = c.hang_timeout_step_factor * max(self.recent_steps)
+        return min(c.hang_timeout_s, max(c.hang_timeout_floor_s, learned))
+
+    @property
+    def quiet(self) -> bool:
+        """No progress for three of the usual gaps between beats (half a heartbeat interval
+        at least): the rank may be waiting in a collective that will not finish."""
+        if self.limit is not None or not self.recent_gaps:
+            return False
+        usual = max(self.cfg.heartbeat_interval_s / 2, 3 * max(self.recent_gaps))
+        return time.monotonic() - self.progress > usual
 
     @property
     def progress_timeout(self) -> float:
@@ -131,7 +178,12 @@ class Watchdog:
     # -- the thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(self.cfg.heartbeat_interval_s):
+        """Ticks every heartbeat interval, and four times as often while quiet."""
+        next_tick = 0.0
+        while not self._stop.wait(self.cfg.heartbeat_interval_s / 4):
+            if time.monotonic() < next_tick and not self.quiet:
+                continue
+            next_tick = time.monotonic() + self.cfg.heartbeat_interval_s
             try:
                 self._tick()
             except Exception as e:  # the store itself may be gone; keep watching
@@ -141,31 +193,46 @@ class Watchdog:
     def _tick(self) -> None:
         self.store.set(f"hb/{self.rank}", json.dumps(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
-             "progress_age": time.monotonic() - self.progress}))
+             "progress_age": time.monotonic() - self.progress, "long": self.limit is not None,
+             "waiting": waiting_collectives(flight_recorder_entries()) if self.quiet else None}))
         if self.store.check(["event"]):
             self._respond(json.loads(self.store.get("event")), leader=False)
-        reason = self._detect()
-        if reason:
-            self._declare(reason)
+        found = self._detect()
+        if found:
+            kind, reason = found
+            self._declare(reason, kind)
         if time.monotonic() >= self._next_window:
             self._next_window += self.cfg.straggler_window_s
             self._publish_arrivals()
             if self.rank == 0:
                 self._find_stragglers()
 
-    def _detect(self) -> str | None:
+    def _detect(self) -> tuple[str, str] | None:
+        """(kind, reason) of a hang or desync seen from here, or None."""
         age = time.monotonic() - self.progress
-        if age > self.progress_timeout:
-            return (f"rank {self.rank} made no progress for {age:.0f} s (last: {self.phase} "
-                    f"{self.step}; hang timeout {self.progress_timeout:.0f} s)")
+        if age > self.progress_timeout and not self._peer_in_long_phase(age):
+            return "hang", (f"rank {self.rank} made no progress for {age:.0f} s (last: "
+                            f"{self.phase} {self.step}; hang timeout "
+                            f"{self.progress_timeout:.0f} s)")
         # rank 0 watches everyone's heartbeat, rank 1 watches rank 0's
         watched = range(self.world_size) if self.rank == 0 else [0] if self.rank == 1 else []
-        for r, beat in (self._heartbeats(watched) or {}).items():
+        beats = self._heartbeats(watched) or {}
+        for r, beat in beats.items():
             silent = time.time() - beat["wall"]
             if silent > self.timeout:
-                return (f"rank {r} sent no heartbeat for {silent:.0f} s (last at step "
-                        f"{beat['step']}, {beat['phase']}): stopped or dead")
-        return None
+                return "hang", (f"rank {r} sent no heartbeat for {silent:.0f} s (last at "
+                                f"step {beat['step']}, {beat['phase']}): stopped or dead")
+        desync = desync_in(beats) if self.rank == 0 else None
+        return ("collective_error", desync) if desync else None
+
+    def _peer_in_long_phase(self, age: float) -> bool:
+        """Waiting for a rank in a declared long phase is no hang (until that phase's own
+        limit): read only once this rank's learned timeout has passed."""
+        if age > max(self.cfg.phase_timeout_s, self.cfg.hang_timeout_s):
+            return False
+        beats = self._heartbeats([r for r in range(self.world_size)
+                                  if self.store.check([f"hb/{r}"])]) or {}
+        return any(beat.get("long") for beat in beats.values())
 
     def _heartbeats(self, ranks) -> dict[int, dict] | None:
         """The latest heartbeats of ``ranks``; None until every one has published."""
@@ -286,3 +353,18 @@ class Watchdog:
         print(f"llmtrain watchdog: {event['reason']}\n  verdict: {report.verdict}\n"
               f"  report: {join(url, 'report.md')}", file=sys.stderr, flush=True)
         self.store.set("done", "1")
+
+
+def desync_in(beats: dict[int, dict]) -> str | None:
+    """Ranks waiting in the same collective (group and sequence number) with different
+    signatures: which called what, the largest party first."""
+    seen: dict[tuple[str, int], dict[str, list[int]]] = {}
+    for r, beat in sorted(beats.items()):
+        for pg, (seq, signature) in (beat.get("waiting") or {}).items():
+            seen.setdefault((pg, seq), {}).setdefault(signature, []).append(r)
+    for (pg, seq), calls in sorted(seen.items()):
+        if len(calls) > 1:
+            parties = sorted(calls.items(), key=lambda kv: (-len(kv[1]), kv[1]))
+            return (f"desync in {pg} at collective #{seq}: " +
+                    "; ".join(f"rank(s) {ranks} called {sig}" for sig, ranks in parties))
+    return None

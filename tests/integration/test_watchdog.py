@@ -29,8 +29,11 @@ BOUND = 1.0 + 3.0 + 6.0
 def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culprit_stack,
                                             nproc):
     run = tmp_path / "run"
-    proc = llmtrain_start(run, *WATCH, "--training.global_batch_size", str(8 * nproc),
-                          "--reliability.faults", f"{fault}@step:rank=1,step=6", nproc=nproc)
+    # a desync must not wait for the hang timeout: give it one it cannot be waiting for
+    patience = ("--reliability.hang_timeout_s", "60") if fault == "desync" else ()
+    proc = llmtrain_start(run, *WATCH, *patience, "--training.global_batch_size",
+                          str(8 * nproc), "--reliability.faults", f"{fault}@step:rank=1,step=6",
+                          nproc=nproc)
     if fault == "sigstop":
         # A stopped process ignores SIGTERM, so torchrun would wait out its 30 s grace
         # before its SIGKILL: once the watchdog has reported, kill it as an operator would.
@@ -40,8 +43,13 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert f"exitcode  : {int(ExitCode.RETRYABLE)}" in stderr  # the live rank(s)
-    [hang] = events(run, "hang")
+    # a desync is seen in the heartbeats (ranks waiting in one collective with different
+    # calls) long before the hang timeout; hangs wait for it
+    [hang] = events(run, "collective_error" if fault == "desync" else "hang")
     assert hang["culprits"] == [1], hang
+    if fault == "desync":
+        assert "desync in default_pg at collective #" in hang["reason"], hang
+        assert hang["detected_after_s"] < 30, hang
     for w in verdict_words:
         assert w in hang["verdict"], hang["verdict"]
     assert hang["reported_after_s"] <= TIMEOUT + BOUND

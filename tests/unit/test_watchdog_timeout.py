@@ -1,26 +1,37 @@
+import json
 import time
 
 import torch.distributed as dist
 
 from llmtrain.config import ReliabilityConfig
-from llmtrain.reliability.watchdog import Watchdog
+from llmtrain.reliability.watchdog import Watchdog, desync_in
 
 
-def test_timeout_is_fixed_or_follows_the_slowest_step(tmp_path):
-    fixed = Watchdog(ReliabilityConfig(hang_timeout_s=5), dist.HashStore(), str(tmp_path),
-                     events=None, rank=0, world_size=1)
-    auto = Watchdog(ReliabilityConfig(hang_timeout_s=5, hang_timeout_step_factor=100),
-                    dist.HashStore(), str(tmp_path), events=None, rank=0, world_size=1)
-    for w in (fixed, auto):
-        w.beat(1, "step")
-        w.beat(2, "forward")
-        time.sleep(0.08)
-        w.beat(2, "step")
-    assert fixed.timeout == 5
-    assert 8 <= auto.timeout < 30  # 100 x the ~0.08 s step, above the 5 s floor
+def steps(w: Watchdog, n: int, seconds: float) -> None:
+    for i in range(n):
+        w.beat(i, "forward")
+        time.sleep(seconds)
+        w.beat(i, "step")
+
+
+def test_the_timeout_is_learned_from_the_pace_within_floor_and_ceiling(tmp_path):
+    """hang_timeout_s until 10 steps are seen (the first, start-up's, does not count), then
+    10x the slowest recent step, but never under the floor nor over hang_timeout_s."""
+    def watchdog(**cfg) -> Watchdog:
+        return Watchdog(ReliabilityConfig(**cfg), dist.HashStore(), str(tmp_path),
+                        events=None, rank=0, world_size=1)
+    fixed, learned = watchdog(hang_timeout_step_factor=0), watchdog(hang_timeout_floor_s=0.1)
+    capped = watchdog(hang_timeout_s=0.2, hang_timeout_floor_s=0.1)
+    floored = watchdog(hang_timeout_floor_s=5)
+    for w in (fixed, learned, capped, floored):
+        steps(w, 10, 0.02)
+        assert w.timeout == w.cfg.hang_timeout_s  # not yet learned
+        steps(w, 1, 0.02)
+    assert fixed.timeout == 300 and floored.timeout == 5 and capped.timeout == 0.2
+    assert 0.2 <= learned.timeout < 3  # 10 x a ~0.02 s step, on a loaded machine too
     assert fixed._detect() is None  # progress is fresh
-    fixed.progress -= 10
-    assert "made no progress for 10 s (last: step 2" in fixed._detect()
+    fixed.progress -= 400
+    assert "(last: step 0; hang timeout 300 s)" in fixed._detect()[1]
 
 
 def test_long_phases_have_their_own_limit_until_the_next_step(tmp_path):
@@ -38,7 +49,33 @@ def test_long_phases_have_their_own_limit_until_the_next_step(tmp_path):
     assert w.progress_timeout == 5
     w.beat(2, "forward")
     w.progress -= 30
-    assert "made no progress for 30 s (last: forward 2" in w._detect()
+    assert "made no progress for 30 s (last: forward 2" in w._detect()[1]
     w.beat(2, "checkpoint", long=True)  # a final save
     w.progress -= 30
     assert w._detect() is None and w.progress_timeout == 60
+
+
+def test_waiting_for_a_peer_in_a_declared_long_phase_is_no_hang(tmp_path):
+    store = dist.HashStore()
+    w = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), store,
+                 str(tmp_path), events=None, rank=1, world_size=2)
+    w.beat(1, "step")
+    w.progress -= 10
+    store.set("hb/0", json.dumps({"step": 1, "phase": "events", "wall": time.time(),
+                                  "long": True}))
+    assert w._detect() is None
+    store.set("hb/0", json.dumps({"step": 1, "phase": "forward", "wall": time.time(),
+                                  "long": False}))
+    assert w._detect()[0] == "hang"
+
+
+def test_ranks_waiting_in_one_collective_with_different_calls_are_a_desync():
+    wait = {0: ["gloo:all_reduce sizes=[[16]]", "gloo:all_gather sizes=[[16]]"]}
+    beats = {r: {"waiting": {"default_pg": [7, sig]}} for r, sig in
+             [(0, wait[0][0]), (1, wait[0][1]), (2, wait[0][0])]}
+    assert desync_in(beats) == ("desync in default_pg at collective #7: rank(s) [0, 2] called "
+                                "gloo:all_reduce sizes=[[16]]; rank(s) [1] called "
+                                "gloo:all_gather sizes=[[16]]")
+    beats[1]["waiting"] = {"default_pg": [6, wait[0][1]]}  # not there yet: no desync
+    assert desync_in(beats) is None
+    assert desync_in({0: {"waiting": None}, 1: {}}) is None
