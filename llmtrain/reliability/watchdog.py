@@ -17,8 +17,8 @@ group (which may be the thing that is stuck):
   rank 0 watches every rank, rank 1 watches rank 0. The timeout is learned from the run:
   once it has shown its pace, ``hang_timeout_step_factor`` times its slowest recent step,
   kept within [``hang_timeout_floor_s``, ``hang_timeout_s``]; a rank in a declared long
-  phase (start-up, resume, a blocking save, rank 0 reading the event log) says so in its
-  heartbeat, and ranks waiting for it wait ``phase_timeout_s``;
+  phase (start-up, resume, a blocking save, rank 0 reading the event log) counts itself in
+  the store's ``long_phases``, and ranks waiting for it wait ``phase_timeout_s``;
 - the first rank to declare one claims the event in the store and becomes its leader;
   every rank seeing the event dumps its flight-recorder entries and Python stacks to
   ``<run dir>/diagnostics/<event>/rank-N.json``; the leader waits for the dumps (up to
@@ -110,6 +110,7 @@ class Watchdog:
         self.progress = self._step_began = time.monotonic()
         self.recent_steps: deque[float] = deque(maxlen=_RECENT_STEPS)
         self.recent_gaps: deque[float] = deque(maxlen=_RECENT_STEPS)  # between beats
+        self._counted_long = False  # whether this rank counts in the store's long_phases
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._responding = threading.Lock()  # one response per process, whoever starts it
@@ -172,6 +173,8 @@ class Watchdog:
         try:  # the rendezvous store outlives the round: leave it no per-rank keys
             for key in (f"hb/{self.rank}", f"arrivals/{self.rank}"):
                 self.store.delete_key(key)
+            if self._counted_long:
+                self.store.add("long_phases", -1)
         except Exception:  # the store may be gone at the end; nothing is lost
             pass
 
@@ -191,9 +194,13 @@ class Watchdog:
                       file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
+        long = self.limit is not None
+        if long != self._counted_long:  # how many ranks are in a long phase, for the others
+            self.store.add("long_phases", 1 if long else -1)
+            self._counted_long = long
         self.store.set(f"hb/{self.rank}", json.dumps(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
-             "progress_age": time.monotonic() - self.progress, "long": self.limit is not None,
+             "progress_age": time.monotonic() - self.progress, "long": long,
              "waiting": waiting_collectives(flight_recorder_entries()) if self.quiet else None}))
         if self.store.check(["event"]):
             self._respond(json.loads(self.store.get("event")), leader=False)
@@ -227,12 +234,10 @@ class Watchdog:
 
     def _peer_in_long_phase(self, age: float) -> bool:
         """Waiting for a rank in a declared long phase is no hang (until that phase's own
-        limit): read only once this rank's learned timeout has passed."""
+        limit). One counter in the store, read only once the learned timeout has passed."""
         if age > max(self.cfg.phase_timeout_s, self.cfg.hang_timeout_s):
             return False
-        beats = self._heartbeats([r for r in range(self.world_size)
-                                  if self.store.check([f"hb/{r}"])]) or {}
-        return any(beat.get("long") for beat in beats.values())
+        return self.store.add("long_phases", 0) > 0
 
     def _heartbeats(self, ranks) -> dict[int, dict] | None:
         """The latest heartbeats of ``ranks``; None until every one has published."""

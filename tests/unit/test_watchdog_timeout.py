@@ -1,4 +1,3 @@
-import json
 import time
 
 import torch.distributed as dist
@@ -59,13 +58,16 @@ def test_waiting_for_a_peer_in_a_declared_long_phase_is_no_hang(tmp_path):
     store = dist.HashStore()
     w = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), store,
                  str(tmp_path), events=None, rank=1, world_size=2)
+    peer = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), store,
+                    str(tmp_path), events=None, rank=0, world_size=2)
     w.beat(1, "step")
+    peer.beat(1, "step")
+    peer.beat(1, "events", long=True)  # rank 0 reads the event log
+    peer._tick()
     w.progress -= 10
-    store.set("hb/0", json.dumps({"step": 1, "phase": "events", "wall": time.time(),
-                                  "long": True}))
     assert w._detect() is None
-    store.set("hb/0", json.dumps({"step": 1, "phase": "forward", "wall": time.time(),
-                                  "long": False}))
+    peer.beat(2, "step")
+    peer._tick()
     assert w._detect()[0] == "hang"
 
 
