@@ -57,10 +57,12 @@ def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(target, "rank-"))
 
 
-def flight_recorder_entries() -> list[dict]:
+def flight_recorder() -> dict:
+    """This process's recorder: its entries, and each group's ranks (``pg_config``) and
+    progress (``pg_status``), which tell the analysis who belongs where."""
     raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True,
                                                          onlyActive=False)
-    return json.loads(raw).get("entries", [])
+    return {"entries": [], **json.loads(raw)}
 
 
 def thread_stacks() -> dict[str, str]:
@@ -178,7 +180,7 @@ class Watchdog:
 
     def _publish_arrivals(self) -> None:
         """When this rank entered each of its recent completed collectives."""
-        done = [e for e in flight_recorder_entries()[-512:] if e.get("retired")]
+        done = [e for e in flight_recorder()["entries"][-512:] if e.get("retired")]
         self.store.set(f"arrivals/{self.rank}", json.dumps(
             {f"{e['pg_id']}|{e['collective_seq_id']}": e["time_created_ns"] for e in done}))
 
@@ -243,7 +245,7 @@ class Watchdog:
         dump = {"rank": self.rank, "host": HOST, "pid": os.getpid(),
                 "step": self.step, "phase": self.phase, "error": self.error,
                 "progress_age_s": time.monotonic() - self.progress,
-                "entries": flight_recorder_entries(), "stacks": thread_stacks()}
+                **flight_recorder(), "stacks": thread_stacks()}
         write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
         self.store.set(f"dumped/{self.rank}", "1")
         if leader:
