@@ -228,11 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
     ckpt.add_argument("--sizes-only", action="store_true", help="skip the sha256 checks")
     ckpt.set_defaults(func=cmd_ckpt)
-    analyze = sub.add_parser("analyze", help="diagnose a hang from flight-recorder dumps")
-    analyze.add_argument("dir", help="directory of dumps: llmtrain's rank-N.json, or "
-                                     "PyTorch's own flight-recorder files")
+    analyze = sub.add_parser("analyze", help="diagnose a hang or desync from any PyTorch "
+                                             "job's flight-recorder dumps")
+    analyze.add_argument("dir", help="directory of dumps, one a rank: llmtrain's rank-N.json, "
+                                     "or PyTorch's pickles or JSON (gloo or NCCL), the rank "
+                                     "at the end of the name (nccl_trace_rank_3)")
     analyze.add_argument("--world-size", type=int, default=None,
-                         help="ranks expected, so that missing dumps are named")
+                         help="ranks expected (default: as the dumps' pg_config lists them)")
     analyze.add_argument("--json", action="store_true")
     analyze.set_defaults(func=cmd_analyze)
     args, rest = parser.parse_known_args(argv)

@@ -70,26 +70,31 @@ def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(target, "rank-"))
 
 
-def flight_recorder_entries() -> list[dict]:
-    """Every recorded collective of this process: the common recorder (gloo, and the CPU
-    side of everything) and, on NCCL, NCCL's own, which holds the GPU collectives."""
+def flight_recorder() -> dict:
+    """This process's recorder: its entries, and each group's ranks (``pg_config``) and
+    progress (``pg_status``), which tell the analysis who belongs where. On NCCL, NCCL's
+    own recorder (the GPU collectives) joins the common one (gloo, and the CPU side)."""
     c10d = torch._C._distributed_c10d
-    dumps = [c10d._dump_fr_trace_json]
+    out = {"entries": [], **json.loads(c10d._dump_fr_trace_json(includeCollectives=True,
+                                                                onlyActive=False))}
     if dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(
             c10d, "_dump_nccl_trace_json"):
-        dumps.append(c10d._dump_nccl_trace_json)
-    return [e for dump in dumps
-            for e in json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries", [])]
+        nccl = json.loads(c10d._dump_nccl_trace_json(includeCollectives=True, onlyActive=False))
+        out["entries"] += nccl.get("entries", [])
+        for key in ("pg_config", "pg_status"):
+            out[key] = {**out.get(key, {}), **nccl.get(key, {})}
+    return out
 
 
 def waiting_collectives(entries: list[dict]) -> dict[str, list]:
     """Per process group, the oldest collective entered and not finished: [seq, signature]."""
     out: dict[str, list] = {}
     for c in map(flightrec.Collective.from_entry, entries):
-        if not c.completed and (c.pg not in out or c.seq < out[c.pg][0]):
+        name = c.desc if c.desc not in ("", "undefined") else f"pg {c.group}"
+        if c.inside and (name not in out or c.seq < out[name][0]):
             # all-to-all may take other sizes on every rank: only its op and dtypes must agree
             uneven = "to_all" in c.op or "toall" in c.op
-            out[c.pg] = [c.seq, f"{c.op} dtypes={c.dtypes}" if uneven else c.signature()]
+            out[name] = [c.seq, f"{c.op} dtypes={c.dtypes}" if uneven else c.signature()]
     return out
 
 
@@ -201,7 +206,7 @@ class Watchdog:
         self.store.set(f"hb/{self.rank}", json.dumps(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress, "long": long,
-             "waiting": waiting_collectives(flight_recorder_entries()) if self.quiet else None}))
+             "waiting": waiting_collectives(flight_recorder()["entries"]) if self.quiet else None}))
         if self.store.check(["event"]):
             self._respond(json.loads(self.store.get("event")), leader=False)
         found = self._detect()
@@ -250,7 +255,7 @@ class Watchdog:
 
     def _publish_arrivals(self) -> None:
         """When this rank entered each of its recent completed collectives."""
-        done = [e for e in flight_recorder_entries()[-512:] if e.get("retired")]
+        done = [e for e in flight_recorder()["entries"][-512:] if e.get("retired")]
         self.store.set(f"arrivals/{self.rank}", json.dumps(
             {f"{e['pg_id']}|{e['collective_seq_id']}": e["time_created_ns"] for e in done}))
 
@@ -315,7 +320,7 @@ class Watchdog:
         dump = {"rank": self.rank, "host": HOST, "pid": os.getpid(),
                 "step": self.step, "phase": self.phase, "error": self.error,
                 "progress_age_s": time.monotonic() - self.progress,
-                "entries": flight_recorder_entries(), "stacks": thread_stacks()}
+                **flight_recorder(), "stacks": thread_stacks()}
         write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
         self.store.set(f"dumped/{self.rank}", "1")
         if leader:

@@ -4,6 +4,8 @@ import pickle
 import subprocess
 import sys
 
+import pytest
+
 from llmtrain.reliability.flightrec import analyze, load_dumps
 
 
@@ -127,3 +129,159 @@ def test_a_malicious_pickle_is_refused_without_running(tmp_path):
                          capture_output=True, text=True)
     assert not marker.exists()
     assert out.returncode == 1 and "refused" in out.stderr and "posix.system" in out.stderr
+
+
+# NCCL's dumps, as ProcessGroupNCCL writes them (format 2.10): entries record when the
+# stream started and completed each collective; pg_config lists each group's ranks.
+T0 = 1_750_000_000 * 10**9
+
+
+def nccl_entry(seq: int, state: str = "completed", op: str = "nccl:all_reduce",
+               sizes=((1024,),), dtype: str = "BFloat16", pg=("0", "default_pg"),
+               pg_id: int = 0, at_s: float | None = None, started_after_s: float = 0.001,
+               timeout_ms: int = 30_000) -> dict:
+    created = T0 + int((seq if at_s is None else at_s) * 1e9)
+    started = None if state == "scheduled" else created + int(started_after_s * 1e9)
+    return {"record_id": seq, "pg_id": pg_id, "process_group": pg, "thread_name": "pt_main",
+            "thread_id": "1", "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+            "profiling_name": op, "time_created_ns": created,
+            "input_sizes": [list(s) for s in sizes], "input_dtypes": [dtype] * len(sizes),
+            "output_sizes": [list(s) for s in sizes], "output_dtypes": [dtype] * len(sizes),
+            "state": state, "time_discovered_started_ns": started,
+            "time_discovered_completed_ns": started + 10**6 if state == "completed" else None,
+            "retired": state == "completed", "timeout_ms": timeout_ms, "is_p2p": False,
+            "frames": [{"name": "train_step", "filename": "train.py", "line": 42}]}
+
+
+def nccl_dump(entries: list[dict], groups=(("0", "default_pg", range(4)),)) -> dict:
+    status = {}
+    for e in entries:
+        s = status.setdefault(str(e["pg_id"]), {"last_enqueued_collective": -1,
+                                                "last_started_collective": -1,
+                                                "last_completed_collective": -1})
+        s["last_enqueued_collective"] = max(s["last_enqueued_collective"], e["collective_seq_id"])
+        for key, states in (("last_started_collective", ("started", "completed")),
+                            ("last_completed_collective", ("completed",))):
+            if e["state"] in states:
+                s[key] = max(s[key], e["collective_seq_id"])
+    return {"version": "2.10", "comm_lib_version": "2.21.5",
+            "pg_config": {name: {"name": name, "desc": desc, "ranks": str(list(ranks))}
+                          for name, desc, ranks in groups},
+            "pg_status": status, "entries": entries, "nccl_comm_state": {}}
+
+
+def write_nccl(tmp_path, dumps: dict[int, dict], as_json: bool = False):
+    """One file a rank, named as TORCH_FR_DUMP_TEMP_FILE's default prefix names them."""
+    for rank, d in dumps.items():
+        if as_json:  # _dump_fr_trace_json: strings for pg_status, 0 for times not seen
+            d = {**d, "pg_status": {k: {n: str(v) for n, v in s.items()}
+                                    for k, s in d["pg_status"].items()},
+                 "entries": [{**e, "time_discovered_started_ns":
+                              e["time_discovered_started_ns"] or 0,
+                              "time_discovered_completed_ns":
+                              e["time_discovered_completed_ns"] or 0} for e in d["entries"]]}
+            (tmp_path / f"nccl_trace_rank_{rank}.json").write_text(json.dumps(d))
+        else:
+            (tmp_path / f"nccl_trace_rank_{rank}").write_bytes(pickle.dumps(d))
+    return analyze(load_dumps(str(tmp_path)))
+
+
+def done(*seqs, **kw) -> list[dict]:
+    return [nccl_entry(s, **kw) for s in seqs]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.parametrize("rank2, kind", [
+    (done(1, 2, 3, 4, 5), "never_arrived"),
+    (done(1, 2, 3, 4, 5) + [nccl_entry(6, "scheduled")], "not_started"),
+])
+def test_nccl_hang_blames_the_rank_not_in_the_first_started_collective(tmp_path, rank2, kind,
+                                                                       as_json):
+    """Ranks 0, 1 and 3 started #6 (and queued #7 behind it); rank 2 did not start it."""
+    waiting = done(1, 2, 3, 4, 5) + [nccl_entry(6, "started"), nccl_entry(7, "scheduled")]
+    r = write_nccl(tmp_path, {0: nccl_dump(waiting), 1: nccl_dump(waiting),
+                              2: nccl_dump(rank2), 3: nccl_dump(waiting)}, as_json)
+    assert r.culprits == [2] and r.stuck == [0, 1, 3] and r.missing_dumps == []
+    assert r.collective["seq"] == 6 and r.collective["pg"] == "default_pg"
+    assert [(f.kind, f.seq, f.ranks) for f in r.findings if f.ranks] == [(kind, 6, [2])]
+    assert "nccl:all_reduce #6 on process group default_pg" in r.verdict
+
+
+@pytest.mark.parametrize("odd, kind", [
+    ({"op": "nccl:all_gather"}, "op_mismatch"),
+    ({"sizes": ((2048,),)}, "size_mismatch"),
+    ({"dtype": "Float"}, "dtype_mismatch"),
+])
+def test_nccl_desync_early_in_the_run_is_named(tmp_path, odd, kind):
+    """A desync at #3 that NCCL ran through (wrong results, no error) before the job hung
+    at #6: the culprit is rank 1 at #3, not the hang's last collective."""
+    dumps = {r: nccl_dump(done(1, 2) + [nccl_entry(3, **(odd if r == 1 else {}))]
+                          + done(4, 5) + [nccl_entry(6, "started")]) for r in range(4)}
+    r = write_nccl(tmp_path, dumps)
+    assert r.culprits == [1] and r.stuck == [0, 2, 3]
+    assert r.collective == {"pg": "default_pg", "seq": 3, "op": "nccl:all_reduce",
+                            "sizes": [[1024]], "dtypes": ["BFloat16"]}
+    (desync,) = [f for f in r.findings if f.kind.endswith("_mismatch")]
+    assert (desync.kind, desync.seq, desync.ranks) == (kind, 3, [1])
+    assert r.verdict.startswith("desync at nccl:all_reduce #3 on process group default_pg")
+
+
+@pytest.mark.parametrize("late", [{"at_s": 6 + 45}, {"started_after_s": 45}])
+def test_nccl_rank_later_than_the_timeout_is_named(tmp_path, late):
+    """Rank 3 reached #6 45 s after the others (on the host, or on its stream), past
+    their 30 s timeout: they had timed out waiting for it."""
+    dumps = {r: nccl_dump(done(1, 2, 3, 4, 5) + [nccl_entry(6, "started",
+                                                            **(late if r == 3 else {}))])
+             for r in range(4)}
+    r = write_nccl(tmp_path, dumps)
+    assert r.culprits == [3] and r.stuck == [0, 1, 2] and r.collective["seq"] == 6
+    (found,) = [f for f in r.findings if f.ranks]
+    assert (found.kind, found.seq, found.ranks) == ("late", 6, [3])
+    assert "45.0 s after rank 0, past its 30 s timeout" in r.verdict
+
+
+def test_nccl_group_members_and_a_missing_rank_come_from_pg_config(tmp_path):
+    """Rank 3 left no dump and --world-size is not given: pg_config says the world is 0-3
+    and group tp is 2-3, where rank 2 waits in #4; ranks 0 and 1 are not tp's."""
+    groups = (("0", "default_pg", range(4)), ("1", "tp", (2, 3)))
+    tp = dict(pg=("1", "tp"), pg_id=1)
+    base = done(1, 2, 3, 4, 5)
+    r = write_nccl(tmp_path, {0: nccl_dump(base, groups), 1: nccl_dump(base, groups),
+                              2: nccl_dump(base + done(1, 2, 3, **tp)
+                                           + [nccl_entry(4, "started", **tp)], groups)})
+    assert r.missing_dumps == [3] and r.culprits == [3] and r.stuck == [2]
+    assert r.collective["pg"] == "tp" and r.collective["seq"] == 4
+    assert r.groups["tp"]["members"] == [2, 3] and r.groups["tp"]["known_from"] == "pg_config"
+    assert r.verdict.startswith("rank(s) [3] never reached nccl:all_reduce #4 on process "
+                                "group tp")
+    # on the default group everyone completed #5: rank 3 took part, then stopped
+    (default,) = [f for f in r.findings if f.kind == "missing" and f.pg == "default_pg"]
+    assert default.seq == 5 and "took part" in default.text
+
+
+def test_nccl_progress_from_pg_status_without_entries(tmp_path):
+    """Dumps of active entries only (onlyActive): rank 2 has none, but its pg_status says
+    it completed #5, so it never reached #6, where the others wait."""
+    waiting = nccl_dump([nccl_entry(6, "started")])
+    idle = {**nccl_dump([]), "pg_status": {"0": {"last_enqueued_collective": 5,
+                                                 "last_started_collective": 5,
+                                                 "last_completed_collective": 5}}}
+    del idle["entries"]  # PyTorch leaves the key out when there is nothing to list
+    r = write_nccl(tmp_path, {0: waiting, 1: waiting, 2: idle, 3: waiting})
+    assert r.culprits == [2] and r.stuck == [0, 1, 3]
+    (never,) = [f for f in r.findings if f.kind == "never_arrived"]
+    assert never.seq == 6 and "its last collective there is #5" in never.text
+
+
+def test_what_gloo_dumps_cannot_tell_is_said(tmp_path):
+    """gloo lists no ranks once a subgroup exists and records no completion: the report
+    says what it cannot tell and why, instead of guessing."""
+    gloo = [entry(1), {**entry(2, done=False), "pg_id": 0}]
+    dumps = {r: {"version": "2.10", "pg_config": {"": {"name": "", "desc": "", "ranks": "[]"}},
+                 "entries": gloo if r else [entry(1), entry(2)]} for r in range(2)}
+    r = analyze(dumps)
+    cannot = " ".join(f.text for f in r.findings if f.kind == "cannot_tell")
+    assert "whether ranks above 1 are missing cannot be told" in cannot
+    assert "whether gloo:all_reduce #2" in cannot and "completed cannot be told" in cannot
+    assert "reduce op" in cannot
+    assert r.culprits == [] and r.verdict.startswith("no fault found in the collectives")

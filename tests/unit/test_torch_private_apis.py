@@ -69,27 +69,31 @@ def test_rendezvous_state_fields():
 
 
 FLIGHT_RECORDER = """
-import json, os, sys
 from datetime import timedelta
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 dist.distributed_c10d._set_pg_timeout(timedelta(seconds=42))
 dist.all_reduce(torch.ones(4))
 raw = torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False)
-print(json.dumps(json.loads(raw).get("entries", [])))
+print(raw.decode())
 dist.destroy_process_group()
 """
 
 
 def test_flight_recorder_dump_and_pg_timeout():
     """reliability/watchdog.py dumps the flight recorder through the private
-    ``_dump_fr_trace_json``; reliability/flightrec.py reads these entry fields;
+    ``_dump_fr_trace_json``; reliability/flightrec.py reads these entry fields, and each
+    group's ranks and progress (``pg_config``, ``pg_status``; gloo lists its groups' ranks
+    under one unnamed key, the world's while there is no other group);
     distributed/process_group.py sets the collective timeout with ``_set_pg_timeout``."""
     proc = subprocess.run([sys.executable, "-c", FLIGHT_RECORDER], capture_output=True,
                           text=True, cwd=ROOT, timeout=120,
                           env={**os.environ, "TORCH_FR_BUFFER_SIZE": "16"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    entries = json.loads(proc.stdout.strip().splitlines()[-1])
+    dump = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads(dump["pg_config"][""]["ranks"]) == [0], dump["pg_config"]
+    assert dump["pg_status"]["0"]["last_enqueued_collective"] == "1", dump["pg_status"]
+    entries = dump.get("entries")
     assert entries, "the flight recorder recorded no collective"
     entry = entries[-1]
     missing = {"collective_seq_id", "profiling_name", "input_sizes", "input_dtypes",
