@@ -140,7 +140,7 @@ class ReliabilityConfig:
                                     "start-up, resume, the first (compiled) step, a "
                                     "blocking save")
     hang_timeout_step_factor: float = _f(10.0, ge=0,
-                                         doc="once the run has shown its pace (10 steps), "
+                                         doc="once the run has shown its pace (3 steps), "
                                              "the hang timeout is this many times its "
                                              "slowest recent step, within [hang_timeout_"
                                              "floor_s, hang_timeout_s]; 0: always "

@@ -113,7 +113,7 @@ class Chaos:
             "--checkpoint.interval_steps", str(cfg.checkpoint_every),
             "--checkpoint.keep_last", "4", "--metrics.log_every", "5",
             "--metrics.address", "127.0.0.1", "--metrics.port", "0",
-            "--reliability.hang_timeout_s", "8", "--reliability.straggler_window_s", "4",
+            "--reliability.straggler_window_s", "4",
             "--health.interval_s", "1", "--reliability.faults", "env",
             "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5")
         self.skipped: set[int] = set()  # batches the job skipped: the reference skips them

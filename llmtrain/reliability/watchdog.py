@@ -51,7 +51,7 @@ from llmtrain.reliability import flightrec
 HOST = socket.gethostname()
 # Steps a run must show before its hang timeout is learned from their pace, and how many
 # recent ones that pace is taken from.
-_LEARN_AFTER_STEPS, _RECENT_STEPS = 10, 100
+_LEARN_AFTER_STEPS, _RECENT_STEPS = 3, 100
 
 
 def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:

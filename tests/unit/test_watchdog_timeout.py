@@ -14,7 +14,7 @@ def steps(w: Watchdog, n: int, seconds: float) -> None:
 
 
 def test_the_timeout_is_learned_from_the_pace_within_floor_and_ceiling(tmp_path):
-    """hang_timeout_s until 10 steps are seen (the first, start-up's, does not count), then
+    """hang_timeout_s until 3 steps are seen (the first, start-up's, does not count), then
     10x the slowest recent step, but never under the floor nor over hang_timeout_s."""
     def watchdog(**cfg) -> Watchdog:
         return Watchdog(ReliabilityConfig(**cfg), dist.HashStore(), str(tmp_path),
@@ -23,7 +23,7 @@ def test_the_timeout_is_learned_from_the_pace_within_floor_and_ceiling(tmp_path)
     capped = watchdog(hang_timeout_s=0.2, hang_timeout_floor_s=0.1)
     floored = watchdog(hang_timeout_floor_s=5)
     for w in (fixed, learned, capped, floored):
-        steps(w, 10, 0.02)
+        steps(w, 3, 0.02)
         assert w.timeout == w.cfg.hang_timeout_s  # not yet learned
         steps(w, 1, 0.02)
     assert fixed.timeout == 300 and floored.timeout == 5 and capped.timeout == 0.2
