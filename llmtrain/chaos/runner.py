@@ -279,12 +279,18 @@ class Chaos:
         self._recovered(v, v.injected_at)
         return v
 
-    def _desync(self) -> Verdict:
+    def _arm_ahead(self, kind: str, fault: str, keys: str = "") -> tuple[int, Verdict]:
+        """Arms run-time ``fault`` (ACTION@POINT) at a rank 10 steps ahead of the last
+        logged step (step events come every 5 steps: safely in the future)."""
         rank, info = self._pick_rank()
         at = self._step() + 10
-        v = self._verdict("desync", f"rank {rank} ({info['host']})", at)
+        v = self._verdict(kind, f"rank {rank} ({info['host']})", at)
         with open(self.faults_file, "a") as f:
-            f.write(f"desync@step:rank={rank},step={at},id=desync{len(self.verdicts)}\n")
+            f.write(f"{fault}:rank={rank},step={at},{keys}id={kind}{len(self.verdicts)}\n")
+        return rank, v
+
+    def _desync(self) -> Verdict:
+        rank, v = self._arm_ahead("desync", "desync@step")
         seen = self._wait(lambda: self._latest("hang", v.injected_at)
                           or self._latest("collective_error", v.injected_at), "verdict", 180)
         self._judge_report(v, seen, rank)
@@ -419,11 +425,7 @@ class Chaos:
         return v
 
     def _nan(self) -> Verdict:
-        rank, info = self._pick_rank()
-        at = self._step() + 10  # step events come every 5 steps: safely ahead
-        v = self._verdict("nan", f"rank {rank} ({info['host']})", at)
-        with open(self.faults_file, "a") as f:
-            f.write(f"nan@loss:rank={rank},step={at},id=nan{len(self.verdicts)}\n")
+        rank, v = self._arm_ahead("nan", "nan@loss")
         seen = self._wait(lambda: self._latest("step_skipped", v.injected_at), "step_skipped", 120)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         v.at_step = seen["step"]
@@ -436,11 +438,7 @@ class Chaos:
         return v
 
     def _bitflip(self) -> Verdict:
-        rank, info = self._pick_rank()
-        at = self._step() + 10  # step events come every 5 steps: safely ahead
-        v = self._verdict("bitflip", f"rank {rank} ({info['host']})", at)
-        with open(self.faults_file, "a") as f:
-            f.write(f"bitflip@step:rank={rank},step={at},bit=12,id=flip{len(self.verdicts)}\n")
+        rank, v = self._arm_ahead("bitflip", "bitflip@step", keys="bit=12,")
         seen = self._wait(lambda: self._latest("state_check_failed", v.injected_at),
                           "state_check_failed", 120)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at

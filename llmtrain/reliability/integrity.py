@@ -92,11 +92,17 @@ def replica_groups(mesh: torch.Tensor) -> list[list[int]]:
 
 
 def learned_skips(run_dir: str) -> set[int]:
-    """The batches earlier rollbacks of this run chose to skip (their events)."""
-    try:
-        return {s for e in read_events(run_dir, "integrity_skip") for s in e["steps"]}
-    except FileNotFoundError:
-        return set()
+    """The batches earlier rollbacks of this run chose to skip (their events): rank 0
+    reads the log, once, and tells the others, instead of every rank reading every file."""
+    found: list = [[]]
+    if dist.get_rank() == 0:
+        try:
+            found = [sorted({s for e in read_events(run_dir, "integrity_skip")
+                             for s in e["steps"]})]
+        except FileNotFoundError:
+            pass
+    dist.broadcast_object_list(found, src=0)
+    return set(found[0])
 
 
 class Integrity:
