@@ -40,6 +40,11 @@ def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
     return run_worker(_config(args, rest))
 
 
+def cmd_spare(args: argparse.Namespace, rest: list[str]) -> int:
+    from llmtrain.launch.worker import run_spare
+    return run_spare(_config(args, rest))
+
+
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     cfg = _config(args, rest)
     cfg.validate(args.world_size)
@@ -181,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                "e.g. --optim.lr 3e-4 --training.steps 100.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("train", cmd_train, "train a model (under torchrun, or alone)"),
+                             ("spare", cmd_spare, "wait warm to replace a lost rank (started "
+                                                  "by a standby llmtrain launch)"),
                              ("config", cmd_config, "print the resolved config and model size"),
                              ("health", cmd_health, "check this node's GPUs and storage"),
                              ("launch", cmd_launch, "run this node: preflight, health gate, "

@@ -190,6 +190,21 @@ class IntegrityConfig:
 
 
 @dataclass
+class WarmConfig:
+    """The warm path: survivors of a lost rank keep their processes and re-form the group
+    with a warm spare, restoring state from in-memory snapshots (llmtrain/recovery/)."""
+    enable: bool = _f(False, doc="recover from a lost rank in memory, with a warm spare; "
+                                 "needs the rendezvous store outside the workers "
+                                 "(llmtrain launch --external-store)")
+    snapshot_every: int = _f(1, ge=1, doc="steps between in-memory snapshots (each also "
+                                          "replicated to a buddy rank on the next node)")
+    settle_s: float = _f(0.5, gt=0, doc="how long survivors wait for each other's reports "
+                                        "before the missing ranks count as lost")
+    budget_s: float = _f(30.0, gt=0, doc="a warm recovery not done in this time falls "
+                                         "back to the cold path (a restart under torchrun)")
+
+
+@dataclass
 class HealthConfig:
     """GPU and node health checks: the preflight gate and the in-training monitor."""
     backend: str = _f("auto", choices=("auto", "nvml", "scripted", "none"),
@@ -244,6 +259,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "reliability": ReliabilityConfig,
     "integrity": IntegrityConfig,
+    "warm": WarmConfig,
     "health": HealthConfig,
     "metrics": MetricsConfig,
 }
@@ -259,6 +275,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 

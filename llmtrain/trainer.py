@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain import fault_points
 from llmtrain.checkpoint.manager import CheckpointManager
+from llmtrain.checkpoint.snapshots import (Snapshots, SnapshotError, restore_python_rng,
+                                           state_tensors)
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
@@ -38,6 +40,7 @@ from llmtrain.reliability.health.monitor import HealthMonitor, rank_gpu
 from llmtrain.reliability.integrity import (Integrity, TrainingDiverged, learned_skips,
                                            replica_groups)
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
+from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, outside_store, round_of
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -97,7 +100,8 @@ class Summary:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, plan: dict | None = None):
+        """``plan``: a warm spare's assignment (it takes a lost rank's place)."""
         entered = time.time()
         self.cfg = cfg
         self.world = WorldInfo.from_env()
@@ -136,36 +140,18 @@ class Trainer:
         if cfg.reliability.watchdog:
             configure_diagnostics(cfg.reliability, t.run_dir)
         with self.ledger.span("startup", "store_connect"):
-            store = connect_store(self.world, cfg.reliability)
-        with self.ledger.span("startup", "process_group"):
-            self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world, store)
-        if self.device.type == "cpu":
-            # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
-            # training, when gradients get small; flushing them costs no accuracy.
-            torch.set_flush_denormal(True)
-        with self.ledger.span("startup", "device_mesh"):
-            self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
-
-        # Built on meta and sharded before any storage exists, so no rank ever holds the
-        # whole model; each then draws only its shards, the same weights at any world size.
-        with self.ledger.span("startup", "model_meta"):
-            torch.manual_seed(t.seed)
-            with torch.device("meta"):
-                model = Transformer(cfg.model)
-        with self.ledger.span("startup", "shard"):
-            self.model = parallelize(model, self.mesh, cfg.parallelism)
-        with self.ledger.span("startup", "materialize"):
-            self.model.to_empty(device=self.device)
-            self.model.init_weights(t.seed)
-        with self.ledger.span("startup", "optimizer"):
-            self.optimizer = self._build_optimizer()
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
+            job = connect_store(self.world, cfg.reliability) if plan is None else None
+            self.warm = self._warm_path(job, plan)
+            store = job if plan is None else self.warm.group_store()
+        self._form_group(store)
         self.integrity = Integrity(
             cfg.integrity, events=self.events, device=self.device, rank=self.world.rank,
             world_size=self.world.world_size, replicas=replica_groups(self.mesh.mesh),
-            global_batch_size=t.global_batch_size, learned_skips=learned_skips(t.run_dir))
+            global_batch_size=t.global_batch_size,
+            # a spare learns them from its buddy's replica, not from a collective
+            learned_skips=learned_skips(t.run_dir) if plan is None else set())
         self.checked_step = -1  # the last step whose state was checked
+        self.recovered: dict | None = None  # a warm recovery, until its first step is done
         self.rollbacks: list[int] = []  # steps rolled back from, since the run got past them
         self.sdc_named: list[int] = []  # ranks whose replica diverged, when they must go
 
@@ -185,8 +171,9 @@ class Trainer:
         with self.ledger.span("startup", "components"):
             if cfg.reliability.watchdog:
                 self.watchdog = Watchdog(
-                    cfg.reliability, open_store("watchdog", timedelta(seconds=30)), t.run_dir,
-                    self.events, self.world.rank, self.world.world_size)
+                    cfg.reliability, open_store("watchdog", timedelta(seconds=30),
+                                                self.warm and self.warm.round_id),
+                    t.run_dir, self.events, self.world.rank, self.world.world_size)
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                     self.world.rank)
@@ -198,13 +185,23 @@ class Trainer:
                                    "mesh": list(cfg.mesh_shape(self.world.world_size))},
                     stop_votes=cfg.health.monitor)
             self.health = self._start_health_monitor() if cfg.health.monitor else None
-        if self.checkpoints is not None and cfg.checkpoint.resume:
+            self.snapshots = None
+            if self.warm is not None:
+                self.snapshots = Snapshots(cfg.warm.snapshot_every, self.world.rank,
+                                           buddy=self.warm.buddy, ward=self.warm.ward,
+                                           events=self.events)
+                replication = dist.new_group(backend="gloo")
+        if plan is not None:  # a warm spare: the lost rank's state comes from its buddy
+            self.restore(Plan(**{k: v for k, v in plan.items() if k != "rank"}), replication)
+        elif self.checkpoints is not None and cfg.checkpoint.resume:
             self.beat("resume", long=True)
             with self.ledger.span("checkpoint_load", "resume"):
                 self.step = self.checkpoints.resume(self.state)
             if self.step and self.is_logger:
                 self.console.line(f"resumed from the checkpoint of step {self.step} "
                                   f"in {cfg.checkpoint_url}")
+        if self.snapshots is not None:
+            self.snapshots.start(replication)
         if self.is_logger:
             self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
                              params=count_params(cfg.model), device=str(self.device))
@@ -213,6 +210,54 @@ class Trainer:
                 f"{self.world.world_size} rank(s) on {self.device.type} "
                 f"({dist.get_backend()}), {self.accum_steps} micro-batch(es) per step, "
                 f"run dir {t.run_dir}")
+
+    def _form_group(self, store: dist.Store, category: str = "startup") -> None:
+        """The parts bound to the job's process group: built at start, and again by the
+        survivors of a lost rank in each new generation of the group (warm path)."""
+        cfg, t = self.cfg, self.cfg.training
+        with self.ledger.span(category, "process_group"):
+            self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world, store)
+        if self.device.type == "cpu":
+            # Denormals run CPU math (and torchao's FP8 emulation) 50x slower late in
+            # training, when gradients get small; flushing them costs no accuracy.
+            torch.set_flush_denormal(True)
+        with self.ledger.span(category, "device_mesh"):
+            self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
+
+        # Built on meta and sharded before any storage exists, so no rank ever holds the
+        # whole model; each then draws only its shards, the same weights at any world size.
+        with self.ledger.span(category, "model_meta"):
+            torch.manual_seed(t.seed)
+            with torch.device("meta"):
+                model = Transformer(cfg.model)
+        with self.ledger.span(category, "shard"):
+            self.model = parallelize(model, self.mesh, cfg.parallelism)
+        with self.ledger.span(category, "materialize"):
+            self.model.to_empty(device=self.device)
+            self.model.init_weights(t.seed)
+        with self.ledger.span(category, "optimizer"):
+            self.optimizer = self._build_optimizer()
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
+
+    def _warm_path(self, job: dist.Store | None, plan: dict | None) -> WarmPath | None:
+        """This rank's part in warm recoveries (None when off, or without a store outside
+        the workers to meet in)."""
+        w = self.cfg.warm
+        if not w.enable:
+            return None
+        store = outside_store(timedelta(seconds=w.budget_s))
+        if store is None:
+            self.events.emit("warm_path_off", rank=self.world.rank,
+                             reason="no rendezvous store outside the workers "
+                                    "(run under llmtrain launch)")
+            return None
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if plan is not None:
+            return WarmPath(w, store, plan["round_id"], self.world.rank,
+                            self.world.world_size, plan["local_world_size"], gen=plan["gen"])
+        return WarmPath(w, store, round_of(job), self.world.rank, self.world.world_size,
+                        local_world)
 
     def _start_health_monitor(self) -> HealthMonitor:
         """Watches this rank's GPU (and, on local rank 0, the node) while training."""
@@ -313,37 +358,46 @@ class Trainer:
         first_loss = loss = float("nan")
         self.ledger.steps_done(self.step)  # productive time starts here
         while self.step < t.steps:
-            step = self.step + 1
-            step_start = time.perf_counter()
-            with self.diagnosed():
-                fault_points.point("step", step, self.model)
-                micro_batches = self.data.next_step()
-                local_loss = (self.skip_step(step) if step in self.integrity.skips
-                              else self.train_step(micro_batches))
-            self.step = step
-            self.beat("step")
-            now = time.perf_counter()
-            if self.exporter is not None:
-                self.exporter.step_done(step, now - step_start)
-            if step == first_step + 1:
-                self.report_startup()
-            due = step % log_every == 0 or step in (first_step + 1, t.steps)
-            if (due or self.integrity.check_due(step)) and self.review(step):
-                last_step, last_time = self.step, time.perf_counter()
-                continue  # rolled back: the loop goes on from the checkpoint's step
-            if self.sdc_named:
-                break
-            if due:
-                # The only host sync of the step (integrity's verdicts were read with it).
-                loss = self.integrity.loss if self.cfg.integrity.enable else \
-                    self.global_mean(local_loss)
+            try:
+                step = self.step + 1
+                step_start = time.perf_counter()
+                with self.diagnosed():
+                    fault_points.point("step", step, self.model)
+                    micro_batches = self.data.next_step()
+                    local_loss = (self.skip_step(step) if step in self.integrity.skips
+                                  else self.train_step(micro_batches))
+                self.step = step
+                self.beat("step")
+                if self.recovered:
+                    self.report_warm_recovery()
                 now = time.perf_counter()
-                self.report(step, loss, (now - last_time) / (step - last_step))
-                last_step, last_time = step, now
-                if math.isnan(first_loss):
-                    first_loss = loss
-            if self.checkpoint(step):
-                break
+                if self.exporter is not None:
+                    self.exporter.step_done(step, now - step_start)
+                if step == first_step + 1:
+                    self.report_startup()
+                due = step % log_every == 0 or step in (first_step + 1, t.steps)
+                if (due or self.integrity.check_due(step)) and self.review(step):
+                    last_step, last_time = self.step, time.perf_counter()
+                    continue  # rolled back: the loop goes on from the checkpoint's step
+                if self.sdc_named:
+                    break
+                if self.snapshots is not None and self.snapshots.due(step):
+                    self.take_snapshot(step)
+                if due:
+                    # The only host sync of the step (integrity's verdicts were read with it).
+                    loss = self.integrity.loss if self.cfg.integrity.enable else \
+                        self.global_mean(local_loss)
+                    now = time.perf_counter()
+                    self.report(step, loss, (now - last_time) / (step - last_step))
+                    last_step, last_time = step, now
+                    if math.isnan(first_loss):
+                        first_loss = loss
+                if self.checkpoint(step):
+                    break
+            except (RuntimeError, OSError) as e:
+                if not self.recover_warm(e):
+                    raise
+                last_step, last_time = self.step, time.perf_counter()
         self.ledger.steps_done(self.step)
         if ((self.checkpoints is not None and self.checkpoints.stopped_by_peer)
                 or (self.sdc_named and not self.excluded)):
@@ -409,7 +463,113 @@ class Trainer:
                                    f"checkpoint to roll back to; restart the run")
         if step:
             self.step, self.checked_step = step, -1
+            if self.snapshots is not None:  # newer than the state now: never restored
+                self.snapshots.own.held.clear()
         return bool(step)
+
+    # -- the warm path ----------------------------------------------------------------
+
+    def _snapshot_tensors(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """What a snapshot holds, in order; and the RNG state among it (a copy)."""
+        rng = torch.get_rng_state()
+        return state_tensors(self.model, self.optimizer, [rng, self.integrity.history]), rng
+
+    def take_snapshot(self, step: int) -> None:
+        tensors, _ = self._snapshot_tensors()
+        self.snapshots.take(step, tensors, {
+            "scheduler": self.scheduler.state_dict(), "data": self.data.state_dict(),
+            "lr": [g["lr"] for g in self.optimizer.param_groups],
+            "judged": self.integrity.judged, "skips": sorted(self.integrity.skips)})
+
+    def recover_warm(self, error: BaseException) -> bool:
+        """A collective failed: with the other survivors, re-forms the group with warm
+        spares in the lost ranks' places and restores every rank's state from memory.
+        False when the cold path must take over (the reason is logged)."""
+        if self.warm is None or isinstance(error, TrainingDiverged):
+            return False
+        detected = time.time()
+        deadline = time.monotonic() + self.cfg.warm.budget_s
+        self.beat("recover", long=True)
+        self.events.emit("failure", step=self.step, error=f"{type(error).__name__}: {error}"[:500],
+                         path="warm")
+        try:
+            if not self.snapshots.stop(max(0.0, deadline - time.monotonic())):
+                raise ColdPath("the snapshot thread is stuck in a collective")
+            plan = self.warm.agree(self.snapshots.holdings(), deadline)
+            agreed = time.time()
+            if self.checkpoints is not None:
+                self.checkpoints.wait(max(0.0, deadline - time.monotonic()))
+            shutdown()
+            self.warm.gen = plan.gen
+            self._form_group(self.warm.group_store(), category="restart")
+            if self.checkpoints is not None:
+                self.checkpoints.bind_groups()
+            replication = dist.new_group(backend="gloo")
+            formed = time.time()
+            self.restore(plan, replication)
+        except (ColdPath, SnapshotError, TimeoutError, RuntimeError) as e:
+            self.events.emit("warm_recovery_failed", step=self.step,
+                             reason=f"{type(e).__name__}: {e}"[:500])
+            return False
+        self.snapshots.start(replication)
+        restored = time.time()
+        self.ledger.record("restart", "warm", detected, restored)
+        self.ledger.restart_at(self.step)
+        if self.world.rank == min(set(range(self.world.world_size)) - set(plan.lost)):
+            # reported once the first step after it is done: the whole cost of the fault
+            self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
+                              "spares": plan.spares, "marks": {
+                                  "failure_detected": detected, "agreed": agreed,
+                                  "group_formed": formed, "restored": restored}}
+        return True
+
+    def report_warm_recovery(self) -> None:
+        marks = {**self.recovered.pop("marks"), "first_step": time.time()}
+        names = list(marks)
+        parts = {f"{a}->{b}": marks[b] - marks[a] for a, b in zip(names, names[1:])}
+        total = marks["first_step"] - marks["failure_detected"]
+        self.events.emit("warm_recovery", **self.recovered, marks=marks, parts_s=parts,
+                         total_s=total)
+        self.console.line(f"warm recovery: rank(s) {self.recovered['lost']} replaced by "
+                          f"spare(s), the state of step {self.recovered['step']} restored from "
+                          f"memory; training again {total:.2f}s after the failure")
+        self.recovered = None
+
+    def restore(self, plan: Plan, replication) -> None:
+        """Every rank's state at ``plan.step`` from memory: survivors from their own
+        snapshot, a spare from its buddy's replica; all verified by CRC-32 first, and all
+        ranks agree that each did, or none goes on (SnapshotError: the cold path)."""
+        ok = torch.ones(1)
+        snap = None
+        try:
+            for lost, source in plan.sources.items():
+                if source == self.world.rank:
+                    self.snapshots.send_replica(plan.step, int(lost), replication)
+            if str(self.world.rank) in plan.sources:
+                snap = Snapshots.receive(plan.sources[str(self.world.rank)], replication)
+            else:
+                snap = self.snapshots.own.at(plan.step)
+                snap.verify()
+        except SnapshotError as e:
+            self.events.emit("snapshot_corrupt", rank=self.world.rank, step=plan.step,
+                             error=str(e), when="restore")
+            ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=replication)
+        if not ok.item():
+            raise SnapshotError(f"a snapshot of step {plan.step} failed its check "
+                                f"(see the snapshot_corrupt events)")
+        tensors, rng = self._snapshot_tensors()
+        header = snap.restore_into(tensors)
+        torch.set_rng_state(rng)
+        restore_python_rng(header)
+        self.scheduler.load_state_dict(header["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, header["lr"]):
+            group["lr"] = lr  # the schedule's state does not carry the rate it last set
+        self.data.load_state_dict(header["data"])
+        self.integrity.restart_at(header["judged"], header["skips"])
+        self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
+                                self.world.rank)
+        self.step = self.checked_step = plan.step
 
     @contextmanager
     def diagnosed(self):
@@ -427,6 +587,8 @@ class Trainer:
         unhealthy = self.health is not None and self.health.fatal is not None
         if unhealthy and not self.excluded:  # first, so the record exists however it ends
             self.exclude_node(self.health.fatal.sentence(), findings=[asdict(self.health.fatal)])
+        if unhealthy and self.warm is not None:
+            return True  # leave now, unsaved: the survivors go on warm with a spare
         if self.checkpoints is None:
             return unhealthy
         due, stop = self.checkpoints.due(step, stop_vote=unhealthy)
@@ -560,6 +722,8 @@ class Trainer:
             self.watchdog.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.snapshots is not None:
+            self.snapshots.stop(timeout=10.0)
         shutdown()
         self.ledger.record("other", "shutdown", started, time.time())
         self.events.close()

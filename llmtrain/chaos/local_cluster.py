@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 from llmtrain.distributed.process_group import free_port
+from llmtrain.launch.node import child_pids
 
 
 def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                         text=True).stdout.split()
-    children = [int(p) for p in out]
+    children = child_pids(pid)
     return children + [d for c in children for d in descendants(c)]
 
 

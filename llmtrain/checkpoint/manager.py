@@ -58,8 +58,7 @@ class CheckpointManager:
         self.manifest_base = manifest_base
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.io_group = dist.new_group(backend="gloo")
-        self.control_group = dist.new_group(backend="gloo")
+        self.bind_groups()
         self.stager = None
         if cfg.mode != "sync":
             cuda = device.type == "cuda"
@@ -74,6 +73,12 @@ class CheckpointManager:
         if cfg.save_on_signal:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._on_signal)
+
+    def bind_groups(self) -> None:
+        """Its own gloo groups (for DCP's I/O and for votes): made at start, and again in
+        each new generation of the job's groups after a warm recovery."""
+        self.io_group = dist.new_group(backend="gloo")
+        self.control_group = dist.new_group(backend="gloo")
 
     def _emit0(self, event: str, **fields) -> None:
         """Events every rank would report alike are written once, by rank 0."""
@@ -176,9 +181,10 @@ class CheckpointManager:
     def _failed(self, step: int, error: BaseException) -> None:
         self.events.emit("checkpoint_failed", step=step, error=describe(error))
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        """Waits for the write in flight (TimeoutError after ``timeout``)."""
         if self.inflight is not None:
-            self.inflight.result()
+            self.inflight.result(timeout)
 
     def apply_retention(self) -> None:
         for c in storage.retention_victims(storage.list_checkpoints(self.url),

@@ -92,7 +92,7 @@ def _attempt_namespace() -> str:
     return f"llmtrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def open_store(name: str, timeout: timedelta) -> dist.Store:
+def open_store(name: str, timeout: timedelta, round_id: str | None = None) -> dist.Store:
     """A new store client under ``name`` for a thread that must reach a store while the
     main thread may be stuck: the watchdog's.
 
@@ -100,15 +100,17 @@ def open_store(name: str, timeout: timedelta) -> dist.Store:
     served by an agent or ``llmtrain rdzv-store`` and so outside every worker: with a
     store per round, the job's own store lives in rank 0's process, and a rank 0 that is
     stopped (SIGSTOP, a kernel hang) would take the watchdogs' meeting point along. The
-    keys go under a name the round's ranks agree on through the job's store at start.
+    keys go under a name the round's ranks agree on through the job's store at start, or
+    under ``round_id`` when they already agree on one (a warm spare has no job store).
     """
-    job = dist.PrefixStore(_attempt_namespace(), dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timeout, use_libuv=True))
     endpoint = os.environ.get("LLMTRAIN_RDZV_ENDPOINT")
-    if not endpoint:
-        return dist.PrefixStore(name, job)
-    round_id = job.compare_set(f"{name}/round", "", uuid.uuid4().hex).decode()
+    if round_id is None:
+        job = dist.PrefixStore(_attempt_namespace(), dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timeout, use_libuv=True))
+        if not endpoint:
+            return dist.PrefixStore(name, job)
+        round_id = job.compare_set(f"{name}/round", "", uuid.uuid4().hex).decode()
     host, _, port = endpoint.rpartition(":")
     outside = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
     return dist.PrefixStore(f"llmtrain/rounds/{round_id}/{name}", outside)

@@ -106,11 +106,24 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
         return gate
     started = time.time()
     events = EventLog(run_dir, rank=None)
+    if lc.standby and cfg.warm.enable and lc.external_store:
+        events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id, spare="warm")
+        # Waits warm; takes a lost rank's place in the running job. If the warm path
+        # fails, the job restarts cold and this node joins that as a standby.
+        rc = subprocess.call([sys.executable, "-m", "llmtrain", "spare", *train_args],
+                             env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
+                                  lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
+        if rc == ExitCode.CLEAN or finished(EventTail(run_dir, keep=frozenset({"run_end"}))
+                                            .read(), cfg.training.steps, started):
+            events.emit("node_exit", host=host, spare_exit=rc, exit_code=0)
+            events.close()
+            return ExitCode.CLEAN
     if lc.standby and not await_vacancy(lc, run_dir, cfg.training.steps, started):
         events.emit("spare_released", host=host)
         events.close()
         return ExitCode.CLEAN  # the job finished without needing this spare
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host,
+           "LLMTRAIN_RDZV_ID": lc.rdzv_id}
     if not lc.rdzv_endpoint.endswith(":0"):  # port 0: the agent picks one we cannot know
         env["LLMTRAIN_RDZV_ENDPOINT"] = lc.rdzv_endpoint  # the watchdogs meet there
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
@@ -121,7 +134,7 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if "SLURM_STEP_ID" not in os.environ:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, lambda signum, _: proc.send_signal(signum))
-    rc = proc.wait()
+    rc = _wait_agent(proc, run_dir, cfg.training.steps, started)
     code = _outcome(rc, run_dir, host, started, cfg.training.steps)
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
     events.close()
@@ -138,10 +151,36 @@ def _outcome(rc: int, run_dir: str, host: str, since: float, steps: int) -> Exit
         return ExitCode.FATAL
     # A node left waiting when the job ended: torch 2.13's agent fails on that, but the
     # job is done.
-    return ExitCode.CLEAN if _finished(ended, steps, since) else ExitCode.RETRYABLE
+    return ExitCode.CLEAN if finished(ended, steps, since) else ExitCode.RETRYABLE
 
 
 STANDBY_GRACE_S = 3.0
+# After the run's end, how long an agent may take to exit before it is stopped.
+EXIT_GRACE_S = 10.0
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                         text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def _wait_agent(proc: subprocess.Popen, run_dir: str, steps: int, since: float) -> int:
+    """torchrun's exit code. An agent whose workers finished waits in torchrun's exit
+    barrier for the round's other agents, for 300 s, in a call no signal interrupts; after
+    a warm recovery replaced a lost node, that node's agent never comes. So once the run
+    has ended and this agent's workers are gone, the agent is killed."""
+    ends = EventTail(run_dir, keep=frozenset({"run_end"}))
+    ended_at = None
+    while (rc := proc.poll()) is None:
+        time.sleep(1.0)
+        if ended_at is None and finished(ends.read(), steps, since):
+            ended_at = time.monotonic()
+        if (ended_at is not None and time.monotonic() - ended_at > EXIT_GRACE_S
+                and not child_pids(proc.pid)):
+            proc.kill()
+            return proc.wait()
+    return rc
 
 
 def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> bool:
@@ -171,12 +210,12 @@ def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> b
         short_since = (short_since or now) if short else None
         if short_since is not None and now - short_since >= STANDBY_GRACE_S:
             return True
-        if _finished(ends.read(), steps, since):
+        if finished(ends.read(), steps, since):
             return False
         time.sleep(0.5)
 
 
-def _finished(events: list[dict], steps: int, since: float) -> bool:
+def finished(events: list[dict], steps: int, since: float) -> bool:
     return any(e["event"] == "run_end" and e["ts"] >= since and e["steps"] == steps
                for e in events)
 

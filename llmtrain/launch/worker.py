@@ -6,19 +6,27 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from datetime import timedelta
+
+import torch
 
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import ShardError
 from llmtrain.distributed.process_group import node_name
-from llmtrain.events import EventLog
+from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
+from llmtrain.launch.node import finished
+from llmtrain.model import Transformer
+from llmtrain.recovery.warm import await_assignment, outside_store
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.integrity import TrainingDiverged
 from llmtrain.trainer import Trainer
 
 
-def run_worker(cfg: JobConfig) -> ExitCode:
-    """Trains this rank to the end; raises what the trainer raised, after logging it."""
+def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
+    """Trains this rank to the end; raises what the trainer raised, after logging it.
+    ``plan``: a warm spare's assignment, to take a lost rank's place."""
     host = node_name()
     if host in (excluded := excluded_hosts(cfg.training.run_dir)):
         print(f"llmtrain: {host} is excluded from this run ({excluded[host]['reason']})",
@@ -26,7 +34,7 @@ def run_worker(cfg: JobConfig) -> ExitCode:
         stop_agent(ExitCode.EXCLUDE_NODE)
         return ExitCode.EXCLUDE_NODE
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, plan)
     except (ConfigError, ShardError) as e:
         events = EventLog(cfg.training.run_dir, int(os.environ.get("RANK", 0)))
         events.emit("fatal", host=host, error=f"{type(e).__name__}: {e}")
@@ -48,6 +56,28 @@ def run_worker(cfg: JobConfig) -> ExitCode:
         trainer.close()
     stop_agent(trainer.exit_code)
     return trainer.exit_code
+
+
+def run_spare(cfg: JobConfig) -> ExitCode:
+    """A warm spare (``llmtrain spare``, started by a standby ``llmtrain launch``): torch
+    and llmtrain already imported, the store connected, it waits for the survivors of a
+    lost rank to assign it that rank, then trains in its place. CLEAN if the job ended
+    without needing it."""
+    store = outside_store(timedelta(seconds=cfg.warm.budget_s))
+    if store is None:
+        raise ConfigError("llmtrain spare needs the rendezvous store's address in "
+                          "LLMTRAIN_RDZV_ENDPOINT (run it under llmtrain launch --standby)")
+    with torch.device("meta"):  # the first model build pays one-time costs: pay them now
+        Transformer(cfg.model)
+    since = time.time()
+    ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
+    plan = await_assignment(store, poll_s=0.5,
+                            stop=lambda: finished(ends.read(), cfg.training.steps, since))
+    if plan is None:
+        return ExitCode.CLEAN
+    os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    return run_worker(cfg, plan)
 
 
 def stop_agent(code: int) -> None:

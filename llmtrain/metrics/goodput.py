@@ -92,6 +92,11 @@ class GoodputLedger:
         finally:
             self.record(category, name, start, time.time())
 
+    def restart_at(self, step: int) -> None:
+        """After a warm recovery back to ``step``: the steps since the last report are
+        not counted productive; productive time starts again now."""
+        self.productive_from = (step + 1, time.time())
+
     def steps_done(self, last_step: int) -> None:
         """Closes the productive span that ends at ``last_step`` and opens the next."""
         now = time.time()

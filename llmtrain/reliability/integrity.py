@@ -146,6 +146,12 @@ class Integrity:
         self.pending.append((step, torch.cat([torch.stack([code.float(), loss, norm]), losses])))
         return skip.float()
 
+    def restart_at(self, judged: int, skips: list[int]) -> None:
+        """After a warm recovery restored the window (``history``) of an earlier step:
+        verdicts judged since then are dropped, to be judged again."""
+        self.judged, self.pending = judged, []
+        self.skips |= set(skips)
+
     def _spike(self, loss: torch.Tensor) -> torch.Tensor:
         if not self.cfg.spike_z or self.judged < self.cfg.spike_window // 2:
             return torch.zeros((), dtype=torch.bool, device=self.device)

@@ -20,7 +20,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "llmtrain"
 LAYERS = [
     {"config", "configs", "events", "exit_codes", "fsio", "fault_points"},   # foundations
-    {"model", "data", "distributed", "checkpoint", "metrics", "reliability"},  # components
+    {"model", "data", "distributed", "checkpoint", "metrics", "reliability", "recovery"},  # components
     {"trainer"},
     {"launch"},
     {"report", "chaos"},  # tools behind extras

@@ -1,0 +1,309 @@
+"""In-memory snapshots of the training state, each replicated to a buddy on the next node.
+
+A cold restart reads the durable checkpoint back from shared storage and redoes every step
+since it. With each rank's state copied into host memory every ``warm.snapshot_every``
+steps, and a replica of it held by a rank on another node, the survivors of a failure
+restore from their own snapshot and the lost rank's replacement from its buddy's replica:
+at most ``snapshot_every`` steps are redone, and nothing is read from storage.
+
+A snapshot is one flat byte buffer (this rank's model and optimizer shards, its RNG, the
+integrity window) plus a small JSON header (step, LR schedule, data position, Python RNG,
+the buffer's layout and CRC-32). Nothing is pickled: a replica from a peer is data, never
+code. Buffers are reused: two slots of our own, two of our ward's (the rank whose buddy we
+are). The copy runs on the training thread (a memcpy); the checksum and the exchange with
+the buddy run on a thread of their own, over a gloo group used for nothing else. A snapshot
+due while the previous one is still being sent is skipped, so the training thread never
+waits for the network.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from llmtrain.events import EventLog
+
+_ALIGN = 64
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot that cannot be used: missing, or failing its checksum."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  extra: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's share of the training state, in an order every rebuild repeats:
+    parameters, then each parameter's optimizer state by key, then ``extra``. Missing
+    optimizer state (a freshly built optimizer) is created, zeroed, to be copied into."""
+    tensors = [_local(p.data) for p in model.parameters()]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:  # what fused AdamW creates at its first step
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            tensors += [_local(state[k]) for k in sorted(state)]
+    return tensors + extra
+
+
+def _layout(tensors: list[torch.Tensor]) -> list[list]:
+    return [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+
+
+def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _crc(buffer: torch.Tensor) -> int:
+    return zlib.crc32(memoryview(buffer.numpy()))  # releases the GIL for large buffers
+
+
+@dataclass
+class Snapshot:
+    """One rank's state at ``step``: ``header`` (JSON-able) and ``buffer`` (bytes)."""
+    step: int
+    header: dict
+    buffer: torch.Tensor
+    replicated: bool = False
+
+    def verify(self) -> None:
+        if _crc(self.buffer[:self.header["nbytes"]]) != self.header["crc"]:
+            raise SnapshotError(f"rank {self.header['rank']}'s snapshot of step {self.step} "
+                                f"fails its CRC-32: the memory holding it was corrupted")
+
+    def restore_into(self, tensors: list[torch.Tensor]) -> dict:
+        """Copies the buffer into ``tensors`` (same layout); returns the header."""
+        if _layout(tensors) != self.header["layout"]:
+            raise SnapshotError(f"rank {self.header['rank']}'s snapshot of step {self.step} "
+                                f"does not match this model's layout (a different config?)")
+        offsets, _ = _offsets(tensors)
+        with torch.no_grad():
+            for t, off in zip(tensors, offsets):
+                if t.numel():
+                    n = t.numel() * t.element_size()
+                    t.view(-1).view(torch.uint8).copy_(self.buffer[off:off + n])
+        return self.header
+
+
+@dataclass
+class _Slots:
+    """Two reusable snapshot slots; the older one is overwritten."""
+    held: list[Snapshot] = field(default_factory=list)
+
+    def reuse(self, nbytes: int) -> torch.Tensor:
+        if len(self.held) < 2:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        old = self.held.pop(0)
+        return old.buffer if old.buffer.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+
+    def add(self, snap: Snapshot) -> None:
+        self.held.append(snap)
+
+    def steps(self) -> list[int]:
+        return [s.step for s in self.held]
+
+    def at(self, step: int) -> Snapshot | None:
+        return next((s for s in self.held if s.step == step), None)
+
+
+class Snapshots:
+    """This rank's snapshots and its ward's replicas.
+
+    ``buddy``/``ward``: the rank that holds our replica, and the rank whose replica we
+    hold (None when the job has one node: a buddy on our own node dies with us).
+    """
+
+    def __init__(self, every: int, rank: int, *, buddy: int | None, ward: int | None,
+                 events: EventLog):
+        self.every, self.rank, self.buddy, self.ward = every, rank, buddy, ward
+        self.events = events
+        self.own, self.replicas = _Slots(), _Slots()
+        self.group = None
+        self.skipped = 0
+        self._work: Snapshot | None = None
+        self._wake = threading.Condition()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    # -- lifecycle (one replication group per generation of the job) ------------------
+
+    def start(self, group) -> None:
+        """Starts replicating over ``group`` (a gloo group of every rank)."""
+        self.group, self._closed, self.error = group, False, None
+        if self.buddy is not None:
+            self._thread = threading.Thread(target=self._replicate, name="llmtrain-snapshots",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float) -> bool:
+        """Stops replicating (the group is about to go); False if the thread is stuck."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+        self._thread, self.group = None, None
+        return True
+
+    # -- on the training thread -------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def take(self, step: int, tensors: list[torch.Tensor], header: dict) -> bool:
+        """Copies ``tensors`` into a free slot as the snapshot of ``step``; False (skipped)
+        while the previous one is still being sent to the buddy."""
+        if not self._idle.is_set():
+            self.skipped += 1
+            return False
+        offsets, nbytes = _offsets(tensors)
+        buffer = self.own.reuse(nbytes)
+        with torch.no_grad():
+            for t, off in zip(tensors, offsets):
+                if t.numel():
+                    buffer[off:off + t.numel() * t.element_size()].copy_(
+                        t.detach().reshape(-1).view(torch.uint8))
+        header = {**header, "step": step, "rank": self.rank, "layout": _layout(tensors),
+                  "nbytes": nbytes, "python_rng": _jsonable(random.getstate()), "crc": None}
+        snap = Snapshot(step, header, buffer)
+        self.own.add(snap)
+        if self.buddy is None:
+            snap.header["crc"] = _crc(buffer[:nbytes])
+            return True
+        with self._wake:
+            self._idle.clear()
+            self._work = snap
+            self._wake.notify()
+        return True
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        return self._idle.wait(timeout)
+
+    # -- the replication thread -------------------------------------------------------
+
+    def _replicate(self) -> None:
+        while True:
+            with self._wake:
+                while self._work is None and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                snap, self._work = self._work, None
+            try:
+                self._exchange(snap)
+            except Exception as e:  # noqa: BLE001 - a peer failed: recovery reads it
+                self.error = e
+                self._idle.set()
+                return
+            self._idle.set()
+
+    def _exchange(self, snap: Snapshot) -> None:
+        """Sends our snapshot to the buddy and receives the ward's: sizes first, then the
+        JSON header and the bytes; the ward's is kept only if its CRC-32 matches."""
+        nbytes = snap.header["nbytes"]
+        snap.header["crc"] = _crc(snap.buffer[:nbytes])
+        head = json.dumps(snap.header).encode()
+        sizes_out = torch.tensor([len(head), nbytes], dtype=torch.int64)
+        sizes_in = torch.empty(2, dtype=torch.int64)
+        _both(dist.isend(sizes_out, self.buddy, group=self.group),
+              dist.irecv(sizes_in, self.ward, group=self.group))
+        head_len, body_len = (int(x) for x in sizes_in)
+        head_in = torch.empty(head_len, dtype=torch.uint8)
+        body_in = self.replicas.reuse(body_len)
+        _both(dist.isend(torch.frombuffer(bytearray(head), dtype=torch.uint8), self.buddy,
+                         group=self.group),
+              dist.irecv(head_in, self.ward, group=self.group))
+        _both(dist.isend(snap.buffer[:nbytes], self.buddy, group=self.group),
+              dist.irecv(body_in[:body_len], self.ward, group=self.group))
+        snap.replicated = True
+        header = json.loads(bytes(head_in.numpy()))
+        replica = Snapshot(header["step"], header, body_in)
+        try:
+            replica.verify()
+        except SnapshotError as e:
+            self.events.emit("snapshot_corrupt", rank=self.rank, ward=self.ward,
+                             step=replica.step, error=str(e), when="received")
+            return
+        self.replicas.add(replica)
+
+    # -- recovery ---------------------------------------------------------------------
+
+    def holdings(self) -> dict:
+        """What this rank can restore from: its own steps, and its ward's (verified)."""
+        return {"own": [s.step for s in self.own.held if s.header["crc"] is not None],
+                "ward": self.ward, "replicas": self.replicas.steps()}
+
+    def send_replica(self, step: int, to: int, group) -> None:
+        """Sends the ward's replica of ``step`` to ``to`` (the ward's replacement),
+        verifying it first: a corrupted replica is never handed on."""
+        replica = self.replicas.at(step)
+        if replica is None:
+            raise SnapshotError(f"rank {self.rank} holds no replica of rank {self.ward} "
+                                f"at step {step}")
+        head = json.dumps(replica.header).encode()
+        try:
+            replica.verify()
+        except SnapshotError as e:
+            self.events.emit("snapshot_corrupt", rank=self.rank, ward=self.ward, step=step,
+                             error=str(e), when="before restore")
+            head = b""  # an empty header tells the receiver to give up
+        dist.send(torch.tensor([len(head), replica.header["nbytes"]]), to, group=group)
+        if head:
+            dist.send(torch.frombuffer(bytearray(head), dtype=torch.uint8), to, group=group)
+            dist.send(replica.buffer[:replica.header["nbytes"]], to, group=group)
+
+    @staticmethod
+    def receive(source: int, group) -> Snapshot:
+        """The counterpart of :meth:`send_replica` on the replacement rank."""
+        sizes = torch.empty(2, dtype=torch.int64)
+        dist.recv(sizes, source, group=group)
+        head_len, nbytes = (int(x) for x in sizes)
+        if not head_len:
+            raise SnapshotError(f"rank {source}'s replica failed its CRC-32 (see the "
+                                f"snapshot_corrupt event)")
+        head = torch.empty(head_len, dtype=torch.uint8)
+        dist.recv(head, source, group=group)
+        header = json.loads(bytes(head.numpy()))
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        dist.recv(buffer, source, group=group)
+        snap = Snapshot(header["step"], header, buffer)
+        snap.verify()
+        return snap
+
+    def bytes_held(self) -> int:
+        return sum(s.buffer.numel() for s in self.own.held + self.replicas.held)
+
+
+def _both(*works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def restore_python_rng(header: dict) -> None:
+    version, state, gauss = header["python_rng"]
+    random.setstate((version, tuple(state), gauss))

@@ -1,0 +1,1 @@
+"""Warm recovery: the survivors of a lost rank re-form the group with a warm spare."""

@@ -1,0 +1,200 @@
+"""The warm path's agreement: which ranks are lost, which spare replaces each, and which
+snapshot step every rank restores.
+
+Every meeting happens in the rendezvous store outside the workers (``llmtrain rdzv-store``
+or an agent's), under ``llmtrain/warm/<rdzv id>``: spares register there at the job level,
+and each torchrun round has its own namespace, in which each generation of the group (0 at
+start, +1 per warm recovery) has its own keys and its own process-group prefix.
+
+When a rank sees a collective fail, it reports what it can restore from (its own snapshot
+steps, its ward's replica steps) and waits ``warm.settle_s`` for the others' reports; the
+ranks that did not report are lost. The lowest reporting rank proposes a plan, the first
+proposal stored wins, and its proposer claims a warm spare for each lost rank. The plan is
+refused, and every survivor takes the cold path (exit RETRYABLE, torchrun restarts the
+job from the durable checkpoint), when a lost rank's buddy is lost too, when no step is
+held by every survivor and by every lost rank's buddy, or when no spare is waiting.
+
+Why not torchft or nvidia-resiliency-ext's in-process restart: torchft drops a failed
+replica group and trains on with fewer (so not bitwise equal to a fault-free run, and a
+plain FSDP job has no replica to drop) behind a per-step quorum with its own lighthouse
+server; nvidia-resiliency-ext's in-process wrapper aborts CUDA/NCCL groups only and
+re-runs the training function, which still rebuilds state from storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from llmtrain.config import WarmConfig
+
+
+class ColdPath(RuntimeError):
+    """The warm path cannot recover this failure; the message says why."""
+
+
+@dataclass
+class Plan:
+    """What the survivors agreed on for generation ``gen``."""
+    gen: int
+    step: int                      # the snapshot step every rank restores
+    world_size: int
+    local_world_size: int
+    round_id: str
+    lost: list[int]
+    sources: dict[str, int]        # lost rank -> the buddy that sends its replica
+    spares: dict[str, int] = field(default_factory=dict)  # lost rank -> spare number
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Plan":
+        return cls(**json.loads(text))
+
+
+def buddy_of(rank: int, world_size: int, local_world_size: int) -> int | None:
+    """The rank holding ``rank``'s replica: the same local rank on the next node."""
+    if world_size <= local_world_size:
+        return None
+    return (rank + local_world_size) % world_size
+
+
+def ward_of(rank: int, world_size: int, local_world_size: int) -> int | None:
+    if world_size <= local_world_size:
+        return None
+    return (rank - local_world_size) % world_size
+
+
+def outside_store(timeout: timedelta) -> dist.Store | None:
+    """The job's warm-path namespace in the rendezvous store, or None without one
+    (``llmtrain launch`` passes ``LLMTRAIN_RDZV_ENDPOINT`` and ``LLMTRAIN_RDZV_ID``)."""
+    endpoint = os.environ.get("LLMTRAIN_RDZV_ENDPOINT")
+    if not endpoint:
+        return None
+    host, _, port = endpoint.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
+    return dist.PrefixStore(f"llmtrain/warm/{os.environ.get('LLMTRAIN_RDZV_ID', 'job')}", store)
+
+
+def round_of(job_store: dist.Store) -> str:
+    """This torchrun round's name, agreed through the round's own store."""
+    return job_store.compare_set("warm/round", "", uuid.uuid4().hex).decode()
+
+
+class WarmPath:
+    """One rank's side of the agreement; ``gen`` moves on with each warm recovery."""
+
+    def __init__(self, cfg: WarmConfig, store: dist.Store, round_id: str, rank: int,
+                 world_size: int, local_world_size: int, gen: int = 0):
+        self.cfg, self.store, self.round_id = cfg, store, round_id
+        self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
+        self.gen = gen
+
+    @property
+    def buddy(self) -> int | None:
+        return buddy_of(self.rank, self.world_size, self.local_world_size)
+
+    @property
+    def ward(self) -> int | None:
+        return ward_of(self.rank, self.world_size, self.local_world_size)
+
+    def _key(self, name: str, gen: int | None = None) -> str:
+        return f"{self.round_id}/g{self.gen if gen is None else gen}/{name}"
+
+    def group_store(self) -> dist.Store:
+        """Where this generation's process groups meet."""
+        return dist.PrefixStore(self._key("pg"), self.store)
+
+    def agree(self, holdings: dict, deadline: float) -> Plan:
+        """Reports ``holdings``, learns who else is alive, and returns the plan every
+        survivor follows; ColdPath when there is none."""
+        self.store.set(self._key(f"report/{self.rank}"), json.dumps(holdings))
+        count = self._key("reported")
+        settle = time.monotonic() + self.cfg.settle_s
+        seen = self.store.add(count, 1)
+        while seen < self.world_size and time.monotonic() < settle:
+            time.sleep(0.01)
+            seen = self.store.add(count, 0)
+        reports = {r: json.loads(self.store.get(self._key(f"report/{r}")))
+                   for r in range(self.world_size) if self.store.check([self._key(f"report/{r}")])}
+        if min(reports) == self.rank:
+            proposal = self._propose(reports)
+            stored = self.store.compare_set(self._key("plan"), "", proposal).decode()
+            if stored == proposal:
+                self._claim_spares(stored)
+        plan_text = self._wait(self._key("spares"), deadline)
+        if plan_text.startswith("cold:"):
+            raise ColdPath(plan_text[5:])
+        plan = Plan.from_json(plan_text)
+        if self.rank in plan.lost:
+            raise ColdPath(f"rank {self.rank} reported too late and was counted as lost")
+        return plan
+
+    def _propose(self, reports: dict[int, dict]) -> str:
+        lost = [r for r in range(self.world_size) if r not in reports]
+        if not lost:
+            return "cold:every rank is alive: the failure was not a lost rank"
+        sources = {}
+        for r in lost:
+            b = buddy_of(r, self.world_size, self.local_world_size)
+            if b is None or b in lost:
+                return (f"cold:rank {r} was lost " + ("with its buddy, rank " + str(b) if b
+                        is not None else "and the job has one node: no replica exists"))
+            sources[str(r)] = b
+        held = [set(reports[a]["own"]) for a in reports]
+        held += [set(reports[b]["replicas"]) for b in sources.values()]
+        common = set.intersection(*held)
+        if not common:
+            return (f"cold:no snapshot step is held by every survivor and by the buddies "
+                    f"of rank(s) {lost}")
+        return Plan(gen=self.gen + 1, step=max(common), world_size=self.world_size,
+                    local_world_size=self.local_world_size, round_id=self.round_id,
+                    lost=lost, sources=sources).to_json()
+
+    def _claim_spares(self, proposal: str) -> None:
+        """The winning proposer's part: a registered spare for each lost rank."""
+        if proposal.startswith("cold:"):
+            self.store.set(self._key("spares"), proposal)
+            return
+        plan = Plan.from_json(proposal)
+        registered = self.store.add("spares/registered", 0)
+        for r in plan.lost:
+            number = self.store.add("spares/claimed", 1)
+            if number > registered:
+                self.store.set(self._key("spares"), f"cold:no warm spare waits for rank {r}")
+                return
+            plan.spares[str(r)] = number
+        for r, number in plan.spares.items():
+            self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
+        self.store.set(self._key("spares"), plan.to_json())
+
+    def _wait(self, key: str, deadline: float) -> str:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ColdPath("the warm path ran out of its time budget (warm.budget_s)")
+        try:
+            self.store.wait([key], timedelta(seconds=left))
+        except (dist.DistStoreError, RuntimeError):
+            raise ColdPath(f"no plan within warm.budget_s={self.cfg.budget_s}") from None
+        return self.store.get(key).decode()
+
+
+def await_assignment(store: dist.Store, poll_s: float, stop) -> dict | None:
+    """A spare's wait: registers, then returns its plan (with its ``rank``), or None once
+    ``stop()`` says the job no longer needs it."""
+    number = store.add("spares/registered", 1)
+    key = f"spares/{number}/plan"
+    while not stop():
+        try:
+            store.wait([key], timedelta(seconds=poll_s))
+        except (dist.DistStoreError, RuntimeError):
+            continue
+        return json.loads(store.get(key))
+    return None
