@@ -7,8 +7,11 @@ llmtrain's loop adds its data pipeline, LR schedule, gradient accumulation, the 
 loss all-reduce, console, event log and the integrity checks (each step judged on the
 device, the state fingerprinted every 10 steps here). The same trainer with integrity off
 is the baseline for what those checks cost (the goal: <= 1.01), measured two ways: the
-median ratio of back-to-back segments, and the checks' own time, timed where they run. A second baseline without
-FSDP2 shows what sharding itself costs on one rank.
+median ratio of back-to-back segments, and the checks' own time, timed where they run. The
+same trainer taking an in-memory snapshot every step (the warm path's; on two ranks each
+replicates to the other, as to a buddy on another node) shows what snapshots cost (the
+goal: <= 1.03). A second baseline without FSDP2 shows what sharding itself costs on one
+rank.
 
     python benchmarks/step_overhead.py                       # one rank
     torchrun --nproc-per-node 2 benchmarks/step_overhead.py  # two ranks
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from llmtrain.checkpoint.snapshots import Snapshots
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.model import Transformer
@@ -74,9 +78,10 @@ class Timed:
         setattr(obj, name, timed)
 
 
-def llmtrain_loop(trainer: Trainer, integrity: bool):
+def llmtrain_loop(trainer: Trainer, integrity: bool, snapshots: Snapshots | None = None):
     def run(n: int) -> float:
         trainer.cfg.integrity.enable = integrity
+        trainer.snapshots = snapshots
         trainer.cfg.training.steps = trainer.step + n
         start = time.perf_counter()
         trainer.run()
@@ -98,8 +103,13 @@ def main() -> None:
     torch.manual_seed(0)
     sharded = parallelize(Transformer(cfg.model), trainer.mesh, cfg.parallelism)
     plain = Transformer(cfg.model).to(trainer.device)
+    world, rank = trainer.world.world_size, trainer.world.rank
+    other = (rank + 1) % world if world > 1 else None
+    snapshots = Snapshots(1, rank, buddy=other, ward=other, events=trainer.events)
+    snapshots.start(dist.new_group(backend="gloo"))
     loops = {"llmtrain": llmtrain_loop(trainer, integrity=True),
              "no integrity": llmtrain_loop(trainer, integrity=False),
+             "snapshots": llmtrain_loop(trainer, integrity=True, snapshots=snapshots),
              "bare (FSDP2)": bare_loop(sharded, cfg, trainer.device),
              "bare (no FSDP)": bare_loop(plain, cfg, trainer.device)}
     if dist.get_world_size() > 1:
@@ -108,12 +118,19 @@ def main() -> None:
         run(3)  # warm-up: allocator, first-call paths
     # What the checks take, timed where they run (the loop ratio is blurred by noise).
     checks = [Timed(trainer.integrity, name) for name in ("judge", "read", "check_state")]
+    taking, skipped = Timed(snapshots, "take"), snapshots.skipped
     judged = trainer.integrity.judged
     times: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(args.segments):
         for name, run in loops.items():
             times[name].append(run(args.steps))
     judged = trainer.integrity.judged - judged
+    skipped = snapshots.skipped - skipped
+    taken = args.segments * args.steps - skipped
+    snapshot_bytes = snapshots.bytes_held()
+    params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                 for p in trainer.model.parameters())
+    snapshots.stop(30)
     trainer.close()
     if trainer.world.rank != 0:
         return
@@ -132,7 +149,16 @@ def main() -> None:
     print(f"integrity checks: {checks_ms:.3f} ms/step timed in place "
           f"({checks_ms / (median['no integrity'] * 1e3):.2%} of a step); loop with / "
           f"without them, median of paired segments: {paired:.3f}")
+    snap_paired = statistics.median(a / b for a, b in zip(times["snapshots"], times["llmtrain"]))
+    print(f"snapshots: {taking.seconds / taken * 1e3:.3f} ms per copy on the training thread, "
+          f"{skipped} of {args.segments * args.steps} skipped (the previous one "
+          f"still being sent); {snapshot_bytes / params:.1f} bytes per parameter held "
+          f"(own and buddy's, two each); loop with / without them: {snap_paired:.3f}")
     figures = {"llmtrain_over_bare": round(median["llmtrain"] / base, 4),
+               "snapshot_overhead": round(snap_paired, 4),
+               "snapshot_copy_ms": round(taking.seconds / taken * 1e3, 3),
+               "snapshots_skipped": skipped,
+               "snapshot_bytes_per_param": round(snapshot_bytes / params, 1),
                "llmtrain_ms": round(median["llmtrain"] * 1e3, 2),
                "bare_ms": round(base * 1e3, 2),
                "integrity_overhead": round(paired, 4),

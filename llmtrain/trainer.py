@@ -117,11 +117,12 @@ class Trainer:
         self.events = EventLog(t.run_dir, self.world.rank)
         self.ledger = GoodputLedger(self.events, enabled=self.is_logger)
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        self.ledger.attempt(world_size=self.world.world_size, host=self.world.host,
-                            restart_count=restart)
-        if not restart:  # the agent's start, rendezvous and spawn (a restart's is "restart")
-            self.ledger.record("startup", "launch", launch_time(), process_start_time())
-        self.ledger.record("startup", "imports", process_start_time(), entered)
+        if plan is None:  # a warm spare joins the running attempt; its waiting costs nothing
+            self.ledger.attempt(world_size=self.world.world_size, host=self.world.host,
+                                restart_count=restart)
+            if not restart:  # the agent's start, rendezvous and spawn (a restart's: "restart")
+                self.ledger.record("startup", "launch", launch_time(), process_start_time())
+            self.ledger.record("startup", "imports", process_start_time(), entered)
         self.exporter = None
         if cfg.metrics.prometheus:
             self.exporter = Exporter(cfg.metrics, t.run_dir, rank=self.world.rank,
@@ -143,7 +144,7 @@ class Trainer:
             job = connect_store(self.world, cfg.reliability) if plan is None else None
             self.warm = self._warm_path(job, plan)
             store = job if plan is None else self.warm.group_store()
-        self._form_group(store)
+        self._form_group(store, "startup" if plan is None else "restart")
         self.integrity = Integrity(
             cfg.integrity, events=self.events, device=self.device, rank=self.world.rank,
             world_size=self.world.world_size, replicas=replica_groups(self.mesh.mesh),

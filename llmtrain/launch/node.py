@@ -84,12 +84,15 @@ def preflight(cfg: JobConfig, lc: LaunchConfig) -> None:
     TokenDataset(shard_urls(cfg.data, cfg.training.run_dir), cfg.data.seq_len)
 
 
-def torchrun_command(lc: LaunchConfig, train_args: list[str]) -> list[str]:
+def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False) -> list[str]:
+    """torchrun's command line (``warm``: with the agent that lets the warm path replace
+    a dead worker, ``llmtrain.launch.agent``)."""
     conf = (f"join_timeout={lc.join_timeout_s:.0f},last_call_timeout={lc.last_call_timeout_s:.0f},"
             f"keep_alive_interval=2,keep_alive_max_attempt=3")
     if lc.external_store:
         conf += ",is_host=0"
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={lc.nnodes}",
+    agent = "llmtrain.launch.agent" if warm else "torch.distributed.run"
+    return [sys.executable, "-m", agent, f"--nnodes={lc.nnodes}",
             f"--nproc-per-node={lc.nproc_per_node}", f"--max-restarts={lc.max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}",
             f"--rdzv-id={lc.rdzv_id}", f"--rdzv-conf={conf}",
@@ -127,7 +130,9 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if not lc.rdzv_endpoint.endswith(":0"):  # port 0: the agent picks one we cannot know
         env["LLMTRAIN_RDZV_ENDPOINT"] = lc.rdzv_endpoint  # the watchdogs meet there
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
-    proc = subprocess.Popen(torchrun_command(lc, train_args), env=env)
+    warm = cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env
+    env["LLMTRAIN_WARM_BUDGET_S"] = str(cfg.warm.budget_s)
+    proc = subprocess.Popen(torchrun_command(lc, train_args, warm), env=env)
     # A scheduler's SIGTERM (preemption, scancel) goes to the agent, which passes it to
     # the workers: they save, then exit RETRYABLE. Slurm signals every process of a step
     # itself, so there it is not passed on a second time.

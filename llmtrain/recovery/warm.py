@@ -161,19 +161,24 @@ class WarmPath:
     def _claim_spares(self, proposal: str) -> None:
         """The winning proposer's part: a registered spare for each lost rank."""
         if proposal.startswith("cold:"):
-            self.store.set(self._key("spares"), proposal)
+            self._go_cold(proposal)
             return
         plan = Plan.from_json(proposal)
         registered = self.store.add("spares/registered", 0)
         for r in plan.lost:
             number = self.store.add("spares/claimed", 1)
             if number > registered:
-                self.store.set(self._key("spares"), f"cold:no warm spare waits for rank {r}")
+                self._go_cold(f"cold:no warm spare waits for rank {r}")
                 return
             plan.spares[str(r)] = number
         for r, number in plan.spares.items():
             self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
+            self.store.add(f"replaced/{r}", 1)  # the lost rank's agent must not restart
         self.store.set(self._key("spares"), plan.to_json())
+
+    def _go_cold(self, verdict: str) -> None:
+        self.store.set(self._key("spares"), verdict)
+        self.store.add("cold", 1)  # agents waiting on a dead worker restart it
 
     def _wait(self, key: str, deadline: float) -> str:
         left = deadline - time.monotonic()

@@ -2,6 +2,9 @@
 of its own, real kills): survivors keep their processes, a warm spare takes the lost
 rank's place, state comes back from memory; and the cold path when the warm one cannot."""
 
+import os
+import signal
+
 import pytest
 import torch
 from conftest import check, events, llmtrain, wait_for_event
@@ -31,7 +34,22 @@ def cluster(tmp_path):
         c.close()
 
 
-def test_a_killed_node_is_replaced_warm_and_the_weights_match(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same job run without a fault: its final weights."""
+    run = tmp_path_factory.mktemp("warm") / "reference"
+    check(llmtrain(run, *TRAIN, nproc=2))
+    return final_weights(run, STEPS, run.parent)
+
+
+def assert_same_weights(reference: dict, run, tmp_path) -> None:
+    got = final_weights(run, STEPS, tmp_path)
+    assert reference.keys() == got.keys()
+    for name in reference:
+        assert torch.equal(reference[name], got[name]), name
+
+
+def test_a_killed_node_is_replaced_warm_and_the_weights_match(cluster, reference, tmp_path):
     c = cluster("2:2")
     for name in ("node1", "node2"):
         c.start(name)
@@ -45,13 +63,24 @@ def test_a_killed_node_is_replaced_warm_and_the_weights_match(cluster, tmp_path)
     assert not events(c.run, "warm_recovery_failed")
     # no cold restart: one attempt, and the survivor is the process that started
     assert len(events(c.run, "attempt_start")) == 1
-    reference = tmp_path / "reference"
-    check(llmtrain(reference, *TRAIN, nproc=2))
-    ref = final_weights(reference, STEPS, tmp_path)
-    got = final_weights(c.run, STEPS, tmp_path)
-    assert ref.keys() == got.keys()
-    for name in ref:
-        assert torch.equal(ref[name], got[name]), name
+    assert_same_weights(reference, c.run, tmp_path)
+
+
+def test_a_killed_rank_is_replaced_warm_and_its_agent_does_not_restart(cluster, reference,
+                                                                     tmp_path):
+    c = cluster("2:2")
+    for name in ("node1", "node2"):
+        c.start(name)
+    c.start("node3", spare=True)
+    wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 10, timeout=180)
+    victim = next(e for e in events(c.run, "startup") if e["host"] == "node2")
+    os.kill(victim["pid"], signal.SIGKILL)  # the worker only: its agent lives on
+    for name in ("node1", "node2", "node3"):
+        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    (rec,) = events(c.run, "warm_recovery")
+    assert rec["lost"] == [victim["rank"]], rec
+    assert len(events(c.run, "attempt_start")) == 1  # no agent restarted its workers
+    assert_same_weights(reference, c.run, tmp_path)
 
 
 def test_without_a_warm_spare_the_cold_path_takes_over(cluster):

@@ -115,3 +115,21 @@ def test_dtensor_and_activation_checkpoint_helpers():
     assert callable(checkpoint_wrapper)
     params = list(inspect.signature(compute_local_shape_and_global_offset).parameters)
     assert params[:3] == ["global_shape", "mesh", "placements"], params
+
+
+def test_elastic_agent_hooks_for_the_warm_path():
+    """launch/agent.py subclasses torchrun's ``LocalElasticAgent`` (overriding the private
+    ``_start_workers`` and ``_monitor_workers``, reading ``_pcontext.subprocess_handlers``)
+    and installs it by replacing the name ``LocalElasticAgent`` in
+    ``torch.distributed.launcher.api``, which ``launch_agent`` looks up at call time."""
+    import inspect
+
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    for name in ("_start_workers", "_monitor_workers"):
+        assert callable(getattr(LocalElasticAgent, name, None)), f"LocalElasticAgent.{name}"
+    assert "LocalElasticAgent(" in inspect.getsource(launcher.launch_agent)
+    assert "subprocess_handlers" in inspect.getsource(SubprocessContext.__init__)
+    assert "self._pcontext" in inspect.getsource(LocalElasticAgent._monitor_workers)

@@ -1,0 +1,85 @@
+"""torchrun's elastic agent, taught one thing: a worker the warm path replaced is not a
+failure of the node.
+
+Stock torchrun answers any worker's death by stopping every other worker on the node and
+re-forming the rendezvous, which makes every other node's agent restart its workers too:
+the survivors a warm recovery keeps alive would be killed. With ``warm.enable``, ``llmtrain
+launch`` runs torchrun through this module instead. When a worker dies, the agent waits
+(up to ``warm.budget_s``) for the warm path's verdict in the rendezvous store: the rank
+was replaced by a spare (the agent forgets the worker and keeps the others running), or
+the job goes cold (the agent does what torchrun always does). Everything else is torchrun.
+
+    python -m llmtrain.launch.agent <torchrun arguments>
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from llmtrain.recovery.warm import outside_store
+
+
+class WarmAgent(LocalElasticAgent):
+    def _start_workers(self, worker_group: WorkerGroup):
+        started = super()._start_workers(worker_group)
+        budget = float(os.environ.get("LLMTRAIN_WARM_BUDGET_S", 30))
+        self._warm_store = outside_store(timedelta(seconds=budget))
+        self._warm_budget = budget
+        self._replaced: set[int] = set()  # local ranks
+        self._seen = {w.local_rank: self._count(f"replaced/{w.global_rank}")
+                      for w in worker_group.workers}
+        self._cold_seen = self._count("cold")
+        return started
+
+    def _count(self, key: str) -> int:
+        return self._warm_store.add(key, 0) if self._warm_store is not None else 0
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        handlers = getattr(self._pcontext, "subprocess_handlers", None)
+        if self._warm_store is None or handlers is None:
+            return super()._monitor_workers(worker_group)
+        codes = {lr: h.proc.poll() for lr, h in handlers.items() if lr not in self._replaced}
+        failed = [lr for lr, code in codes.items() if code not in (None, 0)]
+        if failed and not all(self._was_replaced(worker_group, lr) for lr in failed):
+            return super()._monitor_workers(worker_group)  # cold: what torchrun does
+        if not self._replaced:
+            return super()._monitor_workers(worker_group)
+        left = {lr: code for lr, code in codes.items() if lr not in self._replaced}
+        if left and all(code == 0 for code in left.values()):
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={
+                worker_group.workers[lr].global_rank: None for lr in left})
+        # Workers still running, or none left here: the launcher stops an idle agent once
+        # the run has ended.
+        return RunResult(state=WorkerState.HEALTHY)
+
+    def _was_replaced(self, worker_group: WorkerGroup, local_rank: int) -> bool:
+        """Waits for the warm path's verdict on a dead worker's rank."""
+        if local_rank in self._replaced:
+            return True
+        rank = worker_group.workers[local_rank].global_rank
+        deadline = time.monotonic() + self._warm_budget
+        while time.monotonic() < deadline:
+            if self._count(f"replaced/{rank}") > self._seen[local_rank]:
+                self._replaced.add(local_rank)
+                return True
+            if self._count("cold") > self._cold_seen:
+                return False
+            time.sleep(0.1)
+        return False
+
+
+def main(argv: list[str]) -> None:
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.run import main as torchrun
+    launcher.LocalElasticAgent = WarmAgent
+    torchrun(argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
