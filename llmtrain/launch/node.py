@@ -116,11 +116,14 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
         rc = subprocess.call([sys.executable, "-m", "llmtrain", "spare", *train_args],
                              env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
                                   lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
-        if rc == ExitCode.CLEAN or finished(EventTail(run_dir, keep=frozenset({"run_end"}))
-                                            .read(), cfg.training.steps, started):
-            events.emit("node_exit", host=host, spare_exit=rc, exit_code=0)
+        code = (ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
+                if rc == ExitCode.CLEAN or finished(EventTail(
+                    run_dir, keep=frozenset({"run_end"})).read(), cfg.training.steps, started)
+                else None)
+        if code is not None:
+            events.emit("node_exit", host=host, spare_exit=rc, exit_code=int(code))
             events.close()
-            return ExitCode.CLEAN
+            return code
     if lc.standby and not await_vacancy(lc, run_dir, cfg.training.steps, started):
         events.emit("spare_released", host=host)
         events.close()

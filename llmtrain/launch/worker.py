@@ -71,8 +71,7 @@ def run_spare(cfg: JobConfig) -> ExitCode:
         Transformer(cfg.model)
     since = time.time()
     ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
-    plan = await_assignment(store, poll_s=0.5,
-                            stop=lambda: finished(ends.read(), cfg.training.steps, since))
+    plan = await_assignment(store, stop=lambda: finished(ends.read(), cfg.training.steps, since))
     if plan is None:
         return ExitCode.CLEAN
     os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),

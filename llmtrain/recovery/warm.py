@@ -191,15 +191,17 @@ class WarmPath:
         return self.store.get(key).decode()
 
 
-def await_assignment(store: dist.Store, poll_s: float, stop) -> dict | None:
+def await_assignment(store: dist.Store, stop, poll_s: float = 0.05) -> dict | None:
     """A spare's wait: registers, then returns its plan (with its ``rank``), or None once
-    ``stop()`` says the job no longer needs it."""
+    ``stop()`` says the job no longer needs it. (It polls with ``check``: a store ``wait``
+    that times out logs a warning each time.)"""
     number = store.add("spares/registered", 1)
     key = f"spares/{number}/plan"
-    while not stop():
-        try:
-            store.wait([key], timedelta(seconds=poll_s))
-        except (dist.DistStoreError, RuntimeError):
-            continue
-        return json.loads(store.get(key))
-    return None
+    asked = time.monotonic()
+    while not store.check([key]):
+        if time.monotonic() - asked > 1.0:  # the job's end is read once a second
+            if stop():
+                return None
+            asked = time.monotonic()
+        time.sleep(poll_s)
+    return json.loads(store.get(key))
