@@ -27,6 +27,7 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/store_scale.py
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/sampler.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -20,7 +20,8 @@ from llmtrain import fault_points
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
-from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
+from llmtrain.data import TokenDataset, shard_urls
+from llmtrain.data.sampler import BatchIterator, GlobalSampler
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
                                                 init_process_group, open_store, shutdown)

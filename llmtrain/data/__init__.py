@@ -13,8 +13,9 @@ Token shard format (``*.bin``), little-endian throughout::
 The header carries the count so a shard cut short by a crashed copy is caught when the
 dataset opens, not when a sample from its tail is read hours into a run.
 
-Sample order is a function of the *global* sample index only (see :class:`GlobalSampler`),
-so a run resumed on a different number of ranks sees exactly the data it would have seen.
+Sample order is a function of the *global* sample index only (see
+:class:`~llmtrain.data.sampler.GlobalSampler`), so a run resumed on a different number of
+ranks sees exactly the data it would have seen.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import posixpath
 import struct
 import sysconfig
 import time
-from typing import Any
 
 import fsspec
 import numpy as np
@@ -254,101 +254,3 @@ def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
         raise ShardError(f"data.path={data_cfg.path!r} holds no *.bin token shards; check "
                          f"data.path, or write shards with llmtrain.data.write_shard")
     return [join(data_cfg.path, n) for n in names]
-
-
-class GlobalSampler:
-    """This rank's share of a global sample order that no world size can change.
-
-    Global sample ``g`` is position ``g % num_samples`` of epoch ``g // num_samples``'s
-    permutation. Step ``k`` takes global samples ``[k*B, (k+1)*B)`` and rank ``r`` of
-    ``W`` the ``r``-th contiguous ``B/W`` of them, so the union over ranks of a step is
-    the same for any ``W``, and the checkpointed state is a single global counter.
-    """
-
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int,
-                 dp_rank: int, dp_world: int):
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if global_batch_size % dp_world:
-            raise ValueError(f"global batch size {global_batch_size} is not divisible by "
-                             f"{dp_world} data-parallel ranks; choose a multiple of "
-                             f"{dp_world}")
-        if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_world})")
-        self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self.dp_rank = dp_rank
-        self.dp_world = dp_world
-        self.local_batch_size = global_batch_size // dp_world
-        self.consumed_samples = 0
-        self._epoch, self._perm = -1, None
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            self._epoch = epoch
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.num_samples)
-        return self._perm
-
-    def next_batch_indices(self) -> list[int]:
-        """Dataset indices of this rank's slice of the next global batch; advances."""
-        out = self.slice_indices(self.consumed_samples, self.dp_rank)
-        self.consumed_samples += self.global_batch_size
-        return out
-
-    def slice_indices(self, consumed: int, dp_rank: int) -> list[int]:
-        """Dataset indices of ``dp_rank``'s slice of the global batch starting at global
-        sample ``consumed``."""
-        start = consumed + dp_rank * self.local_batch_size
-        out = []
-        for g in range(start, start + self.local_batch_size):
-            epoch, pos = divmod(g, self.num_samples)
-            out.append(int(self._permutation(epoch)[pos]))
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed,
-                "num_samples": self.num_samples}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd["seed"] != self.seed or sd["num_samples"] != self.num_samples:
-            raise ValueError(
-                f"the data changed since the checkpoint: it was saved with data.seed="
-                f"{sd['seed']} over {sd['num_samples']} samples, this run has data.seed="
-                f"{self.seed} over {self.num_samples} samples; resume with the same "
-                f"data.seed, shards and data.seq_len, or start a new run")
-        self.consumed_samples = int(sd["consumed_samples"])
-
-
-class BatchIterator:
-    """One optimizer step's worth of this rank's micro-batches at a time."""
-
-    def __init__(self, dataset: TokenDataset, sampler: GlobalSampler, micro_batch_size: int):
-        if sampler.local_batch_size % micro_batch_size:
-            raise ValueError(f"this rank's {sampler.local_batch_size} samples per step do "
-                             f"not split into micro-batches of {micro_batch_size}")
-        self.dataset = dataset
-        self.sampler = sampler
-        self.micro_batch_size = micro_batch_size
-
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[(inputs, targets), ...]``, each ``[micro_batch_size, seq_len]`` int64."""
-        return self._micro_batches(self.sampler.next_batch_indices())
-
-    def peer_micro_batch(self, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first micro-batch ``dp_rank`` got in the step just taken, for a recompute."""
-        s = self.sampler
-        indices = s.slice_indices(s.consumed_samples - s.global_batch_size, dp_rank)
-        return self._micro_batches(indices[:self.micro_batch_size])[0]
-
-    def _micro_batches(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        samples = torch.stack([self.dataset[i] for i in indices])
-        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
-                for mb in samples.split(self.micro_batch_size)]
-
-    def state_dict(self) -> dict[str, int]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(sd)
