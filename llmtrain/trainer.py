@@ -20,7 +20,7 @@ from llmtrain import fault_points
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
-from llmtrain.data import TokenDataset, shard_urls
+from llmtrain.data import TokenDataset, check_vocab, shard_urls
 from llmtrain.data.sampler import BatchIterator, GlobalSampler
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
@@ -129,6 +129,7 @@ class Trainer:
 
         with self.ledger.span("startup", "data"):
             # Data first: a missing or truncated shard fails before any process group starts.
+            check_vocab(cfg.data, cfg.model.vocab_size)
             dataset = TokenDataset(shard_urls(cfg.data, t.run_dir), cfg.data.seq_len)
             sampler = GlobalSampler(len(dataset), t.global_batch_size, cfg.data.seed,
                                     self.world.rank, self.world.world_size)

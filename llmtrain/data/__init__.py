@@ -33,13 +33,16 @@ import fsspec
 import numpy as np
 import torch
 
-from llmtrain.config import DataConfig
+from llmtrain.config import ConfigError, DataConfig
 from llmtrain.fsio import is_local, join, write_atomic
 
 MAGIC = b"LLMTOK01"
 HEADER = struct.Struct("<8sIIQ8x")  # magic, itemsize, reserved, count, padding: 32 bytes
 EMBEDDED_SHARD_TOKENS = 4 * 1024 * 1024
-EMBEDDED_MARKER = "corpus.json"
+# Written last into a directory of shards (the embedded corpus, a prepared one): its shard
+# list is the corpus, and nothing is read before it exists.
+CORPUS_MANIFEST = "corpus.json"
+PREPARE_DIR = "_prepare"  # a prepare's progress records (llmtrain.data.prepare)
 EMBEDDED_WAIT_S = 600.0  # how long ranks that do not prepare the corpus wait for it
 # Directories of the stdlib that are not representative library code (or not stdlib).
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
@@ -191,7 +194,7 @@ def _committed_corpus(fs: fsspec.AbstractFileSystem, dir_path: str,
     """The shard names the corpus marker commits for ``max_bytes``, if all are there."""
     fs.invalidate_cache(dir_path)  # an object store's cached listing may predate the marker
     try:
-        manifest = json.loads(fs.cat_file(join(dir_path, EMBEDDED_MARKER)))
+        manifest = json.loads(fs.cat_file(join(dir_path, CORPUS_MANIFEST)))
     except (FileNotFoundError, ValueError):
         return None
     names = [s["name"] for s in manifest["shards"]]
@@ -216,7 +219,7 @@ def prepare_embedded_corpus(data_dir_url: str, max_bytes: int, *, preparer: bool
     while (names := _committed_corpus(fs, dir_path, max_bytes)) is None and not preparer:
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"waited {wait_s:.0f} s for {join(data_dir_url, EMBEDDED_MARKER)}, which "
+                f"waited {wait_s:.0f} s for {join(data_dir_url, CORPUS_MANIFEST)}, which "
                 f"this node's local rank 0 writes once the embedded corpus is complete; "
                 f"see that rank's log for why it has not, or, if it is only slow, lower "
                 f"data.embedded_max_bytes or prepare the corpus before the job starts "
@@ -233,9 +236,36 @@ def prepare_embedded_corpus(data_dir_url: str, max_bytes: int, *, preparer: bool
         shards.append({"name": name, "tokens": len(chunk)})
     manifest = {"max_bytes": max_bytes, "shards": shards,
                 "sha256": hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest()}
-    write_atomic(join(data_dir_url, EMBEDDED_MARKER),
+    write_atomic(join(data_dir_url, CORPUS_MANIFEST),
                  json.dumps(manifest, indent=1).encode())
     return [join(data_dir_url, s["name"]) for s in shards]
+
+
+def corpus_manifest(data_cfg: DataConfig) -> dict | None:
+    """``corpus.json`` of data.path (``llmtrain data prepare`` writes it), if there is one."""
+    fs, root = fsspec.core.url_to_fs(data_cfg.path)
+    try:
+        return json.loads(fs.cat_file(join(root, CORPUS_MANIFEST)))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise ShardError(f"{join(data_cfg.path, CORPUS_MANIFEST)} is not valid JSON ({e}); "
+                         f"run `llmtrain data prepare` again into a new directory") from None
+
+
+def check_vocab(data_cfg: DataConfig, vocab_size: int) -> None:
+    """ConfigError unless the model's vocabulary holds every token the corpus can have."""
+    if data_cfg.source != "tokens" or (manifest := corpus_manifest(data_cfg)) is None:
+        return
+    tok = manifest.get("tokenizer", {})
+    need = max(tok.get("vocab_size", 0), manifest.get("max_token_id", -1) + 1)
+    if vocab_size < need:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is smaller than the vocabulary of the tokenizer "
+            f"that prepared data.path={data_cfg.path!r} ({need} tokens, tokenizer "
+            f"{tok.get('url', '?')}, sha256 {tok.get('sha256', '?')[:12]}); set "
+            f"model.vocab_size to at least {need} (a multiple of 64 runs faster: "
+            f"{-(-need // 64) * 64}), or prepare the data with the model's tokenizer")
 
 
 def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
@@ -249,6 +279,12 @@ def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
     fs, root = fsspec.core.url_to_fs(data_cfg.path)
     if not fs.isdir(root):
         raise ShardError(f"data.path={data_cfg.path!r} is not a directory; check data.path")
+    if (manifest := corpus_manifest(data_cfg)) is not None:
+        return [join(data_cfg.path, s["name"]) for s in manifest["shards"]]
+    if fs.exists(join(root, PREPARE_DIR)):
+        raise ShardError(f"data.path={data_cfg.path!r} holds a `llmtrain data prepare` that "
+                         f"has not finished (there is no {CORPUS_MANIFEST} yet); run it again "
+                         f"with the same arguments to finish it")
     names = sorted(posixpath.basename(p) for p in fs.glob(join(root, "*.bin")))
     if not names:
         raise ShardError(f"data.path={data_cfg.path!r} holds no *.bin token shards; check "
