@@ -28,6 +28,7 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/sampler.py
+	$(BIN)/python benchmarks/data_prepare.py
 
 clean:
 	rm -rf runs .pytest_cache
