@@ -66,6 +66,16 @@ def _age(seconds: float | None) -> str:
 
 def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.checkpoint import storage
+    if args.action == "export":
+        from llmtrain.checkpoint import hf
+        _need_extra("hf", "safetensors")
+        fmt, out = args.to or (None, None)
+        if fmt != "hf":
+            raise ConfigError("ckpt export needs --to hf DIR (the one format it writes)")
+        given = _config(args, rest).model if args.config or rest else None
+        for name in hf.export(args.url, out, given):
+            print(f"{out.rstrip('/')}/{name}")
+        return ExitCode.CLEAN
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
     if args.action == "list":
@@ -237,10 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
-    ckpt = sub.add_parser("ckpt", help="list, verify or inspect checkpoints")
-    ckpt.add_argument("action", choices=("list", "verify", "inspect"))
+    ckpt = sub.add_parser("ckpt", help="list, verify, inspect or export checkpoints")
+    ckpt.add_argument("action", choices=("list", "verify", "inspect", "export"))
     ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
     ckpt.add_argument("--sizes-only", action="store_true", help="skip the sha256 checks")
+    ckpt.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"),
+                      help="export: 'hf' and a directory for safetensors + config.json "
+                           "(transformers.LlamaForCausalLM loads it)")
+    ckpt.add_argument("--config", default=None,
+                      help="export of a checkpoint that does not record its model: the "
+                           "run's preset or .toml (model overrides may follow)")
     ckpt.set_defaults(func=cmd_ckpt)
     data = sub.add_parser("data", help="prepare your own text as token shards")
     data.add_argument("action", choices=("prepare",))

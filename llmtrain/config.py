@@ -122,6 +122,9 @@ class CheckpointConfig:
     writer_threads: int = _f(1, ge=1, doc="DCP write threads per rank")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "
                                         "from measured save cost and failure rate")
+    init_from: str = _f("", doc="a Hugging Face Llama directory (config.json + safetensors, "
+                                "e.g. from `llmtrain ckpt export`) whose weights start the "
+                                "run; a checkpoint to resume from takes precedence")
 
 
 @dataclass

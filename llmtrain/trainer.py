@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from llmtrain import fault_points
+from llmtrain.checkpoint import hf
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
@@ -159,6 +160,8 @@ class Trainer:
         with self.ledger.span("startup", "materialize"):
             self.model.to_empty(device=self.device)
             self.model.init_weights(t.seed)
+            if cfg.checkpoint.init_from:  # each rank reads its shards' rows only
+                hf.load(self.model, cfg.checkpoint.init_from, cfg.model)
         with self.ledger.span("startup", "optimizer"):
             self.optimizer = self._build_optimizer()
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -197,6 +200,7 @@ class Trainer:
                 self.checkpoints = CheckpointManager(
                     cfg.checkpoint, cfg.checkpoint_url, events=self.events, device=self.device,
                     manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
+                                   "model_config": asdict(cfg.model),
                                    "mesh": list(cfg.mesh_shape(self.world.world_size))},
                     stop_votes=cfg.health.monitor)
             self.health = self._start_health_monitor() if cfg.health.monitor else None

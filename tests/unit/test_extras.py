@@ -15,7 +15,8 @@ from llmtrain.exit_codes import ExitCode
 
 WITHOUT_EXTRAS = ("import sys\n"
                   "sys.modules.update(dict.fromkeys(['matplotlib', 'mfusepy', 'torchx',\n"
-                  "                                 'tokenizers', 'pyarrow'], None))\n"
+                  "                                 'tokenizers', 'pyarrow', 'safetensors'],\n"
+                  "                                None))\n"
                   "from llmtrain.cli import main\n"
                   "sys.exit(main(sys.argv[1:]))\n")
 
