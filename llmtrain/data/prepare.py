@@ -238,7 +238,10 @@ def prepare(cfg: Config) -> dict:
         raise PrepareError(f"--out {cfg.out} holds a prepare with other {', '.join(changed)}; "
                            f"give a new --out, or delete {cfg.out} to start over")
     done = _read_json(join(cfg.out, CORPUS_MANIFEST))
-    if started is not None and done is not None:
+    if started is None and done is not None:
+        raise PrepareError(f"--out {cfg.out} already holds a corpus that this command did "
+                           f"not write; give a new --out")
+    if done is not None:
         print(f"llmtrain data prepare: {cfg.out} is already prepared", file=sys.stderr)
         return done
     if started is None:
