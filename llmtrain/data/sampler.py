@@ -10,6 +10,7 @@ again while the result falls outside (cycle-walking), which keeps it a bijection
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -159,19 +160,54 @@ class GlobalSampler:
 
 
 class BatchIterator:
-    """One optimizer step's worth of this rank's micro-batches at a time."""
+    """One optimizer step's worth of this rank's micro-batches at a time.
 
-    def __init__(self, dataset, sampler: GlobalSampler, micro_batch_size: int):
+    With ``prefetch`` > 0 a background thread reads that many steps ahead, so shard reads
+    (range requests on object stores) overlap the step instead of stalling it; with
+    ``pin_memory`` the batches land in page-locked memory, which lets the host-to-GPU copy
+    run asynchronously (``non_blocking``). A step's batch is a function of its global
+    position only, so prefetching changes no data, and the state is still the position of
+    the batches handed out: a read-ahead batch is dropped when the position moves
+    elsewhere (a resume, a rollback).
+    """
+
+    def __init__(self, dataset, sampler: GlobalSampler, micro_batch_size: int,
+                 prefetch: int = 0, pin_memory: bool = False):
         if sampler.local_batch_size % micro_batch_size:
             raise ValueError(f"this rank's {sampler.local_batch_size} samples per step do "
                              f"not split into micro-batches of {micro_batch_size}")
         self.dataset = dataset
         self.sampler = sampler
         self.micro_batch_size = micro_batch_size
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self._reader: ThreadPoolExecutor | None = None  # started by the first step
+        self._ahead: dict[int, Future] = {}  # global position -> that step's batch
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``[(inputs, targets), ...]``, each ``[micro_batch_size, seq_len]`` int64."""
-        return self._micro_batches(self.sampler.next_batch_indices())
+        s = self.sampler
+        start, stride = s.consumed_samples, s.global_batch_size
+        if not self.prefetch:
+            out = self._step_at(start)
+        else:
+            if self._reader is None:
+                # Pinning from a thread whose current device is another GPU's would open
+                # a context on that GPU: the reader takes this thread's device.
+                device = torch.cuda.current_device() if self.pin_memory else None
+                self._reader = ThreadPoolExecutor(
+                    1, "llmtrain-data",
+                    initializer=None if device is None else torch.cuda.set_device,
+                    initargs=() if device is None else (device,))
+            wanted = [start + k * stride for k in range(self.prefetch + 1)]
+            for pos in [p for p in self._ahead if p not in wanted]:
+                self._ahead.pop(pos).cancel()
+            for pos in wanted:
+                if pos not in self._ahead:
+                    self._ahead[pos] = self._reader.submit(self._step_at, pos)
+            out = self._ahead.pop(start).result()
+        s.consumed_samples += stride
+        return out
 
     def peer_micro_batch(self, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first micro-batch ``dp_rank`` got in the step just taken, for a recompute."""
@@ -179,13 +215,23 @@ class BatchIterator:
         indices = s.slice_indices(s.consumed_samples - s.global_batch_size, dp_rank)
         return self._micro_batches(indices[:self.micro_batch_size])[0]
 
+    def _step_at(self, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._micro_batches(self.sampler.slice_indices(consumed, self.sampler.dp_rank))
+
     def _micro_batches(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         samples = torch.stack([self.dataset[i] for i in indices])
-        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
-                for mb in samples.split(self.micro_batch_size)]
+        pairs = [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
+                 for mb in samples.split(self.micro_batch_size)]
+        if self.pin_memory:
+            pairs = [(inputs.pin_memory(), targets.pin_memory()) for inputs, targets in pairs]
+        return pairs
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.sampler.load_state_dict(sd)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)

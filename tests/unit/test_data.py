@@ -310,3 +310,26 @@ def test_shard_urls_embedded(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")  # waits for local rank 0's corpus, writes nothing
     monkeypatch.setattr(data, "write_atomic", None)
     assert shard_urls(cfg, str(tmp_path)) == urls
+
+
+def test_prefetch_gives_the_same_batches_and_follows_the_position(tmp_path):
+    write_shard(str(tmp_path / "s.bin"), np.arange(5000))
+    ds = TokenDataset([str(tmp_path / "s.bin")], seq_len=16)
+
+    def iterator(prefetch):
+        return BatchIterator(ds, GlobalSampler(len(ds), 8, 0, 1, 2), 2, prefetch=prefetch)
+    plain, ahead = iterator(0), iterator(3)
+    try:
+        for _ in range(5):
+            for (a, b), (c, d) in zip(plain.next_step(), ahead.next_step()):
+                assert torch.equal(a, c) and torch.equal(b, d)
+        assert sorted(ahead._ahead) == [40 + 8 * k for k in range(3)]  # read ahead
+        assert ahead.state_dict() == plain.state_dict()  # batches handed out, not read
+        state = ahead.state_dict()
+        ahead.load_state_dict({**state, "consumed_samples": 16})  # a rollback
+        plain.load_state_dict({**state, "consumed_samples": 16})
+        assert [torch.equal(a, c) for (a, _), (c, _) in
+                zip(plain.next_step(), ahead.next_step())] == [True, True]
+        assert sorted(ahead._ahead) == [24 + 8 * k for k in range(3)]
+    finally:
+        ahead.close()
