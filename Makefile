@@ -27,6 +27,8 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/store_scale.py
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/sampler.py
+	$(BIN)/python benchmarks/data_prepare.py
 
 clean:
 	rm -rf runs .pytest_cache

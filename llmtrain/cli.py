@@ -15,6 +15,8 @@ import sys
 
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
 from llmtrain.data import ShardError
+from llmtrain.data.prepare import Config as PrepareConfig
+from llmtrain.data.prepare import prepare
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.integrity import TrainingDiverged
 
@@ -69,6 +71,16 @@ def _age(seconds: float | None) -> str:
 
 def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.checkpoint import storage
+    if args.action == "export":
+        from llmtrain.checkpoint import hf
+        _need_extra("hf", "safetensors")
+        fmt, out = args.to or (None, None)
+        if fmt != "hf":
+            raise ConfigError("ckpt export needs --to hf DIR (the one format it writes)")
+        given = _config(args, rest).model if args.config or rest else None
+        for name in hf.export(args.url, out, given):
+            print(f"{out.rstrip('/')}/{name}")
+        return ExitCode.CLEAN
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
     if args.action == "list":
@@ -168,6 +180,18 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     return ExitCode.CLEAN if chaos.passed(result) else 1
 
 
+def cmd_data(args: argparse.Namespace, rest: list[str]) -> int:
+    _need_extra("data", "tokenizers")
+    _need_extra("data", "pyarrow")
+    if rest:
+        raise ConfigError(f"unexpected arguments {rest}")
+    prepare(PrepareConfig(
+        inputs=args.inputs, tokenizer=args.tokenizer, out=args.out, text_field=args.field,
+        eos=args.eos, workers=args.workers, shard_tokens=args.shard_tokens,
+        faults=args.faults))
+    return ExitCode.CLEAN
+
+
 def cmd_analyze(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.reliability import flightrec
     dumps = flightrec.load_dumps(args.dir)
@@ -230,11 +254,35 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
-    ckpt = sub.add_parser("ckpt", help="list, verify or inspect checkpoints")
-    ckpt.add_argument("action", choices=("list", "verify", "inspect"))
+    ckpt = sub.add_parser("ckpt", help="list, verify, inspect or export checkpoints")
+    ckpt.add_argument("action", choices=("list", "verify", "inspect", "export"))
     ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
     ckpt.add_argument("--sizes-only", action="store_true", help="skip the sha256 checks")
+    ckpt.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"),
+                      help="export: 'hf' and a directory for safetensors + config.json "
+                           "(transformers.LlamaForCausalLM loads it)")
+    ckpt.add_argument("--config", default=None,
+                      help="export of a checkpoint that does not record its model: the "
+                           "run's preset or .toml (model overrides may follow)")
     ckpt.set_defaults(func=cmd_ckpt)
+    data = sub.add_parser("data", help="prepare your own text as token shards")
+    data.add_argument("action", choices=("prepare",))
+    data.add_argument("inputs", nargs="+", metavar="INPUT",
+                      help="fsspec URLs of .txt, .jsonl or .parquet files (compressed ones "
+                           "too), globs or directories of them; their order is the data's")
+    data.add_argument("--tokenizer", required=True,
+                      help="a Hugging Face tokenizer.json (fsspec URL)")
+    data.add_argument("--out", required=True,
+                      help="directory for the shards and corpus.json (fsspec URL); "
+                           "train on it with --data.source tokens --data.path OUT")
+    data.add_argument("--field", default="text", help="JSONL key or Parquet column of the text")
+    data.add_argument("--eos", default="", help="end-of-document token (default: the "
+                                                "tokenizer's, by its usual names)")
+    data.add_argument("--workers", type=int, default=0, help="processes (default: one a core)")
+    data.add_argument("--shard-tokens", type=int, default=PrepareConfig.shard_tokens,
+                      help="tokens per shard at most")
+    data.add_argument("--faults", default="", help=argparse.SUPPRESS)  # tests: fault points
+    data.set_defaults(func=cmd_data)
     analyze = sub.add_parser("analyze", help="diagnose a hang or desync from any PyTorch "
                                              "job's flight-recorder dumps")
     analyze.add_argument("dir", help="directory of dumps, one a rank: llmtrain's rank-N.json, "

@@ -59,6 +59,8 @@ class DataConfig:
     path: str = _f("", doc="fsspec URL of a directory of *.bin token shards (source=tokens)")
     seq_len: int = _f(256, ge=1)
     seed: int = _f(0, ge=0, doc="seeds the per-epoch sample order")
+    prefetch: int = _f(2, ge=0, doc="steps of batches a background thread reads ahead; 0: "
+                                    "read each step's batch when it starts")
     embedded_max_bytes: int = _f(8_000_000, ge=10_000,
                                  doc="how much stdlib source the embedded corpus takes")
 
@@ -122,6 +124,9 @@ class CheckpointConfig:
     writer_threads: int = _f(1, ge=1, doc="DCP write threads per rank")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "
                                         "from measured save cost and failure rate")
+    init_from: str = _f("", doc="a Hugging Face Llama directory (config.json + safetensors, "
+                                "e.g. from `llmtrain ckpt export`) whose weights start the "
+                                "run; a checkpoint to resume from takes precedence")
 
 
 @dataclass

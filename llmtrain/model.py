@@ -210,7 +210,7 @@ class Transformer(nn.Module):
             seed = int(torch.randint(0, 2**63 - 1, ()).item())
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
-            name = _unwrapped_name(name)
+            name = unwrapped_name(name)
             local = param.to_local() if isinstance(param, DTensor) else param
             if name.endswith("norm.weight"):
                 local.fill_(1.0)
@@ -247,10 +247,19 @@ INIT_BLOCK_ELEMENTS = 1 << 18
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def _unwrapped_name(name: str) -> str:
+def unwrapped_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def global_offset(param: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's shard of ``param`` starts in the whole parameter (a plain
+    tensor is whole: all zeros)."""
+    if isinstance(param, DTensor):
+        return tuple(compute_local_shape_and_global_offset(
+            tuple(param.shape), param.device_mesh, param.placements)[1])
+    return (0,) * param.ndim
 
 
 def _block_generator(seed: int, name: str, block: int, device: torch.device) -> torch.Generator:
@@ -267,11 +276,7 @@ def _fill_normal(param: torch.Tensor, local: torch.Tensor, std: float, seed: int
     if local.numel() == 0:
         return
     shape = tuple(param.shape)
-    if isinstance(param, DTensor):
-        _, offset = compute_local_shape_and_global_offset(shape, param.device_mesh,
-                                                          param.placements)
-    else:
-        offset = (0,) * len(shape)
+    offset = global_offset(param)
     rows = max(1, INIT_BLOCK_ELEMENTS // math.prod(shape[1:]))
     first, end = offset[0], offset[0] + local.shape[0]
     for block in range(first // rows, -(-end // rows)):

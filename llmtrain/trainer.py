@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from llmtrain import fault_points
+from llmtrain.checkpoint import hf
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.checkpoint.snapshots import (Snapshots, SnapshotError, restore_python_rng,
                                            state_tensors)
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
-from llmtrain.data import BatchIterator, GlobalSampler, TokenDataset, shard_urls
+from llmtrain.data import TokenDataset, check_vocab, shard_urls
+from llmtrain.data.sampler import BatchIterator, GlobalSampler
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
                                                 init_process_group, open_store, shutdown)
@@ -133,10 +135,15 @@ class Trainer:
 
         with self.ledger.span("startup", "data"):
             # Data first: a missing or truncated shard fails before any process group starts.
+            check_vocab(cfg.data, cfg.model.vocab_size)
             dataset = TokenDataset(shard_urls(cfg.data, t.run_dir), cfg.data.seq_len)
             sampler = GlobalSampler(len(dataset), t.global_batch_size, cfg.data.seed,
                                     self.world.rank, self.world.world_size)
-            self.data = BatchIterator(dataset, sampler, t.micro_batch_size)
+            # Pinned only where a GPU will take the batches (pinning needs CUDA).
+            self.data = BatchIterator(dataset, sampler, t.micro_batch_size,
+                                      prefetch=cfg.data.prefetch,
+                                      pin_memory=torch.cuda.is_available()
+                                      and cfg.parallelism.device != "cpu")
 
         if cfg.reliability.watchdog:
             configure_diagnostics(cfg.reliability, t.run_dir)
@@ -183,6 +190,7 @@ class Trainer:
                 self.checkpoints = CheckpointManager(
                     cfg.checkpoint, cfg.checkpoint_url, events=self.events, device=self.device,
                     manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
+                                   "model_config": asdict(cfg.model),
                                    "mesh": list(cfg.mesh_shape(self.world.world_size))},
                     stop_votes=cfg.health.monitor)
             self.health = self._start_health_monitor() if cfg.health.monitor else None
@@ -236,6 +244,9 @@ class Trainer:
         with self.ledger.span(category, "materialize"):
             self.model.to_empty(device=self.device)
             self.model.init_weights(t.seed)
+            # Each rank reads its shards' rows only; a re-formed group restores from memory.
+            if cfg.checkpoint.init_from and category == "startup":
+                hf.load(self.model, cfg.checkpoint.init_from, cfg.model)
         with self.ledger.span(category, "optimizer"):
             self.optimizer = self._build_optimizer()
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -316,8 +327,11 @@ class Trainer:
         return torch.full((), math.nan)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        logits = self.model(inputs.to(self.device))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(self.device).flatten(0, 1))
+        # Asynchronous from pinned memory; the batch is never written to, so nothing can race.
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
         return fault_points.point("loss", step, loss)
 
     def recompute(self, step: int, own: torch.Tensor) -> None:
@@ -715,6 +729,7 @@ class Trainer:
     def close(self) -> None:
         """Stops every component; the time it takes is in the ledger too (as "other")."""
         started = time.time()
+        self.data.close()
         if self.health is not None:
             self.health.close()
         if self.exporter is not None:

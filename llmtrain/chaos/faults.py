@@ -29,7 +29,9 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 ``checkpoint_write`` (inside a rank's DCP
 shard write, in the background writer), ``resume`` (a verified checkpoint about to be
-loaded; ``step`` is the checkpoint's). Keys: ``rank`` and ``step`` (default: any), and
+loaded; ``step`` is the checkpoint's), ``prepare_shard`` (``llmtrain data prepare``
+about to write a shard; ``step`` counts the shards of its process, from 1). Keys:
+``rank`` and ``step`` (default: any), and
 ``restart``: the TorchElastic restart count the fault fires on (default 0, the first
 attempt), so a restarted job does not meet the same fault again. ``slow`` also takes
 ``factor`` and, unlike the others, strikes at every step from ``step`` on.
@@ -56,7 +58,7 @@ from llmtrain.config import ConfigError
 
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
            "badmath")
-POINTS = ("step", "loss", "checkpoint_write", "resume")
+POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard")
 
 
 class FaultSpecError(ConfigError):

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from llmtrain import fault_points
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.state import TrainState
-from llmtrain.config import CheckpointConfig
+from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.events import EventLog
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
@@ -218,6 +218,8 @@ class CheckpointManager:
             fault_points.point("resume", step)
             try:
                 loaded_step, had_rng = state.load(url, self.io_group)
+            except ConfigError:  # the run cannot continue this checkpoint: no retry helps
+                raise
             except SAVE_ERRORS as e:
                 error = f"rank {self.rank}: load failed: {describe(e)}"
                 self.events.emit("checkpoint_unreadable", step=step, errors=[error])

@@ -11,9 +11,10 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from llmtrain import data
-from llmtrain.config import DataConfig
-from llmtrain.data import (BatchIterator, ByteTokenizer, GlobalSampler, ShardError,
-                           TokenDataset, prepare_embedded_corpus, shard_urls, write_shard)
+from llmtrain.config import ConfigError, DataConfig
+from llmtrain.data import (ByteTokenizer, ShardError, TokenDataset, prepare_embedded_corpus,
+                           shard_urls, write_shard)
+from llmtrain.data.sampler import BatchIterator, FeistelPermutation, GlobalSampler
 
 
 def test_tokenizer_round_trip():
@@ -144,20 +145,49 @@ def _global_steps(world, steps, num_samples=10, batch=4, seed=3, state=None):
     return [sum((s.next_batch_indices() for s in samplers), []) for _ in range(steps)]
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4097])
+def test_feistel_is_a_bijection(n):
+    perm = FeistelPermutation(n, b"k")
+    image = perm(np.arange(n))
+    assert image.dtype == np.uint64
+    assert sorted(image.tolist()) == list(range(n))
+    if n >= 16:  # a shuffle, not the identity or a rotation
+        assert (image != np.arange(n)).mean() > 0.8
+        assert len(set((image - np.arange(n, dtype=np.uint64)).tolist())) > n // 2
+
+
+def test_feistel_keys_give_different_orders():
+    orders = [FeistelPermutation(1000, k)(np.arange(1000)).tolist()
+              for k in (b"a", b"b", b"c")]
+    assert orders[0] != orders[1] != orders[2] != orders[0]
+    assert orders[0] == FeistelPermutation(1000, b"a")(np.arange(1000)).tolist()
+
+
 def test_sampler_order_independent_of_world_size():
     ref = _global_steps(1, 12)  # 48 samples over 10: steps straddle epoch boundaries
     assert _global_steps(2, 12) == ref and _global_steps(4, 12) == ref
     flat = sum(ref, [])
-    assert flat[:4] == np.random.default_rng([3, 0]).permutation(10)[:4].tolist()
     for e in range(4):
         assert sorted(flat[e * 10:(e + 1) * 10]) == list(range(10))
+    big = _global_steps(1, 5, num_samples=1001, batch=240, seed=7)
+    assert _global_steps(8, 5, num_samples=1001, batch=240, seed=7) == big
+    assert _global_steps(3, 5, num_samples=1001, batch=240, seed=7) == big
 
 
-def test_sampler_epochs_use_new_permutations():
+def test_sampler_epochs_and_seeds_give_new_orders():
     s = GlobalSampler(50, 50, seed=0, dp_rank=0, dp_world=1)
     e0, e1 = s.next_batch_indices(), s.next_batch_indices()
     assert sorted(e0) == sorted(e1) == list(range(50)) and e0 != e1
-    assert e1 == np.random.default_rng([0, 1]).permutation(50).tolist()
+    other = GlobalSampler(50, 50, seed=1, dp_rank=0, dp_world=1).next_batch_indices()
+    assert sorted(other) == list(range(50)) and other not in (e0, e1)
+
+
+def test_sampler_memory_does_not_grow_with_the_data():
+    s = GlobalSampler(10**12, 8, seed=0, dp_rank=0, dp_world=1)
+    s.load_state_dict({**s.state_dict(), "consumed_samples": 3 * 10**12 + 5})
+    indices = s.next_batch_indices()  # a permutation would need 8 TB
+    assert len(set(indices)) == 8 and all(0 <= i < 10**12 for i in indices)
+    assert s.permutation(3).keys.nbytes == 8 * 6
 
 
 def test_sampler_resume_across_world_sizes():
@@ -167,7 +197,8 @@ def test_sampler_resume_across_world_sizes():
         for s in samplers:
             s.next_batch_indices()
     state = samplers[1].state_dict()
-    assert state == {"consumed_samples": 12, "seed": 3, "num_samples": 10}
+    assert state == {"consumed_samples": 12, "seed": 3, "num_samples": 10,
+                     "order": "feistel-v1"}
     assert _global_steps(4, 7, state=state) == ref[3:]
     assert _global_steps(1, 7, state=state) == ref[3:]
 
@@ -175,10 +206,22 @@ def test_sampler_resume_across_world_sizes():
 def test_sampler_rejects_changed_data_and_bad_batch():
     state = GlobalSampler(10, 4, 3, 0, 1).state_dict()
     for other in (GlobalSampler(11, 4, 3, 0, 1), GlobalSampler(10, 4, 4, 0, 1)):
-        with pytest.raises(ValueError, match="the data changed since the checkpoint"):
+        with pytest.raises(ConfigError, match="the data changed since the checkpoint"):
             other.load_state_dict(state)
     with pytest.raises(ValueError, match="not divisible by 3"):
         GlobalSampler(10, 4, 0, 0, 3)
+
+
+def test_sampler_state_of_the_stored_permutation():
+    """The old sampler's state resumes at an epoch boundary, and mid-epoch fails saying
+    why and what to do."""
+    old = {"consumed_samples": 20, "seed": 3, "num_samples": 10}  # no "order"
+    s = GlobalSampler(10, 4, 3, 0, 1)
+    s.load_state_dict(old)
+    assert s.next_batch_indices() == _global_steps(1, 6)[5]
+    with pytest.raises(ConfigError, match="global sample 12, 2 samples into epoch 1.*stored "
+                                          "permutation.*feistel-v1.*repeat.*multiple of 10"):
+        s.load_state_dict({**old, "consumed_samples": 12})
 
 
 def test_batch_iterator(tmp_path):
@@ -267,3 +310,26 @@ def test_shard_urls_embedded(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")  # waits for local rank 0's corpus, writes nothing
     monkeypatch.setattr(data, "write_atomic", None)
     assert shard_urls(cfg, str(tmp_path)) == urls
+
+
+def test_prefetch_gives_the_same_batches_and_follows_the_position(tmp_path):
+    write_shard(str(tmp_path / "s.bin"), np.arange(5000))
+    ds = TokenDataset([str(tmp_path / "s.bin")], seq_len=16)
+
+    def iterator(prefetch):
+        return BatchIterator(ds, GlobalSampler(len(ds), 8, 0, 1, 2), 2, prefetch=prefetch)
+    plain, ahead = iterator(0), iterator(3)
+    try:
+        for _ in range(5):
+            for (a, b), (c, d) in zip(plain.next_step(), ahead.next_step()):
+                assert torch.equal(a, c) and torch.equal(b, d)
+        assert sorted(ahead._ahead) == [40 + 8 * k for k in range(3)]  # read ahead
+        assert ahead.state_dict() == plain.state_dict()  # batches handed out, not read
+        state = ahead.state_dict()
+        ahead.load_state_dict({**state, "consumed_samples": 16})  # a rollback
+        plain.load_state_dict({**state, "consumed_samples": 16})
+        assert [torch.equal(a, c) for (a, _), (c, _) in
+                zip(plain.next_step(), ahead.next_step())] == [True, True]
+        assert sorted(ahead._ahead) == [24 + 8 * k for k in range(3)]
+    finally:
+        ahead.close()

@@ -14,7 +14,9 @@ from conftest import ROOT
 from llmtrain.exit_codes import ExitCode
 
 WITHOUT_EXTRAS = ("import sys\n"
-                  "sys.modules.update(dict.fromkeys(['matplotlib', 'mfusepy', 'torchx'], None))\n"
+                  "sys.modules.update(dict.fromkeys(['matplotlib', 'mfusepy', 'torchx',\n"
+                  "                                 'tokenizers', 'pyarrow', 'safetensors'],\n"
+                  "                                None))\n"
                   "from llmtrain.cli import main\n"
                   "sys.exit(main(sys.argv[1:]))\n")
 
@@ -44,3 +46,7 @@ def test_chaos_and_report_name_their_extra(tmp_path):
     report = llmtrain_without_extras("report", str(tmp_path))
     assert report.returncode == ExitCode.FATAL
     assert "pip install 'llmtrain[report]'" in report.stderr
+    data = llmtrain_without_extras("data", "prepare", str(tmp_path), "--tokenizer", "t.json",
+                                   "--out", str(tmp_path / "out"))
+    assert data.returncode == ExitCode.FATAL
+    assert "pip install 'llmtrain[data]'" in data.stderr

@@ -13,8 +13,9 @@ Token shard format (``*.bin``), little-endian throughout::
 The header carries the count so a shard cut short by a crashed copy is caught when the
 dataset opens, not when a sample from its tail is read hours into a run.
 
-Sample order is a function of the *global* sample index only (see :class:`GlobalSampler`),
-so a run resumed on a different number of ranks sees exactly the data it would have seen.
+Sample order is a function of the *global* sample index only (see
+:class:`~llmtrain.data.sampler.GlobalSampler`), so a run resumed on a different number of
+ranks sees exactly the data it would have seen.
 """
 
 from __future__ import annotations
@@ -27,19 +28,21 @@ import posixpath
 import struct
 import sysconfig
 import time
-from typing import Any
 
 import fsspec
 import numpy as np
 import torch
 
-from llmtrain.config import DataConfig
+from llmtrain.config import ConfigError, DataConfig
 from llmtrain.fsio import is_local, join, write_atomic
 
 MAGIC = b"LLMTOK01"
 HEADER = struct.Struct("<8sIIQ8x")  # magic, itemsize, reserved, count, padding: 32 bytes
 EMBEDDED_SHARD_TOKENS = 4 * 1024 * 1024
-EMBEDDED_MARKER = "corpus.json"
+# Written last into a directory of shards (the embedded corpus, a prepared one): its shard
+# list is the corpus, and nothing is read before it exists.
+CORPUS_MANIFEST = "corpus.json"
+PREPARE_DIR = "_prepare"  # a prepare's progress records (llmtrain.data.prepare)
 EMBEDDED_WAIT_S = 600.0  # how long ranks that do not prepare the corpus wait for it
 # Directories of the stdlib that are not representative library code (or not stdlib).
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
@@ -191,7 +194,7 @@ def _committed_corpus(fs: fsspec.AbstractFileSystem, dir_path: str,
     """The shard names the corpus marker commits for ``max_bytes``, if all are there."""
     fs.invalidate_cache(dir_path)  # an object store's cached listing may predate the marker
     try:
-        manifest = json.loads(fs.cat_file(join(dir_path, EMBEDDED_MARKER)))
+        manifest = json.loads(fs.cat_file(join(dir_path, CORPUS_MANIFEST)))
     except (FileNotFoundError, ValueError):
         return None
     names = [s["name"] for s in manifest["shards"]]
@@ -216,7 +219,7 @@ def prepare_embedded_corpus(data_dir_url: str, max_bytes: int, *, preparer: bool
     while (names := _committed_corpus(fs, dir_path, max_bytes)) is None and not preparer:
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"waited {wait_s:.0f} s for {join(data_dir_url, EMBEDDED_MARKER)}, which "
+                f"waited {wait_s:.0f} s for {join(data_dir_url, CORPUS_MANIFEST)}, which "
                 f"this node's local rank 0 writes once the embedded corpus is complete; "
                 f"see that rank's log for why it has not, or, if it is only slow, lower "
                 f"data.embedded_max_bytes or prepare the corpus before the job starts "
@@ -233,9 +236,36 @@ def prepare_embedded_corpus(data_dir_url: str, max_bytes: int, *, preparer: bool
         shards.append({"name": name, "tokens": len(chunk)})
     manifest = {"max_bytes": max_bytes, "shards": shards,
                 "sha256": hashlib.sha256(tokens.astype("<u2").tobytes()).hexdigest()}
-    write_atomic(join(data_dir_url, EMBEDDED_MARKER),
+    write_atomic(join(data_dir_url, CORPUS_MANIFEST),
                  json.dumps(manifest, indent=1).encode())
     return [join(data_dir_url, s["name"]) for s in shards]
+
+
+def corpus_manifest(data_cfg: DataConfig) -> dict | None:
+    """``corpus.json`` of data.path (``llmtrain data prepare`` writes it), if there is one."""
+    fs, root = fsspec.core.url_to_fs(data_cfg.path)
+    try:
+        return json.loads(fs.cat_file(join(root, CORPUS_MANIFEST)))
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise ShardError(f"{join(data_cfg.path, CORPUS_MANIFEST)} is not valid JSON ({e}); "
+                         f"run `llmtrain data prepare` again into a new directory") from None
+
+
+def check_vocab(data_cfg: DataConfig, vocab_size: int) -> None:
+    """ConfigError unless the model's vocabulary holds every token the corpus can have."""
+    if data_cfg.source != "tokens" or (manifest := corpus_manifest(data_cfg)) is None:
+        return
+    tok = manifest.get("tokenizer", {})
+    need = max(tok.get("vocab_size", 0), manifest.get("max_token_id", -1) + 1)
+    if vocab_size < need:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is smaller than the vocabulary of the tokenizer "
+            f"that prepared data.path={data_cfg.path!r} ({need} tokens, tokenizer "
+            f"{tok.get('url', '?')}, sha256 {tok.get('sha256', '?')[:12]}); set "
+            f"model.vocab_size to at least {need} (a multiple of 64 runs faster: "
+            f"{-(-need // 64) * 64}), or prepare the data with the model's tokenizer")
 
 
 def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
@@ -249,106 +279,14 @@ def shard_urls(data_cfg: DataConfig, run_dir_url: str) -> list[str]:
     fs, root = fsspec.core.url_to_fs(data_cfg.path)
     if not fs.isdir(root):
         raise ShardError(f"data.path={data_cfg.path!r} is not a directory; check data.path")
+    if (manifest := corpus_manifest(data_cfg)) is not None:
+        return [join(data_cfg.path, s["name"]) for s in manifest["shards"]]
+    if fs.exists(join(root, PREPARE_DIR)):
+        raise ShardError(f"data.path={data_cfg.path!r} holds a `llmtrain data prepare` that "
+                         f"has not finished (there is no {CORPUS_MANIFEST} yet); run it again "
+                         f"with the same arguments to finish it")
     names = sorted(posixpath.basename(p) for p in fs.glob(join(root, "*.bin")))
     if not names:
         raise ShardError(f"data.path={data_cfg.path!r} holds no *.bin token shards; check "
                          f"data.path, or write shards with llmtrain.data.write_shard")
     return [join(data_cfg.path, n) for n in names]
-
-
-class GlobalSampler:
-    """This rank's share of a global sample order that no world size can change.
-
-    Global sample ``g`` is position ``g % num_samples`` of epoch ``g // num_samples``'s
-    permutation. Step ``k`` takes global samples ``[k*B, (k+1)*B)`` and rank ``r`` of
-    ``W`` the ``r``-th contiguous ``B/W`` of them, so the union over ranks of a step is
-    the same for any ``W``, and the checkpointed state is a single global counter.
-    """
-
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int,
-                 dp_rank: int, dp_world: int):
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if global_batch_size % dp_world:
-            raise ValueError(f"global batch size {global_batch_size} is not divisible by "
-                             f"{dp_world} data-parallel ranks; choose a multiple of "
-                             f"{dp_world}")
-        if not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_world})")
-        self.num_samples = num_samples
-        self.global_batch_size = global_batch_size
-        self.seed = seed
-        self.dp_rank = dp_rank
-        self.dp_world = dp_world
-        self.local_batch_size = global_batch_size // dp_world
-        self.consumed_samples = 0
-        self._epoch, self._perm = -1, None
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            self._epoch = epoch
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.num_samples)
-        return self._perm
-
-    def next_batch_indices(self) -> list[int]:
-        """Dataset indices of this rank's slice of the next global batch; advances."""
-        out = self.slice_indices(self.consumed_samples, self.dp_rank)
-        self.consumed_samples += self.global_batch_size
-        return out
-
-    def slice_indices(self, consumed: int, dp_rank: int) -> list[int]:
-        """Dataset indices of ``dp_rank``'s slice of the global batch starting at global
-        sample ``consumed``."""
-        start = consumed + dp_rank * self.local_batch_size
-        out = []
-        for g in range(start, start + self.local_batch_size):
-            epoch, pos = divmod(g, self.num_samples)
-            out.append(int(self._permutation(epoch)[pos]))
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed,
-                "num_samples": self.num_samples}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if sd["seed"] != self.seed or sd["num_samples"] != self.num_samples:
-            raise ValueError(
-                f"the data changed since the checkpoint: it was saved with data.seed="
-                f"{sd['seed']} over {sd['num_samples']} samples, this run has data.seed="
-                f"{self.seed} over {self.num_samples} samples; resume with the same "
-                f"data.seed, shards and data.seq_len, or start a new run")
-        self.consumed_samples = int(sd["consumed_samples"])
-
-
-class BatchIterator:
-    """One optimizer step's worth of this rank's micro-batches at a time."""
-
-    def __init__(self, dataset: TokenDataset, sampler: GlobalSampler, micro_batch_size: int):
-        if sampler.local_batch_size % micro_batch_size:
-            raise ValueError(f"this rank's {sampler.local_batch_size} samples per step do "
-                             f"not split into micro-batches of {micro_batch_size}")
-        self.dataset = dataset
-        self.sampler = sampler
-        self.micro_batch_size = micro_batch_size
-
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``[(inputs, targets), ...]``, each ``[micro_batch_size, seq_len]`` int64."""
-        return self._micro_batches(self.sampler.next_batch_indices())
-
-    def peer_micro_batch(self, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first micro-batch ``dp_rank`` got in the step just taken, for a recompute."""
-        s = self.sampler
-        indices = s.slice_indices(s.consumed_samples - s.global_batch_size, dp_rank)
-        return self._micro_batches(indices[:self.micro_batch_size])[0]
-
-    def _micro_batches(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        samples = torch.stack([self.dataset[i] for i in indices])
-        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous())
-                for mb in samples.split(self.micro_batch_size)]
-
-    def state_dict(self) -> dict[str, int]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(sd)
