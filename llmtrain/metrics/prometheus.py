@@ -51,6 +51,10 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llmtrain_heartbeat_timestamp_seconds": ("gauge", "unix time of this rank's last beat", ()),
     "llmtrain_hangs_total": ("counter", "hangs diagnosed in the run", ()),
     "llmtrain_desyncs_total": ("counter", "collective mismatches diagnosed in the run", ()),
+    "llmtrain_warm_recoveries_total": ("counter", "lost ranks replaced on the warm path "
+                                       "(counted by the lowest surviving rank)", ()),
+    "llmtrain_warm_recovery_seconds": ("gauge", "the last warm recovery: failure to first "
+                                       "step (part=total), and its parts", ("part",)),
     "llmtrain_straggler_slowdown": ("gauge", "how many times slower than the others a rank "
                                     "reaches collectives", ("peer_rank",)),
     "llmtrain_health_check_severity": ("gauge", "0 ok, 1 unknown, 2 warn, 3 fatal",
@@ -224,6 +228,11 @@ class Exporter:
             self.series("llmtrain_hangs_total").inc()
         elif kind == "collective_error":
             self.series("llmtrain_desyncs_total").inc()
+        elif kind == "warm_recovery":
+            self.series("llmtrain_warm_recoveries_total").inc()
+            self.set("llmtrain_warm_recovery_seconds", e["total_s"], part="total")
+            for part, seconds in e["parts_s"].items():
+                self.set("llmtrain_warm_recovery_seconds", seconds, part=part)
 
     def goodput(self, b: Breakdown, advice: IntervalAdvice | None) -> None:
         self.set("llmtrain_goodput_ratio", b.ettr)

@@ -1,0 +1,81 @@
+"""The warm path's agreement in a real store: who is lost, which spare takes each lost rank,
+which snapshot step all restore, and every case that must go cold instead."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from llmtrain.config import WarmConfig
+from llmtrain.recovery.warm import ColdPath, WarmPath, await_assignment, buddy_of
+
+
+def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
+              settle_s: float = 0.3) -> dict[int, object]:
+    """Runs ``agree`` for every reporting rank at once; rank -> Plan or ColdPath."""
+    cfg = WarmConfig(enable=True, settle_s=settle_s, budget_s=5)
+    out = {}
+
+    def one(rank):
+        path = WarmPath(cfg, store, "round", rank, world, local_world)
+        try:
+            out[rank] = path.agree(holdings[rank], time.monotonic() + 5)
+        except ColdPath as e:
+            out[rank] = e
+    threads = [threading.Thread(target=one, args=(r,)) for r in holdings]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def held(own, replicas, ward):
+    return {"own": own, "replicas": replicas, "ward": ward}
+
+
+def test_buddies_are_on_the_next_node():
+    assert [buddy_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert buddy_of(0, 4, 4) is None  # one node: a replica would die with it
+
+
+def test_a_lost_rank_gets_a_spare_and_the_newest_common_step():
+    store = dist.HashStore()
+    assert store.add("spares/registered", 1) == 1
+    # 3 nodes of one rank; rank 1 lost; its buddy is rank 2
+    out = agree_all(store, {0: held([9, 10], [9, 10], 2), 2: held([10, 11], [9, 10], 1)}, 3)
+    assert out[0] == out[2]
+    plan = out[0]
+    assert (plan.gen, plan.lost, plan.step, plan.sources, plan.spares) == (
+        1, [1], 10, {"1": 2}, {"1": 1})
+    told = json.loads(store.get("spares/1/plan"))
+    assert told["rank"] == 1 and told["step"] == 10
+    assert store.add("replaced/1", 0) == 1  # what rank 1's agent waits for
+
+
+@pytest.mark.parametrize("holdings, world, why", [
+    ({0: held([5], [5], 1), 1: held([5], [5], 0)}, 2, "every rank is alive"),
+    ({0: held([5], [5], 1)}, 3, "with its buddy"),                      # 1 and 2 lost
+    ({0: held([4], [4], 2), 2: held([5], [5], 1)}, 3, "no snapshot step"),
+])
+def test_what_cannot_go_warm_goes_cold_for_every_survivor(holdings, world, why):
+    store = dist.HashStore()
+    store.add("spares/registered", 2)
+    out = agree_all(store, holdings, world)
+    assert all(isinstance(v, ColdPath) and why in str(v) for v in out.values()), out
+    assert store.add("cold", 0) == 1  # agents of dead workers restart them
+
+
+def test_without_a_spare_it_goes_cold():
+    store = dist.HashStore()
+    out = agree_all(store, {0: held([3], [3], 1)}, 2)
+    assert "no warm spare" in str(out[0])
+
+
+def test_a_spare_waits_for_its_plan_or_for_the_end():
+    store = dist.HashStore()
+    threading.Timer(0.2, lambda: store.set("spares/1/plan", json.dumps({"rank": 3}))).start()
+    assert await_assignment(store, stop=lambda: False) == {"rank": 3}
+    assert await_assignment(store, stop=lambda: True) is None  # spare 2: the job ended
