@@ -26,7 +26,7 @@ from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import TokenDataset, check_vocab, shard_urls
 from llmtrain.data.sampler import BatchIterator, GlobalSampler
 from llmtrain.distributed.parallelize import parallelize
-from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
+from llmtrain.distributed.process_group import (WorldInfo, abandon, build_mesh, connect_store,
                                                 init_process_group, open_store, shutdown)
 from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
@@ -484,10 +484,13 @@ class Trainer:
 
     # -- the warm path ----------------------------------------------------------------
 
-    def _snapshot_tensors(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """What a snapshot holds, in order; and the RNG state among it (a copy)."""
-        rng = torch.get_rng_state()
-        return state_tensors(self.model, self.optimizer, [rng, self.integrity.history]), rng
+    def _snapshot_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What a snapshot holds, in order; and the RNG states among it (copies: CPU, and
+        this rank's GPU)."""
+        rngs = [torch.get_rng_state()]
+        if self.device.type == "cuda":
+            rngs.append(torch.cuda.get_rng_state(self.device))
+        return state_tensors(self.model, self.optimizer, [*rngs, self.integrity.history]), rngs
 
     def take_snapshot(self, step: int) -> None:
         tensors, _ = self._snapshot_tensors()
@@ -514,7 +517,7 @@ class Trainer:
             agreed = time.time()
             if self.checkpoints is not None:
                 self.checkpoints.wait(max(0.0, deadline - time.monotonic()))
-            shutdown()
+            abandon()
             self.warm.gen = plan.gen
             self._form_group(self.warm.group_store(), category="restart")
             if self.checkpoints is not None:
@@ -573,9 +576,11 @@ class Trainer:
         if not ok.item():
             raise SnapshotError(f"a snapshot of step {plan.step} failed its check "
                                 f"(see the snapshot_corrupt events)")
-        tensors, rng = self._snapshot_tensors()
+        tensors, rngs = self._snapshot_tensors()
         header = snap.restore_into(tensors)
-        torch.set_rng_state(rng)
+        torch.set_rng_state(rngs[0])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(rngs[1], self.device)
         restore_python_rng(header)
         self.scheduler.load_state_dict(header["scheduler"])
         for group, lr in zip(self.optimizer.param_groups, header["lr"]):

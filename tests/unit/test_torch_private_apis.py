@@ -133,3 +133,12 @@ def test_elastic_agent_hooks_for_the_warm_path():
     assert "LocalElasticAgent(" in inspect.getsource(launcher.launch_agent)
     assert "subprocess_handlers" in inspect.getsource(SubprocessContext.__init__)
     assert "self._pcontext" in inspect.getsource(LocalElasticAgent._monitor_workers)
+
+
+def test_abort_every_process_group():
+    """distributed/process_group.py ``abandon`` aborts a broken NCCL job's groups with
+    the private ``distributed_c10d._abort_process_group`` (None: every group)."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+    assert list(inspect.signature(c10d._abort_process_group).parameters) == ["group"]
