@@ -528,6 +528,8 @@ class Trainer:
         except (ColdPath, SnapshotError, TimeoutError, RuntimeError) as e:
             self.events.emit("warm_recovery_failed", step=self.step,
                              reason=f"{type(e).__name__}: {e}"[:500])
+            if not isinstance(e, ColdPath):  # a plan was made and failed
+                self.warm.give_up()
             return False
         self.snapshots.start(replication)
         restored = time.time()

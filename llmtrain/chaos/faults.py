@@ -25,9 +25,12 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            its shard as step 5 starts (silent corruption)
     badmath@loss:rank=1,step=5             from step 5 on, every loss rank 1 computes is
                                            off by one part in 2**20 (faulty arithmetic)
+    bitflip@replica:rank=0                 rank 0 flips a bit of the peer's snapshot replica
+                                           it is about to hand to a warm spare
 
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
-``checkpoint_write`` (inside a rank's DCP
+``replica`` (a buddy about to send a lost rank's snapshot replica to its warm
+replacement; ``step`` is the snapshot's), ``checkpoint_write`` (inside a rank's DCP
 shard write, in the background writer), ``resume`` (a verified checkpoint about to be
 loaded; ``step`` is the checkpoint's), ``prepare_shard`` (``llmtrain data prepare``
 about to write a shard; ``step`` counts the shards of its process, from 1). Keys:
@@ -58,7 +61,7 @@ from llmtrain.config import ConfigError
 
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
            "badmath")
-POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard")
+POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica")
 
 
 class FaultSpecError(ConfigError):
@@ -208,9 +211,13 @@ class Injector:
             dist.all_reduce(t)
 
 
-def _flip_bit(model: torch.nn.Module, bit: int) -> None:
-    """Flips ``bit`` of the middle value of this rank's largest parameter shard, in place:
-    memory that changed under the program, as a bad DRAM cell or a cosmic ray does."""
+def _flip_bit(model: torch.nn.Module | torch.Tensor, bit: int) -> None:
+    """Flips ``bit`` of the middle value of this rank's largest parameter shard (or of a
+    byte buffer: a snapshot replica), in place: memory that changed under the program, as
+    a bad DRAM cell or a cosmic ray does."""
+    if isinstance(model, torch.Tensor):
+        model[model.numel() // 2] ^= 1 << (bit % 8)
+        return
     shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     shard = max(shards, key=lambda t: t.numel()).detach()
     ints = shard.view(-1).view({2: torch.int16, 4: torch.int32}[shard.element_size()])

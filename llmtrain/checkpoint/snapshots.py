@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from llmtrain import fault_points
 from llmtrain.events import EventLog
 
 _ALIGN = 64
@@ -261,6 +262,7 @@ class Snapshots:
         if replica is None:
             raise SnapshotError(f"rank {self.rank} holds no replica of rank {self.ward} "
                                 f"at step {step}")
+        fault_points.point("replica", step, replica.buffer)
         head = json.dumps(replica.header).encode()
         try:
             replica.verify()
@@ -280,8 +282,8 @@ class Snapshots:
         dist.recv(sizes, source, group=group)
         head_len, nbytes = (int(x) for x in sizes)
         if not head_len:
-            raise SnapshotError(f"rank {source}'s replica failed its CRC-32 (see the "
-                                f"snapshot_corrupt event)")
+            raise SnapshotError(f"the replica rank {source} holds failed its CRC-32 (see "
+                                f"its snapshot_corrupt event)")
         head = torch.empty(head_len, dtype=torch.uint8)
         dist.recv(head, source, group=group)
         header = json.loads(bytes(head.numpy()))

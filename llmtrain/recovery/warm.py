@@ -176,6 +176,11 @@ class WarmPath:
             self.store.add(f"replaced/{r}", 1)  # the lost rank's agent must not restart
         self.store.set(self._key("spares"), plan.to_json())
 
+    def give_up(self) -> None:
+        """The plan failed after it was made (a replica failed its check, the budget ran
+        out): the agents of the survivors' workers must restart them, not wait."""
+        self.store.add("cold", 1)
+
     def _go_cold(self, verdict: str) -> None:
         self.store.set(self._key("spares"), verdict)
         self.store.add("cold", 1)  # agents waiting on a dead worker restart it

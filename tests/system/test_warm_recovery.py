@@ -94,16 +94,29 @@ def test_three_faults_each_recovered_warm_and_the_weights_match(cluster, referen
         assert torch.equal(reference[name], got[name]), name
 
 
-def test_without_a_warm_spare_the_cold_path_takes_over(cluster):
-    c = cluster("1:2")
+def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, reference,
+                                                                      tmp_path):
+    """The survivor's replica of the lost rank has a bit flipped in memory: its CRC-32
+    catches it before the spare gets it, every rank goes cold, and the job still ends
+    with the weights of a run that never failed."""
+    c = cluster("2:2")
+    flip = ("--reliability.faults", "bitflip@replica")
     for name in ("node1", "node2"):
-        c.start(name)
+        c.start(name, *flip)
+    c.start("spare", *flip, spare=True)
     wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
                    where=lambda e: e["step"] == 20, timeout=180)
     c.kill("node2")
-    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
-    (failed,) = events(c.run, "warm_recovery_failed")
-    assert "no warm spare" in failed["reason"], failed
-    assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2, 1]
-    assert events(c.run, "run_end")[-1]["steps"] == STEPS
-
+    for name in ("node1", "spare"):
+        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    # named by the rank that holds it, before it is sent, and by the spare that needed it
+    corrupt = {e["when"]: e for e in events(c.run, "snapshot_corrupt")}
+    assert set(corrupt) == {"before restore", "restore"}, corrupt
+    assert "CRC-32" in corrupt["before restore"]["error"]
+    failed = events(c.run, "warm_recovery_failed")
+    assert failed and all("failed its check" in e["reason"] for e in failed), failed
+    assert not events(c.run, "warm_recovery")
+    assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2, 2]  # cold
+    got = final_weights(c.run, STEPS, tmp_path)
+    for name in reference:
+        assert torch.equal(reference[name], got[name]), name
