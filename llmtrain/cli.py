@@ -165,9 +165,12 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
                             seed=args.seed, faults=args.faults or ",".join(chaos.KINDS),
                             repeat=args.repeat,
                             nodes=args.nodes, rank=args.rank,
+                            checkpoint_every=args.checkpoint_every,
                             reference=not args.no_reference)
     if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
         raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
+    if cfg.checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every {cfg.checkpoint_every}: must be at least 1")
     unknown = set(cfg.faults.split(",")) - set(chaos.KINDS)
     if unknown:
         raise ConfigError(f"--faults: unknown {sorted(unknown)}; choose from {chaos.KINDS}")
@@ -247,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus one spare)")
     ch.add_argument("--rank", type=int, default=None,
                     help="the rank every rank-level fault hits (default: a random one)")
+    ch.add_argument("--checkpoint-every", type=int, default=20,
+                    help="the job's checkpoint interval in steps (the last faults come "
+                         "3 intervals before the end)")
     ch.add_argument("--no-reference", action="store_true",
                     help="skip the fault-free run that the final weights are compared with")
     ch.set_defaults(func=cmd_chaos)

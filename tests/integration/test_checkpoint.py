@@ -21,19 +21,28 @@ def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.T
     return torch.load(out, weights_only=False)["model"]
 
 
-def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 2-rank run of 24 steps, every checkpoint kept (6, 12, 18, 24). The
+    tests only read it: one that damages checkpoints damages a copy."""
+    run = tmp_path_factory.mktemp("checkpoint") / "reference"
+    check(llmtrain(run, "--training.steps", "24", "--checkpoint.keep_last", "5", *CKPT,
+                   nproc=2))
+    return run
+
+
+def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path, reference):
     """torchrun restarts the job twice: rank 0 killed while writing checkpoint 12 (so 6 is
     the newest committed), then rank 1 killed mid-run at step 17. The final weights equal
     an uninterrupted run's bit for bit."""
     args = ("--training.steps", "24", *CKPT)
-    check(llmtrain(tmp_path / "reference", *args, nproc=2))
     faulty = tmp_path / "faulty"
     check(llmtrain(
         faulty, *args, "--reliability.faults", "kill@checkpoint_write:rank=0,step=12,"
         "restart=0;kill@step:rank=1,step=17,restart=1", nproc=2,
         torchrun_args=("--max-restarts", "2")))
     assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [6, 12]
-    ref = final_weights(tmp_path / "reference", 24, tmp_path)
+    ref = final_weights(reference, 24, tmp_path)
     got = final_weights(faulty, 24, tmp_path)
     assert ref.keys() == got.keys() and len(ref) > 10
     for name in ref:
@@ -67,11 +76,12 @@ def test_resume_a_two_rank_checkpoint_on_another_world_size(tmp_path, two_rank_r
         assert got[step] == pytest.approx(ref[step], rel=1e-3), step
 
 
-def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path):
+def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path, reference):
     run = tmp_path / "run"
     args = ("--checkpoint.keep_last", "5", *CKPT)
-    check(llmtrain(run, "--training.steps", "24", *args, nproc=2))
+    shutil.copytree(reference / "checkpoints", run / "checkpoints")  # 6, 12, 18, 24
     root = str(run / "checkpoints")
+    assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 18, 24]
     # 24: no manifest (never committed); 18: a flipped byte; 12: a truncated shard
     Path(storage.step_dir(root, 24), storage.MANIFEST).unlink()
     shard = Path(storage.step_dir(root, 18), "__1_0.distcp")

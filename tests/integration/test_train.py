@@ -1,6 +1,7 @@
 """End-to-end training runs: real torchrun, real gloo process groups, FSDP2 on CPU."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,27 +13,46 @@ from llmtrain.exit_codes import ExitCode
 pytestmark = pytest.mark.slow
 
 
-def test_two_rank_fsdp_run_learns(run_dir):
-    proc = check(llmtrain(run_dir, "--training.steps", "60", nproc=2))
-    losses = step_losses(run_dir)
+# Runs read by more than one test, each run once per module (the tests only read them).
+FP32 = ("--training.steps", "60", "--metrics.log_every", "5", "--checkpoint.enable", "false")
+SHORT = ("--training.steps", "12", "--metrics.log_every", "1")
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory) -> tuple[Path, str]:
+    """The debug preset's 2-rank fp32 run over 60 steps, every 5th loss logged."""
+    run = tmp_path_factory.mktemp("train") / "fp32"
+    return run, check(llmtrain(run, *FP32, nproc=2)).stdout
+
+
+@pytest.fixture(scope="module")
+def two_rank_short(tmp_path_factory) -> Path:
+    """A 2-rank run of 12 steps, every loss logged. Its first 6 steps are also those of a
+    6-step run: the learning rate warms up over 20 steps whatever the run's length."""
+    run = tmp_path_factory.mktemp("train") / "w2"
+    check(llmtrain(run, *SHORT, nproc=2))
+    return run
+
+
+def test_two_rank_fsdp_run_learns(fp32_run):
+    run, stdout = fp32_run
+    losses = step_losses(run)
     assert abs(losses[1] - math.log(256)) < 0.3  # starts at chance over 256 bytes
     assert losses[60] < 3.0
-    assert "2 rank(s) on cpu (gloo)" in proc.stdout and "done: 60 steps" in proc.stdout
+    assert "2 rank(s) on cpu (gloo)" in stdout and "done: 60 steps" in stdout
 
 
-def test_one_and_two_ranks_give_the_same_losses(tmp_path):
+def test_one_and_two_ranks_give_the_same_losses(tmp_path, two_rank_short):
     """Same global batch (16): one rank accumulates two micro-batches, two ranks one each."""
-    args = ("--training.steps", "12", "--metrics.log_every", "1")
-    check(llmtrain(tmp_path / "w1", *args, nproc=1))
-    check(llmtrain(tmp_path / "w2", *args, nproc=2))
-    one, two = step_losses(tmp_path / "w1"), step_losses(tmp_path / "w2")
+    check(llmtrain(tmp_path / "w1", *SHORT, nproc=1))
+    one, two = step_losses(tmp_path / "w1"), step_losses(two_rank_short)
     assert sorted(one) == sorted(two) == list(range(1, 13))
     for step in one:
         assert one[step] == pytest.approx(two[step], rel=2e-4), step
     assert one[12] < one[1] - 1.0  # and they did train
 
 
-def test_fp8_tracks_full_precision(tmp_path):
+def test_fp8_tracks_full_precision(tmp_path, fp32_run):
     """torchao float8 (tensorwise) under FSDP2 follows the fp32 run on the same batches.
 
     Tolerance, derived in this run rather than from one machine's numbers: FP8 must move
@@ -43,12 +63,11 @@ def test_fp8_tracks_full_precision(tmp_path):
     differ between CPU models, and so do both sides of the comparison. (Seen on an Intel
     Xeon: FP8 gap 0.027, seed spreads 0.108 and 0.086, a margin of 3.7x.)
     """
-    args = ("--training.steps", "60", "--metrics.log_every", "5", "--checkpoint.enable", "false")
-    runs = {"fp32": (), "seed1": ("--training.seed", "1"), "seed2": ("--training.seed", "2"),
+    runs = {"seed1": ("--training.seed", "1"), "seed2": ("--training.seed", "2"),
             "fp8": ("--parallelism.fp8", "tensorwise")}
-    losses = {}
+    losses = {"fp32": step_losses(fp32_run[0])}  # seed 0
     for name, extra in runs.items():
-        check(llmtrain(tmp_path / name, *args, *extra, nproc=2))
+        check(llmtrain(tmp_path / name, *FP32, *extra, nproc=2))
         losses[name] = step_losses(tmp_path / name)
     late = [s for s in losses["fp32"] if s >= 30]
 
@@ -56,7 +75,7 @@ def test_fp8_tracks_full_precision(tmp_path):
         return float(np.mean([abs(losses[name][s] - losses["fp32"][s]) for s in late]))
 
     spread = (gap("seed1") + gap("seed2")) / 2
-    assert gap("fp8") < spread, {name: round(gap(name), 4) for name in runs}
+    assert gap("fp8") < spread, {name: round(gap(name), 4) for name in losses}
     fp8 = losses["fp8"]
     assert abs(fp8[1] - math.log(256)) < 0.3 and fp8[60] < fp8[1] - 2.0  # it really trained
 
@@ -78,21 +97,23 @@ def test_missing_data_dir_is_a_fatal_data_error(tmp_path):
     assert "nowhere" in proc.stderr and "data.path" in proc.stderr
 
 
-def test_activation_checkpointing_and_hsdp_keep_the_losses(tmp_path):
+def test_activation_checkpointing_and_hsdp_keep_the_losses(tmp_path, two_rank_short):
     """Recomputing activations (full, or selective: matmul outputs kept) and replicating
     instead of sharding (HSDP, 2 replicas x 1 shard) change memory and traffic, not the
-    math."""
+    math. The plain run is the shared 12-step one, compared over the variants' 6 steps."""
     args = ("--training.steps", "6", "--metrics.log_every", "1", "--checkpoint.enable", "false")
     variants = {
-        "plain": (),
         "full": ("--parallelism.activation_checkpoint", "full"),
         "selective": ("--parallelism.activation_checkpoint", "selective"),
         "hsdp": ("--parallelism.dp_replicate", "2"),
     }
+    plain = {s: loss for s, loss in step_losses(two_rank_short).items() if s <= 6}
+    assert sorted(plain) == list(range(1, 7))
     losses = {}
     for name, extra in variants.items():
         check(llmtrain(tmp_path / name, *args, *extra, nproc=2))
         losses[name] = step_losses(tmp_path / name)
     for name in variants:
-        for step, loss in losses["plain"].items():
+        assert sorted(losses[name]) == list(range(1, 7)), name
+        for step, loss in plain.items():
             assert losses[name][step] == pytest.approx(loss, rel=1e-4), (name, step)

@@ -15,19 +15,26 @@ from llmtrain.checkpoint import storage
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
-STEPS = 60
-TRAIN = ("--training.steps", str(STEPS), "--checkpoint.interval_steps", "20",
-         "--metrics.log_every", "5", "--metrics.address", "127.0.0.1", "--metrics.port", "0",
-         "--health.interval_s", "1")
+STEPS, EVERY = 40, 10  # the job's length and checkpoint interval, unless a test says
+COMMON = ("--metrics.log_every", "5", "--metrics.address", "127.0.0.1", "--metrics.port", "0",
+          "--health.interval_s", "1")
+
+
+def train_args(steps: int = STEPS, every: int = EVERY) -> tuple[str, ...]:
+    return ("--training.steps", str(steps), "--checkpoint.interval_steps", str(every),
+            *COMMON)
+
+
+TRAIN = train_args()
 
 
 @pytest.fixture
 def cluster(tmp_path):
     made = []
 
-    def make(nnodes: str) -> LocalCluster:
+    def make(nnodes: str, args: tuple[str, ...] = TRAIN) -> LocalCluster:
         made.append(LocalCluster(tmp_path, tmp_path / "run", nnodes,
-                                 ("--config", "debug_cpu", *TRAIN)))
+                                 ("--config", "debug_cpu", *args)))
         return made[-1]
     yield make
     for c in made:
@@ -60,13 +67,13 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 5, timeout=180)
     c.start("node3", spare=True)  # the spare stands by
     wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
-                   where=lambda e: e["step"] == 20, timeout=180)
+                   where=lambda e: e["step"] == EVERY, timeout=180)
     c.kill("node2")
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
     assert c.wait("node3") == ExitCode.CLEAN, c.log("node3")
     assert world_sizes(c.run) == [2, 2]
     resumed = events(c.run, "checkpoint_loaded")
-    assert [e["step"] for e in resumed] in ([20], [40]), c.log("node1")
+    assert [e["step"] for e in resumed] in ([EVERY], [2 * EVERY]), c.log("node1")
     # the restart's parts, from the failure seen by node1's rank to the first step
     (rec,) = events(c.run, "recovery")
     marks = rec["marks"]
@@ -86,7 +93,7 @@ def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, refer
     c.start("node1")
     c.start("node2")
     wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
-                   where=lambda e: e["step"] == 20, timeout=180)
+                   where=lambda e: e["step"] == EVERY, timeout=180)
     c.kill("node2")
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
     assert world_sizes(c.run) == [2, 1]
@@ -106,7 +113,7 @@ def test_a_node_failing_the_gate_never_joins_and_a_spare_takes_its_place(cluster
     bad = node(1)
     bad["gpus"][0]["remapped_rows"]["failure"] = True
     bad_script = write_script(tmp_path / "bad.json", bad)
-    c = cluster("2:2")
+    c = cluster("2:2", train_args(steps=10))  # the job only has to finish
     c.start("node1")
     c.start("node2", env={"LLMTRAIN_NVML_SCRIPT": bad_script})
     assert c.wait("node2", timeout=120) == ExitCode.EXCLUDE_NODE, c.log("node2")
@@ -134,7 +141,8 @@ def test_a_gpu_failing_mid_run_takes_its_node_out_and_a_spare_goes_on(cluster, t
     script = tmp_path / "node2-gpus.json"
     state = node(1)
     write_script(script, state)
-    c = cluster("2:2")
+    # 60 steps: the GPU fails at step 10 plus the spare's start and 3 s, well before the end
+    c = cluster("2:2", train_args(steps=60, every=20))
     c.start("node1")
     c.start("node2", env={"LLMTRAIN_NVML_SCRIPT": str(script)})
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 10, timeout=180)
