@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--config", default="debug_cpu")
     parser.add_argument("--segments", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20, help="steps per segment")
+    parser.add_argument("--snapshot-every", type=int, default=1,
+                        help="steps between snapshots (warm.snapshot_every)")
     args, rest = parser.parse_known_args()
     cfg = load_config(args.config, parse_overrides(
         ["--training.run_dir", "runs/bench_step_overhead", "--metrics.progress", "plain",
@@ -105,7 +107,8 @@ def main() -> None:
     plain = Transformer(cfg.model).to(trainer.device)
     world, rank = trainer.world.world_size, trainer.world.rank
     other = (rank + 1) % world if world > 1 else None
-    snapshots = Snapshots(1, rank, buddy=other, ward=other, events=trainer.events)
+    snapshots = Snapshots(args.snapshot_every, rank, buddy=other, ward=other,
+                          events=trainer.events)
     snapshots.start(dist.new_group(backend="gloo"))
     loops = {"llmtrain": llmtrain_loop(trainer, integrity=True),
              "no integrity": llmtrain_loop(trainer, integrity=False),
@@ -126,7 +129,7 @@ def main() -> None:
             times[name].append(run(args.steps))
     judged = trainer.integrity.judged - judged
     skipped = snapshots.skipped - skipped
-    taken = args.segments * args.steps - skipped
+    taken = args.segments * args.steps // args.snapshot_every - skipped
     snapshot_bytes = snapshots.bytes_held()
     params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                  for p in trainer.model.parameters())
@@ -151,7 +154,7 @@ def main() -> None:
           f"without them, median of paired segments: {paired:.3f}")
     snap_paired = statistics.median(a / b for a, b in zip(times["snapshots"], times["llmtrain"]))
     print(f"snapshots: {taking.seconds / taken * 1e3:.3f} ms per copy on the training thread, "
-          f"{skipped} of {args.segments * args.steps} skipped (the previous one "
+          f"{skipped} of {taken + skipped} skipped (the previous one "
           f"still being sent); {snapshot_bytes / params:.1f} bytes per parameter held "
           f"(own and buddy's, two each); loop with / without them: {snap_paired:.3f}")
     figures = {"llmtrain_over_bare": round(median["llmtrain"] / base, 4),
@@ -159,6 +162,7 @@ def main() -> None:
                "snapshot_copy_ms": round(taking.seconds / taken * 1e3, 3),
                "snapshots_skipped": skipped,
                "snapshot_bytes_per_param": round(snapshot_bytes / params, 1),
+               "snapshot_every": args.snapshot_every,
                "llmtrain_ms": round(median["llmtrain"] * 1e3, 2),
                "bare_ms": round(base * 1e3, 2),
                "integrity_overhead": round(paired, 4),
