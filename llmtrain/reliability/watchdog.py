@@ -331,10 +331,14 @@ class Watchdog:
         os._exit(ExitCode.RETRYABLE)
 
     def _silent_ranks(self) -> set[int]:
-        """Ranks whose heartbeat is older than the hang timeout."""
+        """Ranks whose heartbeat stopped: none for three beat intervals (the watchdog
+        thread beats even while its main thread waits in a collective, so only a stopped
+        or dead process falls that far behind). Not the hang timeout: a rank stopped just
+        after its last progress is only about one timeout silent when the hang is seen."""
         beating = [r for r in range(self.world_size) if self.store.check([f"hb/{r}"])]
+        limit = min(self.timeout, 3 * self.cfg.heartbeat_interval_s)
         fresh = {r for r, beat in (self._heartbeats(beating) or {}).items()
-                 if time.time() - beat["wall"] <= self.timeout}
+                 if time.time() - beat["wall"] <= limit}
         return set(range(self.world_size)) - fresh
 
     def _await(self, keys: list[str], seconds: float) -> list[str]:
