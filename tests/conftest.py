@@ -74,3 +74,19 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def run_dir(tmp_path) -> Path:
     return tmp_path / "run"
 from storage_fixtures import *  # noqa: E402,F401,F403  (bindfs_mount, faultfs, s3_url, ...)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Makes local clusters (``LocalCluster``: "nodes" of ``llmtrain launch`` on loopback)
+    of the debug preset with the given training arguments; closes them after the test."""
+    from llmtrain.chaos.local_cluster import LocalCluster
+    made = []
+
+    def make(nnodes: str, args: tuple[str, ...]) -> LocalCluster:
+        made.append(LocalCluster(tmp_path, tmp_path / "run", nnodes,
+                                 ("--config", "debug_cpu", *args)))
+        return made[-1]
+    yield make
+    for c in made:
+        c.close()

@@ -103,17 +103,25 @@ def open_store(name: str, timeout: timedelta, round_id: str | None = None) -> di
     keys go under a name the round's ranks agree on through the job's store at start, or
     under ``round_id`` when they already agree on one (a warm spare has no job store).
     """
-    endpoint = os.environ.get("LLMTRAIN_RDZV_ENDPOINT")
+    outside = rendezvous_store(timeout)
     if round_id is None:
         job = dist.PrefixStore(_attempt_namespace(), dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
             timeout=timeout, use_libuv=True))
-        if not endpoint:
+        if outside is None:
             return dist.PrefixStore(name, job)
         round_id = job.compare_set(f"{name}/round", "", uuid.uuid4().hex).decode()
-    host, _, port = endpoint.rpartition(":")
-    outside = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
     return dist.PrefixStore(f"llmtrain/rounds/{round_id}/{name}", outside)
+
+
+def rendezvous_store(timeout: timedelta) -> dist.Store | None:
+    """A client of the rendezvous store outside the workers (``LLMTRAIN_RDZV_ENDPOINT``,
+    set by ``llmtrain launch``), or None without one."""
+    endpoint = os.environ.get("LLMTRAIN_RDZV_ENDPOINT")
+    if not endpoint:
+        return None
+    host, _, port = endpoint.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
 
 
 def connect_store(world: WorldInfo, r: ReliabilityConfig) -> dist.Store:

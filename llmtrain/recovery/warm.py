@@ -33,6 +33,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
+from llmtrain.distributed.process_group import rendezvous_store
 
 
 class ColdPath(RuntimeError):
@@ -75,11 +76,9 @@ def ward_of(rank: int, world_size: int, local_world_size: int) -> int | None:
 def outside_store(timeout: timedelta) -> dist.Store | None:
     """The job's warm-path namespace in the rendezvous store, or None without one
     (``llmtrain launch`` passes ``LLMTRAIN_RDZV_ENDPOINT`` and ``LLMTRAIN_RDZV_ID``)."""
-    endpoint = os.environ.get("LLMTRAIN_RDZV_ENDPOINT")
-    if not endpoint:
+    store = rendezvous_store(timeout)
+    if store is None:
         return None
-    host, _, port = endpoint.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
     return dist.PrefixStore(f"llmtrain/warm/{os.environ.get('LLMTRAIN_RDZV_ID', 'job')}", store)
 
 

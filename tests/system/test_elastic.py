@@ -10,7 +10,6 @@ import torch
 from conftest import check, events, llmtrain, wait_for_event
 from nvml_states import node, write_script
 
-from llmtrain.chaos.local_cluster import LocalCluster
 from llmtrain.checkpoint import storage
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
@@ -26,19 +25,6 @@ def train_args(steps: int = STEPS, every: int = EVERY) -> tuple[str, ...]:
 
 
 TRAIN = train_args()
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    made = []
-
-    def make(nnodes: str, args: tuple[str, ...] = TRAIN) -> LocalCluster:
-        made.append(LocalCluster(tmp_path, tmp_path / "run", nnodes,
-                                 ("--config", "debug_cpu", *args)))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +47,7 @@ def world_sizes(run: Path) -> list[int]:
 
 
 def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference, tmp_path):
-    c = cluster("2:2")
+    c = cluster("2:2", TRAIN)
     c.start("node1")
     c.start("node2")
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 5, timeout=180)
@@ -89,7 +75,7 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference
 
 
 def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, reference):
-    c = cluster("1:2")
+    c = cluster("1:2", TRAIN)
     c.start("node1")
     c.start("node2")
     wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
@@ -128,7 +114,7 @@ def test_a_node_failing_the_gate_never_joins_and_a_spare_takes_its_place(cluster
 
 
 def test_a_fatal_config_error_exits_once_without_a_restart_loop(cluster):
-    c = cluster("2:2")
+    c = cluster("2:2", TRAIN)
     started = time.monotonic()
     c.start("node1", "--training.global_batch_size", "15")  # not divisible by 2 ranks
     assert c.wait("node1", timeout=60) == ExitCode.FATAL

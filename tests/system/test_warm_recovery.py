@@ -11,7 +11,6 @@ from conftest import check, events, llmtrain, wait_for_event
 from nvml_states import node, write_script
 from test_elastic import final_weights
 
-from llmtrain.chaos.local_cluster import LocalCluster
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
@@ -19,19 +18,6 @@ STEPS = 45
 TRAIN = ("--training.steps", str(STEPS), "--checkpoint.interval_steps", "20",
          "--metrics.log_every", "5", "--metrics.address", "127.0.0.1", "--metrics.port", "0",
          "--warm.enable", "true")
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    made = []
-
-    def make(nnodes: str) -> LocalCluster:
-        made.append(LocalCluster(tmp_path, tmp_path / "run", nnodes,
-                                 ("--config", "debug_cpu", *TRAIN)))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +37,7 @@ def test_three_faults_each_recovered_warm_and_the_weights_match(cluster, referen
     """A node killed whole, then one rank's worker killed (its agent lives on), then a GPU
     failing its health check: each time a warm spare takes the lost rank, nobody restarts,
     and the run ends with the weights of a run that never failed, bit for bit."""
-    c = cluster("2:2")
+    c = cluster("2:2", TRAIN)
     c.start("node1")
     c.start("node2")
     scripts = {}
@@ -99,7 +85,7 @@ def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, ref
     """The survivor's replica of the lost rank has a bit flipped in memory: its CRC-32
     catches it before the spare gets it, every rank goes cold, and the job still ends
     with the weights of a run that never failed."""
-    c = cluster("2:2")
+    c = cluster("2:2", TRAIN)
     flip = ("--reliability.faults", "bitflip@replica")
     for name in ("node1", "node2"):
         c.start(name, *flip)
