@@ -161,6 +161,12 @@ class ReliabilityConfig:
                                                 "rest, two windows running, is reported")
     straggler_window_s: float = _f(30.0, gt=0, doc="how often ranks' collective arrival "
                                                    "times are compared")
+    not_arrived_factor: float = _f(10.0, ge=0, doc="ranks waiting in a collective this many "
+                                                   "times its usual duration for a quiet rank "
+                                                   "that has not entered it name that rank at "
+                                                   "once, before the hang timeout; 0: off")
+    not_arrived_floor_s: float = _f(3.0, gt=0, doc="the least wait that names a rank as not "
+                                                   "arrived")
 
 
 @dataclass

@@ -181,7 +181,8 @@ class Trainer:
                 self.watchdog = Watchdog(
                     cfg.reliability, open_store("watchdog", timedelta(seconds=30),
                                                 self.warm and self.warm.round_id),
-                    t.run_dir, self.events, self.world.rank, self.world.world_size)
+                    t.run_dir, self.events, self.world.rank, self.world.world_size,
+                    int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                     self.world.rank)

@@ -176,8 +176,9 @@ class Exporter:
         self.set("llmtrain_heartbeat_timestamp_seconds", now)
         self.series("llmtrain_step_seconds").observe(seconds)
 
-    def stragglers(self, slowdowns: list[float]) -> None:
-        for peer, slowdown in enumerate(slowdowns):
+    def stragglers(self, slowdowns: dict[int, float]) -> None:
+        """The watchdog's slowest ranks (and, at the median, those that were)."""
+        for peer, slowdown in slowdowns.items():
             self.set("llmtrain_straggler_slowdown", slowdown, peer_rank=str(peer))
 
     def health(self, findings: list, readings: dict) -> None:

@@ -59,6 +59,7 @@ class Collective:
     retired: bool
     created_ns: int
     started_ns: int  # 0: not recorded
+    completed_ns: int  # 0: not recorded (gloo never records it)
     timeout_ms: int
 
     @classmethod
@@ -71,6 +72,7 @@ class Collective:
                    state=e.get("state", "scheduled"), retired=bool(e.get("retired")),
                    created_ns=int(e.get("time_created_ns") or 0),
                    started_ns=int(e.get("time_discovered_started_ns") or 0),
+                   completed_ns=int(e.get("time_discovered_completed_ns") or 0),
                    timeout_ms=int(e.get("timeout_ms") or 0))
 
     @property

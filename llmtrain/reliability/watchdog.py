@@ -6,12 +6,17 @@ per rank does the rest through its own store connection (the rendezvous store un
 ``llmtrain launch``, which no worker hosts; see ``open_store``), never through a process
 group (which may be the thing that is stuck):
 
-- every ``heartbeat_interval_s`` it publishes the rank's progress under ``hb/<rank>``; a
-  rank that has been quiet (no progress) for a few of its usual gaps between beats also
-  publishes the collective it waits in, per process group: sequence number and signature
-  (op, sizes, dtypes), read from its flight recorder, and beats four times as often;
-- rank 0 compares those: ranks waiting in the same collective of a group with different
-  signatures are a desync, declared at once (about two seconds after it happens);
+- every ``heartbeat_interval_s`` it publishes the rank's progress; a rank that has been
+  quiet (no progress) for a few of its usual gaps between beats also publishes where it is
+  in each process group, read from its flight recorder (the newest collective it entered:
+  sequence number, op, sizes, dtypes, whether it is still inside and for how long, the
+  collective's usual duration), and beats four times as often. Heartbeats are reduced per
+  node and then across nodes (:mod:`llmtrain.reliability.heartbeats`), so that rank 0 reads
+  one summary per node;
+- rank 0 judges those: ranks inside the same collective of a group with different calls
+  are a desync, declared at once (about two seconds after it happens); ranks waiting in
+  collective #N longer than ``not_arrived_factor`` times its usual duration while a quiet
+  rank of the group has entered only earlier ones name that rank as not arrived, at once;
 - it declares a hang when its own rank made no progress for the hang timeout, or when a
   watched rank's heartbeat is older than that (a rank stopped whole, e.g. SIGSTOP):
   rank 0 watches every rank, rank 1 watches rank 0. The timeout is learned from the run:
@@ -38,6 +43,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -47,6 +53,7 @@ from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
+from llmtrain.reliability.heartbeats import ControlPlane, desync_in, not_arrived, positions
 
 HOST = socket.gethostname()
 # Steps a run must show before its hang timeout is learned from their pace, and how many
@@ -86,18 +93,6 @@ def flight_recorder() -> dict:
     return out
 
 
-def waiting_collectives(entries: list[dict]) -> dict[str, list]:
-    """Per process group, the oldest collective entered and not finished: [seq, signature]."""
-    out: dict[str, list] = {}
-    for c in map(flightrec.Collective.from_entry, entries):
-        name = c.desc if c.desc not in ("", "undefined") else f"pg {c.group}"
-        if c.inside and (name not in out or c.seq < out[name][0]):
-            # all-to-all may take other sizes on every rank: only its op and dtypes must agree
-            uneven = "to_all" in c.op or "toall" in c.op
-            out[name] = [c.seq, f"{c.op} dtypes={c.dtypes}" if uneven else c.signature()]
-    return out
-
-
 def thread_stacks() -> dict[str, str]:
     names = {t.ident: t.name for t in threading.enumerate()}
     return {names.get(ident, str(ident)): "".join(traceback.format_stack(frame))
@@ -106,9 +101,13 @@ def thread_stacks() -> dict[str, str]:
 
 class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
-                 events: EventLog, rank: int, world_size: int):
+                 events: EventLog, rank: int, world_size: int, local_world_size: int = 0):
+        """``local_world_size``: ranks per node, whose heartbeats a node leader reduces
+        (0: the world is one node)."""
         self.cfg, self.store, self.events = cfg, store, events
         self.rank, self.world_size = rank, world_size
+        self.plane = ControlPlane(store, rank, world_size, local_world_size,
+                                  cfg.heartbeat_interval_s)
         self.diagnostics = join(run_dir, "diagnostics")
         self.step, self.phase = 0, "start-up"
         self.limit: float | None = cfg.phase_timeout_s  # start-up is a long phase
@@ -121,8 +120,10 @@ class Watchdog:
         self._responding = threading.Lock()  # one response per process, whoever starts it
         self.error: str | None = None
         self._next_window = time.monotonic() + cfg.straggler_window_s
-        self._streaks = [0] * world_size
-        self.slowdowns: list[float] = [1.0] * world_size  # rank 0's latest estimate
+        self._streaks: dict[int, int] = {}  # windows running a rank was slow
+        # Rank 0's latest estimate of the slowest ranks; ranks that were among them and are
+        # no longer are shown at the median.
+        self.slowdowns: dict[int, float] = {}
 
     def start(self) -> None:
         self._stop.clear()
@@ -176,8 +177,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5)
         try:  # the rendezvous store outlives the round: leave it no per-rank keys
-            for key in (f"hb/{self.rank}", f"arrivals/{self.rank}"):
-                self.store.delete_key(key)
+            self.plane.close()
             if self._counted_long:
                 self.store.add("long_phases", -1)
         except Exception:  # the store may be gone at the end; nothing is lost
@@ -203,10 +203,13 @@ class Watchdog:
         if long != self._counted_long:  # how many ranks are in a long phase, for the others
             self.store.add("long_phases", 1 if long else -1)
             self._counted_long = long
-        self.store.set(f"hb/{self.rank}", json.dumps(
+        quiet = self.quiet
+        self.plane.publish(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress, "long": long,
-             "waiting": waiting_collectives(flight_recorder()["entries"]) if self.quiet else None}))
+             "at": positions(flight_recorder()["entries"], time.time_ns()) if quiet else None})
+        if self.plane.leader:
+            self.plane.summarize()
         if self.store.check(["event"]):
             self._respond(json.loads(self.store.get("event")), leader=False)
         found = self._detect()
@@ -215,7 +218,9 @@ class Watchdog:
             self._declare(reason, kind)
         if time.monotonic() >= self._next_window:
             self._next_window += self.cfg.straggler_window_s
-            self._publish_arrivals()
+            self.plane.publish_arrivals(flight_recorder()["entries"])
+            if self.plane.leader:
+                self.plane.reduce_arrivals()
             if self.rank == 0:
                 self._find_stragglers()
 
@@ -226,16 +231,23 @@ class Watchdog:
             return "hang", (f"rank {self.rank} made no progress for {age:.0f} s (last: "
                             f"{self.phase} {self.step}; hang timeout "
                             f"{self.progress_timeout:.0f} s)")
-        # rank 0 watches everyone's heartbeat, rank 1 watches rank 0's
-        watched = range(self.world_size) if self.rank == 0 else [0] if self.rank == 1 else []
-        beats = self._heartbeats(watched) or {}
-        for r, beat in beats.items():
-            silent = time.time() - beat["wall"]
+        # rank 0 watches every rank (through the node summaries), rank 1 watches rank 0
+        if self.rank == 1:
+            for r, beat in self.plane.beats([0]).items():
+                silent = time.time() - beat["wall"]
+                if silent > self.timeout:
+                    return "hang", silence(r, silent, beat["step"], beat["phase"])
+        if self.rank != 0:
+            return None
+        world = self.plane.world()
+        for r, (silent, step, phase) in sorted(world.silent.items()):
             if silent > self.timeout:
-                return "hang", (f"rank {r} sent no heartbeat for {silent:.0f} s (last at "
-                                f"step {beat['step']}, {beat['phase']}): stopped or dead")
-        desync = desync_in(beats) if self.rank == 0 else None
-        return ("collective_error", desync) if desync else None
+                return "hang", silence(r, silent, step, phase)
+        desync = desync_in(world)
+        if desync:
+            return "collective_error", desync
+        late = not_arrived(world, self.cfg.not_arrived_factor, self.cfg.not_arrived_floor_s)
+        return ("hang", late[0]) if late else None
 
     def _peer_in_long_phase(self, age: float) -> bool:
         """Waiting for a rank in a declared long phase is no hang (until that phase's own
@@ -244,55 +256,29 @@ class Watchdog:
             return False
         return self.store.add("long_phases", 0) > 0
 
-    def _heartbeats(self, ranks) -> dict[int, dict] | None:
-        """The latest heartbeats of ``ranks``; None until every one has published."""
-        keys = [f"hb/{r}" for r in ranks]
-        if not keys or not self.store.check(keys):
-            return None
-        return {r: json.loads(raw) for r, raw in zip(ranks, self.store.multi_get(keys))}
-
     # -- stragglers: who arrives late at collectives ----------------------------------
 
-    def _publish_arrivals(self) -> None:
-        """When this rank entered each of its recent completed collectives."""
-        done = [e for e in flight_recorder()["entries"][-512:] if e.get("retired")]
-        self.store.set(f"arrivals/{self.rank}", json.dumps(
-            {f"{e['pg_id']}|{e['collective_seq_id']}": e["time_created_ns"] for e in done}))
-
     def _find_stragglers(self) -> None:
-        """Slowdown of each rank from the flight recorder's arrival times.
-
-        In a collective everyone waits for the last to arrive, so a rank whose work takes
-        f times as long is late by (f - 1) of the others' work at every step. Over the
-        collectives all ranks recorded, a rank's slowdown is span / (span - its summed
-        lateness); about 1 for everyone else. Every estimate is an event (the report's
-        per-rank heatmap); a rank slow two windows running is a ``straggler`` event.
-        """
-        keys = [f"arrivals/{r}" for r in range(self.world_size)]
-        if not self.store.check(keys):
+        """Rank 0: the slowest ranks from the flight recorders' arrival times
+        (:meth:`ControlPlane.stragglers`). Every window is a ``straggler_scores`` event of a
+        fixed size (the report's heatmap); a rank slow two windows running is a
+        ``straggler`` event."""
+        scores = self.plane.stragglers()
+        if scores is None:
             return
-        arrivals = [json.loads(raw) for raw in self.store.multi_get(keys)]
-        common = set.intersection(*(set(a) for a in arrivals))
-        if len(common) < 20:
-            return
-        first = {k: min(a[k] for a in arrivals) for k in common}
-        span = max(max(a[k] for a in arrivals) for k in common) - min(first.values())
-        for r, a in enumerate(arrivals):
-            late = sum(a[k] - first[k] for k in common)
-            self.slowdowns[r] = span / max(span - late, 1)
-        self.events.emit("straggler_scores", step=self.step,
-                         slowdowns=[round(x, 3) for x in self.slowdowns])
-        for r in range(self.world_size):
-            slow = self.slowdowns[r] > self.cfg.straggler_factor
-            self._streaks[r] = self._streaks[r] + 1 if slow else 0
-            if self._streaks[r] >= 2:
-                beat = json.loads(self.store.get(f"hb/{r}"))
+        self.events.emit("straggler_scores", step=self.step, **asdict(scores))
+        top = dict(scores.top)
+        self.slowdowns = {**{r: scores.p50 for r in self.slowdowns}, **top}
+        self._streaks = {r: self._streaks.get(r, 0) + 1 for r, s in top.items()
+                         if s > self.cfg.straggler_factor}
+        for r, streak in self._streaks.items():
+            if streak >= 2:
+                beat = self.plane.beats([r]).get(r, {"step": self.step})
                 self.events.emit("straggler", straggler_rank=r, host=beat.get("host"),
-                                 slowdown=round(self.slowdowns[r], 2), collectives=len(common),
+                                 slowdown=top[r], collectives=scores.collectives,
                                  step=beat["step"])
                 print(f"llmtrain watchdog: rank {r} on {beat.get('host')} is a straggler, "
-                      f"{self.slowdowns[r]:.1f}x slower than the others", file=sys.stderr,
-                      flush=True)
+                      f"{top[r]:.1f}x slower than the others", file=sys.stderr, flush=True)
 
     # -- hangs ------------------------------------------------------------------------
 
@@ -335,9 +321,8 @@ class Watchdog:
         thread beats even while its main thread waits in a collective, so only a stopped
         or dead process falls that far behind). Not the hang timeout: a rank stopped just
         after its last progress is only about one timeout silent when the hang is seen."""
-        beating = [r for r in range(self.world_size) if self.store.check([f"hb/{r}"])]
         limit = min(self.timeout, 3 * self.cfg.heartbeat_interval_s)
-        fresh = {r for r, beat in (self._heartbeats(beating) or {}).items()
+        fresh = {r for r, beat in self.plane.beats(range(self.world_size)).items()
                  if time.time() - beat["wall"] <= limit}
         return set(range(self.world_size)) - fresh
 
@@ -369,16 +354,6 @@ class Watchdog:
         self.store.set("done", "1")
 
 
-def desync_in(beats: dict[int, dict]) -> str | None:
-    """Ranks waiting in the same collective (group and sequence number) with different
-    signatures: which called what, the largest party first."""
-    seen: dict[tuple[str, int], dict[str, list[int]]] = {}
-    for r, beat in sorted(beats.items()):
-        for pg, (seq, signature) in (beat.get("waiting") or {}).items():
-            seen.setdefault((pg, seq), {}).setdefault(signature, []).append(r)
-    for (pg, seq), calls in sorted(seen.items()):
-        if len(calls) > 1:
-            parties = sorted(calls.items(), key=lambda kv: (-len(kv[1]), kv[1]))
-            return (f"desync in {pg} at collective #{seq}: " +
-                    "; ".join(f"rank(s) {ranks} called {sig}" for sig, ranks in parties))
-    return None
+def silence(rank: int, seconds: float, step: int, phase: str) -> str:
+    return (f"rank {rank} sent no heartbeat for {seconds:.0f} s (last at step {step}, "
+            f"{phase}): stopped or dead")

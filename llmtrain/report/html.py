@@ -177,35 +177,40 @@ class Run:
 
     @cached_property
     def ratios(self) -> RankRatios | None:
-        """Each rank's slowdown in every straggler window: the watchdog's estimate from when
-        ranks reached their collectives, about 1 for a rank nobody waits for; None with
-        fewer than two ranks."""
+        """The slowdown in every straggler window of each rank that was ever among the
+        slowest (the watchdog's estimate from when ranks reached their collectives, about 1
+        for a rank nobody waits for), at the window's median where it was not among them
+        (the event names only the slowest); None with fewer than two ranks."""
         records = self.of["straggler_scores"]
-        if not records or max(len(e["slowdowns"]) for e in records) < 2:
+        if not records or max(e["ranks"] for e in records) < 2:
             return None
         columns = [(self.attempt_of(e["ts"]), e["step"]) for e in records]
-        world = max(len(e["slowdowns"]) for e in records)
-        scores = np.full((world, len(columns)), np.nan)
+        ranks = sorted({r for e in records for r, _ in e["top"]})
+        row = {r: i for i, r in enumerate(ranks)}
+        scores = np.full((len(ranks), len(columns)), np.nan)
         for j, e in enumerate(records):
-            scores[: len(e["slowdowns"]), j] = e["slowdowns"]
-        return RankRatios(columns, scores)
+            scores[:, j] = e["p50"]
+            for r, slowdown in e["top"]:
+                scores[row[r], j] = slowdown
+        return RankRatios(columns, ranks, scores)
 
 
 @dataclass
 class RankRatios:
-    """Each rank's slowdown against the others: one row per rank, one column per straggler
-    window in order (with the step it ended at), NaN where a rank was missing."""
+    """Ranks' slowdown against the others: one row per rank of ``ranks``, one column per
+    straggler window in order (with the step it ended at)."""
     columns: list[tuple[int, int]]  # (attempt, step)
+    ranks: list[int]
     ratio: np.ndarray
 
     @property
-    def slowest_rank(self) -> int:
+    def slowest_row(self) -> int:
         """Slowest on average: one noisy interval does not make a straggler."""
         return int(np.nanargmax(np.nanmean(self.ratio, axis=1)))
 
     @property
     def straggling(self) -> bool:
-        return bool(np.nanmax(self.ratio[self.slowest_rank]) >= NOTICEABLY_SLOWER)
+        return bool(np.nanmax(self.ratio[self.slowest_row]) >= NOTICEABLY_SLOWER)
 
     def describe(self) -> str:
         """The slowest rank in words; a straggler lasting only a few intervals still shows
@@ -213,10 +218,10 @@ class RankRatios:
         if not self.straggling:
             return (f"no straggler: every rank within {NOTICEABLY_SLOWER - 1:.0%} of the "
                     f"others in every window")
-        rank = self.slowest_rank
-        worst = int(np.nanargmax(self.ratio[rank]))
-        return (f"rank {rank} is slowest, {np.nanmean(self.ratio[rank]):.2f}× slower than the "
-                f"others on average, {self.ratio[rank, worst]:.2f}× at worst (step "
+        row = self.slowest_row
+        worst = int(np.nanargmax(self.ratio[row]))
+        return (f"rank {self.ranks[row]} is slowest, {np.nanmean(self.ratio[row]):.2f}× slower "
+                f"than the others on average, {self.ratio[row, worst]:.2f}× at worst (step "
                 f"{self.columns[worst][1]})")
 
 
@@ -409,11 +414,12 @@ def _stragglers(run: Run) -> Figure | str:
                         va="top", fontsize=8,
                         bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none",
                               "alpha": 0.85})
-    slow = found.slowest_rank
-    ranks = range(world) if world <= 32 else [t for t in ax.get_yticks() if 0 <= t < world]
-    ax.set_yticks(sorted({int(t) for t in ranks} | {slow}))
-    if found.straggling:  # one red row among thousands needs a pointer
-        label = next(t for t in ax.get_yticklabels() if t.get_text() == str(slow))
+    slow = found.slowest_row
+    rows = range(world) if world <= 32 else [t for t in ax.get_yticks() if 0 <= t < world]
+    rows = sorted({int(t) for t in rows} | {slow})
+    ax.set_yticks(rows, [str(found.ranks[i]) for i in rows])
+    if found.straggling:  # one red row among many needs a pointer
+        label = ax.get_yticklabels()[rows.index(slow)]
         label.set(color="#c62828", fontweight="bold")
     ax.grid(False)
     ax.set(xlabel="step", ylabel="rank", title=f"Per-rank slowdown: {found.describe()}")

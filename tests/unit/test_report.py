@@ -60,9 +60,11 @@ class Log:
             if step % 10:
                 continue
             mean, elapsed = elapsed / 10, 0.0
-            self.emit("straggler_scores", step=step, slowdowns=[
-                1.8 if straggling and r == slow_rank else 1.0 + 0.002 * (r % 5)
-                for r in range(self.world)])
+            slowdowns = {r: 1.8 if straggling and r == slow_rank else 1.0 + 0.002 * (r % 5)
+                         for r in range(self.world)}
+            self.emit("straggler_scores", step=step, ranks=self.world, collectives=100,
+                      top=sorted(slowdowns.items(), key=lambda rs: -rs[1])[:8],
+                      p50=1.002, p90=1.008, p99=1.8 if straggling else 1.008)
             self.emit("span", category="productive", name="steps", start=start, end=self.t,
                       steps=[begin, step])
             self.emit("step", step=step, loss=8.0 * 0.97 ** step, tokens_per_s=16384 / mean,

@@ -1,0 +1,132 @@
+"""The watchdog's control plane: heartbeats reduced per node then across nodes give rank 0
+the same diagnoses as reading every rank, in a bounded size."""
+
+import json
+import time
+
+import torch.distributed as dist
+
+from llmtrain.reliability.heartbeats import (LISTED, ControlPlane, desync_in, not_arrived,
+                                             positions)
+
+ALL_REDUCE, ALL_GATHER = "gloo:all_reduce sizes=[[16]]", "gloo:all_gather sizes=[[16]]"
+
+
+def planes(world: int, block: int, interval: float = 1.0) -> list[ControlPlane]:
+    store = dist.HashStore()
+    return [ControlPlane(store, r, world, block, interval) for r in range(world)]
+
+
+def beat(at: dict | None, wall: float | None = None) -> dict:
+    return {"step": 3, "phase": "backward", "wall": wall or time.time(), "host": "h",
+            "progress_age": 2.0, "long": False, "at": at}
+
+
+def world_of(ps: list[ControlPlane], beats: dict[int, dict]):
+    for r, b in beats.items():
+        ps[r].publish(b)
+    for p in ps:
+        if p.leader:
+            p.summarize()
+    return ps[0].world()
+
+
+def test_ranks_inside_one_collective_with_different_calls_are_a_desync():
+    """Across nodes (blocks of 2), as the flat reading named them."""
+    ps = planes(3, block=2)
+    sig = {0: ALL_REDUCE, 1: ALL_GATHER, 2: ALL_REDUCE}
+    world = world_of(ps, {r: beat({"default_pg": [7, s, True, 1.0, 0.1]}) for r, s in sig.items()})
+    assert desync_in(world) == (f"desync in default_pg at collective #7: rank(s) [0, 2] called "
+                                f"{ALL_REDUCE}; rank(s) [1] called {ALL_GATHER}")
+    # rank 1 not inside #7 yet, or not quiet: no desync
+    assert desync_in(world_of(ps, {1: beat({"default_pg": [6, ALL_GATHER, False, 0, 0.1]})})) is None
+    assert desync_in(world_of(ps, {1: beat(None)})) is None
+
+
+def test_a_quiet_rank_behind_is_named_once_the_others_wait_past_the_usual_duration():
+    """Ranks inside #7 for more than factor x its usual duration (floor at least), a quiet
+    rank of the group whose newest collective is #6: named at once, and only then."""
+    ps = planes(4, block=2)
+
+    def judged(wait: float, usual: float | None = 0.1, behind: dict | None = None,
+               factor: float = 10.0, floor: float = 0.5):
+        inside = {"default_pg": [7, ALL_REDUCE, True, wait, usual]}
+        at = behind if behind is not None else {"default_pg": [6, ALL_GATHER, False, 0.0, 0.1]}
+        world = world_of(ps, {0: beat(inside), 1: beat(inside), 2: beat(at), 3: beat(inside)})
+        return not_arrived(world, factor, floor)
+
+    assert judged(wait=0.9) is None  # under 10 x 0.1 s
+    reason, ranks = judged(wait=1.5)
+    assert ranks == [2]
+    assert reason == ("rank(s) [2] have not arrived at gloo:all_reduce #7 on default_pg: "
+                      "rank(s) [0, 1, 3] have waited there 1.5 s, over 10x its usual 0.10 s")
+    assert judged(wait=1.5, usual=0.01) is not None  # 10 x 0.01 s is under the floor...
+    assert judged(wait=0.4, usual=0.01) is None  # ...which still holds
+    assert judged(wait=1.5, factor=20) is None
+    assert judged(wait=100, factor=0) is None  # off
+    assert judged(wait=100, usual=None) is None  # never seen done: the hang timeout's case
+    assert judged(wait=100, behind={}) is None  # rank 2 not quiet: it is making progress
+    # behind in another group only: nothing keeps #7 of default_pg from finishing
+    assert judged(wait=100, behind={"tp": [3, ALL_GATHER, False, 0.0, 0.1]}) is None
+
+
+def test_summaries_stay_bounded_and_a_stale_leader_is_read_around():
+    ps = planes(40, block=20)
+    inside = {"default_pg": [5, ALL_REDUCE, True, 2.0, 0.1]}
+    world = world_of(ps, {r: beat(inside) for r in range(40)})
+    [party] = world.at.values()
+    assert party.count == 40 and party.ranks == list(range(LISTED))
+    assert party.named() == f"{list(range(LISTED))} and {40 - LISTED} more"
+    assert world.silent == {} and world.stale == []
+    # rank 20, the second node's leader, stops: its summary goes stale, rank 0 reads the
+    # node's heartbeats itself and finds rank 20 silent
+    ps[20].publish(beat(None, wall=time.time() - 100))
+    summary = json.loads(ps[0].store.get("node/20"))
+    ps[0].store.set("node/20", json.dumps({**summary, "wall": summary["wall"] - 100}))
+    world = world_of(ps[:20], {0: beat(None)})
+    assert world.stale == [20] and list(world.silent) == [20] and world.silent[20][0] > 99
+
+
+def arrivals(rank: int, late_ns: int, n: int = 40) -> list[dict]:
+    """gloo recorder entries of ``n`` collectives 10 ms apart, this rank ``late_ns`` late."""
+    return [{"pg_id": 0, "collective_seq_id": s, "retired": True,
+             "time_created_ns": 10**12 + s * 10**7 + late_ns} for s in range(1, n + 1)]
+
+
+def test_stragglers_across_nodes_match_the_flat_estimate_in_a_fixed_size():
+    """Rank 5 arrives 5 ms late at every 10 ms collective: twice as slow. Reduced per node
+    (blocks of 2) it gets the same slowdown as over all ranks at once."""
+    late = {r: 5 * 10**6 if r == 5 else r * 1000 for r in range(12)}
+    found = {}
+    for block in (12, 2):
+        ps = planes(12, block)
+        for r, p in enumerate(ps):
+            p.publish_arrivals(arrivals(r, late[r]))
+        for p in ps:
+            if p.leader:
+                p.reduce_arrivals()
+        found[block] = ps[0].stragglers()
+    flat, nodes = found[12], found[2]
+    assert flat.ranks == nodes.ranks == 12 and flat.collectives == nodes.collectives == 40
+    assert nodes.top == flat.top and len(nodes.top) == LISTED
+    assert nodes.top[0][0] == 5 and 1.9 < nodes.top[0][1] < 2.1
+    assert abs(nodes.p50 - 1.0) < 0.01 and nodes.p99 == flat.p99 > 1.9
+
+
+def test_positions_come_from_the_flight_recorder():
+    """The newest collective per group, how long it has been waited in, and the op's usual
+    duration: gloo records no completion, so the time to the rank's next collective."""
+    base = 10**18
+
+    def entry(seq, op, created_ms, retired=True, pg=("0", "default_pg")):
+        return {"collective_seq_id": seq, "profiling_name": op, "process_group": list(pg),
+                "input_sizes": [[16]], "input_dtypes": ["Float"], "retired": retired,
+                "state": "scheduled", "time_created_ns": base + created_ms * 10**6}
+    entries = [entry(1, "gloo:all_reduce", 0), entry(2, "gloo:all_gather", 100),
+               entry(3, "gloo:all_reduce", 300), entry(4, "gloo:all_gather", 350),
+               entry(5, "gloo:all_reduce", 1000, retired=False),
+               entry(1, "gloo:broadcast", 20, pg=("1", "tp"))]
+    at = positions(entries, base + 3000 * 10**6)
+    assert at["default_pg"] == [5, "gloo:all_reduce sizes=[[16]] dtypes=['Float']", True,
+                                2.0, 0.075]  # median of 0.1 and 0.05 s
+    assert at["tp"] == [1, "gloo:broadcast sizes=[[16]] dtypes=['Float']", False, 0.0, None]
