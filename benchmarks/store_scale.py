@@ -197,7 +197,8 @@ def run_point(pattern: str, n: int, procs: int, threads: int, limit_s: float) ->
 # -- set-up, fit, report ------------------------------------------------------------
 
 def in_private_netns() -> None:
-    """Re-runs this script inside ``unshare --net`` with loopback up, unless it already is."""
+    """Re-runs the running script (this one, or another benchmark that calls this) inside
+    ``unshare --net`` with loopback up, unless it already is."""
     if os.environ.get(NETNS_ENV) == "1":
         return
     missing = [tool for tool in ("unshare", "ip") if shutil.which(tool) is None]
@@ -205,13 +206,14 @@ def in_private_netns() -> None:
         ["unshare", "--net", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
     if missing or probe.returncode != 0:
         why = f"{', '.join(missing)} not found" if missing else probe.stderr.strip()
-        sys.exit(f"store_scale: needs a private network namespace (unshare --net, as root "
-                 f"or with CAP_SYS_ADMIN) so c10d's reverse-DNS lookups of client sockets "
-                 f"cannot stall connects for 5 s each; that failed: {why}")
+        sys.exit(f"{os.path.basename(sys.argv[0])}: needs a private network namespace "
+                 f"(unshare --net, as root or with CAP_SYS_ADMIN) so c10d's reverse-DNS "
+                 f"lookups of client sockets cannot stall connects for 5 s each; that "
+                 f"failed: {why}")
     env = {**os.environ, NETNS_ENV: "1"}
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns that peer names don't resolve
     os.execvpe("unshare", ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"',
-                           "sh", sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+                           "sh", sys.executable, os.path.abspath(sys.argv[0]), *sys.argv[1:]], env)
 
 
 def raise_fd_limit(n: int) -> None:
@@ -219,8 +221,8 @@ def raise_fd_limit(n: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = n + FD_MARGIN
     if need > hard:
-        sys.exit(f"store_scale: {n} ranks need {need} open files in the server process; "
-                 f"the hard limit (ulimit -Hn) is {hard}")
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {n} ranks need {need} open files in "
+                 f"the server process; the hard limit (ulimit -Hn) is {hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, need)), hard))
 
 

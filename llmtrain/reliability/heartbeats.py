@@ -31,6 +31,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch.distributed as dist
 
 from llmtrain.reliability import flightrec
@@ -164,6 +165,25 @@ def not_arrived(world: World, factor: float, floor_s: float) -> tuple[str, list[
     return None
 
 
+def silence(rank: int, seconds: float, step: int, phase: str) -> str:
+    return (f"rank {rank} sent no heartbeat for {seconds:.0f} s (last at step {step}, "
+            f"{phase}): stopped or dead")
+
+
+def verdict(world: World, timeout_s: float, factor: float,
+            floor_s: float) -> tuple[str, str] | None:
+    """(kind, reason) of what rank 0 sees in ``world``: a rank silent for ``timeout_s`` (a
+    hang), a desync (a collective error), a rank that has not arrived (a hang); or None."""
+    for r, (silent, step, phase) in sorted(world.silent.items()):
+        if silent > timeout_s:
+            return "hang", silence(r, silent, step, phase)
+    desync = desync_in(world)
+    if desync:
+        return "collective_error", desync
+    late = not_arrived(world, factor, floor_s)
+    return ("hang", late[0]) if late else None
+
+
 @dataclass
 class Scores:
     """One straggler window: ranks compared, collectives compared, the slowest ranks with
@@ -262,8 +282,17 @@ class ControlPlane:
         for lateness in late.values():
             hist[_bin(span / max(span - lateness, 1))] += 1
         top = sorted(late.items(), key=lambda kv: -kv[1])[:LISTED]
+        # the first arrivals packed for rank 0, which reads every block's: per group, the
+        # first sequence number and microseconds after the block's earliest (-1: a gap)
+        base = min(first.values())
+        seqs: dict[str, dict[int, int]] = defaultdict(dict)
+        for k, t in first.items():
+            pg, _, seq = k.partition("|")
+            seqs[pg][int(seq)] = (t - base) // 1000
+        packed = {pg: [min(us), [us.get(q, -1) for q in range(min(us), max(us) + 1)]]
+                  for pg, us in seqs.items()}
         self.store.set(f"arrivals/node/{self.rank}", json.dumps(
-            {"first": first, "last": last, "late": top, "hist": hist}))
+            {"base": base, "first": packed, "last": last, "late": top, "hist": hist}))
 
     def stragglers(self) -> Scores | None:
         """Rank 0: each rank's slowdown over the collectives every block recorded.
@@ -277,15 +306,26 @@ class ControlPlane:
         blocks = [json.loads(v) for v in raw.values()]
         if not blocks:
             return None
-        common = set.intersection(*(set(b["first"]) for b in blocks))
-        if len(common) < 20:
+        bases = np.array([b["base"] for b in blocks], dtype=np.int64)[:, None]
+        behind, start, collectives = np.zeros(len(blocks), dtype=np.int64), None, 0
+        for pg in set.intersection(*(set(b["first"]) for b in blocks)):
+            lo = max(b["first"][pg][0] for b in blocks)
+            hi = min(b["first"][pg][0] + len(b["first"][pg][1]) for b in blocks)
+            if hi <= lo:
+                continue
+            us = np.array([b["first"][pg][1][lo - b["first"][pg][0]:hi - b["first"][pg][0]]
+                           for b in blocks], dtype=np.int64)
+            ns = us[:, (us >= 0).all(axis=0)] * 1000 + bases  # blocks x common collectives
+            first = ns.min(axis=0)
+            behind += (ns - first).sum(axis=1)
+            collectives += ns.shape[1]
+            start = first.min() if start is None else min(start, first.min())
+        if collectives < 20:
             return None
-        first = {k: min(b["first"][k] for b in blocks) for k in common}
-        span = max(max(b["last"] for b in blocks) - min(first.values()), 1)
+        span = max(max(b["last"] for b in blocks) - int(start), 1)
         top: list[tuple[int, float]] = []
         hist: dict[int, int] = defaultdict(int)
-        for b in blocks:
-            behind = sum(b["first"][k] - first[k] for k in common)
+        for b, behind in zip(blocks, behind.tolist()):
             shift = _bin(span / max(span - behind, 1))
             for slot, count in b["hist"].items():
                 hist[int(slot) + shift] += count
@@ -298,7 +338,7 @@ class ControlPlane:
             for q in (0.5, 0.9, 0.99):
                 if q not in quantiles and cumulative >= q * ranks:
                     quantiles[q] = round(math.exp(slot / 100), 3)
-        return Scores(ranks, len(common), [(r, round(s, 3)) for r, s in top],
+        return Scores(ranks, collectives, [(r, round(s, 3)) for r, s in top],
                       quantiles[0.5], quantiles[0.9], quantiles[0.99])
 
     def close(self) -> None:

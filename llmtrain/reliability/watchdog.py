@@ -53,7 +53,7 @@ from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
-from llmtrain.reliability.heartbeats import ControlPlane, desync_in, not_arrived, positions
+from llmtrain.reliability.heartbeats import ControlPlane, positions, silence, verdict
 
 HOST = socket.gethostname()
 # Steps a run must show before its hang timeout is learned from their pace, and how many
@@ -239,15 +239,8 @@ class Watchdog:
                     return "hang", silence(r, silent, beat["step"], beat["phase"])
         if self.rank != 0:
             return None
-        world = self.plane.world()
-        for r, (silent, step, phase) in sorted(world.silent.items()):
-            if silent > self.timeout:
-                return "hang", silence(r, silent, step, phase)
-        desync = desync_in(world)
-        if desync:
-            return "collective_error", desync
-        late = not_arrived(world, self.cfg.not_arrived_factor, self.cfg.not_arrived_floor_s)
-        return ("hang", late[0]) if late else None
+        return verdict(self.plane.world(), self.timeout, self.cfg.not_arrived_factor,
+                       self.cfg.not_arrived_floor_s)
 
     def _peer_in_long_phase(self, age: float) -> bool:
         """Waiting for a rank in a declared long phase is no hang (until that phase's own
@@ -353,7 +346,3 @@ class Watchdog:
               f"  report: {join(url, 'report.md')}", file=sys.stderr, flush=True)
         self.store.set("done", "1")
 
-
-def silence(rank: int, seconds: float, step: int, phase: str) -> str:
-    return (f"rank {rank} sent no heartbeat for {seconds:.0f} s (last at step {step}, "
-            f"{phase}): stopped or dead")

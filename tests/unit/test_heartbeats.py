@@ -39,7 +39,8 @@ def test_ranks_inside_one_collective_with_different_calls_are_a_desync():
     assert desync_in(world) == (f"desync in default_pg at collective #7: rank(s) [0, 2] called "
                                 f"{ALL_REDUCE}; rank(s) [1] called {ALL_GATHER}")
     # rank 1 not inside #7 yet, or not quiet: no desync
-    assert desync_in(world_of(ps, {1: beat({"default_pg": [6, ALL_GATHER, False, 0, 0.1]})})) is None
+    behind = {"default_pg": [6, ALL_GATHER, False, 0, 0.1]}
+    assert desync_in(world_of(ps, {1: beat(behind)})) is None
     assert desync_in(world_of(ps, {1: beat(None)})) is None
 
 
