@@ -203,11 +203,10 @@ class Watchdog:
         if long != self._counted_long:  # how many ranks are in a long phase, for the others
             self.store.add("long_phases", 1 if long else -1)
             self._counted_long = long
-        quiet = self.quiet
         self.plane.publish(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress, "long": long,
-             "at": positions(flight_recorder()["entries"], time.time_ns()) if quiet else None})
+             "at": positions(flight_recorder()["entries"], time.time_ns()) if self.quiet else None})
         if self.plane.leader:
             self.plane.summarize()
         if self.store.check(["event"]):
