@@ -31,6 +31,9 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
     run = tmp_path / "run"
     # a desync must not wait for the hang timeout: give it one it cannot be waiting for
     patience = ("--reliability.hang_timeout_s", "60") if fault == "desync" else ()
+    # rank 0 waits in a collective rank 1 never reaches: named by the collective's usual
+    # duration (a 1 s floor here), before the 5 s hang timeout
+    patience += ("--reliability.not_arrived_floor_s", "1") if fault == "hang" else ()
     proc = llmtrain_start(run, *WATCH, *patience, "--training.global_batch_size",
                           str(8 * nproc), "--reliability.faults", f"{fault}@step:rank=1,step=6",
                           nproc=nproc)
@@ -50,6 +53,9 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
     if fault == "desync":
         assert "desync in default_pg at collective #" in hang["reason"], hang
         assert hang["detected_after_s"] < 30, hang
+    if fault == "hang":
+        assert "rank(s) [1] have not arrived at gloo:" in hang["reason"], hang
+        assert hang["detected_after_s"] < TIMEOUT, hang
     for w in verdict_words:
         assert w in hang["verdict"], hang["verdict"]
     assert hang["reported_after_s"] <= TIMEOUT + BOUND
