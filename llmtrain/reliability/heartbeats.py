@@ -11,9 +11,9 @@ numbers a node's ranks consecutively); a block's first rank is its leader. Each 
   it, for how long, and how long it usually takes), compacted per (group, sequence number,
   call) into a count and at most ``LISTED`` ranks;
 - rank 0 reads the summaries (a ``multi_get`` per 256 nodes: O(nodes) bytes) into a
-  :class:`World`,
-  which the watchdog judges: silent ranks, desyncs, ranks that have not arrived. A summary
-  gone stale (its leader stopped) is replaced by rank 0 reading that block itself.
+  :class:`World`, which the watchdog judges: silent ranks, desyncs, ranks that have not
+  arrived. A summary gone stale (its leader stopped) is replaced by rank 0 reading that
+  block itself.
 
 Each straggler window has the same shape: ranks ``set`` their collectives' arrival times,
 a leader reduces its block's to the first arrival at each collective and each rank's
