@@ -182,17 +182,27 @@ class Run:
         for a rank nobody waits for), at the window's median where it was not among them
         (the event names only the slowest); None with fewer than two ranks."""
         records = self.of["straggler_scores"]
-        if not records or max(e["ranks"] for e in records) < 2:
+        windows = [_window(e) for e in records]
+        if not records or max(count for count, _, _ in windows) < 2:
             return None
         columns = [(self.attempt_of(e["ts"]), e["step"]) for e in records]
-        ranks = sorted({r for e in records for r, _ in e["top"]})
+        ranks = sorted({r for _, top, _ in windows for r, _ in top})
         row = {r: i for i, r in enumerate(ranks)}
-        scores = np.full((len(ranks), len(columns)), np.nan)
-        for j, e in enumerate(records):
-            scores[:, j] = e["p50"]
-            for r, slowdown in e["top"]:
+        scores = np.empty((len(ranks), len(columns)))
+        for j, (_, top, median) in enumerate(windows):
+            scores[:, j] = median
+            for r, slowdown in top:
                 scores[row[r], j] = slowdown
         return RankRatios(columns, ranks, scores)
+
+
+def _window(e: Event) -> tuple[int, list, float]:
+    """A ``straggler_scores`` event's ranks, slowest ranks and median; the events of runs
+    before it was bounded carried every rank's slowdown."""
+    if "slowdowns" in e:
+        return len(e["slowdowns"]), list(enumerate(e["slowdowns"])), float(
+            np.median(e["slowdowns"]))
+    return e["ranks"], e["top"], e["p50"]
 
 
 @dataclass
