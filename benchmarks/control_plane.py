@@ -289,7 +289,7 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=2, help="client worker processes")
     parser.add_argument("--threads", type=int, default=16, help="threads per worker process")
     parser.add_argument("--rounds", type=int, default=2, help="heartbeat rounds for the load")
-    parser.add_argument("--reps", type=int, default=7,
+    parser.add_argument("--reps", type=int, default=15,
                         help="calls per per-rank cost (the least counts)")
     parser.add_argument("--arrivals", type=int, default=64,
                         help="collectives per rank in the straggler window (the watchdog "
