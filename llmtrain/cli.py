@@ -162,7 +162,7 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
                             repeat=args.repeat,
                             nodes=args.nodes, rank=args.rank,
                             checkpoint_every=args.checkpoint_every,
-                            reference=not args.no_reference)
+                            reference=not args.no_reference, warm=not args.cold)
     if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
         raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
     if cfg.checkpoint_every < 1:
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--checkpoint-every", type=int, default=20,
                     help="the job's checkpoint interval in steps (the last faults come "
                          "3 intervals before the end)")
+    ch.add_argument("--cold", action="store_true",
+                    help="without the warm path: every lost rank costs a restart of all")
     ch.add_argument("--no-reference", action="store_true",
                     help="skip the fault-free run that the final weights are compared with")
     ch.set_defaults(func=cmd_chaos)

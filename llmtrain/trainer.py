@@ -181,7 +181,9 @@ class Trainer:
                 self.watchdog = Watchdog(
                     cfg.reliability, open_store("watchdog", timedelta(seconds=30),
                                                 self.warm and self.warm.round_id),
-                    t.run_dir, self.events, self.world.rank, self.world.world_size)
+                    t.run_dir, self.events, self.world.rank, self.world.world_size,
+                    # the agents must restart everyone, not wait for a warm verdict
+                    on_exit=self.warm.give_up if self.warm else lambda: None)
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                     self.world.rank)

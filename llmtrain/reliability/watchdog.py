@@ -38,6 +38,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -106,8 +107,10 @@ def thread_stacks() -> dict[str, str]:
 
 class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
-                 events: EventLog, rank: int, world_size: int):
+                 events: EventLog, rank: int, world_size: int,
+                 on_exit: Callable[[], None] = lambda: None):
         self.cfg, self.store, self.events = cfg, store, events
+        self.on_exit = on_exit  # before this rank leaves for a cold restart
         self.rank, self.world_size = rank, world_size
         self.diagnostics = join(run_dir, "diagnostics")
         self.step, self.phase = 0, "start-up"
@@ -328,6 +331,7 @@ class Watchdog:
         else:
             self._await(["done"], self.cfg.dump_timeout_s + 60)
         self.events.close()
+        self.on_exit()
         os._exit(ExitCode.RETRYABLE)
 
     def _silent_ranks(self) -> set[int]:

@@ -39,6 +39,13 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     assert 0 < verdict["ettr"] < 1 and 0 < verdict["ettr_predicted"] < 1
     assert proc.returncode == 0, table
 
+    # A lost rank is replaced warm; a watchdog's report ends in a cold restart of all, as
+    # does the loss of every rank at once (how truncated_shard forces a load).
+    paths = {v["kind"]: v["path"] for v in verdict["verdicts"]}
+    assert [paths[k] for k in ("kill_rank", "kill_in_save", "node_loss", "gpu_bad")] == \
+        ["warm"] * 4, table
+    assert [paths[k] for k in ("hang", "desync", "truncated_shard")] == ["cold"] * 3, table
+
     # A SIGSTOPped rank 0: the watchdogs meet in the rendezvous store, not in the round's
     # store inside rank 0, so rank 1 sees rank 0's heartbeat stop, names it, and does not
     # wait ``dump_timeout_s`` for a dump a stopped process cannot write.
