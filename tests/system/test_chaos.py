@@ -22,7 +22,8 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     Checkpoints every 10 steps: the faults that wait for a save, or lose the steps since
     the last one, cost half the steps they did at 20. All twelve were over by step 120 at
     20 (a 400-step job, faults until step 340) and by step 80 at 10, so 260 steps (faults
-    until 230) keep that margin. A kind the schedule had no room for fails the test."""
+    until 230) keep that margin. A kind the schedule had no room for fails the test.
+    The job runs with the warm path, as chaos does by default."""
     work = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
                            "--steps", "260", "--checkpoint-every", "10", "--interval", "1",
