@@ -5,7 +5,10 @@ a job long enough to last ``--minutes``, and prints the verdict table and where 
 time went; the baseline is the Young/Daly model's ETTR for the costs and failure rate
 measured in the same run.
 
-    python benchmarks/soak.py [--minutes 30] [--interval 60] [--workdir runs/soak]
+    python benchmarks/soak.py [--minutes 30] [--interval 60] [--workdir runs/soak] [--cold]
+
+Lost ranks are replaced warm (see ``llmtrain.chaos.runner``) unless ``--cold``; the
+per-kind table says which path each kind took.
 
 Prints the table, then one JSON line of the figures.
 """
@@ -25,13 +28,15 @@ def by_kind(verdicts: list[dict]) -> str:
     def mean(xs):
         xs = [x for x in xs if x is not None]
         return f"{sum(xs) / len(xs):.1f}" if xs else "-"
-    lines = [f"{'kind':<16} {'n':>3} {'right':>5} {'detect_s':>8} {'recover_s':>9} {'lost':>5}"]
+    lines = [f"{'kind':<16} {'n':>3} {'right':>5} {'detect_s':>8} {'recover_s':>9} {'lost':>5}"
+             f"  paths"]
     for kind in sorted({v["kind"] for v in verdicts}):
         vs = [v for v in verdicts if v["kind"] == kind]
         lines.append(f"{kind:<16} {len(vs):>3} {sum(v['correct'] for v in vs):>5} "
                      f"{mean(v['detect_s'] for v in vs):>8} "
                      f"{mean(v['recover_s'] for v in vs):>9} "
-                     f"{sum(v['steps_lost'] or 0 for v in vs):>5}")
+                     f"{sum(v['steps_lost'] or 0 for v in vs):>5}  "
+                     f"{','.join(sorted({v['path'] for v in vs if v['path']})) or '-'}")
     return "\n".join(lines)
 
 
@@ -44,9 +49,11 @@ def main() -> None:
                          "(0.27 on 2 CPU cores: 0.22 s steps, ETTR about 0.85)")
     ap.add_argument("--workdir", default=f"runs/soak-{int(time.time())}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cold", action="store_true", help="without the warm path")
     args = ap.parse_args()
     cfg = chaos.ChaosConfig(workdir=args.workdir, interval_s=args.interval, seed=args.seed,
-                            repeat=True, steps=int(args.minutes * 60 / args.step_s))
+                            repeat=True, steps=int(args.minutes * 60 / args.step_s),
+                            warm=not args.cold)
     start = time.time()
     result = chaos.Chaos(cfg).execute()
     with open(f"{args.workdir}/verdict.json", "w") as f:

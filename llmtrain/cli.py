@@ -14,11 +14,7 @@ import socket
 import sys
 
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
-from llmtrain.data import ShardError
-from llmtrain.data.prepare import Config as PrepareConfig
-from llmtrain.data.prepare import prepare
-from llmtrain.exit_codes import ExitCode
-from llmtrain.reliability.integrity import TrainingDiverged
+from llmtrain.exit_codes import ExitCode, FatalError
 
 
 class MissingExtra(Exception):
@@ -166,7 +162,7 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
                             repeat=args.repeat,
                             nodes=args.nodes, rank=args.rank,
                             checkpoint_every=args.checkpoint_every,
-                            reference=not args.no_reference)
+                            reference=not args.no_reference, warm=not args.cold)
     if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
         raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
     if cfg.checkpoint_every < 1:
@@ -188,10 +184,11 @@ def cmd_data(args: argparse.Namespace, rest: list[str]) -> int:
     _need_extra("data", "pyarrow")
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
-    prepare(PrepareConfig(
+    from llmtrain.data.prepare import Config, prepare
+    shard_tokens = {"shard_tokens": args.shard_tokens} if args.shard_tokens else {}
+    prepare(Config(
         inputs=args.inputs, tokenizer=args.tokenizer, out=args.out, text_field=args.field,
-        eos=args.eos, workers=args.workers, shard_tokens=args.shard_tokens,
-        faults=args.faults))
+        eos=args.eos, workers=args.workers, faults=args.faults, **shard_tokens))
     return ExitCode.CLEAN
 
 
@@ -253,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--checkpoint-every", type=int, default=20,
                     help="the job's checkpoint interval in steps (the last faults come "
                          "3 intervals before the end)")
+    ch.add_argument("--cold", action="store_true",
+                    help="without the warm path: every lost rank costs a restart of all")
     ch.add_argument("--no-reference", action="store_true",
                     help="skip the fault-free run that the final weights are compared with")
     ch.set_defaults(func=cmd_chaos)
@@ -285,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--eos", default="", help="end-of-document token (default: the "
                                                 "tokenizer's, by its usual names)")
     data.add_argument("--workers", type=int, default=0, help="processes (default: one a core)")
-    data.add_argument("--shard-tokens", type=int, default=PrepareConfig.shard_tokens,
-                      help="tokens per shard at most")
+    data.add_argument("--shard-tokens", type=int, default=0,
+                      help="tokens per shard at most (default: 256 Mi)")
     data.add_argument("--faults", default="", help=argparse.SUPPRESS)  # tests: fault points
     data.set_defaults(func=cmd_data)
     analyze = sub.add_parser("analyze", help="diagnose a hang or desync from any PyTorch "
@@ -304,11 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"llmtrain: configuration error: {e}", file=sys.stderr)
         return ExitCode.FATAL
-    except ShardError as e:
-        print(f"llmtrain: data error: {e}", file=sys.stderr)
-        return ExitCode.FATAL
-    except TrainingDiverged as e:
-        print(f"llmtrain: {e}", file=sys.stderr)
+    except FatalError as e:
+        print(f"llmtrain: {e.what}{e}", file=sys.stderr)
         return ExitCode.FATAL
     except MissingExtra as e:
         print(f"llmtrain {args.command}: {e}", file=sys.stderr)

@@ -23,3 +23,10 @@ class ExitCode(enum.IntEnum):
     RETRYABLE = 75
     EXCLUDE_NODE = 76
     FATAL = 78
+
+
+class FatalError(Exception):
+    """An error a restart would repeat (bad data, a diverging run): the command exits
+    FATAL and prints ``what`` before the message. Defined here, with the codes, so the
+    command line catches it without importing torch."""
+    what = ""

@@ -182,7 +182,9 @@ class Trainer:
                     cfg.reliability, open_store("watchdog", timedelta(seconds=30),
                                                 self.warm and self.warm.round_id),
                     t.run_dir, self.events, self.world.rank, self.world.world_size,
-                    int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+                    int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
+                    # the agents must restart everyone, not wait for a warm verdict
+                    on_exit=self.warm.give_up if self.warm else lambda: None)
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                     self.world.rank)

@@ -14,8 +14,8 @@ slow_rank           one rank stopped 2/3 of the time for a while: a straggler
 node_loss           a whole node (launcher, agent, workers) dies; the spare takes over
 enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / EIO
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
-truncated_shard     a shard of the newest committed checkpoint is cut short, then a rank
-                    is killed so that the restart must notice and fall back
+truncated_shard     a shard of the newest committed checkpoint is cut short, then every
+                    rank is killed so that the restart must notice and fall back
 nan                 one rank's loss turns NaN for a step (a run-time fault)
 bitflip             one rank flips a bit of its replica of the parameters (the job runs
                     HSDP, each node a replica, so that corruption has a witness)
@@ -23,6 +23,12 @@ bitflip             one rank flips a bit of its replica of the parameters (the j
 
 A missed detection is a verdict too ("no"), not the end of the chaos run; a kill is
 diagnosed right only if the job names the rank that died.
+
+The job runs with the warm path (``--warm.enable``) unless ``warm`` is off: a lost rank
+is replaced by the waiting spare from its buddy's in-memory replica, and the verdict says
+which path each recovery took. Before each fault chaos waits for a spare to be waiting;
+after a warm recovery left a node without its worker, a fresh node joins as the next
+spare, as a scheduler's replacement would.
 
 Each fault's verdict comes from the run's own event log: whether and when it was
 detected, whether the diagnosis named the right rank, collective, check or checkpoint,
@@ -44,13 +50,17 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
+
+import torch.distributed as dist
 
 from llmtrain.chaos.local_cluster import LocalCluster
 from llmtrain.chaos.mount import FaultMount
 from llmtrain.checkpoint import storage
 from llmtrain.events import read_events
 from llmtrain.metrics import goodput
+from llmtrain.recovery.warm import job_namespace, spares_waiting
 from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 
 KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "enospc",
@@ -69,6 +79,7 @@ class ChaosConfig:
     rank: int | None = None        # the rank every rank-level fault hits (default: random)
     checkpoint_every: int = 20
     reference: bool = True         # train again without faults to compare the weights
+    warm: bool = True              # recover lost ranks warm where the warm path can
 
 
 @dataclass
@@ -84,6 +95,8 @@ class Verdict:
     action: str = ""
     recover_s: float | None = None
     steps_lost: int | None = None
+    path: str = ""                 # how the job recovered: "warm", "cold", or "" (no restart)
+    restored: int | None = None    # the step it went on from
 
 
 def _healthy_gpu() -> dict:
@@ -115,7 +128,8 @@ class Chaos:
             "--metrics.address", "127.0.0.1", "--metrics.port", "0",
             "--reliability.straggler_window_s", "4",
             "--health.interval_s", "1", "--reliability.faults", "env",
-            "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5")
+            "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5",
+            "--warm.enable", str(cfg.warm).lower())
         self.skipped: set[int] = set()  # batches the job skipped: the reference skips them
 
     # -- the run --------------------------------------------------------------------------
@@ -136,6 +150,9 @@ class Chaos:
                 self._start(name, spare=False)
             self._wait(lambda: self._latest("step"), "the first step", 300)
             self._start(self.names[-1])
+            self.spares = job_namespace(
+                dist.TCPStore("127.0.0.1", self.cluster.port, is_master=False, use_libuv=True,
+                              timeout=timedelta(seconds=30)), "local")
             kinds = [k for k in KINDS if k in self.cfg.faults.split(",")]
             schedule = self.rng.sample(kinds, len(kinds))
             last = self.cfg.steps - 3 * self.cfg.checkpoint_every
@@ -205,9 +222,11 @@ class Chaos:
         return last["step"] if last else 0
 
     def _settle(self) -> None:
-        """Waits until every training node runs the current attempt and has stepped, and
-        the quiet interval has passed."""
+        """Waits until every training node runs the current attempt and has stepped, a
+        spare waits (warm), and the quiet interval has passed."""
         self._wait(lambda: len(self._ranks()) == self.cfg.nodes, "full world", 300)
+        if self.cfg.warm:
+            self._wait(lambda: spares_waiting(self.spares) > 0, "a waiting spare", 300)
         since = time.time()
         self._wait(lambda: self._latest("step", since), "a step", 120)
         time.sleep(self.cfg.interval_s * self.rng.uniform(0.5, 1.5))
@@ -222,14 +241,36 @@ class Chaos:
         self.verdicts.append(v)
         return v
 
-    def _recovered(self, v: Verdict, since: float, timeout: float = 240) -> dict:
-        """Waits for the next attempt's first step; fills in recovery and steps lost."""
-        rec = self._wait(lambda: self._latest("recovery", since), "recovery", timeout)
+    def _recovered(self, v: Verdict, since: float, node: str | None = None,
+                   timeout: float = 240) -> dict:
+        """Waits for the first step after the recovery, warm or cold; fills in its path,
+        time and steps lost. ``node``: the one that held the lost rank; if it lives on
+        without its worker after a warm recovery, a new node joins as the next spare."""
+        rec = self._wait(lambda: self._latest("warm_recovery", since)
+                         or self._latest("recovery", since), "recovery", timeout)
+        v.path = "warm" if rec["event"] == "warm_recovery" else "cold"
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
-        loaded = self._latest("checkpoint_loaded", since)
+        if v.path == "warm":
+            v.restored = rec["step"]
+            if node is not None and self.cluster.nodes[node].poll() is None:
+                self._new_spare()
+        else:
+            loaded = self._latest("checkpoint_loaded", since)
+            v.restored = loaded["step"] if loaded else 0
         # a save at the stop (gpu_bad) can be past the step the fault was injected at
-        v.steps_lost = max(0, v.at_step - (loaded["step"] if loaded else 0))
+        v.steps_lost = max(0, v.at_step - v.restored)
         return rec
+
+    def _new_spare(self) -> None:
+        name = f"node{len(self.names) + 1}"
+        self.names.append(name)
+        self._gpu(name, healthy=True)
+        self._start(name)
+
+    @staticmethod
+    def _lost_ranks(rec: dict) -> list[int] | None:
+        """The ranks a recovery says died: lost (warm) or silent (cold)."""
+        return rec.get("lost", rec.get("silent_ranks"))
 
     # -- the faults --------------------------------------------------------------------------
 
@@ -240,11 +281,12 @@ class Chaos:
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 120)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         v.diagnosis = f"rank {seen['rank']}'s collective failed: {seen['error'][:80]}"
-        v.action = "restart from the last checkpoint"
-        rec = self._recovered(v, v.injected_at)
+        rec = self._recovered(v, v.injected_at, info["host"])
+        v.action = ("a spare took its place, state from memory" if v.path == "warm" else
+                    "restart from the last checkpoint")
         # right only if the job named the dead rank: the one that went silent
-        v.correct = rec.get("silent_ranks") == [rank]
-        v.diagnosis = f"rank(s) {rec.get('silent_ranks')} died silently; " + v.diagnosis
+        v.correct = self._lost_ranks(rec) == [rank]
+        v.diagnosis = f"rank(s) {self._lost_ranks(rec)} died silently; " + v.diagnosis
         return v
 
     def _kill_in_save(self) -> Verdict:
@@ -255,16 +297,15 @@ class Chaos:
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 180)
         v.at_step = seen["step"]
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
-        self._recovered(v, v.injected_at)
-        loaded = self._latest("checkpoint_loaded", v.injected_at)
-        half = storage.step_dir(str(self.mount.mount), (v.at_step // self.cfg.checkpoint_every)
-                                * self.cfg.checkpoint_every)
-        committed = storage.read_manifest(half) is not None
-        v.diagnosis = (f"save of step {v.at_step // self.cfg.checkpoint_every * self.cfg.checkpoint_every}"
-                       f" left {'committed' if committed else 'uncommitted'}; resumed from "
-                       f"{loaded['step'] if loaded else 0}")
-        v.correct = not committed
-        v.action = "restart from the previous committed checkpoint"
+        self._recovered(v, v.injected_at, info["host"])
+        saved = v.at_step // self.cfg.checkpoint_every * self.cfg.checkpoint_every
+        committed = storage.read_manifest(storage.step_dir(str(self.mount.mount), saved))
+        v.diagnosis = (f"save of step {saved} left "
+                       f"{'committed' if committed is not None else 'uncommitted'}; resumed "
+                       f"from {'the snapshot of ' if v.path == 'warm' else ''}step {v.restored}")
+        v.correct = committed is None
+        v.action = ("a spare took its place, state from memory" if v.path == "warm" else
+                    "restart from the previous committed checkpoint")
         return v
 
     def _hang(self) -> Verdict:
@@ -276,7 +317,7 @@ class Chaos:
         finally:
             os.kill(info["pid"], signal.SIGKILL)  # a stopped process ignores SIGTERM
         self._judge_report(v, seen, rank)
-        self._recovered(v, v.injected_at)
+        self._recovered(v, v.injected_at, info["host"])
         return v
 
     def _arm_ahead(self, kind: str, fault: str, keys: str = "") -> tuple[int, Verdict]:
@@ -291,10 +332,11 @@ class Chaos:
 
     def _desync(self) -> Verdict:
         rank, v = self._arm_ahead("desync", "desync@step")
+        node = self._ranks()[rank]["host"]
         seen = self._wait(lambda: self._latest("hang", v.injected_at)
                           or self._latest("collective_error", v.injected_at), "verdict", 180)
         self._judge_report(v, seen, rank)
-        self._recovered(v, v.injected_at)
+        self._recovered(v, v.injected_at, node)
         return v
 
     @staticmethod
@@ -345,10 +387,17 @@ class Chaos:
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 120)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         self._recovered(v, v.injected_at)
-        hosts = {e["host"] for e in self._ranks().values()}
-        v.diagnosis = f"world re-formed on {sorted(hosts)}"
-        v.correct = node not in hosts and len(hosts) == self.cfg.nodes
-        v.action = "spare admitted, restart from the last checkpoint"
+
+        def hosts() -> set[str]:
+            return {e["host"] for e in self._ranks().values()}
+        try:  # the spare's startup event follows its first step
+            self._wait(lambda: node not in hosts(), f"a world without {node}", 60)
+        except TimeoutError:
+            pass  # judged below
+        v.diagnosis = f"world re-formed on {sorted(hosts())}"
+        v.correct = node not in hosts() and len(hosts()) == self.cfg.nodes
+        v.action = ("a spare took its place, state from memory" if v.path == "warm" else
+                    "spare admitted, restart from the last checkpoint")
         self._start(node)  # repaired: the next spare
         return v
 
@@ -389,10 +438,11 @@ class Chaos:
         v.diagnosis = f"{seen['check']} on {seen['host']} GPU {seen['gpu']}"
         v.correct = seen["check"] == "ecc_volatile" and seen["host"] == node
         self._wait(lambda: self.cluster.nodes[node].poll() is not None, f"{node} to exit", 120)
-        v.action = (f"last checkpoint, {node} exited {self.cluster.nodes[node].returncode} "
-                    f"(76 = excluded), spare admitted")
         v.correct &= self.cluster.nodes[node].returncode == 76
         self._recovered(v, v.injected_at)
+        v.action = (f"{node} exited {self.cluster.nodes[node].returncode} (76 = excluded); "
+                    + ("a spare took its place, state from memory" if v.path == "warm" else
+                       "spare admitted, restart from the last checkpoint"))
         # repaired: the GPU replaced, the exclusion lifted, back as a spare
         self._gpu(node, healthy=True)
         hosts = excluded_hosts(str(self.run))
@@ -410,9 +460,9 @@ class Chaos:
         with open(shard, "r+b") as f:  # behind the filesystem's back, as bit rot would be
             f.truncate(shard.stat().st_size // 2)
         self.truncated.add(newest)
-        rank, info = self._pick_rank()
         v = self._verdict("truncated_shard", f"step {newest} ({shard.name})")
-        os.kill(info["pid"], signal.SIGKILL)  # before the next commit makes it not the newest
+        for info in self._ranks().values():  # all at once: nobody is left to recover warm
+            os.kill(info["pid"], signal.SIGKILL)  # before the next commit makes it not the newest
         seen = self._wait(lambda: self._latest("checkpoint_rejected", v.injected_at),
                           "checkpoint_rejected", 180)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
@@ -533,13 +583,14 @@ def _row(v: Verdict) -> str:
     def num(x):
         return "-" if x is None else f"{x:.1f}"
     return (f"{v.kind:<16} {v.target:<28} {'yes' if v.detected else 'NO':<4} "
-            f"{num(v.detect_s):>7} {'ok' if v.correct else 'WRONG':<6} {num(v.recover_s):>8} "
-            f"{'-' if v.steps_lost is None else v.steps_lost:>5}  {v.diagnosis[:70]}")
+            f"{num(v.detect_s):>7} {'ok' if v.correct else 'WRONG':<6} {v.path or '-':<5} "
+            f"{num(v.recover_s):>8} {'-' if v.steps_lost is None else v.steps_lost:>5}  "
+            f"{v.diagnosis[:70]}")
 
 
 def table(result: dict) -> str:
     head = (f"{'fault':<16} {'target':<28} {'det':<4} {'detect_s':>7} {'diag':<6} "
-            f"{'recover_s':>8} {'lost':>5}  diagnosis")
+            f"{'path':<5} {'recover_s':>8} {'lost':>5}  diagnosis")
     rows = [_row(Verdict(**v)) for v in result["verdicts"]]
     summary = [f"job finished: {result['finished']} (step {result['steps']})",
                f"faults detected: {result['detected']}/{result['faults']}, diagnosed right: "

@@ -79,6 +79,8 @@ class CheckpointManager:
         each new generation of the job's groups after a warm recovery."""
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
+        self.vote: tuple[dist.Work, torch.Tensor] | None = None  # cast, not yet decided
+        self.voted = False  # this rank has voted to stop
 
     def _emit0(self, event: str, **fields) -> None:
         """Events every rank would report alike are written once, by rank 0."""
@@ -94,25 +96,37 @@ class CheckpointManager:
         """(save now, then stop): by step interval, by time, because of a signal, or
         because a rank votes to stop (its GPU failed a health check).
 
-        Time, signals and votes differ between ranks, so ranks agree with one all-reduce.
+        Time, signals and votes differ between ranks, so ranks agree with an all-reduce.
+        It is pipelined to stay off the step's critical path: the vote cast after step N
+        runs in the background and is decided after step N + 1, identically on every
+        rank, so a signal or a failed GPU costs one step more before the save.
         """
         c = self.cfg
         by_step = bool(c.interval_steps) and step % c.interval_steps == 0
         if not (c.interval_seconds or c.save_on_signal or c.auto_interval or self.stop_votes):
             return by_step, False
+        by_time = by_signal = by_vote = False
+        if self.vote is not None:
+            work, flags = self.vote
+            work.wait()
+            by_time, by_signal, by_vote = (bool(f) for f in flags)
+        saving_by_time = by_time or by_step  # the clock starts over at this save
         flags = torch.tensor([
-            int(bool(self.interval_seconds)
+            int(bool(self.interval_seconds) and not saving_by_time
                 and time.monotonic() - self.last_save_time >= self.interval_seconds),
             int(self.signal is not None), int(stop_vote)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
-        by_time, by_signal, by_vote = (bool(f) for f in flags)
-        if by_vote and not stop_vote and not by_signal:
+        stop = by_signal or by_vote
+        self.vote = None if stop else (
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group,
+                            async_op=True), flags)
+        if by_vote and not self.voted and not by_signal:
             self.stopped_by_peer = True
         if by_signal:
             self._emit0("preempted", step=step, signal=self.signal or "on another rank")
-        if stop_vote:
+        if by_vote and self.voted:
             self.events.emit("stop_vote", step=step)
-        return by_step or by_time or by_signal or by_vote, by_signal or by_vote
+        self.voted = self.voted or stop_vote
+        return by_step or by_time or stop, stop
 
     # -- save -------------------------------------------------------------------------
 
@@ -263,6 +277,8 @@ class CheckpointManager:
                          quarantined=moved)
 
     def close(self) -> None:
+        if self.vote is not None:  # every rank cast it: it completes
+            self.vote[0].wait()
         self.wait()
         if self.stager is not None:
             self.stager.close()

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from llmtrain.config import ConfigError, DataConfig
+from llmtrain.exit_codes import FatalError
 from llmtrain.fsio import is_local, join, write_atomic
 
 MAGIC = b"LLMTOK01"
@@ -49,8 +50,9 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib
               "__pycache__"}
 
 
-class ShardError(ValueError):
+class ShardError(FatalError, ValueError):
     """Token shards that cannot be used; the message names the file and the fix."""
+    what = "data error: "
 
 
 class ByteTokenizer:

@@ -7,7 +7,9 @@ the survivors a warm recovery keeps alive would be killed. With ``warm.enable``,
 launch`` runs torchrun through this module instead. When a worker dies, the agent waits
 (up to ``warm.budget_s``) for the warm path's verdict in the rendezvous store: the rank
 was replaced by a spare (the agent forgets the worker and keeps the others running), or
-the job goes cold (the agent does what torchrun always does). Everything else is torchrun.
+the job goes cold (the agent does what torchrun always does). When no survivor has begun
+to agree within a few seconds, nobody is left to recover warm (every rank died at once)
+and the agent goes cold without waiting out the budget. Everything else is torchrun.
 
     python -m llmtrain.launch.agent <torchrun arguments>
 """
@@ -24,6 +26,10 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from llmtrain.recovery.warm import outside_store
 
+# Survivors of a dead peer enter the agreement at their next collective, which fails as
+# soon as the peer's connections close: far sooner than this on any job.
+_NOBODY_AGREES_S = 5.0
+
 
 class WarmAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup):
@@ -35,6 +41,7 @@ class WarmAgent(LocalElasticAgent):
         self._seen = {w.local_rank: self._count(f"replaced/{w.global_rank}")
                       for w in worker_group.workers}
         self._cold_seen = self._count("cold")
+        self._agreed = self._count("agreeing")  # agreements entered before this death
         return started
 
     def _count(self, key: str) -> int:
@@ -63,13 +70,17 @@ class WarmAgent(LocalElasticAgent):
         if local_rank in self._replaced:
             return True
         rank = worker_group.workers[local_rank].global_rank
-        deadline = time.monotonic() + self._warm_budget
-        while time.monotonic() < deadline:
+        start = time.monotonic()
+        while time.monotonic() < start + self._warm_budget:
             if self._count(f"replaced/{rank}") > self._seen[local_rank]:
                 self._replaced.add(local_rank)
+                self._agreed = self._count("agreeing")
                 return True
             if self._count("cold") > self._cold_seen:
                 return False
+            if (time.monotonic() > start + min(_NOBODY_AGREES_S, self._warm_budget)
+                    and self._count("agreeing") == self._agreed):
+                return False  # nobody survived to agree
             time.sleep(0.1)
         return False
 

@@ -79,7 +79,16 @@ def outside_store(timeout: timedelta) -> dist.Store | None:
     store = rendezvous_store(timeout)
     if store is None:
         return None
-    return dist.PrefixStore(f"llmtrain/warm/{os.environ.get('LLMTRAIN_RDZV_ID', 'job')}", store)
+    return job_namespace(store, os.environ.get("LLMTRAIN_RDZV_ID", "job"))
+
+
+def job_namespace(store: dist.Store, rdzv_id: str) -> dist.Store:
+    return dist.PrefixStore(f"llmtrain/warm/{rdzv_id}", store)
+
+
+def spares_waiting(store: dist.Store) -> int:
+    """Spares registered and not yet claimed, in a job's namespace."""
+    return store.add("spares/registered", 0) - store.add("spares/claimed", 0)
 
 
 def round_of(job_store: dist.Store) -> str:
@@ -114,6 +123,7 @@ class WarmPath:
     def agree(self, holdings: dict, deadline: float) -> Plan:
         """Reports ``holdings``, learns who else is alive, and returns the plan every
         survivor follows; ColdPath when there is none."""
+        self.store.add("agreeing", 1)  # agents of dead workers: someone is left to agree
         self.store.set(self._key(f"report/{self.rank}"), json.dumps(holdings))
         count = self._key("reported")
         settle = time.monotonic() + self.cfg.settle_s
@@ -166,7 +176,8 @@ class WarmPath:
         registered = self.store.add("spares/registered", 0)
         for r in plan.lost:
             number = self.store.add("spares/claimed", 1)
-            if number > registered:
+            if number > registered:  # unclaim: the spares that register later get used
+                self.store.add("spares/claimed", -len(plan.spares) - 1)
                 self._go_cold(f"cold:no warm spare waits for rank {r}")
                 return
             plan.spares[str(r)] = number

@@ -38,13 +38,14 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config import IntegrityConfig, step_ranges
 from llmtrain.events import EventLog, read_events
+from llmtrain.exit_codes import FatalError
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Verdict codes, as the device computes them.
 _OK, _NONFINITE, _SPIKE = 0, 1, 2
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(FatalError, RuntimeError):
     """The run keeps producing bad steps or bad state: a restart would do the same."""
 
 

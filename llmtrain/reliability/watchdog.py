@@ -43,6 +43,7 @@ import time
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -101,10 +102,13 @@ def thread_stacks() -> dict[str, str]:
 
 class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
-                 events: EventLog, rank: int, world_size: int, local_world_size: int = 0):
+                 events: EventLog, rank: int, world_size: int, local_world_size: int = 0,
+                 on_exit: Callable[[], None] = lambda: None):
         """``local_world_size``: ranks per node, whose heartbeats a node leader reduces
-        (0: the world is one node)."""
+        (0: the world is one node). ``on_exit``: called before this rank leaves for a cold
+        restart."""
         self.cfg, self.store, self.events = cfg, store, events
+        self.on_exit = on_exit
         self.rank, self.world_size = rank, world_size
         self.plane = ControlPlane(store, rank, world_size, local_world_size,
                                   cfg.heartbeat_interval_s)
@@ -306,6 +310,7 @@ class Watchdog:
         else:
             self._await(["done"], self.cfg.dump_timeout_s + 60)
         self.events.close()
+        self.on_exit()
         os._exit(ExitCode.RETRYABLE)
 
     def _silent_ranks(self) -> set[int]:

@@ -9,17 +9,18 @@ import pytest
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.recovery.warm import ColdPath, WarmPath, await_assignment, buddy_of
+from llmtrain.recovery.warm import (ColdPath, WarmPath, await_assignment, buddy_of,
+                                    spares_waiting)
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
-              settle_s: float = 0.3) -> dict[int, object]:
+              settle_s: float = 0.3, round_id: str = "round") -> dict[int, object]:
     """Runs ``agree`` for every reporting rank at once; rank -> Plan or ColdPath."""
     cfg = WarmConfig(enable=True, settle_s=settle_s, budget_s=5)
     out = {}
 
     def one(rank):
-        path = WarmPath(cfg, store, "round", rank, world, local_world)
+        path = WarmPath(cfg, store, round_id, rank, world, local_world)
         try:
             out[rank] = path.agree(holdings[rank], time.monotonic() + 5)
         except ColdPath as e:
@@ -68,10 +69,15 @@ def test_what_cannot_go_warm_goes_cold_for_every_survivor(holdings, world, why):
     assert store.add("cold", 0) == 1  # agents of dead workers restart them
 
 
-def test_without_a_spare_it_goes_cold():
+def test_without_a_spare_it_goes_cold_and_the_next_spare_is_used():
     store = dist.HashStore()
     out = agree_all(store, {0: held([3], [3], 1)}, 2)
     assert "no warm spare" in str(out[0])
+    assert spares_waiting(store) == 0  # the failed claim took nothing
+    assert store.add("spares/registered", 1) == 1  # a spare arrives, for the next round
+    plan = agree_all(store, {0: held([7], [7], 1)}, 2, round_id="after the cold restart")[0]
+    assert plan.spares == {"1": 1} and json.loads(store.get("spares/1/plan"))["rank"] == 1
+    assert spares_waiting(store) == 0
 
 
 def test_a_spare_waits_for_its_plan_or_for_the_end():
