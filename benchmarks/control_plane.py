@@ -106,7 +106,7 @@ def arrival_entries(rank: int, count: int, straggler: int) -> list[dict]:
     """Flight-recorder entries of ``count`` collectives 10 ms apart; ``straggler`` enters
     each 0.5 ms late, the others within a few microseconds."""
     late = 500_000 if rank == straggler else (rank * 7919) % 5000
-    return [{"pg_id": 0, "collective_seq_id": s, "retired": True,
+    return [{"process_group": ["0", "default_pg"], "collective_seq_id": s, "retired": True,
              "time_created_ns": 10**18 + s * 10**7 + late} for s in range(1, count + 1)]
 
 

@@ -521,6 +521,8 @@ class Trainer:
             if self.checkpoints is not None:
                 self.checkpoints.wait(max(0.0, deadline - time.monotonic()))
             abandon()
+            if self.watchdog is not None:
+                self.watchdog.new_generation()
             self.warm.gen = plan.gen
             self._form_group(self.warm.group_store(), category="restart")
             if self.checkpoints is not None:

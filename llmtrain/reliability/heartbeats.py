@@ -217,6 +217,7 @@ class ControlPlane:
         self.leaders = range(0, world_size, self.block)
         self.leader = rank % self.block == 0
         self.stale_s = 3 * heartbeat_interval_s  # a beating rank refreshes well within it
+        self.since_ns = 0  # arrivals before this (an older generation of the groups) are past
 
     def _members(self, leader: int) -> range:
         return range(leader, min(leader + self.block, self.world_size))
@@ -266,10 +267,14 @@ class ControlPlane:
     # -- arrivals at collectives ------------------------------------------------------
 
     def publish_arrivals(self, entries: list[dict]) -> None:
-        """When this rank entered each of its recent completed collectives."""
-        done = [e for e in entries[-_ARRIVALS:] if e.get("retired")]
+        """When this rank entered each of its recent completed collectives, by group name
+        and sequence number: after a warm recovery the survivors' groups and a spare's have
+        the same names but not the same ``pg_id``s."""
+        done = [e for e in entries[-_ARRIVALS:]
+                if e.get("retired") and e["time_created_ns"] >= self.since_ns]
         self.store.set(f"arrivals/{self.rank}", json.dumps(
-            {f"{e['pg_id']}|{e['collective_seq_id']}": e["time_created_ns"] for e in done}))
+            {f"{e['process_group'][0]}|{e['collective_seq_id']}": e["time_created_ns"]
+             for e in done}))
 
     def reduce_arrivals(self) -> None:
         """Leader: the block's first arrival at each collective all its ranks recorded, the

@@ -176,6 +176,11 @@ class Watchdog:
         """How long this rank may go without progress: more in a declared long phase."""
         return self.timeout if self.limit is None else max(self.timeout, self.limit)
 
+    def new_generation(self) -> None:
+        """The process groups were formed again (a warm recovery): collectives of the old
+        ones are not compared with the new ones'."""
+        self.plane.since_ns = time.time_ns()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -90,7 +90,7 @@ def test_summaries_stay_bounded_and_a_stale_leader_is_read_around():
 
 def arrivals(rank: int, late_ns: int, n: int = 40) -> list[dict]:
     """gloo recorder entries of ``n`` collectives 10 ms apart, this rank ``late_ns`` late."""
-    return [{"pg_id": 0, "collective_seq_id": s, "retired": True,
+    return [{"process_group": ["0", "default_pg"], "collective_seq_id": s, "retired": True,
              "time_created_ns": 10**12 + s * 10**7 + late_ns} for s in range(1, n + 1)]
 
 
@@ -112,6 +112,27 @@ def test_stragglers_across_nodes_match_the_flat_estimate_in_a_fixed_size():
     assert nodes.top == flat.top and len(nodes.top) == LISTED
     assert nodes.top[0][0] == 5 and 1.9 < nodes.top[0][1] < 2.1
     assert abs(nodes.p50 - 1.0) < 0.01 and nodes.p99 == flat.p99 > 1.9
+
+
+def test_a_warm_recoverys_spare_is_compared_only_with_the_new_generation():
+    """After a warm recovery the survivor's recorder still holds the old groups' entries,
+    with the names the new groups (and the spare's) reuse: only the new ones count."""
+    ps = planes(2, 2)
+    old = arrivals(0, 0)  # generation 0, one minute before the new groups formed
+    new = arrivals(0, 1000)
+    spare = arrivals(1, 2000)  # the spare's recorder: the new groups only
+    for e in old:
+        e["time_created_ns"] -= 60 * 10**9
+    for entries, pg_id in ((old, 0), (new, 7), (spare, 0)):  # ids count every group made
+        for e in entries:
+            e["pg_id"] = pg_id
+    for p in ps:
+        p.since_ns = 10**12  # the new generation formed
+    ps[0].publish_arrivals(old + new)
+    ps[1].publish_arrivals(spare)
+    ps[0].reduce_arrivals()
+    scores = ps[0].stragglers()
+    assert scores.collectives == 40 and all(s < 1.01 for _, s in scores.top), scores
 
 
 def test_positions_come_from_the_flight_recorder():
