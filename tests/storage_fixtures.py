@@ -1,8 +1,10 @@
-"""Real-storage pytest fixtures: a bindfs FUSE mount, the fault-injecting faultfs mount, and a
-moto S3 server on loopback.
+"""Real-storage pytest fixtures: a bindfs FUSE mount, the fault-injecting faultfs mount, an
+NFS mount (nfs-ganesha on loopback + a FUSE NFS client), and a moto S3 server on loopback.
 
     bindfs_mount            -> Path: a bindfs (FUSE) mount of a fresh tmp dir
     bindfs_dirs             -> FuseDirs(mount, root): the same, with the backing dir
+    nfs_mount               -> Path: an NFSv4 mount of a fresh tmp dir exported by nfs-ganesha
+    nfs_dirs                -> FuseDirs(mount, root): the same, with the exported dir
     faultfs                 -> FaultFS: .mount .root .set_rules() .clear() .fired() .wait_fired()
     s3_server  (session)    -> endpoint URL "http://127.0.0.1:PORT" of a moto S3 server
     s3_url                  -> "s3://<fresh bucket>", with the AWS_* env set for s3fs/fsspec
@@ -10,7 +12,8 @@ moto S3 server on loopback.
 
 Nothing here is available -> the test is skipped with the reason; with CI=true it fails instead,
 so a CI machine that lost fuse3/bindfs/moto does not go green by skipping.
-Installed by `.ci/run` (apt: fuse3 bindfs) and the `dev` extra (mfusepy, s3fs, moto[server]).
+Installed by `.ci/run` (apt: fuse3 bindfs nfs-ganesha nfs-ganesha-vfs) and the `dev` extra
+(mfusepy, nfs4fs, s3fs, moto[server]).
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ from needs import unavailable
 from llmtrain.chaos.mount import FaultMount as FaultFS
 from llmtrain.chaos.mount import fuse_mounts, fuse_problem, is_mounted, unmount
 from llmtrain.chaos.mount import wait_mounted as _wait_mounted
+from llmtrain.chaos.nfs import NfsMount, nfs_problem
 
 __all__ = ["FaultFS", "FuseDirs", "bindfs_dirs", "bindfs_mount", "faultfs", "fuse_mounts",
-           "is_mounted", "s3_server", "s3_url", "S3_ENV", "unmount"]
+           "is_mounted", "nfs_dirs", "nfs_mount", "s3_server", "s3_url", "S3_ENV", "unmount"]
 
 # --------------------------------------------------------------------------- bindfs
 class FuseDirs(NamedTuple):
@@ -62,6 +66,28 @@ def bindfs_dirs(tmp_path) -> Iterator[FuseDirs]:
 def bindfs_mount(bindfs_dirs) -> Path:
     """Path of a real bindfs FUSE mount of a fresh tmp dir (backing dir: ``bindfs_dirs.root``)."""
     return bindfs_dirs.mount
+
+
+# --------------------------------------------------------------------------- NFS
+@pytest.fixture
+def nfs_dirs(tmp_path) -> Iterator[FuseDirs]:
+    """A real NFSv4 mount (llmtrain.chaos.nfs) of a fresh directory; server and client
+    stopped and unmounted afterwards."""
+    problem = nfs_problem()
+    if problem:
+        unavailable(problem)
+    nfs = NfsMount(tmp_path / "nfs")
+    try:
+        nfs.start()
+        yield FuseDirs(nfs.mount, nfs.root)
+    finally:
+        nfs.stop()
+
+
+@pytest.fixture
+def nfs_mount(nfs_dirs) -> Path:
+    """Path of a real NFS mount of a fresh tmp dir (exported dir: ``nfs_dirs.root``)."""
+    return nfs_dirs.mount
 
 
 # --------------------------------------------------------------------------- faultfs
