@@ -10,10 +10,12 @@ server (OPEN, WRITE, RENAME, REMOVE...), nothing is kept on this side.
 
 How it compares with a kernel NFS client (see ``llmtrain.fsio`` for what the commit
 protocol needs of one):
-  * Writes are synchronous, each one a WRITE with ``stable = FILE_SYNC4`` (the client
-    library sends no UNSTABLE writes): the server has the data on stable storage when
-    write(2) returns, so fsync has nothing left to COMMIT and is a no-op, and write
-    errors (ENOSPC, EDQUOT, EIO) come back from write(2) itself, never later at close.
+  * Writes are gathered per open file into WRITEs of up to 8 MiB, as a kernel client
+    gathers dirty pages; close(2) and fsync(2) send what is left. So, as on NFS, a write
+    error (ENOSPC, EDQUOT, EIO) may come back from close or fsync instead of write.
+  * Each WRITE is ``stable = FILE_SYNC4`` (the client library sends no UNSTABLE ones):
+    once it is answered the data is on the server's stable storage, so fsync has nothing
+    to COMMIT beyond sending the gathered writes.
   * No attribute, name or data caching here (FUSE timeouts 0, page cache dropped on
     open): stricter than a kernel client's close-to-open consistency, never looser.
   * An unlinked file that is still open is renamed to ``.fuse_hidden*`` until closed
@@ -35,6 +37,7 @@ import mfusepy as fuse
 from nfs4fs import _native as nfs
 
 _MAX_ERRNO = 4095
+GATHER = 8 << 20  # bytes of contiguous writes sent as one WRITE
 
 
 class NfsFuse(fuse.Operations):
@@ -44,6 +47,24 @@ class NfsFuse(fuse.Operations):
         self.client = nfs.NfsClient(server, auth="auth_sys")
         self.export = "/" + export.strip("/")
         self.uid, self.gid = os.getuid(), os.getgid()  # NFSv4 owners are not id-mapped
+        self._paths: dict[int, str] = {}  # open handle -> its path (following renames)
+        self._unsent: dict[int, tuple[int, bytearray]] = {}  # handle -> (offset, bytes)
+
+    def _send(self, fh: int) -> None:
+        """Sends the handle's gathered writes; an error here is the write's error."""
+        offset, data = self._unsent.pop(fh, (0, b""))
+        view = memoryview(data)
+        while view:
+            n = self.client.pwrite(fh, bytes(view), offset)
+            offset, view = offset + n, view[n:]
+
+    def _send_path(self, path: str) -> None:
+        for fh in [fh for fh in self._unsent if self._paths.get(fh) == path]:
+            self._send(fh)
+
+    def _opened(self, fh: int, path: str) -> int:
+        self._paths[fh] = path
+        return fh
 
     def _remote(self, path: str) -> str:
         return self.export if path == "/" else self.export + path
@@ -62,7 +83,11 @@ class NfsFuse(fuse.Operations):
 
     # ------------------------------------------------------------------ metadata
     def getattr(self, path, fh=None):
-        return self._attrs(self.client.fstat(fh) if fh else self.client.stat(self._remote(path)))
+        if fh:
+            self._send(fh)
+            return self._attrs(self.client.fstat(fh))
+        self._send_path(path)  # the size must count what was written
+        return self._attrs(self.client.stat(self._remote(path)))
 
     def readdir(self, path, fh):
         entries = [".", ".."]
@@ -87,6 +112,9 @@ class NfsFuse(fuse.Operations):
 
     def rename(self, old, new):
         self.client.rename_many([(self._remote(old), self._remote(new))])
+        for fh, p in self._paths.items():
+            if p == old or p.startswith(old + "/"):
+                self._paths[fh] = new + p[len(old):]
         return 0
 
     def chmod(self, path, mode):
@@ -94,31 +122,50 @@ class NfsFuse(fuse.Operations):
         return 0
 
     def truncate(self, path, length, fh=None):
+        self._send_path(path)
         self.client.truncate(self._remote(path), length)
         return 0
 
     # ------------------------------------------------------------------ file I/O
     def create(self, path, mode, flags):
         how = "x+" if flags & os.O_EXCL else "w+"
-        return self.client.open(self._remote(path), how, permissions=mode & 0o7777)
+        return self._opened(self.client.open(self._remote(path), how,
+                                             permissions=mode & 0o7777), path)
 
     def open(self, path, flags):
         # O_TRUNC arrives as a separate truncate; O_APPEND writes arrive at the file's end
-        return self.client.open(self._remote(path),
-                                "r" if flags & os.O_ACCMODE == os.O_RDONLY else "r+")
+        how = "r" if flags & os.O_ACCMODE == os.O_RDONLY else "r+"
+        return self._opened(self.client.open(self._remote(path), how), path)
 
     def read(self, path, size, offset, fh):
+        self._send(fh)
         return self.client.pread(fh, size, offset)
 
     def write(self, path, data, offset, fh):
-        return self.client.pwrite(fh, bytes(data), offset)
+        start, unsent = self._unsent.get(fh, (offset, None))
+        if unsent is None or start + len(unsent) != offset:
+            self._send(fh)
+            start, unsent = self._unsent.setdefault(fh, (offset, bytearray()))
+        unsent += data
+        if len(unsent) >= GATHER:
+            self._send(fh)
+        return len(data)
+
+    def flush(self, path, fh):  # close(2): its result is this one's
+        self._send(fh)
+        return 0
 
     def release(self, path, fh):
-        self.client.close(fh)
+        try:
+            self._send(fh)
+        finally:
+            self._paths.pop(fh, None)
+            self.client.close(fh)
         return 0
 
     def fsync(self, path, datasync, fh):
-        return 0  # every WRITE was FILE_SYNC4: nothing to COMMIT
+        self._send(fh)  # each WRITE is FILE_SYNC4: nothing more to COMMIT
+        return 0
 
     def fsyncdir(self, path, datasync, fh):
         return 0  # NFS servers commit CREATE/RENAME/REMOVE before replying
