@@ -32,10 +32,14 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
     python benchmarks/checkpoint.py                       # one rank
     torchrun --nproc-per-node 2 benchmarks/checkpoint.py  # two ranks (rank 0 prints)
     ... [--state-mb 300] [--dir runs/bench_checkpoint] [--reps 3] [--interval 10]
-        [--saves-per-segment 1] [--segments 3] [--section.field VALUE ...]
+        [--saves-per-segment 1] [--segments 3] [--through local|fuse|nfs]
+        [--section.field VALUE ...]
 
 ``--dir`` must be a local path (raw bandwidth needs os.fsync); its checkpoints and event
-log are removed at start (the tokenized data there is kept). With the defaults (300 MB,
+log are removed at start (the tokenized data there is kept). ``--through fuse`` or ``nfs``
+puts the checkpoint directory, and so the raw baselines' files, on a mount made for the
+run under ``--dir``: a bindfs FUSE mount, or an NFS export of nfs-ganesha on loopback
+through ``llmtrain.chaos.nfsfuse`` (see ``llmtrain.chaos.nfs`` for what they need). With the defaults (300 MB,
 about 24M parameters) it takes about 6 minutes on 2 CPU cores, most of it the 60-odd
 training steps of the step-time figure. Prints a table, then one JSON line:
 {"blocking_over_sync": ..., ...}.
@@ -51,13 +55,17 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
+from llmtrain.chaos.mount import BindfsMount, unmount, wait_mounted
+from llmtrain.chaos.nfs import NfsMount
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.config import ModelConfig, load_config, parse_overrides
@@ -452,5 +460,35 @@ def main() -> None:
     print(json.dumps(out))
 
 
+@contextlib.contextmanager
+def through_mount():
+    """Takes ``--through`` off the command line; for ``fuse`` or ``nfs``, local rank 0
+    mounts ``<--dir>/through-<kind>/mnt`` (the other ranks wait for it), the checkpoint
+    URL goes there, and the mount is taken down at the end."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--through", choices=["local", "fuse", "nfs"], default="local")
+    pre.add_argument("--dir", default="runs/bench_checkpoint")
+    known, rest = pre.parse_known_args(sys.argv[1:])
+    if known.through == "local":
+        sys.argv[1:] = ["--dir", known.dir, *rest]
+        yield
+        return
+    mount = {"fuse": BindfsMount, "nfs": NfsMount}[known.through](
+        Path(known.dir).resolve() / f"through-{known.through}")
+    sys.argv[1:] = ["--dir", known.dir, *rest,
+                    "--checkpoint.url", str(mount.mount / "checkpoints")]
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        wait_mounted(mount.mount)
+        yield
+        return
+    unmount(mount.mount)  # left by a run that was killed
+    mount.start()
+    try:
+        yield
+    finally:
+        mount.stop()
+
+
 if __name__ == "__main__":
-    main()
+    with through_mount():
+        main()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -27,9 +26,9 @@ from typing import Iterator, NamedTuple
 import pytest
 
 from needs import unavailable
+from llmtrain.chaos.mount import BindfsMount
 from llmtrain.chaos.mount import FaultMount as FaultFS
 from llmtrain.chaos.mount import fuse_mounts, fuse_problem, is_mounted, unmount
-from llmtrain.chaos.mount import wait_mounted as _wait_mounted
 from llmtrain.chaos.nfs import NfsMount, nfs_problem
 
 __all__ = ["FaultFS", "FuseDirs", "bindfs_dirs", "bindfs_mount", "faultfs", "fuse_mounts",
@@ -47,19 +46,15 @@ def bindfs_dirs(tmp_path) -> Iterator[FuseDirs]:
     problem = fuse_problem("bindfs")
     if problem:
         unavailable(problem)
-    root, mnt = tmp_path / "bindfs-root", tmp_path / "bindfs-mnt"
-    root.mkdir()
-    mnt.mkdir()
-    # bindfs daemonizes once the mount is up; --no-allow-other works for non-root users too.
-    r = subprocess.run(["bindfs", "--no-allow-other", str(root), str(mnt)],
-                       capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        unavailable(f"bindfs failed (exit {r.returncode}): {r.stderr.strip()}")
+    bindfs = BindfsMount(tmp_path / "bindfs")
     try:
-        _wait_mounted(mnt)
-        yield FuseDirs(mnt, root)
+        bindfs.start()
+    except RuntimeError as e:
+        unavailable(str(e))
+    try:
+        yield FuseDirs(bindfs.mount, bindfs.root)
     finally:
-        unmount(mnt)
+        bindfs.stop()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@
 Where no kernel NFS client exists (containers, CI machines), this is how a job's files
 reach an NFS server through the kernel's file API, as they would on a cluster's NFS mount:
 every open, write, rename and unlink on MOUNTPOINT becomes the NFSv4 operation on the
-server (OPEN, WRITE, RENAME, REMOVE...), nothing is kept on this side.
+server (OPEN, WRITE, RENAME, REMOVE...); only writes not sent yet are kept on this side.
 
 How it compares with a kernel NFS client (see ``llmtrain.fsio`` for what the commit
 protocol needs of one):

@@ -2,6 +2,7 @@
 are real FUSE mounts that torch.distributed.checkpoint works through, faultfs injects the
 faults its rules ask for, nfs_dirs is an NFS export of nfs-ganesha mounted through a FUSE
 NFS client and taken down completely, and s3_url is a moto bucket that fsspec/s3fs reach."""
+import contextlib
 import ctypes
 import errno
 import os
@@ -82,8 +83,10 @@ def test_nfs_mount_stops_completely_even_when_busy(tmp_path):
         unavailable(problem)
     nfs = NfsMount(tmp_path / "nfs").start()
     server, client, port = nfs.server, nfs.client, nfs.port
-    with open(nfs.mount / "held-open", "wb"):  # a rank that never closed its file
-        nfs.stop()
+    held = open(nfs.mount / "held-open", "wb")  # a rank that never closed its file
+    nfs.stop()
+    with contextlib.suppress(OSError):  # ENOTCONN: its filesystem is gone
+        held.close()
     assert not is_mounted(nfs.mount)
     assert server.poll() is not None and client.poll() is not None
     with pytest.raises(ConnectionRefusedError):
