@@ -36,13 +36,13 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
         [--section.field VALUE ...]
 
 ``--dir`` must be a local path (raw bandwidth needs os.fsync); its checkpoints and event
-log are removed at start (the tokenized data there is kept). ``--through fuse`` or ``nfs``
-puts the checkpoint directory, and so the raw baselines' files, on a mount made for the
-run under ``--dir``: a bindfs FUSE mount, or an NFS export of nfs-ganesha on loopback
-through ``llmtrain.chaos.nfsfuse`` (see ``llmtrain.chaos.nfs`` for what they need). With the defaults (300 MB,
+log are removed at start (the tokenized data there is kept). With the defaults (300 MB,
 about 24M parameters) it takes about 6 minutes on 2 CPU cores, most of it the 60-odd
-training steps of the step-time figure. Prints a table, then one JSON line:
-{"blocking_over_sync": ..., ...}.
+training steps of the step-time figure. ``--through fuse`` or ``nfs`` puts the checkpoint
+directory, and so the raw baselines' files, on a mount made for the run under ``--dir``:
+a bindfs FUSE mount, or an NFS export of nfs-ganesha on loopback through
+``llmtrain.chaos.nfsfuse`` (``llmtrain.chaos.nfs`` says what they need). Prints a table,
+then one JSON line: {"blocking_over_sync": ..., ...}.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from llmtrain.trainer import Trainer
 CHUNK = 64 << 20
 MB = 1e6
 BENCH_STEP = 10_000_000  # step numbers of the measurement saves, apart from training's
+DIR = "runs/bench_checkpoint"
 
 
 # -- sizing -----------------------------------------------------------------------------
@@ -199,7 +200,7 @@ def main() -> None:
     parser.add_argument("--config", default="debug_cpu")
     parser.add_argument("--state-mb", type=float, default=300,
                         help="model + AdamW state to aim for, MB (1e6 bytes)")
-    parser.add_argument("--dir", default="runs/bench_checkpoint",
+    parser.add_argument("--dir", default=DIR,
                         help="run dir: checkpoints and raw-bandwidth files go under it")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each I/O measurement")
     parser.add_argument("--warmup-steps", type=int, default=3)
@@ -467,7 +468,7 @@ def through_mount():
     URL goes there, and the mount is taken down at the end."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--through", choices=["local", "fuse", "nfs"], default="local")
-    pre.add_argument("--dir", default="runs/bench_checkpoint")
+    pre.add_argument("--dir", default=DIR)
     known, rest = pre.parse_known_args(sys.argv[1:])
     if known.through == "local":
         sys.argv[1:] = ["--dir", known.dir, *rest]
