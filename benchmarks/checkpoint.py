@@ -32,13 +32,17 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
     python benchmarks/checkpoint.py                       # one rank
     torchrun --nproc-per-node 2 benchmarks/checkpoint.py  # two ranks (rank 0 prints)
     ... [--state-mb 300] [--dir runs/bench_checkpoint] [--reps 3] [--interval 10]
-        [--saves-per-segment 1] [--segments 3] [--section.field VALUE ...]
+        [--saves-per-segment 1] [--segments 3] [--through local|fuse|nfs]
+        [--section.field VALUE ...]
 
 ``--dir`` must be a local path (raw bandwidth needs os.fsync); its checkpoints and event
 log are removed at start (the tokenized data there is kept). With the defaults (300 MB,
 about 24M parameters) it takes about 6 minutes on 2 CPU cores, most of it the 60-odd
-training steps of the step-time figure. Prints a table, then one JSON line:
-{"blocking_over_sync": ..., ...}.
+training steps of the step-time figure. ``--through fuse`` or ``nfs`` puts the checkpoint
+directory, and so the raw baselines' files, on a mount made for the run under ``--dir``:
+a bindfs FUSE mount, or an NFS export of nfs-ganesha on loopback through
+``llmtrain.chaos.nfsfuse`` (``llmtrain.chaos.nfs`` says what they need). Prints a table,
+then one JSON line: {"blocking_over_sync": ..., ...}.
 """
 
 from __future__ import annotations
@@ -51,13 +55,17 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
+from llmtrain.chaos.mount import BindfsMount, unmount, wait_mounted
+from llmtrain.chaos.nfs import NfsMount
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.config import ModelConfig, load_config, parse_overrides
@@ -68,6 +76,7 @@ from llmtrain.trainer import Trainer
 CHUNK = 64 << 20
 MB = 1e6
 BENCH_STEP = 10_000_000  # step numbers of the measurement saves, apart from training's
+DIR = "runs/bench_checkpoint"
 
 
 # -- sizing -----------------------------------------------------------------------------
@@ -191,7 +200,7 @@ def main() -> None:
     parser.add_argument("--config", default="debug_cpu")
     parser.add_argument("--state-mb", type=float, default=300,
                         help="model + AdamW state to aim for, MB (1e6 bytes)")
-    parser.add_argument("--dir", default="runs/bench_checkpoint",
+    parser.add_argument("--dir", default=DIR,
                         help="run dir: checkpoints and raw-bandwidth files go under it")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each I/O measurement")
     parser.add_argument("--warmup-steps", type=int, default=3)
@@ -452,5 +461,35 @@ def main() -> None:
     print(json.dumps(out))
 
 
+@contextlib.contextmanager
+def through_mount():
+    """Takes ``--through`` off the command line; for ``fuse`` or ``nfs``, local rank 0
+    mounts ``<--dir>/through-<kind>/mnt`` (the other ranks wait for it), the checkpoint
+    URL goes there, and the mount is taken down at the end."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--through", choices=["local", "fuse", "nfs"], default="local")
+    pre.add_argument("--dir", default=DIR)
+    known, rest = pre.parse_known_args(sys.argv[1:])
+    if known.through == "local":
+        sys.argv[1:] = ["--dir", known.dir, *rest]
+        yield
+        return
+    mount = {"fuse": BindfsMount, "nfs": NfsMount}[known.through](
+        Path(known.dir).resolve() / f"through-{known.through}")
+    sys.argv[1:] = ["--dir", known.dir, *rest,
+                    "--checkpoint.url", str(mount.mount / "checkpoints")]
+    if int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        wait_mounted(mount.mount)
+        yield
+        return
+    unmount(mount.mount)  # left by a run that was killed
+    mount.start()
+    try:
+        yield
+    finally:
+        mount.stop()
+
+
 if __name__ == "__main__":
-    main()
+    with through_mount():
+        main()

@@ -2,10 +2,42 @@
 
 What ``write_atomic`` relies on, per kind of storage:
 
-- local disks, NFS and FUSE mounts (fsspec ``file``): ``rename(2)`` within one directory
-  replaces the target atomically, and NFS's close-to-open consistency makes the renamed
-  file whole for any client that opens it afterwards. The data is fsync'ed before the
-  rename and the directory after it, so a crash cannot leave the new name on empty data.
+- local disks and FUSE mounts (fsspec ``file``): ``rename(2)`` within one directory
+  replaces the target atomically. The data is fsync'ed before the rename and the
+  directory after it, so a crash cannot leave the new name on empty data.
+- NFS mounts (fsspec ``file`` too), what a checkpoint's commit needs of them:
+
+  * RENAME within one directory is one operation the server applies atomically: a
+    client sees the old manifest or the new one, never a mix. (A RENAME retransmitted
+    after a lost reply can fail with ENOENT although it was applied, if the server's
+    duplicate-request cache missed it: the save is then reported failed while committed,
+    which loses nothing.)
+  * Close-to-open consistency: close(2) sends the file's remaining writes and open(2)
+    fetches fresh attributes, so whoever opens a file after its writer closed it reads
+    all of it. Every shard is written, fsync'ed and closed before its rank reports to
+    rank 0, and the manifest before its rename, so once ``MANIFEST.json`` has its name
+    every byte it lists is on the server.
+  * fsync and COMMIT: a client sends UNSTABLE WRITEs and makes them durable with a
+    COMMIT at fsync or close; write errors (ENOSPC, EDQUOT, EIO) often come back only
+    there, not from write(2). The fsync of each shard (DCP's ``sync_files``) and of the
+    manifest is what surfaces them, and any error fails the save. Servers commit CREATE,
+    RENAME and REMOVE before they reply, so the directory fsync is a no-op on NFS.
+  * Attribute and name caching: another node may see a stale size from stat(2), and a
+    stale listing or "no such file" for a new name, for up to ``acdirmax``/``acregmax``
+    (30-60 s by default), though open(2) revalidates. The protocol stays safe under
+    that: the commit is a name appearing, so a node that does not see a manifest yet
+    takes the checkpoint for incomplete (it resumes from an older one, never from a
+    partial one, and retention never deletes an incomplete checkpoint newer than the
+    newest committed); and committed files are never changed in place (a step saved
+    again is deleted and written as new files), so no cached size can be stale for them.
+  * Silly rename: a file unlinked while still open on the client becomes ``.nfsXXXX``
+    until closed, and its directory cannot be removed meanwhile. llmtrain holds no
+    checkpoint file open once it is committed; a stray one held by another process makes
+    that retention pass fail, and the next one tries again.
+
+  The tests run this on nfs-ganesha through ``llmtrain.chaos.nfsfuse``, a client with no
+  caching and FILE_SYNC writes: they show the protocol over NFSv4 and a real server;
+  the caching above is argued, not tested.
 - object stores (s3, gcs, azure): a single PUT of an object is atomic, and since 2020
   S3 gives strong read-after-write consistency, so the object is written directly.
 - anything else fsspec offers (``memory://`` and others): write a temporary name, then

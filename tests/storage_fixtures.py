@@ -1,8 +1,10 @@
-"""Real-storage pytest fixtures: a bindfs FUSE mount, the fault-injecting faultfs mount, and a
-moto S3 server on loopback.
+"""Real-storage pytest fixtures: a bindfs FUSE mount, the fault-injecting faultfs mount, an
+NFS mount (nfs-ganesha on loopback + a FUSE NFS client), and a moto S3 server on loopback.
 
     bindfs_mount            -> Path: a bindfs (FUSE) mount of a fresh tmp dir
     bindfs_dirs             -> FuseDirs(mount, root): the same, with the backing dir
+    nfs_mount               -> Path: an NFSv4 mount of a fresh tmp dir exported by nfs-ganesha
+    nfs_dirs                -> FuseDirs(mount, root): the same, with the exported dir
     faultfs                 -> FaultFS: .mount .root .set_rules() .clear() .fired() .wait_fired()
     s3_server  (session)    -> endpoint URL "http://127.0.0.1:PORT" of a moto S3 server
     s3_url                  -> "s3://<fresh bucket>", with the AWS_* env set for s3fs/fsspec
@@ -10,13 +12,13 @@ moto S3 server on loopback.
 
 Nothing here is available -> the test is skipped with the reason; with CI=true it fails instead,
 so a CI machine that lost fuse3/bindfs/moto does not go green by skipping.
-Installed by `.ci/run` (apt: fuse3 bindfs) and the `dev` extra (mfusepy, s3fs, moto[server]).
+Installed by `.ci/run` (apt: fuse3 bindfs nfs-ganesha nfs-ganesha-vfs) and the `dev` extra
+(mfusepy, nfs4fs, s3fs, moto[server]).
 """
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -24,12 +26,13 @@ from typing import Iterator, NamedTuple
 import pytest
 
 from needs import unavailable
+from llmtrain.chaos.mount import BindfsMount
 from llmtrain.chaos.mount import FaultMount as FaultFS
 from llmtrain.chaos.mount import fuse_mounts, fuse_problem, is_mounted, unmount
-from llmtrain.chaos.mount import wait_mounted as _wait_mounted
+from llmtrain.chaos.nfs import NfsMount, nfs_problem
 
 __all__ = ["FaultFS", "FuseDirs", "bindfs_dirs", "bindfs_mount", "faultfs", "fuse_mounts",
-           "is_mounted", "s3_server", "s3_url", "S3_ENV", "unmount"]
+           "is_mounted", "nfs_dirs", "nfs_mount", "s3_server", "s3_url", "S3_ENV", "unmount"]
 
 # --------------------------------------------------------------------------- bindfs
 class FuseDirs(NamedTuple):
@@ -43,25 +46,43 @@ def bindfs_dirs(tmp_path) -> Iterator[FuseDirs]:
     problem = fuse_problem("bindfs")
     if problem:
         unavailable(problem)
-    root, mnt = tmp_path / "bindfs-root", tmp_path / "bindfs-mnt"
-    root.mkdir()
-    mnt.mkdir()
-    # bindfs daemonizes once the mount is up; --no-allow-other works for non-root users too.
-    r = subprocess.run(["bindfs", "--no-allow-other", str(root), str(mnt)],
-                       capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        unavailable(f"bindfs failed (exit {r.returncode}): {r.stderr.strip()}")
+    bindfs = BindfsMount(tmp_path / "bindfs")
     try:
-        _wait_mounted(mnt)
-        yield FuseDirs(mnt, root)
+        bindfs.start()
+    except RuntimeError as e:
+        unavailable(str(e))
+    try:
+        yield FuseDirs(bindfs.mount, bindfs.root)
     finally:
-        unmount(mnt)
+        bindfs.stop()
 
 
 @pytest.fixture
 def bindfs_mount(bindfs_dirs) -> Path:
     """Path of a real bindfs FUSE mount of a fresh tmp dir (backing dir: ``bindfs_dirs.root``)."""
     return bindfs_dirs.mount
+
+
+# --------------------------------------------------------------------------- NFS
+@pytest.fixture
+def nfs_dirs(tmp_path) -> Iterator[FuseDirs]:
+    """A real NFSv4 mount (llmtrain.chaos.nfs) of a fresh directory; server and client
+    stopped and unmounted afterwards."""
+    problem = nfs_problem()
+    if problem:
+        unavailable(problem)
+    nfs = NfsMount(tmp_path / "nfs")
+    try:
+        nfs.start()
+        yield FuseDirs(nfs.mount, nfs.root)
+    finally:
+        nfs.stop()
+
+
+@pytest.fixture
+def nfs_mount(nfs_dirs) -> Path:
+    """Path of a real NFS mount of a fresh tmp dir (exported dir: ``nfs_dirs.root``)."""
+    return nfs_dirs.mount
 
 
 # --------------------------------------------------------------------------- faultfs

@@ -88,6 +88,28 @@ def unmount(mnt: os.PathLike | str, proc: subprocess.Popen | None = None,
             subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
 
 
+class BindfsMount:
+    """bindfs: a plain passthrough FUSE mount of ``.root`` on ``.mount``."""
+
+    def __init__(self, base: Path):
+        self.root = base / "root"      # backing directory
+        self.mount = base / "mnt"      # the FUSE mount: do I/O here
+
+    def start(self) -> "BindfsMount":
+        for d in (self.root, self.mount):
+            d.mkdir(parents=True, exist_ok=True)
+        # bindfs daemonizes once the mount is up; --no-allow-other works for non-root users too.
+        r = subprocess.run(["bindfs", "--no-allow-other", str(self.root), str(self.mount)],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"bindfs failed (exit {r.returncode}): {r.stderr.strip()}")
+        wait_mounted(self.mount)
+        return self
+
+    def stop(self) -> None:
+        unmount(self.mount)
+
+
 class FaultMount:
     """A running faultfs mount. See ``llmtrain.chaos.faultfs`` for the rule format."""
 

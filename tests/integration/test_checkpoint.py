@@ -15,10 +15,19 @@ pytestmark = pytest.mark.slow
 CKPT = ("--checkpoint.interval_steps", "6", "--metrics.log_every", "1")
 
 
-def final_weights(run_dir: Path, step: int, tmp_path: Path) -> dict[str, torch.Tensor]:
+def final_weights(run_dir: Path, step: int, tmp_path: Path,
+                  ckpt: Path | None = None) -> dict[str, torch.Tensor]:
+    """The model's weights in the checkpoint of ``step`` (under ``ckpt``, by default the
+    run dir's checkpoints)."""
     out = tmp_path / f"weights-{run_dir.name}.pt"
-    dcp_to_torch_save(storage.step_dir(str(run_dir / "checkpoints"), step), out)
+    dcp_to_torch_save(storage.step_dir(str(ckpt or run_dir / "checkpoints"), step), out)
     return torch.load(out, weights_only=False)["model"]
+
+
+def assert_bitwise_equal(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert ref.keys() == got.keys() and len(ref) > 10
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +51,31 @@ def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path, reference):
         "restart=0;kill@step:rank=1,step=17,restart=1", nproc=2,
         torchrun_args=("--max-restarts", "2")))
     assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [6, 12]
-    ref = final_weights(reference, 24, tmp_path)
-    got = final_weights(faulty, 24, tmp_path)
-    assert ref.keys() == got.keys() and len(ref) > 10
-    for name in ref:
-        assert torch.equal(ref[name], got[name]), name
+    assert_bitwise_equal(final_weights(reference, 24, tmp_path),
+                         final_weights(faulty, 24, tmp_path))
+
+
+def test_a_rank_killed_writing_to_nfs_loses_only_that_checkpoint(tmp_path, reference,
+                                                                 nfs_mount):
+    """Checkpoints on NFS (nfs-ganesha, through an NFS client): rank 0 is killed while
+    checkpoint 12 is being written. 12 is left incomplete, never committed; 6 stays
+    committed and verifies; the next launch resumes from 6 and reaches step 12's weights
+    of an uninterrupted run bit for bit."""
+    run, ckpt = tmp_path / "run", nfs_mount / "ckpt"
+    args = ("--training.steps", "12", "--checkpoint.url", str(ckpt), *CKPT)
+    killed = llmtrain(run, *args, "--reliability.faults", "kill@checkpoint_write:rank=0,step=12",
+                      nproc=2)
+    assert killed.returncode != 0
+    left = {c.step: c.committed for c in storage.list_checkpoints(str(ckpt))}
+    assert left == {6: True, 12: False}, left
+    assert storage.verify(storage.step_dir(str(ckpt), 6), checksums=True) == []
+    check(llmtrain(run, *args, nproc=2))
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [6]
+    committed = [c for c in storage.list_checkpoints(str(ckpt)) if c.committed]
+    assert [c.step for c in committed] == [6, 12]
+    assert all(storage.verify(c.url, checksums=True) == [] for c in committed)
+    assert_bitwise_equal(final_weights(reference, 12, tmp_path),
+                         final_weights(run, 12, tmp_path, ckpt))
 
 
 RESHARD = ("--training.steps", "12", "--training.global_batch_size", "24",

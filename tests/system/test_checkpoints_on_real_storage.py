@@ -1,5 +1,8 @@
-"""Checkpoints on real storage: a FUSE mount, a fault-injecting FUSE filesystem, S3."""
+"""Checkpoints on real storage: a FUSE mount, a fault-injecting FUSE filesystem, NFS, S3.
+(A run killed while saving to NFS: tests/integration/test_checkpoint.py.)"""
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +14,7 @@ from conftest import check, events, llmtrain, step_losses
 from storage_fixtures import is_mounted
 from llmtrain.checkpoint import storage
 from llmtrain.exit_codes import ExitCode
+from llmtrain.fsio import join, write_atomic
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +120,31 @@ def test_slow_storage_does_not_stall_training(faultfs, tmp_path):
     assert committed[-1]["step"] == 24  # the final save always waits
     step_times = [e["step_time_s"] for e in events(run, "step") if e["step"] > 3]
     assert max(step_times) < 1.5  # no step sat through a 2 s write
+
+
+def test_a_shard_held_open_on_nfs_delays_removal_but_never_leaves_it_committed(nfs_mount):
+    """NFS's silly rename: a file deleted while its client holds it open lives on under a
+    hidden name, so its directory cannot be removed yet. Removing the checkpoint fails
+    then, after its manifest went first: it is left incomplete, never committed with a
+    file missing, and once the file is closed the next removal completes."""
+    root = str(nfs_mount / "ckpt")
+    url = storage.step_dir(root, 6)
+    os.makedirs(url)
+    shard = os.path.join(url, "__0_0.distcp")
+    with open(shard, "wb") as f:
+        f.write(b"x" * 1000)
+    write_atomic(join(url, storage.MANIFEST), json.dumps(
+        {"step": 6, "files": {"__0_0.distcp": {"size": 1000, "sha256": ""}}}).encode())
+    assert committed_steps(root) == [6]
+    with open(shard, "rb"):
+        with pytest.raises(OSError):
+            storage.remove(url)
+        assert [(c.step, c.committed) for c in storage.list_checkpoints(root)] == [(6, False)]
+    deadline = time.monotonic() + 5  # the hidden file goes once the client closed it
+    while os.listdir(url) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    storage.remove(url)
+    assert storage.list_checkpoints(root) == []
 
 
 def test_checkpoints_in_s3(s3_url, tmp_path):

@@ -1,9 +1,12 @@
 """The real-storage fixtures (tests/storage_fixtures.py) do what they claim: bindfs and faultfs
 are real FUSE mounts that torch.distributed.checkpoint works through, faultfs injects the
-faults its rules ask for, and s3_url is a moto bucket that fsspec/s3fs reach."""
+faults its rules ask for, nfs_dirs is an NFS export of nfs-ganesha mounted through a FUSE
+NFS client and taken down completely, and s3_url is a moto bucket that fsspec/s3fs reach."""
+import contextlib
 import ctypes
 import errno
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +15,9 @@ import time
 
 import pytest
 
+from needs import unavailable
 from storage_fixtures import fuse_mounts, is_mounted
+from llmtrain.chaos.nfs import NfsMount, nfs_problem
 
 
 def _roundtrip(d):
@@ -45,6 +50,48 @@ def test_bindfs_is_a_fuse_mount_with_local_semantics(bindfs_dirs):
     (mnt / "sub" / "final.bin").unlink()
     (mnt / "sub").rmdir()
     assert list(root.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- NFS
+def test_nfs_mount_reaches_ganesha_with_an_nfs_clients_semantics(nfs_dirs):
+    mnt, root = nfs_dirs
+    assert fuse_mounts()[str(mnt)] == "fuse.nfsfuse"
+    payload = _roundtrip(mnt)
+    assert (root / "sub" / "final.bin").read_bytes() == payload  # on the server's export
+    with pytest.raises(FileExistsError):  # O_EXCL reaches the server (OPEN4_CREATE GUARDED)
+        os.open(mnt / "sub" / "final.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    # An unlinked file that is still open is renamed aside until closed, as an NFS client
+    # does ("silly rename"): meanwhile its directory cannot be removed.
+    with open(mnt / "sub" / "final.bin", "rb") as f:
+        (mnt / "sub" / "final.bin").unlink()
+        (hidden,) = os.listdir(mnt / "sub")
+        assert hidden.startswith(".fuse_hidden")
+        with pytest.raises(OSError) as exc:
+            (mnt / "sub").rmdir()
+        assert exc.value.errno == errno.ENOTEMPTY
+        assert f.read() == payload
+    deadline = time.monotonic() + 5  # the hidden name goes once the kernel releases the file
+    while os.listdir(mnt / "sub") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (mnt / "sub").rmdir()
+    assert list(root.iterdir()) == []
+
+
+def test_nfs_mount_stops_completely_even_when_busy(tmp_path):
+    problem = nfs_problem()
+    if problem:
+        unavailable(problem)
+    nfs = NfsMount(tmp_path / "nfs").start()
+    server, client, port = nfs.server, nfs.client, nfs.port
+    held = open(nfs.mount / "held-open", "wb")  # a rank that never closed its file
+    nfs.stop()
+    with contextlib.suppress(OSError):  # ENOTCONN: its filesystem is gone
+        held.close()
+    assert not is_mounted(nfs.mount)
+    assert server.poll() is not None and client.poll() is not None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
+    assert (nfs.root / "held-open").exists()
 
 
 # --------------------------------------------------------------------------- faultfs

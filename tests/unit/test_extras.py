@@ -14,8 +14,9 @@ from conftest import ROOT
 from llmtrain.exit_codes import ExitCode
 
 WITHOUT_EXTRAS = ("import sys\n"
-                  "sys.modules.update(dict.fromkeys(['matplotlib', 'mfusepy', 'torchx',\n"
-                  "                                 'tokenizers', 'pyarrow', 'safetensors'],\n"
+                  "sys.modules.update(dict.fromkeys(['matplotlib', 'mfusepy', 'nfs4fs',\n"
+                  "                                 'torchx', 'tokenizers', 'pyarrow',\n"
+                  "                                 'safetensors'],\n"
                   "                                None))\n"
                   "from llmtrain.cli import main\n"
                   "sys.exit(main(sys.argv[1:]))\n")

@@ -28,7 +28,8 @@ LAYERS = [
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # What a production install lacks (extras) or training has no use for.
-HARNESS = ("llmtrain.chaos", "llmtrain.report", "mfusepy", "fuse", "matplotlib", "torchx")
+HARNESS = ("llmtrain.chaos", "llmtrain.report", "mfusepy", "fuse", "nfs4fs", "matplotlib",
+           "torchx")
 
 
 def _module_name(path: Path) -> str:
