@@ -27,8 +27,7 @@ diagnosed right only if the job names the rank that died.
 The job runs with the warm path (``--warm.enable``) unless ``warm`` is off: a lost rank
 is replaced by the waiting spare from its buddy's in-memory replica, and the verdict says
 which path each recovery took. Before each fault chaos waits for a spare to be waiting;
-after a warm recovery left a node without its worker, a fresh node joins as the next
-spare, as a scheduler's replacement would.
+a node that a warm recovery left without its worker is started again as the next spare.
 
 Each fault's verdict comes from the run's own event log: whether and when it was
 detected, whether the diagnosis named the right rank, collective, check or checkpoint,
@@ -245,7 +244,7 @@ class Chaos:
                    timeout: float = 240) -> dict:
         """Waits for the first step after the recovery, warm or cold; fills in its path,
         time and steps lost. ``node``: the one that held the lost rank; if it lives on
-        without its worker after a warm recovery, a new node joins as the next spare."""
+        without its worker after a warm recovery, it is started again as the next spare."""
         rec = self._wait(lambda: self._latest("warm_recovery", since)
                          or self._latest("recovery", since), "recovery", timeout)
         v.path = "warm" if rec["event"] == "warm_recovery" else "cold"
@@ -253,19 +252,15 @@ class Chaos:
         if v.path == "warm":
             v.restored = rec["step"]
             if node is not None and self.cluster.nodes[node].poll() is None:
-                self._new_spare()
+                self.cluster.kill(node)  # its agent has no worker left: back as a spare
+                self.cluster.nodes[node].wait()
+                self._start(node)
         else:
             loaded = self._latest("checkpoint_loaded", since)
             v.restored = loaded["step"] if loaded else 0
         # a save at the stop (gpu_bad) can be past the step the fault was injected at
         v.steps_lost = max(0, v.at_step - v.restored)
         return rec
-
-    def _new_spare(self) -> None:
-        name = f"node{len(self.names) + 1}"
-        self.names.append(name)
-        self._gpu(name, healthy=True)
-        self._start(name)
 
     @staticmethod
     def _lost_ranks(rec: dict) -> list[int] | None:
