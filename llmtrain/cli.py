@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "see llmtrain/chaos/runner.py)")
     ch.add_argument("--repeat", action="store_true",
                     help="after each kind once, keep injecting at random until near the end")
-    ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus one spare)")
+    ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus spares)")
     ch.add_argument("--rank", type=int, default=None,
                     help="the rank every rank-level fault hits (default: a random one)")
     ch.add_argument("--checkpoint-every", type=int, default=20,

@@ -1,7 +1,7 @@
 """Chaos runs: the whole fault matrix against one running job, and a verdict on each fault.
 
 A job runs on this machine as several "nodes" (``LocalCluster``: ``llmtrain launch``
-agents on loopback, an external rendezvous store) with one spare waiting, checkpoints on
+agents on loopback, an external rendezvous store) with spares waiting, checkpoints on
 the fault-injecting FUSE filesystem and a scripted NVML per node. A seeded schedule
 injects every kind of fault at least once, then random ones, one at a time:
 
@@ -26,8 +26,9 @@ diagnosed right only if the job names the rank that died.
 
 The job runs with the warm path (``--warm.enable``) unless ``warm`` is off: a lost rank
 is replaced by the waiting spare from its buddy's in-memory replica, and the verdict says
-which path each recovery took. Before each fault chaos waits for a spare to be waiting;
-a node that a warm recovery left without its worker is started again as the next spare.
+which path each recovery took. Two spares wait, so that one is ready while the other,
+used, starts again; a node that a warm recovery left without its worker is started again
+as a spare too. Before each fault chaos waits for a spare to be waiting.
 
 Each fault's verdict comes from the run's own event log: whether and when it was
 detected, whether the diagnosis named the right rank, collective, check or checkpoint,
@@ -74,7 +75,7 @@ class ChaosConfig:
     seed: int = 0
     faults: str = ",".join(KINDS)  # kinds to inject: each once in a seeded order, then
     repeat: bool = False           # (with repeat) at random until the job nears its end
-    nodes: int = 2                 # training nodes, one rank each, plus one spare
+    nodes: int = 2                 # training nodes, one rank each, plus spares
     rank: int | None = None        # the rank every rank-level fault hits (default: random)
     checkpoint_every: int = 20
     reference: bool = True         # train again without faults to compare the weights
@@ -117,7 +118,8 @@ class Chaos:
             raise FileExistsError(f"chaos workdir {self.dir} is not empty: give a new one")
         self.run = self.dir / "run"
         self.faults_file = self.dir / "faults.txt"
-        self.names = [f"node{i + 1}" for i in range(cfg.nodes + 1)]
+        # Warm, two spares: one waits while the other, used, starts again.
+        self.names = [f"node{i + 1}" for i in range(cfg.nodes + 1 + cfg.warm)]
         self.verdicts: list[Verdict] = []
         self.truncated: set[int] = set()
         self.train_args = (
@@ -145,10 +147,11 @@ class Chaos:
         try:
             for name in self.names:
                 self._gpu(name, healthy=True)
-            for name in self.names[:-1]:
+            for name in self.names[:self.cfg.nodes]:
                 self._start(name, spare=False)
             self._wait(lambda: self._latest("step"), "the first step", 300)
-            self._start(self.names[-1])
+            for name in self.names[self.cfg.nodes:]:
+                self._start(name)
             self.spares = job_namespace(
                 dist.TCPStore("127.0.0.1", self.cluster.port, is_master=False, use_libuv=True,
                               timeout=timedelta(seconds=30)), "local")
