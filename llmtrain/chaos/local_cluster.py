@@ -46,7 +46,7 @@ class LocalCluster:
               spare: bool = False) -> subprocess.Popen:
         """Starts node ``name``'s launcher (``spare``: on standby); ``extra`` are more
         training overrides."""
-        log = open(self.workdir / f"{name}.log", "w")
+        log = open(self.workdir / f"{name}.log", "a")  # a node started again keeps its past
         proc = subprocess.Popen(
             [sys.executable, "-m", "llmtrain", "launch", "--nnodes", self.nnodes,
              "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--external-store",
