@@ -121,7 +121,8 @@ class CheckpointConfig:
     verify_checksums: bool = _f(True, doc="check sha256 of every file before resuming (sizes always)")
     resume: bool = _f(True, doc="resume from the newest checkpoint that verifies")
     save_on_signal: bool = _f(True, doc="SIGTERM/SIGUSR1: save, then exit RETRYABLE")
-    writer_threads: int = _f(1, ge=1, doc="DCP write threads per rank")
+    writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")
+    reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when loading")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "
                                         "from measured save cost and failure rate")
     init_from: str = _f("", doc="a Hugging Face Llama directory (config.json + safetensors, "

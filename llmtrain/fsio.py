@@ -19,8 +19,9 @@ What ``write_atomic`` relies on, per kind of storage:
     every byte it lists is on the server.
   * fsync and COMMIT: a client sends UNSTABLE WRITEs and makes them durable with a
     COMMIT at fsync or close; write errors (ENOSPC, EDQUOT, EIO) often come back only
-    there, not from write(2). The fsync of each shard (DCP's ``sync_files``) and of the
-    manifest is what surfaces them, and any error fails the save. Servers commit CREATE,
+    there, not from write(2). The fsync of each shard and of ``.metadata`` (done by
+    ``checkpoint/storage.py`` for every ``file`` path) and of the manifest is what
+    surfaces them, and any error fails the save. Servers commit CREATE,
     RENAME and REMOVE before they reply, so the directory fsync is a no-op on NFS.
   * Attribute and name caching: another node may see a stale size from stat(2), and a
     stale listing or "no such file" for a new name, for up to ``acdirmax``/``acregmax``

@@ -559,7 +559,8 @@ class Chaos:
         """Trains the same job without faults at the same world size, then compares the
         final weights bit for bit."""
         import torch
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        from llmtrain.checkpoint.shards import load_unsharded
         ref = self.dir / "reference"
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={self.cfg.nodes}", "-m", "llmtrain", "train",
@@ -568,12 +569,8 @@ class Chaos:
                         "--integrity.skip_steps", ",".join(map(str, sorted(self.skipped)))],
                        check=True, capture_output=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-        weights = []
-        for root in (ref / "checkpoints", self.mount.root):
-            out = self.dir / f"weights-{len(weights)}.pt"
-            dcp_to_torch_save(storage.step_dir(str(root), final_step), out)
-            weights.append(torch.load(out, weights_only=False)["model"])
-        a, b = weights
+        a, b = (load_unsharded(storage.step_dir(str(root), final_step))["model"]
+                for root in (ref / "checkpoints", self.mount.root))
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -22,10 +22,9 @@ from contextlib import ExitStack
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.tensor import DTensor
 
-from llmtrain.checkpoint import storage
+from llmtrain.checkpoint import shards, storage
 from llmtrain.config import ConfigError, ModelConfig
 from llmtrain.fsio import is_local, join, write_atomic
 from llmtrain.model import Transformer, ffn_hidden_dim, global_offset, unwrapped_name
@@ -100,7 +99,7 @@ def export(ckpt_url: str, out_url: str, cfg: ModelConfig | None = None) -> list[
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
     if cfg.tie_embeddings:
         shapes.pop("output.weight")
-    reader = FsspecReader(ckpt_url)
+    reader = shards.ShardReader(ckpt_url)
     saved = reader.read_metadata().state_dict_metadata
     for name, shape in shapes.items():
         got = getattr(saved.get(f"model.{name}"), "size", None)

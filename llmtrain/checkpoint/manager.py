@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
 from llmtrain.checkpoint import storage
+from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.events import EventLog
@@ -62,9 +62,8 @@ class CheckpointManager:
         self.stager = None
         if cfg.mode != "sync":
             cuda = device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=cfg.mode == "async_process",
-                use_async_staging=False, use_non_blocking_copy=cuda))
+            self.stager = ReusedBufferStager(pin_memory=cuda, non_blocking=cuda,
+                                             share_memory=cfg.mode == "async_process")
         self.inflight: Future | None = None
         self.last_save_time = time.monotonic()
         # By time; with auto_interval the trainer sets it (on rank 0, whose vote suffices).
@@ -231,7 +230,8 @@ class CheckpointManager:
             start = time.perf_counter()
             fault_points.point("resume", step)
             try:
-                loaded_step, had_rng = state.load(url, self.io_group)
+                loaded_step, had_rng = state.load(url, self.io_group,
+                                                  threads=self.cfg.reader_threads)
             except ConfigError:  # the run cannot continue this checkpoint: no retry helps
                 raise
             except SAVE_ERRORS as e:

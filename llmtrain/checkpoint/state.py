@@ -13,8 +13,9 @@ import random
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from llmtrain.checkpoint.shards import ShardReader
 
 
 def _rng_state() -> dict:
@@ -49,13 +50,14 @@ class TrainState:
         return {"model": model_sd, "optim": optim_sd, "trainer": self._trainer_bytes(step),
                 f"rng.{self.rank}": rng}
 
-    def load(self, url: str, process_group) -> tuple[int, bool]:
-        """Loads the checkpoint at ``url`` (already verified) into the live objects.
+    def load(self, url: str, process_group, *, threads: int = 4) -> tuple[int, bool]:
+        """Loads the checkpoint at ``url`` (already verified) into the live objects,
+        ``threads`` parallel reads at a time.
 
         Returns the step it was saved at, and whether this rank's RNG state was in it
         (a rank that did not exist at save time keeps its seeded RNG).
         """
-        reader = FsspecReader(url)
+        reader = ShardReader(url, threads=threads)
         saved_keys = reader.read_metadata().state_dict_metadata
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, "trainer": io.BytesIO()}

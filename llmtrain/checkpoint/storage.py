@@ -2,8 +2,9 @@
 
 Layout of one checkpoint, ``<checkpoint url>/step-00000100/``::
 
-    __0_0.distcp ...   DCP shards, one or more per rank (some may be empty: DCP writes
-                       a replicated tensor once)
+    __0_0.distcp ...   DCP shards, up to ``writer_threads`` per rank (a rank may have
+                       none: DCP writes a replicated tensor once); tensors as raw
+                       bytes, see :mod:`llmtrain.checkpoint.shards`
     .metadata          DCP's index of the shards (a pickle)
     MANIFEST.json      written last, by rank 0, once every rank's files are written:
                        step, world, config digest, timings, and each file's size and sha256
@@ -14,7 +15,8 @@ written ``.metadata``, the coordinator writes ``MANIFEST.json`` with
 :func:`llmtrain.fsio.write_atomic` (see there for what each storage kind guarantees). A
 directory without a manifest is incomplete and never loaded.
 
-Security rule: ``.metadata`` and the shards are unpickled by DCP, so loading them can run
+Security rule: ``.metadata`` and the non-tensor items in the shards (and the tensors of
+checkpoints written before the raw format) are unpickled by DCP, so loading them can run
 code. :func:`verify` checks every file against the manifest before DCP opens any of
 them, which protects against corruption and files swapped in from elsewhere; it cannot
 protect against someone able to rewrite the manifest too. Only resume from storage the
@@ -30,7 +32,6 @@ import os
 import posixpath
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.futures import Future
 
 from llmtrain import fault_points
+from llmtrain.checkpoint import shards
 from llmtrain.fsio import FILE_MODE, is_local, join, makedirs, set_mode, write_atomic
 
 MANIFEST = "MANIFEST.json"
@@ -52,44 +54,36 @@ def step_dir(root: str, step: int) -> str:
 
 
 class _HashingStream:
-    """Passes writes through while a helper thread computes the file's sha256 and size.
+    """Passes writes through, hashing each piece (sha256, size) in the writing thread
+    just before it is written, while it is still in the CPU cache."""
 
-    Hashing runs beside the write (both release the GIL), so it costs no write time.
-    Small pieces are copied, as their buffers may be reused once ``write`` returns; large
-    ones are views of the staged tensors, which stay untouched until the save ends.
-    """
-
-    def __init__(self, stream, hasher: ThreadPoolExecutor, errors: list[OSError]):
+    def __init__(self, stream):
         self._stream = stream
-        self._hasher = hasher
-        self._errors = errors
         self._sha = hashlib.sha256()
         self.size = 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        self._sha.update(view)
         self.size += len(view)
-        self._hasher.submit(self._sha.update, view if len(view) >= 1 << 20 else bytes(view))
-        try:
-            return self._stream.write(data)
-        except OSError as e:
-            self._errors.append(e)
-            raise
+        return self._stream.write(view)
 
     def hexdigest(self) -> str:
-        return self._hasher.submit(self._sha.hexdigest).result()
+        return self._sha.hexdigest()
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's fsspec filesystem, recording {file name: size, sha256} of what it writes."""
+    """DCP's fsspec filesystem, recording {file name: size, sha256} of what it writes and
+    fsyncing each file it wrote where the storage needs it: local disks and NFS/FUSE
+    mounts. Object stores need none (an object is durable once its upload completes), and
+    DCP's own ``sync_files`` would fall back to ``os.sync()`` of the whole node there."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, dict[str, Any]] = {}
-        self.write_errors: list[OSError] = []  # what the storage said, see write_data
 
     def mkdir(self, path) -> None:
         makedirs(os.fspath(path), self.fs)
@@ -100,20 +94,24 @@ class _HashingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            if is_local(self.fs):
+            local = is_local(self.fs)
+            if local:
                 set_mode(os.fspath(path), FILE_MODE)
-            with ThreadPoolExecutor(max_workers=1) as hasher:
-                hashed = _HashingStream(stream, hasher, self.write_errors)
-                yield hashed
-                self.sums[posixpath.basename(os.fspath(path))] = {
-                    "size": hashed.size, "sha256": hashed.hexdigest()}
+            hashed = _HashingStream(stream)
+            yield hashed
+            if local:
+                stream.flush()
+                os.fsync(stream.fileno())
+            self.sums[posixpath.basename(os.fspath(path))] = {
+                "size": hashed.size, "sha256": hashed.hexdigest()}
 
 
 class CommitWriter(FsspecWriter):
-    """An fsspec DCP writer whose ``finish`` also commits the checkpoint's manifest."""
+    """An fsspec DCP writer of raw tensor bytes (:mod:`llmtrain.checkpoint.shards`) whose
+    ``finish`` also commits the checkpoint's manifest."""
 
     def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1):
-        super().__init__(url, thread_count=thread_count, sync_files=True, overwrite=True)
+        super().__init__(url, thread_count=thread_count, sync_files=False, overwrite=True)
         hashing = _HashingFileSystem()
         hashing.fs = self.fs.fs
         self.fs = hashing
@@ -132,14 +130,8 @@ class CommitWriter(FsspecWriter):
 
     def write_data(self, plan, planner):
         fault_points.point("checkpoint_write", step=self.manifest["step"])
-        try:
-            results = super().write_data(plan, planner).wait()
-        except Exception as e:
-            # torch.save, which writes the tensors, turns a failed write into "unexpected
-            # pos N vs M": raise what the storage said instead (ENOSPC, EIO...).
-            if self.fs.write_errors:
-                raise self.fs.write_errors[0] from e
-            raise
+        results = shards.write_shards(self.fs, self.path, plan, planner,
+                                      self.thread_count).wait()
         # Carry each file's sums to the coordinator inside DCP's gather of the results;
         # ``finish`` takes them out again before DCP's metadata is pickled.
         sums = self.fs.sums
@@ -271,10 +263,9 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1)) -> list
 def tensor_index(url: str) -> dict[str, str]:
     """Saved entries and their global shapes; call only after :func:`verify` passed, as
     it unpickles DCP's metadata."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     out = {}
-    for name, meta in FsspecReader(url).read_metadata().state_dict_metadata.items():
+    for name, meta in shards.ShardReader(url).read_metadata().state_dict_metadata.items():
         out[name] = (f"{str(meta.properties.dtype).removeprefix('torch.')} "
                      f"{list(meta.size)}" if isinstance(meta, TensorStorageMetadata) else "bytes")
     return out

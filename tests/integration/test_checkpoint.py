@@ -5,23 +5,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import check, events, llmtrain, step_losses
-from llmtrain.checkpoint import storage
+from llmtrain.checkpoint import shards, storage
 
 pytestmark = pytest.mark.slow
 
 CKPT = ("--checkpoint.interval_steps", "6", "--metrics.log_every", "1")
 
 
-def final_weights(run_dir: Path, step: int, tmp_path: Path,
-                  ckpt: Path | None = None) -> dict[str, torch.Tensor]:
+def final_weights(run_dir: Path, step: int, ckpt: Path | None = None) -> dict[str, torch.Tensor]:
     """The model's weights in the checkpoint of ``step`` (under ``ckpt``, by default the
     run dir's checkpoints)."""
-    out = tmp_path / f"weights-{run_dir.name}.pt"
-    dcp_to_torch_save(storage.step_dir(str(ckpt or run_dir / "checkpoints"), step), out)
-    return torch.load(out, weights_only=False)["model"]
+    url = storage.step_dir(str(ckpt or run_dir / "checkpoints"), step)
+    return shards.load_unsharded(url)["model"]
 
 
 def assert_bitwise_equal(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
@@ -51,8 +48,8 @@ def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path, reference):
         "restart=0;kill@step:rank=1,step=17,restart=1", nproc=2,
         torchrun_args=("--max-restarts", "2")))
     assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [6, 12]
-    assert_bitwise_equal(final_weights(reference, 24, tmp_path),
-                         final_weights(faulty, 24, tmp_path))
+    assert_bitwise_equal(final_weights(reference, 24),
+                         final_weights(faulty, 24))
 
 
 def test_a_rank_killed_writing_to_nfs_loses_only_that_checkpoint(tmp_path, reference,
@@ -74,8 +71,8 @@ def test_a_rank_killed_writing_to_nfs_loses_only_that_checkpoint(tmp_path, refer
     committed = [c for c in storage.list_checkpoints(str(ckpt)) if c.committed]
     assert [c.step for c in committed] == [6, 12]
     assert all(storage.verify(c.url, checksums=True) == [] for c in committed)
-    assert_bitwise_equal(final_weights(reference, 12, tmp_path),
-                         final_weights(run, 12, tmp_path, ckpt))
+    assert_bitwise_equal(final_weights(reference, 12),
+                         final_weights(run, 12, ckpt))
 
 
 RESHARD = ("--training.steps", "12", "--training.global_batch_size", "24",

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from conftest import check, llmtrain, step_losses
 from llmtrain.checkpoint import hf, storage
+from llmtrain.checkpoint.shards import ShardReader
 from llmtrain.config import ConfigError, ModelConfig, load_config
 from llmtrain.data import TokenDataset, shard_urls
 from llmtrain.data.sampler import GlobalSampler
@@ -32,7 +32,7 @@ def test_export_to_transformers_and_init_from_it(tmp_path):
     cfg = load_config("debug_cpu", [("data.embedded_max_bytes", "100000")])
     ours = Transformer(cfg.model)
     state = {f"model.{k}": v for k, v in ours.state_dict().items()}
-    dcp.load(state, storage_reader=FsspecReader(ckpt), no_dist=True)
+    dcp.load(state, storage_reader=ShardReader(ckpt), no_dist=True)
     ours.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import check, events, llmtrain
-from llmtrain.checkpoint import storage
+from llmtrain.checkpoint import shards, storage
 from llmtrain.exit_codes import ExitCode
 
 pytestmark = pytest.mark.slow
@@ -19,9 +18,7 @@ ARGS = ("--training.steps", "12", "--checkpoint.interval_steps", "5",
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    out = run / f"weights-{step}.pt"
-    dcp_to_torch_save(storage.step_dir(str(run / "checkpoints"), step), out)
-    return torch.load(out, weights_only=False)["model"]
+    return shards.load_unsharded(storage.step_dir(str(run / "checkpoints"), step))["model"]
 
 
 def assert_equal_weights(a: Path, b: Path, step: int) -> None:

@@ -145,9 +145,8 @@ except BaseException as e:
 
 
 def test_a_failed_tensor_write_names_the_storage_error(tmp_path):
-    """torch.save writes the tensors and hides a failed write behind "unexpected pos";
-    the save's error must say what the storage said (here EFBIG from a file-size limit,
-    ENOSPC or EIO on a real disk)."""
+    """The save's error must say what the storage said (here EFBIG from a file-size
+    limit, ENOSPC or EIO on a real disk)."""
     out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "step-1")],
                          capture_output=True, text=True, timeout=120)
     assert "File too large" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -51,6 +51,32 @@ def test_dcp_fsspec_writer_and_metadata_tmp_name(tmp_path):
     assert torch.equal(out["w"], torch.arange(8.0))
 
 
+def test_dcp_helpers_of_the_raw_shard_format():
+    """checkpoint/shards.py shares a rank's items among writer threads with DCP's
+    ``_split_by_size_and_type``, records where each lies in a ``_StorageInfo`` (its
+    ``transform_descriptors`` mark raw tensors) and loads a whole checkpoint as
+    ``dcp_to_torch_save`` does (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``);
+    checkpoint/staging.py makes and refills its buffers with ``_create_cpu_state_dict``
+    and ``_copy_state_dict``."""
+    import dataclasses
+    import inspect
+
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    assert [f.name for f in dataclasses.fields(_StorageInfo)] == [
+        "relative_path", "offset", "length", "transform_descriptors"]
+    assert list(inspect.signature(_split_by_size_and_type).parameters) == ["bins", "items"]
+    assert {"storage_reader", "planner", "no_dist"} <= set(
+        inspect.signature(_load_state_dict).parameters)
+    assert callable(_EmptyStateDictLoadPlanner)
+    buffers = _create_cpu_state_dict({"w": torch.ones(3)}, pin_memory=False, share_memory=False)
+    staged = _copy_state_dict({"w": torch.arange(3.0)}, buffers)
+    assert staged["w"] is buffers["w"] and torch.equal(buffers["w"], torch.arange(3.0))
+
+
 def test_rendezvous_state_fields():
     """launch/node.py's standby spare reads the c10d rendezvous state (the private
     ``_RendezvousState``: closed, complete, participants) to see a round short of nodes."""

@@ -1,0 +1,229 @@
+"""DCP shard files as raw tensor bytes: the save's data path and a parallel reader.
+
+DCP's stock file format stores every tensor as a ``torch.save`` archive, so a save pays a
+zip writer (with CRC32) per tensor and a load pays ``torch.load`` (an unpickling and a
+fresh buffer) per tensor, then a second copy into the destination, on one thread. Here a
+tensor is stored as its bare bytes (C order, native byte order); its dtype and shape are
+already in DCP's ``.metadata`` (the chunk's global offsets and sizes), its place in the
+file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RAW`. So:
+
+- writing is one ``write`` per 4 MiB of a tensor's memory, each piece hashed (for the
+  manifest) by the writing thread while it is still in the CPU cache, on several writer
+  threads, one file each;
+- reading is positional range reads straight into the destination tensors' memory (a
+  scratch buffer and one copy only when the destination's layout or dtype differ, as in
+  some reshardings), split into pieces that several threads read ahead in parallel;
+  object stores get the ranges in batches (``cat_ranges``).
+
+Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
+written as they are). Items without the descriptor (checkpoints written before this
+format) are read by DCP's stock reader, so old checkpoints load. Stock
+``FileSystemReader``/``FsspecReader`` refuse the new files (unknown extension
+``llmtrain-raw``) rather than misread them: pass a :class:`ShardReader` to
+``torch.distributed.checkpoint.load``, and :func:`load_unsharded` for what DCP's
+``format_utils.dcp_to_torch_save`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+
+import fsspec
+import torch
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, _split_by_size_and_type,
+                                                     _StorageInfo)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from llmtrain.fsio import is_local
+
+RAW = "llmtrain-raw/1"  # the transform descriptor of an item stored as bare tensor bytes
+WRITE_PIECE = 4 << 20   # hashed while in cache: well inside L2/L3
+READ_PIECE = 16 << 20   # the unit several threads share a large tensor's reading in
+BATCH = 64 << 20        # bytes of ranges per cat_ranges call (object stores)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's elements as bytes, C order (a view when it is on CPU and contiguous)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
+    """Writes this rank's items of ``plan`` to ``thread_count`` files (``fs`` is DCP's
+    FileSystem: its streams hash and fsync as the storage needs) on as many threads."""
+    buckets = [b for b in _split_by_size_and_type(thread_count, plan.items) if b]
+    names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
+
+    def write(name: str, items) -> list[WriteResult]:
+        results, offset = [], 0
+        with fs.create_stream(fs.concat_path(root, name), "wb") as stream:
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    view, descriptors = data.getbuffer(), None
+                else:
+                    view, descriptors = tensor_bytes(data), [RAW]
+                for start in range(0, len(view), WRITE_PIECE):
+                    stream.write(view[start:start + WRITE_PIECE])
+                results.append(WriteResult(index=item.index, size_in_bytes=len(view),
+                                           storage_data=_StorageInfo(name, offset, len(view),
+                                                                     descriptors)))
+                offset += len(view)
+        return results
+
+    with ThreadPoolExecutor(max_workers=max(1, len(buckets))) as pool:
+        done = list(pool.map(write, names, buckets))
+    fut: Future = Future()
+    fut.set_result([r for results in done for r in results])
+    return fut
+
+
+def _slab(sizes, offsets, lengths) -> tuple[int, tuple[int, ...]]:
+    """The smallest C-order contiguous run of a chunk of ``sizes`` holding the sub-box
+    (``offsets``, ``lengths``): (first element, shape of the run). It is the box itself
+    when every dimension after its first non-unit one is whole; else the box's rows."""
+    n = len(sizes)
+    strides = [math.prod(sizes[i + 1:]) for i in range(n)]
+    first = next((i for i in range(n) if lengths[i] != 1), n)
+    if all(lengths[j] == sizes[j] for j in range(first + 1, n)):
+        return sum(o * s for o, s in zip(offsets, strides)), tuple(lengths)
+    return offsets[0] * strides[0], (lengths[0], *sizes[1:])
+
+
+@dataclasses.dataclass
+class _Range:
+    path: str
+    start: int
+    dest: memoryview
+
+
+class ShardReader(FsspecReader):
+    """DCP storage reader for the raw format (and, through DCP's own code, the stock one):
+    ``dcp.load(state_dict, storage_reader=ShardReader(url))``."""
+
+    def __init__(self, path, *, threads: int = 4, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.threads = threads
+        self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **kwargs)
+        self._chunks: dict = {}
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._chunks = {(fqn, tuple(c.offsets)): (tuple(c.sizes), md.properties.dtype)
+                        for fqn, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+
+    def read_data(self, plan, planner) -> Future:
+        legacy = [r for r in plan.items if r.type == LoadItemType.TENSOR
+                  and RAW not in (self.storage_data[r.storage_index].transform_descriptors or ())]
+        if legacy:  # torch.save records: DCP's own reader
+            super().read_data(dataclasses.replace(plan, items=legacy), planner).wait()
+        skip = {id(r) for r in legacy}
+        ranges: list[_Range] = []
+        after: list = []  # (read item, destination, scratch view or None, bytes buffer)
+        for req in plan.items:
+            if id(req) in skip:
+                continue
+            info = self.storage_data[req.storage_index]
+            path = posixpath.join(self._root, info.relative_path)
+            if req.type == LoadItemType.BYTE_IO:
+                buf = bytearray(info.length)
+                ranges.append(_Range(path, info.offset, memoryview(buf)))
+                after.append((req, None, None, buf))
+                continue
+            sizes, dtype = self._chunks[(req.storage_index.fqn,
+                                         tuple(req.storage_index.offset))]
+            first, shape = _slab(sizes, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            direct = (target.device.type == "cpu" and target.dtype == dtype
+                      and target.is_contiguous() and tuple(target.shape) == tuple(shape))
+            scratch = target if direct else torch.empty(shape, dtype=dtype)
+            dest = tensor_bytes(scratch)
+            start = info.offset + first * dtype.itemsize
+            for piece in range(0, len(dest), READ_PIECE):
+                ranges.append(_Range(path, start + piece, dest[piece:piece + READ_PIECE]))
+            view = None
+            if not direct:  # the wanted box inside the slab
+                view = scratch
+                for dim in range(1, len(shape)):
+                    if shape[dim] != req.lengths[dim]:
+                        view = view.narrow(dim, req.storage_offsets[dim], req.lengths[dim])
+            after.append((req, target, view, None))
+        self._read(ranges)
+        for req, target, view, buf in after:
+            if buf is not None:
+                planner.load_bytes(req, io.BytesIO(buf))
+                continue
+            if view is not None:
+                target.copy_(view)
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read(self, ranges: list[_Range]) -> None:
+        """Fills every range's destination, ``threads`` reads at a time."""
+        if not ranges:
+            return
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            if is_local(self._fs):
+                fds = {p: os.open(p, os.O_RDONLY) for p in {r.path for r in ranges}}
+                try:
+                    for _ in pool.map(lambda r: _pread(fds[r.path], r), ranges):
+                        pass
+                finally:
+                    for fd in fds.values():
+                        os.close(fd)
+                return
+            batches, size = [[]], 0
+            for r in sorted(ranges, key=lambda r: (r.path, r.start)):
+                if size >= BATCH:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(r)
+                size += len(r.dest)
+            for _ in pool.map(self._cat_ranges, batches):
+                pass
+
+    def _cat_ranges(self, batch: list[_Range]) -> None:
+        got = self._fs.cat_ranges([r.path for r in batch], [r.start for r in batch],
+                                  [r.start + len(r.dest) for r in batch])
+        for r, data in zip(batch, got):
+            if isinstance(data, Exception):
+                raise data
+            if len(data) != len(r.dest):
+                raise OSError(f"{r.path}: {len(data)} bytes at {r.start}, expected "
+                              f"{len(r.dest)} (truncated)")
+            r.dest[:] = data
+
+
+def load_unsharded(url: str, threads: int = 4) -> dict:
+    """The whole checkpoint at ``url`` as one nested state dict of full CPU tensors, in
+    this process (no process group). Call only after ``storage.verify`` passed."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    state: dict = {}  # filled from the metadata by the planner, as dcp_to_torch_save does
+    _load_state_dict(state, storage_reader=ShardReader(url, threads=threads),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def _pread(fd: int, r: _Range) -> None:
+    done = 0
+    while done < len(r.dest):
+        n = os.preadv(fd, [r.dest[done:]], r.start + done)
+        if n == 0:
+            raise OSError(f"{r.path}: ends at {r.start + done}, {len(r.dest) - done} bytes "
+                          f"short (truncated)")
+        done += n

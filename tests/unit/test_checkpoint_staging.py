@@ -1,0 +1,44 @@
+"""Staging into reused buffers (checkpoint/staging.py): a snapshot, not a view of the
+live state; the same buffers from save to save; new ones when the layout changes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+# A process of its own: DTensors need a process group (gloo, a world of one).
+STAGING = """
+import io, torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from llmtrain.checkpoint.staging import ReusedBufferStager
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = DeviceMesh("cpu", [0])
+live = {"w": distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Shard(0)]),
+        "step": distribute_tensor(torch.tensor(7.0), mesh, [Replicate()]),
+        "m": torch.ones(4), "lr": 0.1, "blob": io.BytesIO(b"a")}
+stager = ReusedBufferStager(pin_memory=False, share_memory=False, non_blocking=False)
+first = stager.stage(live)
+with torch.no_grad():
+    for t in (live["w"], live["step"], live["m"]):
+        t.add_(100)
+assert torch.equal(first["w"].to_local(), torch.arange(6.0).reshape(2, 3))
+assert first["step"].to_local().item() == 7.0 and torch.equal(first["m"], torch.ones(4))
+live["lr"], live["blob"] = 0.2, io.BytesIO(b"b")
+second = stager.stage(live)
+assert second["w"].to_local().data_ptr() == first["w"].to_local().data_ptr()
+assert torch.equal(second["m"], torch.ones(4) + 100) and second["m"] is first["m"]
+assert second["lr"] == 0.2 and second["blob"].getvalue() == b"b"
+live["m"] = torch.ones(5)
+third = stager.stage(live)
+assert third["m"].shape == (5,) and third["m"] is not first["m"]
+print("ok")
+"""
+
+
+def test_staged_state_is_a_snapshot_in_reused_buffers():
+    proc = subprocess.run([sys.executable, "-c", STAGING], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
