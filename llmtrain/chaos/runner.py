@@ -293,6 +293,7 @@ class Chaos:
         with open(self.faults_file, "a") as f:
             f.write(f"kill@checkpoint_write:rank={rank},id=save{len(self.verdicts)}\n")
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 180)
+        self._struck(v, f"save{len(self.verdicts)}", rank)
         v.at_step = seen["step"]
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         self._recovered(v, v.injected_at, info["host"])
@@ -328,11 +329,19 @@ class Chaos:
             f.write(f"{fault}:rank={rank},step={at},{keys}id={kind}{len(self.verdicts)}\n")
         return rank, v
 
+    def _struck(self, v: Verdict, fault_id: str, rank: int) -> None:
+        """An armed fault's clock starts when it struck, not when it was armed: the rank
+        that struck left a marker then (see ``llmtrain.chaos.faults``)."""
+        marker = Path(f"{self.faults_file}.fired") / f"{fault_id}.{rank}"
+        if marker.exists():
+            v.injected_at = marker.stat().st_mtime
+
     def _desync(self) -> Verdict:
         rank, v = self._arm_ahead("desync", "desync@step")
         node = self._ranks()[rank]["host"]
         seen = self._wait(lambda: self._latest("hang", v.injected_at)
                           or self._latest("collective_error", v.injected_at), "verdict", 180)
+        self._struck(v, f"desync{len(self.verdicts)}", rank)
         self._judge_report(v, seen, rank)
         self._recovered(v, v.injected_at, node)
         return v
@@ -475,6 +484,7 @@ class Chaos:
     def _nan(self) -> Verdict:
         rank, v = self._arm_ahead("nan", "nan@loss")
         seen = self._wait(lambda: self._latest("step_skipped", v.injected_at), "step_skipped", 120)
+        self._struck(v, f"nan{len(self.verdicts)}", rank)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         v.at_step = seen["step"]
         self.skipped.add(seen["step"])
@@ -489,6 +499,7 @@ class Chaos:
         rank, v = self._arm_ahead("bitflip", "bitflip@step", keys="bit=12,")
         seen = self._wait(lambda: self._latest("state_check_failed", v.injected_at),
                           "state_check_failed", 120)
+        self._struck(v, f"bitflip{len(self.verdicts)}", rank)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         named = self._wait(lambda: self._latest("replica_diverged", v.injected_at),
                            "replica_diverged", 180)
