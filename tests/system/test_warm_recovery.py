@@ -25,7 +25,7 @@ def reference(tmp_path_factory):
     """The same job run without a fault: its final weights."""
     run = tmp_path_factory.mktemp("warm") / "reference"
     check(llmtrain(run, *TRAIN, nproc=2))
-    return final_weights(run, STEPS, run.parent)
+    return final_weights(run, STEPS)
 
 
 def host_of(run, rank: int) -> str:
@@ -74,14 +74,13 @@ def test_three_faults_each_recovered_warm_and_the_weights_match(cluster, referen
     assert "ecc_volatile" in excluded_hosts(str(c.run))[failing]["reason"]
     assert not events(c.run, "warm_recovery_failed") and not events(c.run, "stop_vote")
     assert len(events(c.run, "attempt_start")) == 1  # nobody restarted
-    got = final_weights(c.run, STEPS, tmp_path)
+    got = final_weights(c.run, STEPS)
     assert reference.keys() == got.keys()
     for name in reference:
         assert torch.equal(reference[name], got[name]), name
 
 
-def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, reference,
-                                                                      tmp_path):
+def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, reference):
     """The survivor's replica of the lost rank has a bit flipped in memory: its CRC-32
     catches it before the spare gets it, every rank goes cold, and the job still ends
     with the weights of a run that never failed."""
@@ -103,6 +102,6 @@ def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, ref
     assert failed and all("failed its check" in e["reason"] for e in failed), failed
     assert not events(c.run, "warm_recovery")
     assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2, 2]  # cold
-    got = final_weights(c.run, STEPS, tmp_path)
+    got = final_weights(c.run, STEPS)
     for name in reference:
         assert torch.equal(reference[name], got[name]), name
