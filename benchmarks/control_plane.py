@@ -58,7 +58,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from store_scale import fit, in_private_netns, raise_fd_limit, serve  # noqa: E402
+from store_scale import fit, in_private_netns, raise_fd_limit, serve, stop_all  # noqa: E402
 
 from llmtrain.reliability.heartbeats import ControlPlane, verdict  # noqa: E402
 
@@ -260,13 +260,7 @@ def run_point(n: int, args) -> dict:
             pass  # a lane failed: its error is in the results
         outs = [results.get(timeout=900) for _ in range(lanes)]
     finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
-                w.join()
-        stop.set()
-        server.join()
+        stop_all(workers, stop, server, grace_s=10)
     errors = [o for o in outs if isinstance(o, str)]
     if errors:
         raise RuntimeError(f"{n} ranks: {errors[0]}")

@@ -184,14 +184,20 @@ def run_point(pattern: str, n: int, procs: int, threads: int, limit_s: float) ->
                 raise RuntimeError(f"{pattern} pattern at {n} ranks failed: {end}")
             ends.append(end)
     finally:
-        for w in workers:
-            w.join(timeout=5)
-            if w.is_alive():
-                w.kill()
-                w.join()
-        stop.set()
-        server.join()
+        stop_all(workers, stop, server, grace_s=5)
     return max(ends) - start
+
+
+def stop_all(workers: list, stop, server, grace_s: float) -> None:
+    """Joins the worker processes (killing any still alive after ``grace_s``), then stops
+    the store server process."""
+    for w in workers:
+        w.join(timeout=grace_s)
+        if w.is_alive():
+            w.kill()
+            w.join()
+    stop.set()
+    server.join()
 
 
 # -- set-up, fit, report ------------------------------------------------------------
