@@ -316,10 +316,18 @@ class Trainer:
         loss = loss_sum / len(micro_batches)
         # A bad step's verdict stops the update on the device: no host sync.
         self.optimizer.found_inf = self.integrity.judge(step, loss, self.grad_norm)
+        self.wait_staged(step)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+    def wait_staged(self, step: int) -> None:
+        """The update may not change the state while a save still copies it out; the
+        copy overlaps forward and backward, so this rarely waits."""
+        if self.checkpoints is not None and not self.checkpoints.staged():
+            with self.ledger.span("checkpoint_stall", f"staging before step {step}"):
+                self.checkpoints.wait_staged()
 
     def skip_step(self, step: int) -> torch.Tensor:
         """A step of ``integrity.skip_steps`` (or one a rollback learned): its batch is

@@ -1,11 +1,13 @@
 """CheckpointManager: when to save, saving without stalling training, retention, resume.
 
-A save blocks the training thread only while DCP stages the state into host memory
-(buffers reused from save to save, pinned on GPU); the write, the commit and the
-retention run in the background (DCP's thread or process executor) on a gloo group of
-their own, so checkpoint collectives never interleave with training ones. One save is in
-flight at most. A failed save, whatever the error, leaves every committed checkpoint as
-it was: the failure becomes an event and the next interval tries again.
+A save hardly blocks the training thread: the state is staged into host memory (buffers
+reused from save to save, pinned on GPU) on a thread of its own while the next step's
+forward and backward run, and only that step's update waits for it (``wait_staged``).
+The write, the commit and the retention run in the background (DCP's thread or process
+executor) on a gloo group of their own, so checkpoint collectives never interleave with
+training ones. One save is in flight at most. A failed save, whatever the error, leaves
+every committed checkpoint as it was: the failure becomes an event and the next interval
+tries again.
 
 Decisions every rank must take together (a time-based or signal-triggered save, which
 checkpoint to resume from) go through a small all-reduce or broadcast on a second gloo
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import time
+from concurrent import futures
 from concurrent.futures import Future
 
 import torch
@@ -62,9 +65,10 @@ class CheckpointManager:
         self.stager = None
         if cfg.mode != "sync":
             cuda = device.type == "cuda"
-            self.stager = ReusedBufferStager(pin_memory=cuda, non_blocking=cuda,
-                                             share_memory=cfg.mode == "async_process")
+            self.stager = ReusedBufferStager(cuda=cuda, share_memory=cfg.mode == "async_process")
         self.inflight: Future | None = None
+        self.staging: Future | None = None  # the copy of the save in flight
+        self.staging_wait_s = 0.0  # how long the training thread waited for that copy
         self.last_save_time = time.monotonic()
         # By time; with auto_interval the trainer sets it (on rank 0, whose vote suffices).
         self.interval_seconds = cfg.interval_seconds
@@ -157,9 +161,11 @@ class CheckpointManager:
             else:
                 kind = (AsyncCheckpointerType.PROCESS if self.cfg.mode == "async_process"
                         else AsyncCheckpointerType.THREAD)
-                future = dcp.async_save(state_dict, storage_writer=writer,
-                                        process_group=self.io_group,
-                                        async_checkpointer_type=kind, async_stager=self.stager)
+                response = dcp.async_save(state_dict, storage_writer=writer,
+                                          process_group=self.io_group,
+                                          async_checkpointer_type=kind, async_stager=self.stager)
+                self.staging, future = response.staging_completion, response.upload_completion
+                self.staging_wait_s = 0.0
         except SAVE_ERRORS as e:
             self._failed(step, e)
             return
@@ -193,6 +199,18 @@ class CheckpointManager:
 
     def _failed(self, step: int, error: BaseException) -> None:
         self.events.emit("checkpoint_failed", step=step, error=describe(error))
+
+    def staged(self) -> bool:
+        """True when no save is still copying the state out (the optimizer may step)."""
+        return self.staging is None or self.staging.done()
+
+    def wait_staged(self) -> None:
+        """Waits until the save in flight has its copy of the state. A failed copy is the
+        save's failure, reported with it: the training thread goes on."""
+        if self.staging is not None:
+            start = time.perf_counter()
+            futures.wait([self.staging])
+            self.staging_wait_s += time.perf_counter() - start
 
     def wait(self, timeout: float | None = None) -> None:
         """Waits for the write in flight (TimeoutError after ``timeout``)."""
@@ -228,30 +246,36 @@ class CheckpointManager:
                 self._quarantine(step, problems)
                 continue
             start = time.perf_counter()
-            fault_points.point("resume", step)
-            try:
-                loaded_step, had_rng = state.load(url, self.io_group,
-                                                  threads=self.cfg.reader_threads)
-            except ConfigError:  # the run cannot continue this checkpoint: no retry helps
-                raise
-            except SAVE_ERRORS as e:
-                error = f"rank {self.rank}: load failed: {describe(e)}"
-                self.events.emit("checkpoint_unreadable", step=step, errors=[error])
-                raise self._unreadable(step, [error]) from e
+
+            def load():
+                fault_points.point("resume", step)
+                return state.load(url, threads=self.cfg.reader_threads)
+            loaded_step, had_rng = self._agree(load, step, "load failed")[self.rank]
             self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
                         rng_restored=had_rng)
             return loaded_step
         return 0
 
-    def _agree(self, read, step: int | None = None) -> list:
-        """Every rank's result of ``read()``; if it raised on any rank, every rank raises
-        CheckpointUnreadable together, instead of the others waiting for the failed one."""
+    def _agree(self, read, step: int | None = None, what: str = "read failed") -> list:
+        """Every rank's result of ``read()``; if it raised on any rank, or a rank was lost
+        before saying, every rank raises CheckpointUnreadable together, instead of the
+        others waiting for the failed one. A ConfigError (the run cannot go on from this
+        checkpoint, the same on every rank) is raised as it is."""
         try:
             mine = (read(), None)
-        except Exception as e:  # noqa: BLE001 - a read error is no verdict on the checkpoint
-            mine = (None, f"rank {self.rank}: {type(e).__name__}: {e}")
+        except ConfigError:
+            raise
+        except SAVE_ERRORS as e:  # a read error is no verdict on the checkpoint
+            if isinstance(e, CheckpointException) and e.failures:  # DCP's, run alone
+                e = next(iter(e.failures.values()))[0]
+            mine = (None, f"rank {self.rank}: {what}: {describe(e)}")
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, mine, group=self.control_group)
+        try:
+            dist.all_gather_object(gathered, mine, group=self.control_group)
+        except Exception as e:  # noqa: BLE001 - a peer lost: only this rank can say so
+            errors = [mine[1] or f"rank {self.rank}: {what}: a peer was lost ({describe(e)})"]
+            self.events.emit("checkpoint_unreadable", step=step, errors=errors)
+            raise self._unreadable(step, errors) from e
         errors = [error for _, error in gathered if error]
         if errors:
             self._emit0("checkpoint_unreadable", step=step, errors=errors[:20])

@@ -117,6 +117,16 @@ class ShardReader(FsspecReader):
         self.threads = threads
         self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **kwargs)
         self._chunks: dict = {}
+        self._metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        """The checkpoint's ``.metadata``, read (unpickled) once per reader: the caller
+        looks at it before DCP does."""
+        if args or kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)

@@ -1,12 +1,14 @@
 """Checkpoints under real faults: killed ranks, other world sizes, damaged files."""
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import check, events, llmtrain, step_losses
+from conftest import ROOT, check, events, llmtrain, step_losses
 from llmtrain.checkpoint import shards, storage
 
 pytestmark = pytest.mark.slow
@@ -156,3 +158,47 @@ def test_a_peer_killed_during_resume_leaves_the_checkpoint_committed(tmp_path):
     assert max(step_losses(run)) == 14
     root = str(run / "checkpoints")
     assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 14]
+
+
+# A world of one in this process: the staging copy is held back half a second, so an update
+# that did not wait for it would change the weights before they are copied.
+STAGING_OVERLAP = """
+import sys, time
+import torch
+from llmtrain.checkpoint import shards, staging, storage
+from llmtrain.config import load_config, parse_overrides
+from llmtrain.trainer import Trainer
+
+copy = staging._copy_state_dict
+staging._copy_state_dict = lambda *a, **k: (time.sleep(0.5), copy(*a, **k))[1]
+cfg = load_config("debug_cpu", parse_overrides([
+    "--training.run_dir", sys.argv[1], "--training.steps", "10", "--checkpoint.enable", "true",
+    "--checkpoint.mode", "async_thread", "--checkpoint.interval_steps", "0",
+    "--checkpoint.resume", "false", "--metrics.progress", "plain"]))
+trainer = Trainer(cfg)
+trainer.train_step(trainer.data.next_step())
+at_save = {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
+trainer.checkpoints.save(1, trainer.state)
+start = time.perf_counter()
+trainer.train_step(trainer.data.next_step())  # its update waits for the copy
+waited = time.perf_counter() - start
+trainer.checkpoints.wait()
+saved = shards.load_unsharded(storage.step_dir(trainer.checkpoints.url, 1))["model"]
+assert saved.keys() == at_save.keys()
+assert all(torch.equal(saved[k], at_save[k]) for k in at_save), "the update raced the copy"
+assert not all(torch.equal(v.full_tensor(), at_save[k])
+               for k, v in trainer.model.state_dict().items()), "the second step trained nothing"
+trainer.close()
+print(f"ok {waited:.3f}")
+"""
+
+
+def test_a_save_holds_back_only_the_update_until_its_copy_is_staged(tmp_path):
+    """Staging runs beside the next step: that step's update, and only it, waits for the
+    copy, so the checkpoint holds the state of its step, not a mix of two."""
+    proc = subprocess.run([sys.executable, "-c", STAGING_OVERLAP, str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    stalls = [e for e in events(tmp_path / "run", "span") if e["category"] == "checkpoint_stall"
+              and e["name"].startswith("staging")]
+    assert len(stalls) == 1 and stalls[0]["end"] - stalls[0]["start"] > 0.1

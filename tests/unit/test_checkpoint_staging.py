@@ -19,20 +19,20 @@ mesh = DeviceMesh("cpu", [0])
 live = {"w": distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Shard(0)]),
         "step": distribute_tensor(torch.tensor(7.0), mesh, [Replicate()]),
         "m": torch.ones(4), "lr": 0.1, "blob": io.BytesIO(b"a")}
-stager = ReusedBufferStager(pin_memory=False, share_memory=False, non_blocking=False)
-first = stager.stage(live)
+stager = ReusedBufferStager(cuda=False, share_memory=False)
+first = stager.stage(live).result()
 with torch.no_grad():
     for t in (live["w"], live["step"], live["m"]):
         t.add_(100)
 assert torch.equal(first["w"].to_local(), torch.arange(6.0).reshape(2, 3))
 assert first["step"].to_local().item() == 7.0 and torch.equal(first["m"], torch.ones(4))
 live["lr"], live["blob"] = 0.2, io.BytesIO(b"b")
-second = stager.stage(live)
+second = stager.stage(live).result()
 assert second["w"].to_local().data_ptr() == first["w"].to_local().data_ptr()
 assert torch.equal(second["m"], torch.ones(4) + 100) and second["m"] is first["m"]
 assert second["lr"] == 0.2 and second["blob"].getvalue() == b"b"
 live["m"] = torch.ones(5)
-third = stager.stage(live)
+third = stager.stage(live).result()
 assert third["m"].shape == (5,) and third["m"] is not first["m"]
 print("ok")
 """

@@ -56,6 +56,7 @@ def test_dcp_helpers_of_the_raw_shard_format():
     ``_split_by_size_and_type``, records where each lies in a ``_StorageInfo`` (its
     ``transform_descriptors`` mark raw tensors) and loads a whole checkpoint as
     ``dcp_to_torch_save`` does (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``);
+    checkpoint/state.py loads each rank's share alone with ``_load_state_dict(no_dist=True)``;
     checkpoint/staging.py makes and refills its buffers with ``_create_cpu_state_dict``
     and ``_copy_state_dict``."""
     import dataclasses
