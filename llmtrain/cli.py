@@ -157,12 +157,14 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.chaos import runner as chaos
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
+    mix, source = chaos.load_mix(args.mix) if args.mix else (None, "")
     cfg = chaos.ChaosConfig(workdir=args.workdir, steps=args.steps, interval_s=args.interval,
                             seed=args.seed, faults=args.faults or ",".join(chaos.KINDS),
                             repeat=args.repeat,
                             nodes=args.nodes, rank=args.rank,
                             checkpoint_every=args.checkpoint_every,
-                            reference=not args.no_reference, warm=not args.cold)
+                            reference=not args.no_reference, warm=not args.cold,
+                            mix=mix, mix_source=source)
     if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
         raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
     if cfg.checkpoint_every < 1:
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "see llmtrain/chaos/runner.py)")
     ch.add_argument("--repeat", action="store_true",
                     help="after each kind once, keep injecting at random until near the end")
+    ch.add_argument("--mix", default="", help="draw the kinds by a fleet's failure mix: a "
+                                              "TOML file, or a shipped mix by name (llama3)")
     ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus spares)")
     ch.add_argument("--rank", type=int, default=None,
                     help="the rank every rank-level fault hits (default: a random one)")

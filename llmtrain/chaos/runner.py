@@ -12,6 +12,10 @@ hang                SIGSTOP one rank: it stops inside a collective, watchdog thr
 desync              one rank calls a different collective (a run-time fault)
 slow_rank           one rank stopped 2/3 of the time for a while: a straggler
 node_loss           a whole node (launcher, agent, workers) dies; the spare takes over
+preempt             a node's launcher gets SIGTERM, as Slurm sends it before taking the
+                    node: the job saves at an agreed step and exits RETRYABLE, goes on
+                    without the node and resumes from that save (no step lost); the node
+                    comes back later as a spare (the requeue)
 enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / EIO
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
 truncated_shard     a shard of the newest committed checkpoint is cut short, then every
@@ -20,6 +24,10 @@ nan                 one rank's loss turns NaN for a step (a run-time fault)
 bitflip             one rank flips a bit of its replica of the parameters (the job runs
                     HSDP, each node a replica, so that corruption has a witness)
 ==================  ===================================================================
+
+``--mix FILE`` (or a shipped mix by name: ``llama3``) draws the kinds by weight instead of
+uniformly, as a fleet fails: after each kind of the mix once, by the weights; the table
+then adds each kind's results and the detection and diagnosis rates weighted by the mix.
 
 A missed detection is a verdict too ("no"), not the end of the chaos run; a kill is
 diagnosed right only if the job names the rank that died.
@@ -49,6 +57,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -58,13 +67,15 @@ import torch.distributed as dist
 from llmtrain.chaos.local_cluster import LocalCluster
 from llmtrain.chaos.mount import FaultMount
 from llmtrain.checkpoint import storage
+from llmtrain.config import ConfigError
 from llmtrain.events import read_events
 from llmtrain.metrics import goodput
 from llmtrain.recovery.warm import job_namespace, spares_waiting
 from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 
-KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "enospc",
-         "eio", "gpu_bad", "truncated_shard", "nan", "bitflip")
+KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "preempt",
+         "enospc", "eio", "gpu_bad", "truncated_shard", "nan", "bitflip")
+MIXES = Path(__file__).parent / "mixes"
 
 
 @dataclass
@@ -80,6 +91,38 @@ class ChaosConfig:
     checkpoint_every: int = 20
     reference: bool = True         # train again without faults to compare the weights
     warm: bool = True              # recover lost ranks warm where the warm path can
+    mix: dict[str, float] | None = None  # kind -> weight (``load_mix``): draws by weight
+    mix_source: str = ""
+
+
+def load_mix(name_or_path: str) -> tuple[dict[str, float], str]:
+    """A fault mix: (kind -> weight, its source). A TOML file (or the name of one shipped
+    in ``llmtrain/chaos/mixes``) with ``source`` and a ``[categories]`` table of
+    ``"cause" = { count = N, kind = "..." }``; a kind's weight is its causes' counts."""
+    path = Path(name_or_path)
+    if not path.exists() and (MIXES / f"{name_or_path}.toml").exists():
+        path = MIXES / f"{name_or_path}.toml"
+    shipped = sorted(p.stem for p in MIXES.glob("*.toml"))
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--mix {name_or_path}: no such file, and no shipped mix of that "
+                          f"name (shipped: {shipped})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--mix {path}: not valid TOML ({e})") from None
+    weights: dict[str, float] = {}
+    for cause, entry in doc.get("categories", {}).items():
+        kind, count = entry.get("kind"), entry.get("count")
+        if kind not in KINDS:
+            raise ConfigError(f"--mix {path}: {cause!r} names kind {kind!r}; choose from {KINDS}")
+        if not isinstance(count, (int, float)) or count < 0:
+            raise ConfigError(f"--mix {path}: {cause!r} needs a count >= 0, not {count!r}")
+        weights[kind] = weights.get(kind, 0) + count
+    weights = {k: w for k, w in weights.items() if w > 0}
+    if not weights:
+        raise ConfigError(f"--mix {path}: no [categories] with a count above 0")
+    return weights, str(doc.get("source", path))
 
 
 @dataclass
@@ -155,11 +198,13 @@ class Chaos:
             self.spares = job_namespace(
                 dist.TCPStore("127.0.0.1", self.cluster.port, is_master=False, use_libuv=True,
                               timeout=timedelta(seconds=30)), "local")
-            kinds = [k for k in KINDS if k in self.cfg.faults.split(",")]
+            kinds = [k for k in KINDS if k in self.cfg.faults.split(",")
+                     and (self.cfg.mix is None or k in self.cfg.mix)]
+            weights = [self.cfg.mix[k] for k in kinds] if self.cfg.mix else None
             schedule = self.rng.sample(kinds, len(kinds))
             last = self.cfg.steps - 3 * self.cfg.checkpoint_every
             while schedule or self.cfg.repeat:
-                kind = schedule.pop(0) if schedule else self.rng.choice(kinds)
+                kind = schedule.pop(0) if schedule else self.rng.choices(kinds, weights)[0]
                 self._settle()
                 if self._step() >= last:
                     break
@@ -408,6 +453,28 @@ class Chaos:
         self._start(node)  # repaired: the next spare
         return v
 
+    def _preempt(self) -> Verdict:
+        rank, info = self._pick_rank()
+        node = info["host"]
+        v = self._verdict("preempt", node)
+        self.cluster.nodes[node].send_signal(signal.SIGTERM)  # Slurm's, to the launcher
+        seen = self._wait(lambda: self._latest("preempted", v.injected_at), "preempted", 60)
+        v.detected, v.detect_s, v.at_step = True, seen["ts"] - v.injected_at, seen["step"]
+        saved = self._wait(lambda: self._latest("checkpoint_committed", v.injected_at)
+                           or self._latest("checkpoint_failed", v.injected_at),
+                           "the preemption's save", 120)
+        self._wait(lambda: self.cluster.nodes[node].poll() is not None, f"{node} to exit", 120)
+        code = self.cluster.nodes[node].returncode
+        self._recovered(v, v.injected_at)
+        v.diagnosis = (f"signal {seen['signal']} at step {seen['step']}: saved step {saved['step']} "
+                       f"({saved['event']}), {node} exited {code}; resumed from step "
+                       f"{v.restored}")
+        v.correct = (saved["event"] == "checkpoint_committed" and saved["step"] == v.at_step
+                     and v.restored == v.at_step and code == 75)
+        v.action = "agreed save, exit 75 (requeue), restart from that save without the node"
+        self._start(node)  # requeued: back as a spare
+        return v
+
     def _storage_error(self, kind: str, errno_name: str) -> Verdict:
         v = self._verdict(kind, "checkpoint filesystem")
         self.mount.set_rules([{"ops": ["write", "create", "fsync"], "errno": errno_name,
@@ -533,6 +600,9 @@ class Chaos:
         if self.cfg.reference and finished:
             result["bitwise_equal_to_reference"] = self._compare(self.cfg.steps)
         result["verdicts"] = [asdict(v) for v in self.verdicts]
+        if self.cfg.mix:
+            result["mix"] = {"weights": self.cfg.mix, "source": self.cfg.mix_source}
+            result.update(weighted(result["verdicts"], self.cfg.mix))
         return result
 
     def _lost_checkpoints(self) -> list[int]:
@@ -610,7 +680,45 @@ def table(result: dict) -> str:
                        f"{result['ettr_predicted']:.3f} (MTBF {result['mtbf_s']:.0f} s, "
                        f"restart {result['restart_cost_s']:.1f} s); badput: " + ", ".join(
                            f"{k} {v:.1f}s" for k, v in result["badput_s"].items() if v > 0.05))
-    return "\n".join([head, *rows, "", *summary])
+    if "mix" in result:
+        summary.append(f"weighted by the mix ({result['mix']['source']}): detected "
+                       f"{result['weighted_detected']:.3f}, diagnosed right "
+                       f"{result['weighted_correct']:.3f}, over kinds holding "
+                       f"{result['mix_covered']:.3f} of its weight")
+    return "\n".join([head, *rows, "", by_kind(result["verdicts"]), "", *summary])
+
+
+def by_kind(verdicts: list[dict]) -> str:
+    """Per fault kind: how many, detected and right, mean seconds to detect and recover,
+    steps lost in all, the recovery paths taken."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return f"{sum(xs) / len(xs):.1f}" if xs else "-"
+    lines = [f"{'kind':<16} {'n':>3} {'det':>4} {'right':>5} {'detect_s':>8} {'recover_s':>9} "
+             f"{'lost':>5}  paths"]
+    for kind in sorted({v["kind"] for v in verdicts}):
+        vs = [v for v in verdicts if v["kind"] == kind]
+        lines.append(f"{kind:<16} {len(vs):>3} {sum(v['detected'] for v in vs):>4} "
+                     f"{sum(v['correct'] for v in vs):>5} "
+                     f"{mean(v['detect_s'] for v in vs):>8} "
+                     f"{mean(v['recover_s'] for v in vs):>9} "
+                     f"{sum(v['steps_lost'] or 0 for v in vs):>5}  "
+                     f"{','.join(sorted({v['path'] for v in vs if v['path']})) or '-'}")
+    return "\n".join(lines)
+
+
+def weighted(verdicts: list[dict], mix: dict[str, float]) -> dict:
+    """Detection and diagnosis rates as the fleet would see them: each kind's rate
+    weighted by its share of the mix, over the kinds that ran (``mix_covered``: their
+    share of the mix's weight)."""
+    ran = {v["kind"] for v in verdicts} & set(mix)
+    total = sum(mix[k] for k in ran)
+
+    def rate(field: str) -> float:
+        return sum(mix[k] * sum(v[field] for v in verdicts if v["kind"] == k)
+                   / sum(v["kind"] == k for v in verdicts) for k in ran) / total if total else 0.0
+    return {"weighted_detected": rate("detected"), "weighted_correct": rate("correct"),
+            "mix_covered": total / sum(mix.values())}
 
 
 def passed(result: dict) -> bool:

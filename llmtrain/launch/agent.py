@@ -9,7 +9,8 @@ launch`` runs torchrun through this module instead. When a worker dies, the agen
 was replaced by a spare (the agent forgets the worker and keeps the others running), or
 the job goes cold (the agent does what torchrun always does). When no survivor has begun
 to agree within a few seconds, nobody is left to recover warm (every rank died at once)
-and the agent goes cold without waiting out the budget. Everything else is torchrun.
+and the agent goes cold without waiting out the budget; a worker that exited RETRYABLE
+(a preemption's save) sends it cold at once. Everything else is torchrun.
 
     python -m llmtrain.launch.agent <torchrun arguments>
 """
@@ -24,6 +25,7 @@ from datetime import timedelta
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+from llmtrain.exit_codes import ExitCode
 from llmtrain.recovery.warm import outside_store
 
 # Survivors of a dead peer enter the agreement at their next collective, which fails as
@@ -53,7 +55,10 @@ class WarmAgent(LocalElasticAgent):
             return super()._monitor_workers(worker_group)
         codes = {lr: h.proc.poll() for lr, h in handlers.items() if lr not in self._replaced}
         failed = [lr for lr, code in codes.items() if code not in (None, 0)]
-        if failed and not all(self._was_replaced(worker_group, lr) for lr in failed):
+        # A worker that exited RETRYABLE stopped on purpose (a preemption's agreed save, a
+        # cold verdict): no spare replaces it, so there is no verdict to wait for.
+        if failed and (any(codes[lr] == ExitCode.RETRYABLE for lr in failed)
+                       or not all(self._was_replaced(worker_group, lr) for lr in failed)):
             return super()._monitor_workers(worker_group)  # cold: what torchrun does
         if not self._replaced:
             return super()._monitor_workers(worker_group)

@@ -112,14 +112,18 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if lc.standby and cfg.warm.enable and lc.external_store:
         events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id, spare="warm")
         # Waits warm; takes a lost rank's place in the running job. If the warm path
-        # fails, the job restarts cold and this node joins that as a standby.
-        rc = subprocess.call([sys.executable, "-m", "llmtrain", "spare", *train_args],
-                             env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
-                                  lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
+        # fails, or a node leaves on purpose (a preemption), the job restarts cold and
+        # this node joins that as a standby.
+        spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
+                                 env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
+                                      lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint,
+                                      "LLMTRAIN_NNODES": lc.nnodes})
+        signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
+        rc = spare.wait()
         code = (ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
                 if rc == ExitCode.CLEAN or finished(EventTail(
                     run_dir, keep=frozenset({"run_end"})).read(), cfg.training.steps, started)
-                else None)
+                else ExitCode.RETRYABLE if signalled else None)  # preempted: leave
         if code is not None:
             events.emit("node_exit", host=host, spare_exit=rc, exit_code=int(code))
             events.close()
@@ -136,17 +140,28 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     warm = cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env
     env["LLMTRAIN_WARM_BUDGET_S"] = str(cfg.warm.budget_s)
     proc = subprocess.Popen(torchrun_command(lc, train_args, warm), env=env)
-    # A scheduler's SIGTERM (preemption, scancel) goes to the agent, which passes it to
-    # the workers: they save, then exit RETRYABLE. Slurm signals every process of a step
-    # itself, so there it is not passed on a second time.
-    if "SLURM_STEP_ID" not in os.environ:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            signal.signal(sig, lambda signum, _: proc.send_signal(signum))
+    forward_signals(proc)
     rc = _wait_agent(proc, run_dir, cfg.training.steps, started)
     code = _outcome(rc, run_dir, host, started, cfg.training.steps)
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
     events.close()
     return code
+
+
+def forward_signals(proc: subprocess.Popen) -> list[int]:
+    """A scheduler's SIGTERM (preemption, scancel) or USR1 goes on to ``proc`` (the agent,
+    which passes it to the workers, or a warm spare's worker): they save, then exit
+    RETRYABLE. Slurm signals every process of a step itself, so there it is not passed on
+    a second time. Returns the signals received, as they come."""
+    received: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        received.append(signum)
+        proc.send_signal(signum)
+    if "SLURM_STEP_ID" not in os.environ:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, forward)
+    return received
 
 
 def _outcome(rc: int, run_dir: str, host: str, since: float, steps: int) -> ExitCode:
@@ -191,32 +206,45 @@ def _wait_agent(proc: subprocess.Popen, run_dir: str, steps: int, since: float) 
     return rc
 
 
+class Vacancy:
+    """Whether the job's rendezvous has been short of nodes for ``STANDBY_GRACE_S``: an
+    agent waits for one more node (a cold restart after a node left), or a complete round
+    has room. What a spare waits for, cold or warm."""
+
+    def __init__(self, rdzv_endpoint: str, rdzv_id: str, nnodes: str, timeout_s: float):
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        host, _, port = rdzv_endpoint.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        self.backend = C10dRendezvousBackend(store, rdzv_id)
+        lo, _, hi = nnodes.partition(":")
+        self.min_nodes, self.max_nodes = int(lo), int(hi or lo)
+        self.short_since: float | None = None
+
+    def __call__(self) -> bool:
+        import pickle  # torch's own rendezvous state, from the job's store
+        got = self.backend.get_state()
+        state = pickle.loads(got[0]) if got else None
+        short = state is not None and not state.closed and (
+            (not state.complete and 0 < len(state.participants) < self.min_nodes)
+            or (state.complete and len(state.participants) < self.max_nodes))
+        now = time.monotonic()
+        self.short_since = (self.short_since or now) if short else None
+        return self.short_since is not None and now - self.short_since >= STANDBY_GRACE_S
+
+
 def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> bool:
     """Waits, as a spare, until the job's rendezvous is short of nodes (True), or the job
     has finished (False)."""
-    import datetime
-    import pickle
-
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-    host, _, port = lc.rdzv_endpoint.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
-                          timeout=datetime.timedelta(seconds=lc.join_timeout_s))
-    backend = C10dRendezvousBackend(store, lc.rdzv_id)
-    min_nodes, _, max_nodes = lc.nnodes.partition(":")
-    short_since = None
+    vacancy = Vacancy(lc.rdzv_endpoint, lc.rdzv_id, lc.nnodes, lc.join_timeout_s)
     ends = EventTail(run_dir, keep=frozenset({"run_end"}))  # each poll reads what is new
     while True:
-        got = backend.get_state()
-        state = pickle.loads(got[0]) if got else None
-        short = state is not None and not state.closed and (
-            (not state.complete and 0 < len(state.participants) < int(min_nodes))
-            or (state.complete and len(state.participants) < int(max_nodes or min_nodes)))
-        now = time.monotonic()
-        short_since = (short_since or now) if short else None
-        if short_since is not None and now - short_since >= STANDBY_GRACE_S:
+        if vacancy():
             return True
         if finished(ends.read(), steps, since):
             return False
