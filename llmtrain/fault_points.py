@@ -44,6 +44,11 @@ def install(spec: str, rank: int) -> None:
     _injector = harness.Injector(spec, rank, faults_file)
 
 
+def armed() -> bool:
+    """Whether this run injects faults at all."""
+    return _injector is not None
+
+
 def point(name: str, step: int, target=None):
     """Called where a fault may strike; does nothing unless a run armed one here. Returns
     ``target`` (a tensor or module the fault may corrupt), or what replaced it."""

@@ -388,6 +388,8 @@ class Trainer:
                 step = self.step + 1
                 step_start = time.perf_counter()
                 with self.diagnosed():
+                    if fault_points.armed():  # strike after the last save's copy, in order
+                        self.wait_staged(step)
                     fault_points.point("step", step, self.model)
                     micro_batches = self.data.next_step()
                     local_loss = (self.skip_step(step) if step in self.integrity.skips
