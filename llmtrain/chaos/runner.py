@@ -166,7 +166,8 @@ class Chaos:
         self.verdicts: list[Verdict] = []
         self.truncated: set[int] = set()
         self.train_args = (
-            "--config", "debug_cpu", "--training.steps", str(cfg.steps),
+            # 128-token sequences: steps as long as the fault schedule's timing assumes
+            "--config", "debug_cpu", "--data.seq_len", "128", "--training.steps", str(cfg.steps),
             "--checkpoint.interval_steps", str(cfg.checkpoint_every),
             "--checkpoint.keep_last", "4", "--metrics.log_every", "5",
             "--metrics.address", "127.0.0.1", "--metrics.port", "0",
@@ -466,9 +467,9 @@ class Chaos:
         self._wait(lambda: self.cluster.nodes[node].poll() is not None, f"{node} to exit", 120)
         code = self.cluster.nodes[node].returncode
         self._recovered(v, v.injected_at)
-        v.diagnosis = (f"signal {seen['signal']} at step {seen['step']}: saved step {saved['step']} "
-                       f"({saved['event']}), {node} exited {code}; resumed from step "
-                       f"{v.restored}")
+        v.diagnosis = (f"signal {seen['signal']} at step {seen['step']}: saved step "
+                       f"{saved['step']} ({saved['event']}), {node} exited {code}; resumed "
+                       f"from step {v.restored}")
         v.correct = (saved["event"] == "checkpoint_committed" and saved["step"] == v.at_step
                      and v.restored == v.at_step and code == 75)
         v.action = "agreed save, exit 75 (requeue), restart from that save without the node"
