@@ -207,11 +207,14 @@ def _wait_agent(proc: subprocess.Popen, run_dir: str, steps: int, since: float) 
 
 
 class Vacancy:
-    """Whether the job's rendezvous has been short of nodes for ``STANDBY_GRACE_S``: an
-    agent waits for one more node (a cold restart after a node left), or a complete round
-    has room. What a spare waits for, cold or warm."""
+    """Whether the job's rendezvous has been short of nodes for ``STANDBY_GRACE_S``: a
+    round waits for one more node (a cold restart after a node left), or, unless
+    ``restarts_only``, a complete round has room. A cold standby waits for either; a warm
+    spare only for the first (after a warm recovery the round is short by design: the
+    spare that replaced a node holds its rank outside the rendezvous)."""
 
-    def __init__(self, rdzv_endpoint: str, rdzv_id: str, nnodes: str, timeout_s: float):
+    def __init__(self, rdzv_endpoint: str, rdzv_id: str, nnodes: str, timeout_s: float,
+                 restarts_only: bool = False):
         import datetime
 
         import torch.distributed as dist
@@ -224,6 +227,7 @@ class Vacancy:
         self.backend = C10dRendezvousBackend(store, rdzv_id)
         lo, _, hi = nnodes.partition(":")
         self.min_nodes, self.max_nodes = int(lo), int(hi or lo)
+        self.restarts_only = restarts_only
         self.short_since: float | None = None
 
     def __call__(self) -> bool:
@@ -232,7 +236,8 @@ class Vacancy:
         state = pickle.loads(got[0]) if got else None
         short = state is not None and not state.closed and (
             (not state.complete and 0 < len(state.participants) < self.min_nodes)
-            or (state.complete and len(state.participants) < self.max_nodes))
+            or (state.complete and not self.restarts_only
+                and len(state.participants) < self.max_nodes))
         now = time.monotonic()
         self.short_since = (self.short_since or now) if short else None
         return self.short_since is not None and now - self.short_since >= STANDBY_GRACE_S

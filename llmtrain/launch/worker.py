@@ -73,7 +73,8 @@ def run_spare(cfg: JobConfig) -> ExitCode:
     since = time.time()
     ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
     vacancy = Vacancy(os.environ["LLMTRAIN_RDZV_ENDPOINT"], os.environ["LLMTRAIN_RDZV_ID"],
-                      os.environ.get("LLMTRAIN_NNODES", "1"), cfg.warm.budget_s)
+                      os.environ.get("LLMTRAIN_NNODES", "1"), cfg.warm.budget_s,
+                      restarts_only=True)
     ended = lambda: finished(ends.read(), cfg.training.steps, since)  # noqa: E731
     plan = await_assignment(store, stop=lambda: ended() or vacancy())
     if plan is None:
