@@ -461,9 +461,10 @@ class Chaos:
         self.cluster.nodes[node].send_signal(signal.SIGTERM)  # Slurm's, to the launcher
         seen = self._wait(lambda: self._latest("preempted", v.injected_at), "preempted", 60)
         v.detected, v.detect_s, v.at_step = True, seen["ts"] - v.injected_at, seen["step"]
-        saved = self._wait(lambda: self._latest("checkpoint_committed", v.injected_at)
-                           or self._latest("checkpoint_failed", v.injected_at),
-                           "the preemption's save", 120)
+        ends = ("checkpoint_committed", "checkpoint_failed")
+        saved = self._wait(lambda: [e for e in self._events(None, v.injected_at)
+                                    if e["event"] in ends and e["step"] == v.at_step][:1],
+                           "the preemption's save", 120)[0]
         self._wait(lambda: self.cluster.nodes[node].poll() is not None, f"{node} to exit", 120)
         code = self.cluster.nodes[node].returncode
         self._recovered(v, v.injected_at)
