@@ -13,9 +13,9 @@ desync              one rank calls a different collective (a run-time fault)
 slow_rank           one rank stopped 2/3 of the time for a while: a straggler
 node_loss           a whole node (launcher, agent, workers) dies; the spare takes over
 preempt             a node's launcher gets SIGTERM, as Slurm sends it before taking the
-                    node: the job saves at an agreed step and exits RETRYABLE, goes on
-                    without the node and resumes from that save (no step lost); the node
-                    comes back later as a spare (the requeue)
+                    node: the job saves at an agreed step, exits RETRYABLE and restarts
+                    cold from that save (no step lost); the requeue brings the node back
+                    (warm: into the restart; cold: as a spare, a standby took its place)
 enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / EIO
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
 truncated_shard     a shard of the newest committed checkpoint is cut short, then every
@@ -467,14 +467,16 @@ class Chaos:
                            "the preemption's save", 120)[0]
         self._wait(lambda: self.cluster.nodes[node].poll() is not None, f"{node} to exit", 120)
         code = self.cluster.nodes[node].returncode
+        # The requeue brings the node back: into the restart, on the warm path (its spares
+        # take only lost ranks' places), or as the next spare where a standby took its place.
+        self._start(node, spare=not self.cfg.warm)
         self._recovered(v, v.injected_at)
         v.diagnosis = (f"signal {seen['signal']} at step {seen['step']}: saved step "
                        f"{saved['step']} ({saved['event']}), {node} exited {code}; resumed "
                        f"from step {v.restored}")
         v.correct = (saved["event"] == "checkpoint_committed" and saved["step"] == v.at_step
                      and v.restored == v.at_step and code == 75)
-        v.action = "agreed save, exit 75 (requeue), restart from that save without the node"
-        self._start(node)  # requeued: back as a spare
+        v.action = "agreed save, exit 75 (requeue), restart from that save"
         return v
 
     def _storage_error(self, kind: str, errno_name: str) -> Verdict:

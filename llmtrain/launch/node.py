@@ -112,12 +112,10 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if lc.standby and cfg.warm.enable and lc.external_store:
         events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id, spare="warm")
         # Waits warm; takes a lost rank's place in the running job. If the warm path
-        # fails, or a node leaves on purpose (a preemption), the job restarts cold and
-        # this node joins that as a standby.
+        # fails, the job restarts cold and this node joins that as a standby.
         spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
                                  env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
-                                      lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint,
-                                      "LLMTRAIN_NNODES": lc.nnodes})
+                                      lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
         signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
         rc = spare.wait()
         code = (ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
@@ -206,50 +204,32 @@ def _wait_agent(proc: subprocess.Popen, run_dir: str, steps: int, since: float) 
     return rc
 
 
-class Vacancy:
-    """Whether the job's rendezvous has been short of nodes for ``STANDBY_GRACE_S``: a
-    round waits for one more node (a cold restart after a node left), or, unless
-    ``restarts_only``, a complete round has room. A cold standby waits for either; a warm
-    spare only for the first (after a warm recovery the round is short by design: the
-    spare that replaced a node holds its rank outside the rendezvous)."""
-
-    def __init__(self, rdzv_endpoint: str, rdzv_id: str, nnodes: str, timeout_s: float,
-                 restarts_only: bool = False):
-        import datetime
-
-        import torch.distributed as dist
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-            C10dRendezvousBackend,
-        )
-        host, _, port = rdzv_endpoint.rpartition(":")
-        store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        self.backend = C10dRendezvousBackend(store, rdzv_id)
-        lo, _, hi = nnodes.partition(":")
-        self.min_nodes, self.max_nodes = int(lo), int(hi or lo)
-        self.restarts_only = restarts_only
-        self.short_since: float | None = None
-
-    def __call__(self) -> bool:
-        import pickle  # torch's own rendezvous state, from the job's store
-        got = self.backend.get_state()
-        state = pickle.loads(got[0]) if got else None
-        short = state is not None and not state.closed and (
-            (not state.complete and 0 < len(state.participants) < self.min_nodes)
-            or (state.complete and not self.restarts_only
-                and len(state.participants) < self.max_nodes))
-        now = time.monotonic()
-        self.short_since = (self.short_since or now) if short else None
-        return self.short_since is not None and now - self.short_since >= STANDBY_GRACE_S
-
-
 def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> bool:
     """Waits, as a spare, until the job's rendezvous is short of nodes (True), or the job
     has finished (False)."""
-    vacancy = Vacancy(lc.rdzv_endpoint, lc.rdzv_id, lc.nnodes, lc.join_timeout_s)
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    host, _, port = lc.rdzv_endpoint.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                          timeout=datetime.timedelta(seconds=lc.join_timeout_s))
+    backend = C10dRendezvousBackend(store, lc.rdzv_id)
+    min_nodes, _, max_nodes = lc.nnodes.partition(":")
+    short_since = None
     ends = EventTail(run_dir, keep=frozenset({"run_end"}))  # each poll reads what is new
     while True:
-        if vacancy():
+        got = backend.get_state()
+        state = pickle.loads(got[0]) if got else None
+        short = state is not None and not state.closed and (
+            (not state.complete and 0 < len(state.participants) < int(min_nodes))
+            or (state.complete and len(state.participants) < int(max_nodes or min_nodes)))
+        now = time.monotonic()
+        short_since = (short_since or now) if short else None
+        if short_since is not None and now - short_since >= STANDBY_GRACE_S:
             return True
         if finished(ends.read(), steps, since):
             return False

@@ -16,7 +16,7 @@ from llmtrain.data import ShardError
 from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
-from llmtrain.launch.node import Vacancy, finished
+from llmtrain.launch.node import finished
 from llmtrain.model import Transformer
 from llmtrain.recovery.warm import await_assignment, outside_store
 from llmtrain.reliability.health.exclusion import excluded_hosts
@@ -62,8 +62,7 @@ def run_spare(cfg: JobConfig) -> ExitCode:
     """A warm spare (``llmtrain spare``, started by a standby ``llmtrain launch``): torch
     and llmtrain already imported, the store connected, it waits for the survivors of a
     lost rank to assign it that rank, then trains in its place. CLEAN if the job ended
-    without needing it; RETRYABLE, unassigned, when the job restarts cold short of a node
-    (the launcher then joins that restart)."""
+    without needing it."""
     store = outside_store(timedelta(seconds=cfg.warm.budget_s))
     if store is None:
         raise ConfigError("llmtrain spare needs the rendezvous store's address in "
@@ -72,13 +71,9 @@ def run_spare(cfg: JobConfig) -> ExitCode:
         Transformer(cfg.model)
     since = time.time()
     ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
-    vacancy = Vacancy(os.environ["LLMTRAIN_RDZV_ENDPOINT"], os.environ["LLMTRAIN_RDZV_ID"],
-                      os.environ.get("LLMTRAIN_NNODES", "1"), cfg.warm.budget_s,
-                      restarts_only=True)
-    ended = lambda: finished(ends.read(), cfg.training.steps, since)  # noqa: E731
-    plan = await_assignment(store, stop=lambda: ended() or vacancy())
+    plan = await_assignment(store, stop=lambda: finished(ends.read(), cfg.training.steps, since))
     if plan is None:
-        return ExitCode.CLEAN if ended() else ExitCode.RETRYABLE
+        return ExitCode.CLEAN
     os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return run_worker(cfg, plan)

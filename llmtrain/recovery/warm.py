@@ -87,13 +87,8 @@ def job_namespace(store: dist.Store, rdzv_id: str) -> dist.Store:
 
 
 def spares_waiting(store: dist.Store) -> int:
-    """Spares registered, not yet claimed and not gone, in a job's namespace."""
-    return (store.add("spares/registered", 0) - store.add("spares/claimed", 0)
-            - store.add("spares/gone", 0))
-
-
-# A spare's plan key holds one of these until its plan is written: claimed, or left.
-_RESERVED, _GONE = "reserved", "gone"
+    """Spares registered and not yet claimed, in a job's namespace."""
+    return store.add("spares/registered", 0) - store.add("spares/claimed", 0)
 
 
 def round_of(job_store: dist.Store) -> str:
@@ -179,21 +174,12 @@ class WarmPath:
             return
         plan = Plan.from_json(proposal)
         registered = self.store.add("spares/registered", 0)
-        taken = 0
         for r in plan.lost:
-            while True:
-                number = self.store.add("spares/claimed", 1)
-                taken += 1
-                if number > registered:  # unclaim: the spares that register later get used
-                    self.store.add("spares/claimed", -taken)
-                    for n in plan.spares.values():
-                        self.store.delete_key(f"spares/{n}/plan")
-                    self._go_cold(f"cold:no warm spare waits for rank {r}")
-                    return
-                key = f"spares/{number}/plan"
-                if self.store.compare_set(key, "", _RESERVED).decode() == _RESERVED:
-                    break
-                self.store.add("spares/gone", -1)  # it left to join a cold restart: counted
+            number = self.store.add("spares/claimed", 1)
+            if number > registered:  # unclaim: the spares that register later get used
+                self.store.add("spares/claimed", -len(plan.spares) - 1)
+                self._go_cold(f"cold:no warm spare waits for rank {r}")
+                return
             plan.spares[str(r)] = number
         for r, number in plan.spares.items():
             self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
@@ -222,21 +208,15 @@ class WarmPath:
 
 def await_assignment(store: dist.Store, stop, poll_s: float = 0.05) -> dict | None:
     """A spare's wait: registers, then returns its plan (with its ``rank``), or None once
-    ``stop()`` says the job no longer needs it warm (it ended, or restarts cold short of a
-    node). A spare that leaves marks its number gone, unless a claim reserved it first: a
-    claimed spare serves. (It polls with ``check``: a store ``wait`` that times out logs a
-    warning each time.)"""
+    ``stop()`` says the job no longer needs it. (It polls with ``check``: a store ``wait``
+    that times out logs a warning each time.)"""
     number = store.add("spares/registered", 1)
     key = f"spares/{number}/plan"
     asked = time.monotonic()
-    while True:
-        if store.check([key]):
-            text = store.get(key).decode()
-            if text not in (_RESERVED, _GONE):
-                return json.loads(text)
-        elif time.monotonic() - asked > 1.0:  # the job's state is read once a second
-            if stop() and store.compare_set(key, "", _GONE).decode() == _GONE:
-                store.add("spares/gone", 1)
+    while not store.check([key]):
+        if time.monotonic() - asked > 1.0:  # the job's end is read once a second
+            if stop():
                 return None
             asked = time.monotonic()
         time.sleep(poll_s)
+    return json.loads(store.get(key))

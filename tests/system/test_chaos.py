@@ -42,7 +42,7 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
 
     # A lost rank is replaced warm; a watchdog's report ends in a cold restart of all, as
     # does the loss of every rank at once (how truncated_shard forces a load) and a
-    # preemption (an agreed save, then the job goes on from it without the node).
+    # preemption (an agreed save, then everyone restarts from it).
     paths = {v["kind"]: v["path"] for v in verdict["verdicts"]}
     assert [paths[k] for k in ("kill_rank", "kill_in_save", "node_loss", "gpu_bad")] == \
         ["warm"] * 4, table

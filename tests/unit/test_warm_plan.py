@@ -85,17 +85,3 @@ def test_a_spare_waits_for_its_plan_or_for_the_end():
     threading.Timer(0.2, lambda: store.set("spares/1/plan", json.dumps({"rank": 3}))).start()
     assert await_assignment(store, stop=lambda: False) == {"rank": 3}
     assert await_assignment(store, stop=lambda: True) is None  # spare 2: the job ended
-
-
-def test_a_spare_that_left_for_a_cold_restart_is_skipped_and_a_reserved_one_serves():
-    store = dist.HashStore()
-    assert await_assignment(store, stop=lambda: True) is None  # spare 1 leaves: a vacancy
-    store.add("spares/registered", 1)                          # spare 2 waits
-    assert spares_waiting(store) == 1
-    plan = agree_all(store, {0: held([7], [7], 1)}, 2)[0]
-    assert plan.spares == {"1": 2} and json.loads(store.get("spares/2/plan"))["rank"] == 1
-    assert store.get("spares/1/plan") == b"gone" and spares_waiting(store) == 0
-    # spare 3 would leave, but a claim reserved it first: it waits for its plan and serves
-    store.set("spares/3/plan", "reserved")
-    threading.Timer(1.5, lambda: store.set("spares/3/plan", json.dumps({"rank": 0}))).start()
-    assert await_assignment(store, stop=lambda: True) == {"rank": 0}
