@@ -250,9 +250,11 @@ class CheckpointManager:
             def load():
                 fault_points.point("resume", step)
                 return state.load(url, threads=self.cfg.reader_threads)
-            loaded_step, had_rng = self._agree(load, step, "load failed")[self.rank]
+            loads = self._agree(load, step, "load failed")
+            loaded_step, had_rng, _ = loads[self.rank]
             self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
-                        rng_restored=had_rng)
+                        rng_restored=had_rng,
+                        planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
             return loaded_step
         return 0
 

@@ -13,7 +13,9 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
 - reading is positional range reads straight into the destination tensors' memory (a
   scratch buffer and one copy only when the destination's layout or dtype differ, as in
   some reshardings), split into pieces that several threads read ahead in parallel;
-  object stores get the ranges in batches (``cat_ranges``).
+  object stores get the ranges in batches (``cat_ranges``). A restart at the world size
+  of the save skips DCP's planning too (:func:`read_in_place`): each saved chunk is
+  looked up by name and offset and read into the live shard at that place.
 
 Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
 written as they are). Items without the descriptor (checkpoints written before this
@@ -216,6 +218,48 @@ class ShardReader(FsspecReader):
                 raise OSError(f"{r.path}: {len(data)} bytes at {r.start}, expected "
                               f"{len(r.dest)} (truncated)")
             r.dest[:] = data
+
+
+def read_in_place(reader: ShardReader, tensors: dict, objects: list[str]) -> dict | None:
+    """Reads every tensor of ``tensors`` ({(FQN, global offset of the shard): tensor})
+    from the saved chunk that starts at that offset and has its shape and dtype, straight
+    into its memory, and the raw bytes of the non-tensor items named in ``objects``: one
+    batch of parallel range reads, without DCP's planning (about 0.2 ms of Python per
+    item, most of a warm load's time). Returns {name: bytes} of ``objects``; None, having
+    read nothing, when a tensor has no such chunk in the raw format (a resharding load, a
+    checkpoint written before it): then DCP's planner is the way."""
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
+             for i, info in reader.storage_data.items()}
+    ranges: list[_Range] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch, destination)
+    for (fqn, offset), target in tensors.items():
+        info = index.get((fqn, offset))
+        saved = reader._chunks.get((fqn, offset))
+        if (info is None or saved is None or RAW not in (info.transform_descriptors or ())
+                or saved != (tuple(target.shape), target.dtype)):
+            return None
+        scratch = target
+        if (target.device.type != "cpu" or not target.is_contiguous()
+                or type(target) is not torch.Tensor):  # a subclass: its own copy_
+            scratch = torch.empty(target.shape, dtype=target.dtype,
+                                  pin_memory=target.device.type == "cuda")
+            copies.append((scratch, target))
+        dest = tensor_bytes(scratch)
+        path = posixpath.join(reader._root, info.relative_path)
+        for piece in range(0, len(dest), READ_PIECE):
+            ranges.append(_Range(path, info.offset + piece, dest[piece:piece + READ_PIECE]))
+    found: dict[str, bytearray] = {}
+    for name in objects:
+        info = index[(name, None)]
+        found[name] = bytearray(info.length)
+        ranges.append(_Range(posixpath.join(reader._root, info.relative_path), info.offset,
+                             memoryview(found[name])))
+    reader._read(ranges)
+    for scratch, target in copies:
+        target.copy_(scratch, non_blocking=True)
+    return {name: bytes(buf) for name, buf in found.items()}
 
 
 def load_unsharded(url: str, threads: int = 4) -> dict:

@@ -50,13 +50,20 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     tensors = [_local(p.data) for p in model.parameters()]
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:  # what fused AdamW creates at its first step
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state = optimizer_state(optimizer, p)
             tensors += [_local(state[k]) for k in sorted(state)]
     return tensors + extra
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """``optimizer.state[p]``; a freshly built optimizer has none yet, so it is created,
+    zeroed, as fused AdamW creates it at its first step, to be copied or read into."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def _layout(tensors: list[torch.Tensor]) -> list[list]:

@@ -17,8 +17,9 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from llmtrain.checkpoint.shards import ShardReader
-from llmtrain.checkpoint.snapshots import state_tensors
+from llmtrain.checkpoint.shards import ShardReader, read_in_place
+from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
+from llmtrain.model import global_offset, unwrapped_name
 
 
 def _rng_state() -> dict:
@@ -53,27 +54,67 @@ class TrainState:
         return {"model": model_sd, "optim": optim_sd, "trainer": self._trainer_bytes(step),
                 f"rng.{self.rank}": rng}
 
-    def load(self, url: str, *, threads: int = 4) -> tuple[int, bool]:
+    def load(self, url: str, *, threads: int = 4) -> tuple[int, bool, bool]:
         """Loads the checkpoint at ``url`` (already verified) into the live objects,
         ``threads`` parallel reads at a time.
 
-        Each rank plans and reads its share alone (DCP's ``no_dist``): a load needs no
-        agreement between ranks, so DCP's exchange of pickled plans is skipped, and the
-        caller agrees on the outcome. Tensors are read straight into the live parameters and
-        optimizer state, which the state dict shares (``set_state_dict``, which would copy
-        each onto itself, runs only where it does not).
+        When every saved shard of this rank's state has the place and shape of a live one
+        (a restart at the world size it was saved at), the shards are read straight into
+        the live parameters and optimizer state with no planning at all. Otherwise (a
+        resharding load, a checkpoint in the format before raw shards) DCP plans it: each
+        rank alone (``no_dist``: a load needs no agreement between ranks, so DCP's
+        exchange of pickled plans is skipped, and the caller agrees on the outcome).
 
-        Returns the step it was saved at, and whether this rank's RNG state was in it
-        (a rank that did not exist at save time keeps its seeded RNG).
+        Returns the step it was saved at, whether this rank's RNG state was in it (a
+        rank that did not exist at save time keeps its seeded RNG), and whether DCP
+        planned the load.
         """
         reader = ShardReader(url, threads=threads)
-        saved_keys = reader.read_metadata().state_dict_metadata
+        saved = reader.read_metadata().state_dict_metadata
+        rng_key = f"rng.{self.rank}"
+        objects = ["trainer", *([rng_key] if rng_key in saved else [])]
+        values = self._load_in_place(reader, saved, objects)
+        planned = values is None
+        if planned:
+            values = self._load_planned(reader, objects)
+        trainer = json.loads(values["trainer"])
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.data.load_state_dict(trainer["data"])
+        if rng_key in values:
+            _set_rng_state(torch.load(io.BytesIO(values[rng_key]), weights_only=True))
+        return trainer["step"], rng_key in values, planned
+
+    def _load_in_place(self, reader: ShardReader, saved: dict,
+                       objects: list[str]) -> dict[str, bytes] | None:
+        """The load with no planning (see :meth:`load`): {name: bytes} of ``objects``,
+        with the optimizer's hyperparameters set; None when the checkpoint's keys or
+        shards do not match the live state one for one (nothing was read then)."""
+        tensors = _live_shards(self.model, self.optimizer)
+        if tensors is None:
+            return None
+        groups = [f"optim.param_groups.{i}.{k}"
+                  for i, g in enumerate(self.optimizer.param_groups) for k in g if k != "params"]
+        saved_keys = {k for k in saved if k.startswith(("model.", "optim."))
+                      and not k.endswith(".params")}
+        if saved_keys != {fqn for fqn, _ in tensors} | set(groups):
+            return None
+        got = read_in_place(reader, tensors, [*objects, *groups])
+        if got is None:
+            return None
+        with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles every object
+            values = {k: torch.load(io.BytesIO(v), weights_only=True) for k, v in got.items()}
+        for i, group in enumerate(self.optimizer.param_groups):
+            group.update({k: values[f"optim.param_groups.{i}.{k}"] for k in group
+                          if k != "params"})
+        return {k: values[k].getvalue() for k in objects}
+
+    def _load_planned(self, reader: ShardReader, objects: list[str]) -> dict[str, bytes]:
+        """The load DCP plans (see :meth:`load`). Tensors are read straight into the live
+        parameters and optimizer state where the state dict shares their memory
+        (``set_state_dict``, which would copy each onto itself, runs only where not)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         in_place = _shares_storage([model_sd, optim_sd["state"]], self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd, "trainer": io.BytesIO()}
-        rng_key = f"rng.{self.rank}"
-        if rng_key in saved_keys:
-            state[rng_key] = io.BytesIO()
+        state = {"model": model_sd, "optim": optim_sd, **{k: io.BytesIO() for k in objects}}
         _load_state_dict(state, storage_reader=reader, no_dist=True)  # dcp.load, no warning
         if in_place:  # only the hyperparameters are left to set
             for group, saved in zip(self.optimizer.param_groups, state["optim"]["param_groups"],
@@ -82,13 +123,37 @@ class TrainState:
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
-        trainer = json.loads(state["trainer"].getvalue())
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        self.data.load_state_dict(trainer["data"])
-        if rng_key in state:
-            state[rng_key].seek(0)
-            _set_rng_state(torch.load(state[rng_key], weights_only=True))
-        return trainer["step"], rng_key in state
+        return {k: state[k].getvalue() for k in objects}
+
+
+def _live_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
+    """{(checkpoint FQN, global offset of this rank's shard): the shard's live tensor} for
+    every parameter and optimizer state tensor, as :meth:`TrainState.state_dict` saves
+    them; None where the optimizer holds state that is not a tensor."""
+    offsets: dict = {}  # parameters of one shape share their shard's place
+
+    def shard(t: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+        if not isinstance(t, DTensor):
+            return (0,) * t.ndim, t.detach()
+        key = (tuple(t.shape), t.device_mesh, t.placements)
+        if key not in offsets:
+            offsets[key] = global_offset(t)
+        return offsets[key], t.to_local()
+
+    out, names = {}, {}
+    with torch.no_grad():  # DTensor.to_local is then the shard itself, not an autograd view
+        for name, p in model.named_parameters():
+            names[p] = fqn = unwrapped_name(name)
+            offset, local = shard(p)
+            out[(f"model.{fqn}", offset)] = local
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for k, v in optimizer_state(optimizer, p).items():
+                    if not isinstance(v, torch.Tensor):
+                        return None
+                    offset, local = shard(v)
+                    out[(f"optim.state.{names[p]}.{k}", offset)] = local
+    return out
 
 
 def _address(t: torch.Tensor) -> int | None:

@@ -49,7 +49,9 @@ def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path, reference):
         faulty, *args, "--reliability.faults", "kill@checkpoint_write:rank=0,step=12,"
         "restart=0;kill@step:rank=1,step=17,restart=1", nproc=2,
         torchrun_args=("--max-restarts", "2")))
-    assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [6, 12]
+    loaded = events(faulty, "checkpoint_loaded")
+    assert [e["step"] for e in loaded] == [6, 12]
+    assert all(e["planned_ranks"] == [] for e in loaded), loaded  # read in place, unplanned
     assert_bitwise_equal(final_weights(reference, 24),
                          final_weights(faulty, 24))
 
@@ -97,7 +99,8 @@ def test_resume_a_two_rank_checkpoint_on_another_world_size(tmp_path, two_rank_r
     shutil.copytree(two / "checkpoints", other / "checkpoints")
     storage.remove(storage.step_dir(str(other / "checkpoints"), 12))
     check(llmtrain(other, *args, nproc=world))
-    assert [e["step"] for e in events(other, "checkpoint_loaded")] == [6]
+    loaded = events(other, "checkpoint_loaded")
+    assert [(e["step"], e["planned_ranks"]) for e in loaded] == [(6, list(range(world)))]
     ref, got = step_losses(two), step_losses(other)
     assert sorted(got) == list(range(7, 13))
     for step in got:
@@ -202,3 +205,65 @@ def test_a_save_holds_back_only_the_update_until_its_copy_is_staged(tmp_path):
     stalls = [e for e in events(tmp_path / "run", "span") if e["category"] == "checkpoint_stall"
               and e["name"].startswith("staging")]
     assert len(stalls) == 1 and stalls[0]["end"] - stalls[0]["start"] > 0.1
+
+
+# A world of one in this process: a checkpoint is loaded in place (no planning) and then
+# through DCP's planner, each after more training changed the live state.
+LOAD_PATHS = """
+import sys
+import torch
+from llmtrain.checkpoint import storage
+from llmtrain.config import load_config, parse_overrides
+from llmtrain.trainer import Trainer
+
+cfg = load_config("debug_cpu", parse_overrides([
+    "--training.run_dir", sys.argv[1], "--training.steps", "10", "--checkpoint.enable", "true",
+    "--checkpoint.mode", "sync", "--checkpoint.interval_steps", "0",
+    "--checkpoint.resume", "false", "--metrics.progress", "plain"]))
+trainer = Trainer(cfg)
+opt = trainer.optimizer
+
+def snapshot():
+    sd = trainer.model.state_dict()
+    state = [t.full_tensor().clone() if hasattr(t, "full_tensor") else t.clone()
+             for p in opt.param_groups[0]["params"] for t in opt.state[p].values()]
+    return ({k: v.full_tensor().clone() for k, v in sd.items()}, state,
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            trainer.scheduler.state_dict(), trainer.data.state_dict())
+
+def same(a, b):
+    return (a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+            and len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+            and a[2:] == b[2:])
+
+def train(n):
+    for _ in range(n):
+        trainer.train_step(trainer.data.next_step())
+
+train(2)
+trainer.checkpoints.save(2, trainer.state)
+trainer.checkpoints.wait()
+saved = snapshot()
+url = storage.step_dir(trainer.checkpoints.url, 2)
+for g in opt.param_groups:
+    g["lr"], g["betas"] = 123.0, (0.1, 0.2)
+train(2)
+assert not same(snapshot(), saved), "training changed nothing"
+assert trainer.state.load(url) == (2, True, False), "not loaded in place"
+assert same(snapshot(), saved), "the load in place differs from the save"
+train(2)
+trainer.state._load_in_place = lambda *args: None  # as when the shards do not match
+assert trainer.state.load(url) == (2, True, True), "not planned"
+assert same(snapshot(), saved), "DCP's planned load differs from the save"
+trainer.close()
+print("ok")
+"""
+
+
+def test_a_load_in_place_and_a_planned_load_restore_the_same_state(tmp_path):
+    """The unplanned load (each shard read straight into its live tensor) and DCP's
+    planned one restore the same weights, optimizer state and hyperparameters, schedule
+    and data position as were saved, over a state that training has changed."""
+    proc = subprocess.run([sys.executable, "-c", LOAD_PATHS, str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
