@@ -15,10 +15,12 @@ $(BIN)/llmtrain: pyproject.toml
 	touch $@
 
 train: $(BIN)/llmtrain
+	$(BIN)/python -m compileall -q llmtrain
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m llmtrain train --config debug_cpu $(ARGS)
 
 test: $(BIN)/llmtrain
-	$(BIN)/python -m pytest tests --durations=10 $(ARGS)
+	$(BIN)/python -m compileall -q llmtrain  # bytecode once, not in each of hundreds of processes
+	$(BIN)/python -m pytest tests --durations=25 $(ARGS)
 
 bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/step_overhead.py

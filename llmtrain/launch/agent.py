@@ -17,6 +17,7 @@ and the agent goes cold without waiting out the budget; a worker that exited RET
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -94,6 +95,7 @@ def main(argv: list[str]) -> None:
     import torch.distributed.launcher.api as launcher
     from torch.distributed.run import main as torchrun
     launcher.LocalElasticAgent = WarmAgent
+    gc.freeze()  # torch's modules live as long as the agent: no collection scans them again
     torchrun(argv)
 
 

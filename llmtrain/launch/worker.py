@@ -3,6 +3,7 @@ train, record how it ended, and tell the agent when a restart would not help."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -41,6 +42,10 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
         events.close()  # written before the agent is stopped (and stops this process)
         stop_agent(ExitCode.FATAL)
         raise
+    # What exists now (torch's modules, the model) lives as long as the process: the
+    # cyclic collector need not scan it in each full collection while training, nor at
+    # exit, where that took 0.75 s of a 2-step run's 4.4.
+    gc.freeze()
     try:
         trainer.run()
     except TrainingDiverged as e:  # a restart would diverge the same way
