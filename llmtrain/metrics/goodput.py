@@ -43,14 +43,17 @@ _PRIORITY = {"checkpoint_stall": 6, "checkpoint_load": 5, "startup": 4, "lost_st
 
 
 def process_start_time(pid: int | None = None) -> float:
-    """The unix time a process started, from /proc (the time this code runs if unknown)."""
+    """The unix time a process started, from /proc (the time this code runs if unknown).
+
+    /proc gives it in clock ticks since boot. The boot time is taken as now less the
+    boot-time clock, not from /proc/stat's ``btime``: that is whole seconds, which put
+    starts up to a second early (a ledger longer than the run it measured)."""
     try:
         with open(f"/proc/{pid or os.getpid()}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since_start
+    except (OSError, ValueError):
         return time.time()
 
 

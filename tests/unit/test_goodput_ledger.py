@@ -90,3 +90,19 @@ def test_advice_needs_a_save_and_a_failure_rate():
     b.failures = 0
     assert advise(b) is None
     assert advise(b, assumed_mtbf_s=3600).mtbf_s == 3600
+
+
+def test_a_process_start_is_read_to_the_clock_tick():
+    """/proc/stat's btime is whole seconds: boot time from it put a start up to a second
+    early, and the ledger's wall time past the run it measured."""
+    import subprocess
+    import time
+
+    from llmtrain.metrics.goodput import process_start_time
+    before = time.time()
+    child = subprocess.Popen(["sleep", "2"])
+    try:
+        assert before - 0.05 <= process_start_time(child.pid) <= time.time() + 0.05
+    finally:
+        child.kill()
+        child.wait()
