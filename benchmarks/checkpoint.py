@@ -28,8 +28,9 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
   ``load_over_raw_cold`` is the same with each file's pages dropped first
   (posix_fadvise DONTNEED), where the OS honours it. Goal >= 0.9. At several ranks
   both are aggregate bandwidths (all ranks' bytes / the slowest rank's time). The table
-  also shows a whole resume's read side, warm: each rank's share of the checksums
-  verified (``storage.verify``), then the load, as ``CheckpointManager.resume`` does it.
+  also shows a whole resume's read side, warm: ``CheckpointManager.resume`` (sizes and
+  ``.metadata`` checked by shares, then the load, which checks each item's sum as it
+  reads it).
 - ``step_time_with_saves_over_without``: training steps through the trainer's own
   ``Trainer.checkpoint(step)`` path, in segments alternating a save every ``--interval``
   steps (async_thread) with no saves. A segment with saves starts with a save after its
@@ -362,9 +363,9 @@ def main() -> None:
         trainer.state.load(url, threads=cfg.checkpoint.reader_threads)
         sync_device(device)
 
-    def resume() -> None:  # what CheckpointManager.resume does: verify a share, then load
-        assert storage.verify(url, checksums=True, part=(rank, world)) == []
-        load()
+    def resume() -> None:  # the newest checkpoint, checked and loaded as a restart does it
+        assert mgr.resume(trainer.state) == save_id[0]
+        sync_device(device)
 
     # The raw read baseline is the faster of two ways: one 64 MiB buffer reused, or the
     # bytes read where they belong in memory the size of the checkpoint. Which one wins
@@ -482,7 +483,7 @@ def main() -> None:
     row("load (TrainState.load), warm cache", m["load"], ckpt_bytes)
     row("raw read, warm cache, a 64 MiB buffer reused", m["read_reused"], ckpt_bytes)
     row("raw read, warm cache, into checkpoint-sized memory", m["read_whole"], ckpt_bytes)
-    row("resume: verify checksums + load, warm cache", m["resume"], ckpt_bytes)
+    row("resume (CheckpointManager.resume: checked load), warm", m["resume"], ckpt_bytes)
     row("load (TrainState.load), cold cache", m["load_cold"], ckpt_bytes)
     row("raw read, cold cache (fadvise DONTNEED), reused", m["read_reused_cold"], ckpt_bytes)
     row("raw read, cold cache, into checkpoint-sized", m["read_whole_cold"], ckpt_bytes)

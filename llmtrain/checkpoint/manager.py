@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
 from llmtrain.checkpoint import storage
+from llmtrain.checkpoint.shards import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError
@@ -228,20 +229,30 @@ class CheckpointManager:
     def resume(self, state: TrainState) -> int:
         """Loads the newest committed checkpoint that verifies; returns its step (0: none).
 
-        Every rank checks a share of the files, and all agree before DCP reads any of
-        them. Only a verified mismatch (a size, a checksum, a missing file) demotes a
-        checkpoint: it is quarantined with its reasons and the previous one is tried. Any
-        other failure, on any rank (a read error, a timeout, a peer lost mid-load), raises
-        CheckpointUnreadable: the attempt ends, retryable, and the checkpoint stays
-        committed for the next one.
+        Every rank checks a share of the files (sizes, and the sums of whatever is not
+        checked as it is loaded), and all agree before anything is unpickled. When every
+        rank loads in place, each checks the sum of every item it reads, so the data is
+        read once; otherwise the shares are checked whole first. Only a verified mismatch
+        (a size, a sum, a missing file) demotes a checkpoint: it is quarantined with its
+        reasons and the previous one is tried. Any other failure, on any rank (a read
+        error, a timeout, a peer lost mid-load), raises CheckpointUnreadable: the attempt
+        ends, retryable, and the checkpoint stays committed for the next one.
         """
         listing = self._agree(lambda: [c.step for c in storage.list_checkpoints(self.url)
                                        if c.committed] if self.rank == 0 else None)
+        checksums = self.cfg.verify_checksums
+        overwritten = False  # a damaged checkpoint was read into the live state
         for step in reversed(listing[0]):
             url = storage.step_dir(self.url, step)
-            verdicts = self._agree(lambda: storage.verify(
-                url, checksums=self.cfg.verify_checksums, part=(self.rank, self.world)), step)
-            problems = [p for rank_problems in verdicts for p in rank_problems]
+            part = (self.rank, self.world)
+            problems = self._problems(lambda: storage.verify(url, checksums=checksums,
+                                                             part=part, items=False), step)
+            if not problems:
+                in_place = all(self._agree(lambda: state.fits_in_place(url, checked=checksums),
+                                           step))
+                if checksums and not in_place:  # the items, before DCP reads parts of them
+                    problems = self._problems(lambda: storage.verify(url, checksums=True,
+                                                                     part=part), step)
             if problems:
                 self._quarantine(step, problems)
                 continue
@@ -249,14 +260,31 @@ class CheckpointManager:
 
             def load():
                 fault_points.point("resume", step)
-                return state.load(url, threads=self.cfg.reader_threads)
+                try:
+                    return state.load(url, threads=self.cfg.reader_threads,
+                                      check=checksums and in_place)
+                except DamagedCheckpoint as e:
+                    return e.problems
             loads = self._agree(load, step, "load failed")
+            problems = [p for got in loads if isinstance(got, list) for p in got]
+            if problems:
+                overwritten = True
+                self._quarantine(step, problems)
+                continue
             loaded_step, had_rng, _ = loads[self.rank]
             self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
-                        rng_restored=had_rng,
+                        rng_restored=had_rng, checked_in_load=checksums and in_place,
                         planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
             return loaded_step
+        if overwritten:  # starting from step 0 needs the state as it was built
+            raise CheckpointUnreadable(
+                f"every checkpoint under {self.url} was damaged (quarantined), one of them "
+                f"found so only once read into the live state: the next attempt starts fresh")
         return 0
+
+    def _problems(self, verify, step: int) -> list[str]:
+        """Every rank's findings of ``verify()``, agreed."""
+        return [p for rank_problems in self._agree(verify, step) for p in rank_problems]
 
     def _agree(self, read, step: int | None = None, what: str = "read failed") -> list:
         """Every rank's result of ``read()``; if it raised on any rank, or a rank was lost

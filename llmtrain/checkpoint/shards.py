@@ -7,15 +7,19 @@ tensor is stored as its bare bytes (C order, native byte order); its dtype and s
 already in DCP's ``.metadata`` (the chunk's global offsets and sizes), its place in the
 file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RAW`. So:
 
-- writing is one ``write`` per 4 MiB of a tensor's memory, each piece hashed (for the
-  manifest) by the writing thread while it is still in the CPU cache, on several writer
-  threads, one file each;
+- writing is one ``write`` per 4 MiB of a tensor's memory, each piece hashed by the
+  writing thread while it is still in the CPU cache, on several writer threads, one file
+  each. Every item's sha256 goes into its ``_StorageInfo`` (a descriptor ``sha256=<hex>``),
+  so a reader can check exactly what it reads, and the manifest commits to the item sums
+  (:mod:`llmtrain.checkpoint.storage`);
 - reading is positional range reads straight into the destination tensors' memory (a
   scratch buffer and one copy only when the destination's layout or dtype differ, as in
   some reshardings), split into pieces that several threads read ahead in parallel;
   object stores get the ranges in batches (``cat_ranges``). A restart at the world size
   of the save skips DCP's planning too (:func:`read_in_place`): each saved chunk is
-  looked up by name and offset and read into the live shard at that place.
+  looked up by name and offset and read into the live shard at that place, and checked
+  against its sum once read, so a resume reads its data once, not once to verify it and
+  again to load it.
 
 Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
 written as they are). Items without the descriptor (checkpoints written before this
@@ -29,6 +33,7 @@ format) are read by DCP's stock reader, so old checkpoints load. Stock
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import math
 import os
@@ -48,7 +53,7 @@ from torch.futures import Future
 from llmtrain.fsio import is_local
 
 RAW = "llmtrain-raw/1"  # the transform descriptor of an item stored as bare tensor bytes
-WRITE_PIECE = 4 << 20   # hashed while in cache: well inside L2/L3
+SUM = "sha256="         # the descriptor carrying an item's sha256 (hex)
 READ_PIECE = 16 << 20   # the unit several threads share a large tensor's reading in
 BATCH = 64 << 20        # bytes of ranges per cat_ranges call (object stores)
 
@@ -61,9 +66,25 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+def item_sum(info: _StorageInfo) -> str | None:
+    """The sha256 (hex) recorded for a stored item; None in checkpoints older than that."""
+    return next((d[len(SUM):] for d in info.transform_descriptors or () if d.startswith(SUM)),
+                None)
+
+
+class DamagedCheckpoint(Exception):
+    """Items read back whose bytes differ from their recorded sums: a verified verdict on
+    the checkpoint (not a read error), one problem per item."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
 def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
-    """Writes this rank's items of ``plan`` to ``thread_count`` files (``fs`` is DCP's
-    FileSystem: its streams hash and fsync as the storage needs) on as many threads."""
+    """Writes this rank's items of ``plan`` to ``thread_count`` files on as many threads.
+    ``fs`` is DCP's FileSystem whose streams fsync as the storage needs and have
+    ``write_item(view) -> sha256 hex`` (:class:`llmtrain.checkpoint.storage.CommitWriter`)."""
     buckets = [b for b in _split_by_size_and_type(thread_count, plan.items) if b]
     names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
@@ -73,11 +94,10 @@ def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
-                    view, descriptors = data.getbuffer(), None
+                    view, descriptors = data.getbuffer(), []
                 else:
                     view, descriptors = tensor_bytes(data), [RAW]
-                for start in range(0, len(view), WRITE_PIECE):
-                    stream.write(view[start:start + WRITE_PIECE])
+                descriptors.append(SUM + stream.write_item(view))
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view),
                                            storage_data=_StorageInfo(name, offset, len(view),
                                                                      descriptors)))
@@ -220,46 +240,93 @@ class ShardReader(FsspecReader):
             r.dest[:] = data
 
 
-def read_in_place(reader: ShardReader, tensors: dict, objects: list[str]) -> dict | None:
+def _exact_chunks(reader: ShardReader, tensors: dict, objects: list[str]) -> dict | None:
+    """{key of ``tensors`` or name of ``objects``: the stored item to read it from}; None
+    when a tensor has no saved chunk at its offset with its shape and dtype, in the raw
+    format."""
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
+             for i, info in reader.storage_data.items()}
+    found = {}
+    for (fqn, offset), target in tensors.items():
+        info = index.get((fqn, offset))
+        if (info is None or RAW not in (info.transform_descriptors or ())
+                or reader._chunks.get((fqn, offset)) != (tuple(target.shape), target.dtype)):
+            return None
+        found[(fqn, offset)] = info
+    return found | {name: index[(name, None)] for name in objects}
+
+
+def fits_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
+                  checked: bool) -> bool:
+    """Whether :func:`read_in_place` can read these (``checked``: and check every item)."""
+    found = _exact_chunks(reader, tensors, objects)
+    return found is not None and (not checked or all(map(item_sum, found.values())))
+
+
+def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
+                  check: bool = False) -> dict | None:
     """Reads every tensor of ``tensors`` ({(FQN, global offset of the shard): tensor})
     from the saved chunk that starts at that offset and has its shape and dtype, straight
     into its memory, and the raw bytes of the non-tensor items named in ``objects``: one
     batch of parallel range reads, without DCP's planning (about 0.2 ms of Python per
     item, most of a warm load's time). Returns {name: bytes} of ``objects``; None, having
     read nothing, when a tensor has no such chunk in the raw format (a resharding load, a
-    checkpoint written before it): then DCP's planner is the way."""
-    metadata = reader.read_metadata()
-    reader.set_up_storage_reader(metadata, True)
-    index = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
-             for i, info in reader.storage_data.items()}
+    checkpoint written before it): then DCP's planner is the way.
+
+    ``check``: every item read is hashed (on the reading threads) and compared with its
+    recorded sum before anything is returned; a difference raises DamagedCheckpoint,
+    with the destination tensors already overwritten."""
+    found = _exact_chunks(reader, tensors, objects)
+    if found is None:
+        return None
     ranges: list[_Range] = []
+    checks: list[tuple[str, _StorageInfo, memoryview]] = []  # (name, item, its bytes)
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch, destination)
-    for (fqn, offset), target in tensors.items():
-        info = index.get((fqn, offset))
-        saved = reader._chunks.get((fqn, offset))
-        if (info is None or saved is None or RAW not in (info.transform_descriptors or ())
-                or saved != (tuple(target.shape), target.dtype)):
-            return None
-        scratch = target
-        if (target.device.type != "cpu" or not target.is_contiguous()
-                or type(target) is not torch.Tensor):  # a subclass: its own copy_
-            scratch = torch.empty(target.shape, dtype=target.dtype,
-                                  pin_memory=target.device.type == "cuda")
-            copies.append((scratch, target))
-        dest = tensor_bytes(scratch)
+    buffers: dict[str, bytearray] = {}
+    for key, info in found.items():
+        if isinstance(key, str):
+            buffers[key] = bytearray(info.length)
+            dest = memoryview(buffers[key])
+        else:
+            target = scratch = tensors[key]
+            if (target.device.type != "cpu" or not target.is_contiguous()
+                    or type(target) is not torch.Tensor):  # a subclass: its own copy_
+                scratch = torch.empty(target.shape, dtype=target.dtype,
+                                      pin_memory=target.device.type == "cuda")
+                copies.append((scratch, target))
+            dest = tensor_bytes(scratch)
         path = posixpath.join(reader._root, info.relative_path)
         for piece in range(0, len(dest), READ_PIECE):
             ranges.append(_Range(path, info.offset + piece, dest[piece:piece + READ_PIECE]))
-    found: dict[str, bytearray] = {}
-    for name in objects:
-        info = index[(name, None)]
-        found[name] = bytearray(info.length)
-        ranges.append(_Range(posixpath.join(reader._root, info.relative_path), info.offset,
-                             memoryview(found[name])))
+        checks.append((key if isinstance(key, str) else key[0], info, dest))
     reader._read(ranges)
+    if check:
+        _check_sums(checks, reader._root, reader.threads)
     for scratch, target in copies:
         target.copy_(scratch, non_blocking=True)
-    return {name: bytes(buf) for name, buf in found.items()}
+    return {name: bytes(buf) for name, buf in buffers.items()}
+
+
+def _check_sums(items: list[tuple[str, _StorageInfo, memoryview]], root: str,
+                threads: int) -> None:
+    """Hashes each item's bytes as read, ``threads`` at a time (hashlib lets go of the
+    GIL), and raises DamagedCheckpoint naming every item whose sum differs."""
+    def damaged(item) -> str | None:
+        name, info, data = item
+        expected = item_sum(info)
+        if expected is None:
+            raise ValueError(f"{info.relative_path}: {name} has no recorded sum to check")
+        if hashlib.sha256(data).hexdigest() == expected:
+            return None
+        return (f"{posixpath.join(root, info.relative_path)}: sha256 differs from the "
+                f"manifest in {name} (bytes {info.offset}-{info.offset + info.length}; "
+                f"corrupted)")
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        problems = [p for p in pool.map(damaged, sorted(items, key=lambda i: -len(i[2]))) if p]
+    if problems:
+        raise DamagedCheckpoint(problems)
 
 
 def load_unsharded(url: str, threads: int = 4) -> dict:

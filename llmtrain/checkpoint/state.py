@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from llmtrain.checkpoint.shards import ShardReader, read_in_place
+from llmtrain.checkpoint.shards import ShardReader, fits_in_place, read_in_place
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.model import global_offset, unwrapped_name
 
@@ -54,13 +54,22 @@ class TrainState:
         return {"model": model_sd, "optim": optim_sd, "trainer": self._trainer_bytes(step),
                 f"rng.{self.rank}": rng}
 
-    def load(self, url: str, *, threads: int = 4) -> tuple[int, bool, bool]:
-        """Loads the checkpoint at ``url`` (already verified) into the live objects,
-        ``threads`` parallel reads at a time.
+    def fits_in_place(self, url: str, *, checked: bool) -> bool:
+        """Whether :meth:`load` reads ``url`` in place (``checked``: checking every item's
+        sum as it reads it). ``url``'s ``.metadata`` must be verified already."""
+        reader = ShardReader(url)
+        plan = self._in_place(reader, self._objects(reader))
+        return plan is not None and fits_in_place(reader, *plan, checked=checked)
+
+    def load(self, url: str, *, threads: int = 4, check: bool = False) -> tuple[int, bool, bool]:
+        """Loads the checkpoint at ``url`` (already verified, but for what ``check``
+        leaves to this load) into the live objects, ``threads`` parallel reads at a time.
 
         When every saved shard of this rank's state has the place and shape of a live one
         (a restart at the world size it was saved at), the shards are read straight into
-        the live parameters and optimizer state with no planning at all. Otherwise (a
+        the live parameters and optimizer state with no planning at all; ``check`` (only
+        where :meth:`fits_in_place` said so) compares every item with its sum as it is
+        read, and raises DamagedCheckpoint before anything is unpickled. Otherwise (a
         resharding load, a checkpoint in the format before raw shards) DCP plans it: each
         rank alone (``no_dist``: a load needs no agreement between ranks, so DCP's
         exchange of pickled plans is skipped, and the caller agrees on the outcome).
@@ -70,13 +79,13 @@ class TrainState:
         planned the load.
         """
         reader = ShardReader(url, threads=threads)
-        saved = reader.read_metadata().state_dict_metadata
-        rng_key = f"rng.{self.rank}"
-        objects = ["trainer", *([rng_key] if rng_key in saved else [])]
-        values = self._load_in_place(reader, saved, objects)
+        objects = self._objects(reader)
+        plan = self._in_place(reader, objects)
+        values = None if plan is None else self._load_in_place(reader, *plan, check=check)
         planned = values is None
         if planned:
             values = self._load_planned(reader, objects)
+        rng_key = f"rng.{self.rank}"
         trainer = json.loads(values["trainer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.load_state_dict(trainer["data"])
@@ -84,21 +93,32 @@ class TrainState:
             _set_rng_state(torch.load(io.BytesIO(values[rng_key]), weights_only=True))
         return trainer["step"], rng_key in values, planned
 
-    def _load_in_place(self, reader: ShardReader, saved: dict,
-                       objects: list[str]) -> dict[str, bytes] | None:
-        """The load with no planning (see :meth:`load`): {name: bytes} of ``objects``,
-        with the optimizer's hyperparameters set; None when the checkpoint's keys or
-        shards do not match the live state one for one (nothing was read then)."""
+    def _objects(self, reader: ShardReader) -> list[str]:
+        """The non-tensor items this rank loads: the trainer's, and its RNG if saved."""
+        rng_key = f"rng.{self.rank}"
+        return ["trainer", *([rng_key] if rng_key in reader.read_metadata().state_dict_metadata
+                             else [])]
+
+    def _in_place(self, reader: ShardReader, objects: list[str]) -> tuple[dict, list] | None:
+        """(live shards, items to read with them) when the checkpoint's model and
+        optimizer keys match the live state's one for one; None when not."""
         tensors = _live_shards(self.model, self.optimizer)
         if tensors is None:
             return None
         groups = [f"optim.param_groups.{i}.{k}"
                   for i, g in enumerate(self.optimizer.param_groups) for k in g if k != "params"]
-        saved_keys = {k for k in saved if k.startswith(("model.", "optim."))
-                      and not k.endswith(".params")}
+        saved_keys = {k for k in reader.read_metadata().state_dict_metadata
+                      if k.startswith(("model.", "optim.")) and not k.endswith(".params")}
         if saved_keys != {fqn for fqn, _ in tensors} | set(groups):
             return None
-        got = read_in_place(reader, tensors, [*objects, *groups])
+        return tensors, [*objects, *groups]
+
+    def _load_in_place(self, reader: ShardReader, tensors: dict, items: list[str], *,
+                       check: bool) -> dict[str, bytes] | None:
+        """The load with no planning (see :meth:`load`): {name: bytes} of the objects,
+        with the optimizer's hyperparameters set; None when a shard has no saved chunk of
+        its place and shape (nothing was read then)."""
+        got = read_in_place(reader, tensors, items, check=check)
         if got is None:
             return None
         with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles every object
@@ -106,7 +126,7 @@ class TrainState:
         for i, group in enumerate(self.optimizer.param_groups):
             group.update({k: values[f"optim.param_groups.{i}.{k}"] for k in group
                           if k != "params"})
-        return {k: values[k].getvalue() for k in objects}
+        return {k: values[k].getvalue() for k in items if not k.startswith("optim.")}
 
     def _load_planned(self, reader: ShardReader, objects: list[str]) -> dict[str, bytes]:
         """The load DCP plans (see :meth:`load`). Tensors are read straight into the live

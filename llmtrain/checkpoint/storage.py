@@ -7,11 +7,15 @@ Layout of one checkpoint, ``<checkpoint url>/step-00000100/``::
                        bytes, see :mod:`llmtrain.checkpoint.shards`
     .metadata          DCP's index of the shards (a pickle)
     MANIFEST.json      written last, by rank 0, once every rank's files are written:
-                       step, world, config digest, timings, and each file's size and sha256
+                       step, world, config digest, timings, and each file's size and sum:
+                       ``sha256`` of the file (``.metadata``, checkpoints before item sums),
+                       or ``items_sha256`` of a shard file: the sha256 of its items' own
+                       sha256 digests in file order, each recorded with its item in
+                       ``.metadata``
 
-The commit protocol: each rank hashes its shards *while writing them* (no read-back) and
-hands the sums to the coordinator inside DCP's own gather of write results; after DCP has
-written ``.metadata``, the coordinator writes ``MANIFEST.json`` with
+The commit protocol: each rank hashes its shards *while writing them* (no read-back), item
+by item, and hands the sums to the coordinator inside DCP's own gather of write results;
+after DCP has written ``.metadata``, the coordinator writes ``MANIFEST.json`` with
 :func:`llmtrain.fsio.write_atomic` (see there for what each storage kind guarantees). A
 directory without a manifest is incomplete and never loaded.
 
@@ -21,6 +25,11 @@ code. :func:`verify` checks every file against the manifest before DCP opens any
 them, which protects against corruption and files swapped in from elsewhere; it cannot
 protect against someone able to rewrite the manifest too. Only resume from storage the
 job's own identity controls.
+
+Item sums let a reader check exactly the bytes it reads: a restart at the saved world size
+checks each item as it loads it (:func:`llmtrain.checkpoint.shards.read_in_place`) and
+reads the checkpoint once, where a whole-file check must read every file before the load
+reads it again.
 """
 
 from __future__ import annotations
@@ -54,12 +63,16 @@ def step_dir(root: str, step: int) -> str:
 
 
 class _HashingStream:
-    """Passes writes through, hashing each piece (sha256, size) in the writing thread
-    just before it is written, while it is still in the CPU cache."""
+    """Passes writes through, hashing each piece in the writing thread just before it is
+    written, while it is still in the CPU cache: plain writes into the file's sha256,
+    ``write_item`` into the item's own (a file is written one way or the other)."""
+
+    PIECE = 4 << 20  # well inside L2/L3
 
     def __init__(self, stream):
         self._stream = stream
         self._sha = hashlib.sha256()
+        self._items: list[bytes] = []
         self.size = 0
 
     def write(self, data) -> int:
@@ -68,8 +81,23 @@ class _HashingStream:
         self.size += len(view)
         return self._stream.write(view)
 
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+    def write_item(self, data) -> str:
+        """Writes one stored item; returns its sha256 (hex)."""
+        view = memoryview(data).cast("B")
+        sha = hashlib.sha256()
+        for start in range(0, len(view), self.PIECE):
+            piece = view[start:start + self.PIECE]
+            sha.update(piece)
+            self._stream.write(piece)
+        self.size += len(view)
+        self._items.append(sha.digest())
+        return sha.hexdigest()
+
+    def sums(self) -> dict[str, Any]:
+        if self._items:
+            assert self._sha.digest() == hashlib.sha256().digest(), "items and plain writes"
+            return {"size": self.size, "items_sha256": items_sha256(self._items)}
+        return {"size": self.size, "sha256": self._sha.hexdigest()}
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -102,8 +130,7 @@ class _HashingFileSystem(FileSystem):
             if local:
                 stream.flush()
                 os.fsync(stream.fileno())
-            self.sums[posixpath.basename(os.fspath(path))] = {
-                "size": hashed.size, "sha256": hashed.hexdigest()}
+            self.sums[posixpath.basename(os.fspath(path))] = hashed.sums()
 
 
 class CommitWriter(FsspecWriter):
@@ -224,19 +251,57 @@ def retention_victims(ckpts: list[CheckpointInfo], keep_last: int,
     return [c for c in ckpts if c.step not in keep and (c.committed or c.step < newest)]
 
 
-def _sha256(fs, path: str) -> str:
+def items_sha256(digests: list[bytes]) -> str:
+    """A shard file's sum in the manifest: the sha256 of its items' sha256 digests."""
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def _sha256(fs, path: str, start: int = 0, length: int | None = None) -> str:
     sha = hashlib.sha256()
     with fs.open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
+        f.seek(start)
+        left = fs.size(path) - start if length is None else length
+        while left > 0 and (chunk := f.read(min(left, 8 << 20))):
             sha.update(chunk)
+            left -= len(chunk)
     return sha.hexdigest()
 
 
-def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1)) -> list[str]:
+def _items(url: str, root: str, fs, manifest: dict) -> dict[str, list] | str:
+    """{shard file: [(first byte, length, name, sha256) of each item, in file order]} from
+    ``.metadata``, once its own sum matches the manifest's (it is unpickled); a string
+    saying why not otherwise."""
+    meta = manifest["files"].get(".metadata", {})
+    path = posixpath.join(root, ".metadata")
+    if not fs.exists(path) or fs.size(path) != meta.get("size") or \
+            _sha256(fs, path) != meta.get("sha256"):
+        return f"{url}/.metadata: damaged, so the item sums cannot be checked"
+    out: dict[str, list] = {}
+    for index, info in shards.ShardReader(url).read_metadata().storage_data.items():
+        out.setdefault(info.relative_path, []).append(
+            (info.offset, info.length, index.fqn, shards.item_sum(info)))
+    return {name: sorted(items) for name, items in out.items()}
+
+
+def _damaged_items(url: str, fs, path: str, name: str, items: list, expect: str) -> list[str]:
+    """The items of one shard file whose bytes differ from their sums."""
+    problems = [f"{url}/{name}: sha256 differs from the manifest in {fqn} (bytes "
+                f"{start}-{start + length}; corrupted)"
+                for start, length, fqn, digest in items
+                if _sha256(fs, path, start, length) != digest]
+    if not problems and items_sha256([bytes.fromhex(d) for *_, d in items]) != expect:
+        problems.append(f"{url}/{name}: its item sums differ from the manifest's")
+    return problems
+
+
+def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
+           items: bool = True) -> list[str]:
     """What is wrong with the checkpoint at ``url`` (empty when it verifies).
 
-    Sizes are always checked, sha256 sums when ``checksums``. ``part=(i, n)`` checks only
-    every n-th file starting at i, so n ranks can share the reading of a large checkpoint.
+    Sizes are always checked, sums when ``checksums``: a shard file item by item against
+    the sums in ``.metadata`` (``items=False`` leaves that to the reader, which checks
+    each item it reads), any other file whole. ``part=(i, n)`` checks only every n-th
+    file starting at i, so n ranks can share the reading of a large checkpoint.
     """
     manifest = read_manifest(url)
     if manifest is None:
@@ -246,6 +311,7 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1)) -> list
     fs, root = fsspec.core.url_to_fs(url)
     problems = []
     index, count = part
+    table = None  # the item sums, read once when a shard file needs them
     for name, expect in list(manifest["files"].items())[index::count]:
         path = posixpath.join(root, name)
         try:
@@ -255,8 +321,18 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1)) -> list
             continue
         if size != expect["size"]:
             problems.append(f"{url}/{name}: {size} bytes, manifest says {expect['size']}")
-        elif checksums and _sha256(fs, path) != expect["sha256"]:
-            problems.append(f"{url}/{name}: sha256 differs from the manifest (corrupted)")
+        elif not checksums:
+            continue
+        elif "items_sha256" not in expect:
+            if _sha256(fs, path) != expect["sha256"]:
+                problems.append(f"{url}/{name}: sha256 differs from the manifest (corrupted)")
+        elif items:
+            table = table or _items(url, root, fs, manifest)
+            if isinstance(table, str):
+                problems.append(table)
+            else:
+                problems += _damaged_items(url, fs, path, name, table.get(name, []),
+                                           expect["items_sha256"])
     return problems
 
 

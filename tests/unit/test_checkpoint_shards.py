@@ -103,9 +103,10 @@ def test_raw_items_round_trip_on_local_disk_and_in_batched_ranges(tmp_path, monk
              no_dist=True)
     assert storage.verify(url, checksums=True) == []
     reader = ShardReader(url, threads=3)
-    descriptors = {i.transform_descriptors and tuple(i.transform_descriptors)
-                   for i in reader.read_metadata().storage_data.values()}
-    assert descriptors == {(RAW,), None}  # tensors raw; the BytesIO as DCP writes it
+    items = reader.read_metadata().storage_data
+    # every item has its sum; the tensors are raw, the BytesIO as it is
+    assert all(shards.item_sum(i) for i in items.values())
+    assert sorted(RAW in i.transform_descriptors for i in items.values()) == [False] + [True] * 5
     got = empty_like(want)
     monkeypatch.setattr(shards, "READ_PIECE", 4096)
     dcp.load(got, storage_reader=reader, no_dist=True)
@@ -129,3 +130,33 @@ def test_a_truncated_shard_fails_the_load(tmp_path):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(BaseException, match="truncated"):
         dcp.load({"w": torch.zeros(1000)}, storage_reader=ShardReader(url), no_dist=True)
+
+
+def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_place(tmp_path):
+    """Item sums: ``verify`` names the damaged item, and an in-place read that checks its
+    items raises before returning anything, naming the same one; unchecked it reads."""
+    url = str(tmp_path / "ck")
+    want = state()
+    dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, thread_count=1),
+             no_dist=True)
+    info = next(i for k, i in ShardReader(url).read_metadata().storage_data.items()
+                if k.fqn == "w")
+    shard = tmp_path / "ck" / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + 1234] ^= 0x10
+    shard.write_bytes(bytes(data))
+    (problem,) = storage.verify(url, checksums=True)
+    assert f"{info.relative_path}: sha256 differs from the manifest in w " in problem
+    assert storage.verify(url, checksums=True, items=False) == []  # left to the reader
+
+    tensors = {(k, (0,) * v.ndim): torch.zeros(v.shape, dtype=v.dtype)
+               for k, v in want.items() if isinstance(v, torch.Tensor)}
+    reader = ShardReader(url)
+    assert shards.fits_in_place(reader, tensors, ["blob"], checked=True)
+    with pytest.raises(shards.DamagedCheckpoint) as damaged:
+        shards.read_in_place(reader, tensors, ["blob"], check=True)
+    assert [p.split("/")[-1] for p in damaged.value.problems] == [
+        problem.split("/")[-1]]
+    got = shards.read_in_place(ShardReader(url), tensors, ["blob"])
+    assert list(got) == ["blob"] and not torch.equal(tensors[("w", (0, 0))], want["w"])
+    assert torch.equal(tensors[("t", (0, 0))], want["t"])
