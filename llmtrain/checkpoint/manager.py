@@ -251,8 +251,8 @@ class CheckpointManager:
                 in_place = all(self._agree(lambda: state.fits_in_place(url, checked=checksums),
                                            step))
                 if checksums and not in_place:  # the items, before DCP reads parts of them
-                    problems = self._problems(lambda: storage.verify(url, checksums=True,
-                                                                     part=part), step)
+                    problems = self._problems(lambda: storage.verify(
+                        url, checksums=True, part=part, whole=False), step)
             if problems:
                 self._quarantine(step, problems)
                 continue

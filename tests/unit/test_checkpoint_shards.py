@@ -148,6 +148,7 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     (problem,) = storage.verify(url, checksums=True)
     assert f"{info.relative_path}: sha256 differs from the manifest in w " in problem
     assert storage.verify(url, checksums=True, items=False) == []  # left to the reader
+    assert storage.verify(url, checksums=True, whole=False) == [problem]  # items only
 
     tensors = {(k, (0,) * v.ndim): torch.zeros(v.shape, dtype=v.dtype)
                for k, v in want.items() if isinstance(v, torch.Tensor)}

@@ -53,6 +53,8 @@ def test_verify_names_each_kind_of_damage(root):
     assert any(".metadata: missing" in p for p in problems)
     # sizes only: the flipped byte goes unnoticed, the rest does not
     assert len(storage.verify(url, checksums=False)) == 2
+    # whole-file sums left out (an item check after them): the same
+    assert storage.verify(url, checksums=True, whole=False) == storage.verify(url, checksums=False)
     # shared between two ranks: each checks a disjoint half, together all of it
     halves = [storage.verify(url, checksums=True, part=(i, 2)) for i in (0, 1)]
     assert sorted(halves[0] + halves[1]) == sorted(problems) and all(halves)
