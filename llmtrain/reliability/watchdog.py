@@ -239,6 +239,11 @@ class Watchdog:
             return "hang", (f"rank {self.rank} made no progress for {age:.0f} s (last: "
                             f"{self.phase} {self.step}; hang timeout "
                             f"{self.progress_timeout:.0f} s)")
+        if self.phase == "recover":
+            # In a warm recovery a silent peer is what the recovery is about: its agreement
+            # names the lost ranks, and its budget (warm.budget_s) bounds the wait for the
+            # spares that replace them, however slowly they join.
+            return None
         # rank 0 watches every rank (through the node summaries), rank 1 watches rank 0
         if self.rank == 1:
             for r, beat in self.plane.beats([0]).items():

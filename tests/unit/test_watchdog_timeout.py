@@ -1,3 +1,4 @@
+import json
 import time
 
 import torch.distributed as dist
@@ -68,4 +69,23 @@ def test_waiting_for_a_peer_in_a_declared_long_phase_is_no_hang(tmp_path):
     assert w._detect() is None
     peer.beat(2, "step")
     peer._tick()
+    assert w._detect()[0] == "hang"
+
+
+def test_a_silent_peer_is_no_hang_while_this_rank_recovers_it_warm(tmp_path):
+    """Rank 1 watches rank 0's heartbeat; while rank 1 is in a warm recovery, rank 0's
+    silence is what it recovers from (the spare taking its place may be slow to beat)."""
+    store = dist.HashStore()
+    cfg = ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60, heartbeat_interval_s=0.1)
+    w = Watchdog(cfg, store, str(tmp_path), events=None, rank=1, world_size=2)
+    peer = Watchdog(cfg, store, str(tmp_path), events=None, rank=0, world_size=2)
+    for watchdog in (w, peer):
+        watchdog.beat(1, "step")
+    peer._tick()
+    published = json.loads(store.get("hb/0"))
+    store.set("hb/0", json.dumps({**published, "wall": published["wall"] - 10}))
+    assert "rank 0 sent no heartbeat for 10 s" in w._detect()[1]
+    w.beat(1, "recover", long=True)
+    assert w._detect() is None
+    w.beat(2, "step")
     assert w._detect()[0] == "hang"
