@@ -151,6 +151,9 @@ class Trainer:
             job = connect_store(self.world, cfg.reliability) if plan is None else None
             self.warm = self._warm_path(job, plan)
             store = job if plan is None else self.warm.group_store()
+        if plan is not None:
+            fault_points.point("spare_assigned", plan["step"])
+            self.warm.assemble(time.monotonic() + cfg.warm.budget_s)
         self._form_group(store, "startup" if plan is None else "restart")
         self.integrity = Integrity(
             cfg.integrity, events=self.events, device=self.device, rank=self.world.rank,
@@ -523,6 +526,7 @@ class Trainer:
         self.beat("recover", long=True)
         self.events.emit("failure", step=self.step, error=f"{type(error).__name__}: {error}"[:500],
                          path="warm")
+        plan = None
         try:
             if not self.snapshots.stop(max(0.0, deadline - time.monotonic())):
                 raise ColdPath("the snapshot thread is stuck in a collective")
@@ -534,6 +538,7 @@ class Trainer:
             if self.watchdog is not None:
                 self.watchdog.new_generation()
             self.warm.gen = plan.gen
+            self.warm.assemble(deadline)
             self._form_group(self.warm.group_store(), category="restart")
             if self.checkpoints is not None:
                 self.checkpoints.bind_groups()
@@ -543,7 +548,7 @@ class Trainer:
         except (ColdPath, SnapshotError, TimeoutError, RuntimeError) as e:
             self.events.emit("warm_recovery_failed", step=self.step,
                              reason=f"{type(e).__name__}: {e}"[:500])
-            if not isinstance(e, ColdPath):  # a plan was made and failed
+            if plan is not None:  # a plan was made and failed
                 self.warm.give_up()
             return False
         self.snapshots.start(replication)

@@ -27,10 +27,13 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            off by one part in 2**20 (faulty arithmetic)
     bitflip@replica:rank=0                 rank 0 flips a bit of the peer's snapshot replica
                                            it is about to hand to a warm spare
+    kill@spare_assigned                    a warm spare dies as soon as it is assigned a
+                                           lost rank, before it joins the survivors
 
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 ``replica`` (a buddy about to send a lost rank's snapshot replica to its warm
-replacement; ``step`` is the snapshot's), ``checkpoint_write`` (inside a rank's DCP
+replacement; ``step`` is the snapshot's), ``spare_assigned`` (a warm spare given a lost
+rank's place; ``step`` is the snapshot it will restore), ``checkpoint_write`` (inside a rank's DCP
 shard write, in the background writer), ``resume`` (a verified checkpoint about to be
 loaded; ``step`` is the checkpoint's), ``prepare_shard`` (``llmtrain data prepare``
 about to write a shard; ``step`` counts the shards of its process, from 1). Keys:
@@ -61,7 +64,8 @@ from llmtrain.config import ConfigError
 
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
            "badmath")
-POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica")
+POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica",
+          "spare_assigned")
 
 
 class FaultSpecError(ConfigError):

@@ -34,6 +34,7 @@ when a round has waited for nodes for ``STANDBY_GRACE_S``: a node is gone.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -109,24 +110,23 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
         return gate
     started = time.time()
     events = EventLog(run_dir, rank=None)
+    vacancy = False  # a cold restart's round lacks a node, and this one holds its place
     if lc.standby and cfg.warm.enable and lc.external_store:
         events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id, spare="warm")
         # Waits warm; takes a lost rank's place in the running job. If the warm path
         # fails, the job restarts cold and this node joins that as a standby.
-        spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
-                                 env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
-                                      lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
-        signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
-        rc = spare.wait()
-        code = (ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
-                if rc == ExitCode.CLEAN or finished(EventTail(
-                    run_dir, keep=frozenset({"run_end"})).read(), cfg.training.steps, started)
-                else ExitCode.RETRYABLE if signalled else None)  # preempted: leave
+        rc, signalled = serve_warm(cfg, lc, host, train_args, started)
+        vacancy = rc is None
+        code = None if vacancy else (
+            ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
+            if rc == ExitCode.CLEAN or finished(EventTail(
+                run_dir, keep=frozenset({"run_end"})).read(), cfg.training.steps, started)
+            else ExitCode.RETRYABLE if signalled else None)  # preempted: leave
         if code is not None:
             events.emit("node_exit", host=host, spare_exit=rc, exit_code=int(code))
             events.close()
             return code
-    if lc.standby and not await_vacancy(lc, run_dir, cfg.training.steps, started):
+    if lc.standby and not vacancy and not await_vacancy(lc, run_dir, cfg.training.steps, started):
         events.emit("spare_released", host=host)
         events.close()
         return ExitCode.CLEAN  # the job finished without needing this spare
@@ -204,36 +204,107 @@ def _wait_agent(proc: subprocess.Popen, run_dir: str, steps: int, since: float) 
     return rc
 
 
+class Vacancies:
+    """The job's rendezvous as a spare sees it. A round is short when it has waited for
+    nodes for ``STANDBY_GRACE_S`` (forming with fewer than the minimum, or running with
+    fewer than the maximum); a spare takes a ticket for its place, so that no more spares
+    join a round than it lacks nodes. ``restarts_only``: only a restart's round counts
+    (not the first, whose nodes may still be starting, nor a running one, which a warm
+    recovery may have left with a dead node's agent missing)."""
+
+    def __init__(self, lc: LaunchConfig, restarts_only: bool = False):
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        host, _, port = lc.rdzv_endpoint.rpartition(":")
+        self.store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                                   timeout=datetime.timedelta(seconds=lc.join_timeout_s))
+        self.backend = C10dRendezvousBackend(self.store, lc.rdzv_id)
+        self.rdzv_id, self.restarts_only = lc.rdzv_id, restarts_only
+        lo, _, hi = lc.nnodes.partition(":")
+        self.min_nodes, self.max_nodes = int(lo), int(hi or lo)
+        self.short_since: float | None = None
+        self.refused: str | None = None  # the round whose places other spares took
+
+    def _missing(self):
+        """(the round's ticket key, nodes it lacks) or None."""
+        import pickle
+        got = self.backend.get_state()
+        state = pickle.loads(got[0]) if got else None  # torch's own rendezvous state
+        if state is None or state.closed or (self.restarts_only and state.round == 0):
+            return None
+        have = len(state.participants)
+        lack = (self.min_nodes - have if not state.complete and have else
+                self.max_nodes - have if state.complete and not self.restarts_only else 0)
+        return (f"llmtrain/vacancy/{self.rdzv_id}/{state.round}/{have}", lack) if lack > 0 \
+            else None
+
+    def claim(self) -> bool:
+        """True once a round has been short for the grace and this spare holds one of
+        the places it lacks."""
+        missing = self._missing()
+        now = time.monotonic()
+        self.short_since = (self.short_since or now) if missing else None
+        if not missing or now - self.short_since < STANDBY_GRACE_S or missing[0] == self.refused:
+            return False
+        key, lack = missing
+        if self.store.add(key, 1) <= lack:
+            return True
+        self.refused = key
+        return False
+
+
 def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> bool:
     """Waits, as a spare, until the job's rendezvous is short of nodes (True), or the job
     has finished (False)."""
-    import datetime
-    import pickle
-
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-    host, _, port = lc.rdzv_endpoint.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
-                          timeout=datetime.timedelta(seconds=lc.join_timeout_s))
-    backend = C10dRendezvousBackend(store, lc.rdzv_id)
-    min_nodes, _, max_nodes = lc.nnodes.partition(":")
-    short_since = None
+    vacancies = Vacancies(lc)
     ends = EventTail(run_dir, keep=frozenset({"run_end"}))  # each poll reads what is new
     while True:
-        got = backend.get_state()
-        state = pickle.loads(got[0]) if got else None
-        short = state is not None and not state.closed and (
-            (not state.complete and 0 < len(state.participants) < int(min_nodes))
-            or (state.complete and len(state.participants) < int(max_nodes or min_nodes)))
-        now = time.monotonic()
-        short_since = (short_since or now) if short else None
-        if short_since is not None and now - short_since >= STANDBY_GRACE_S:
+        if vacancies.claim():
             return True
         if finished(ends.read(), steps, since):
             return False
         time.sleep(0.5)
+
+
+def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
+               since: float) -> tuple[int | None, list[int]]:
+    """A warm spare: ``llmtrain spare`` imports torch and builds the model once, then waits
+    for a plan on its stdin, while this launcher holds its place in the job's pool and
+    hands it the plan that assigns it a lost rank. Returns the spare's exit code and the
+    signals forwarded to it; the code is CLEAN if the job finished without it, and None
+    when a cold restart's round lacks a node (the warm path could not replace one): the
+    spare left the pool, and this node holds a place in that round."""
+    from llmtrain.recovery.warm import assignment, job_namespace, join_pool, leave_pool
+    vacancies = Vacancies(lc, restarts_only=True)
+    pool = job_namespace(vacancies.store, lc.rdzv_id)
+    spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
+                             stdin=subprocess.PIPE, text=True,
+                             env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
+                                  lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
+    signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
+    number = join_pool(pool)
+    ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
+    looked = time.monotonic()
+    while spare.poll() is None:
+        plan = assignment(pool, number)
+        if plan is not None:
+            spare.stdin.write(json.dumps(plan) + "\n")
+            spare.stdin.close()
+            return spare.wait(), signalled
+        if time.monotonic() - looked > 0.5:
+            looked = time.monotonic()
+            done = finished(ends.read(), cfg.training.steps, since)
+            if (done or vacancies.claim()) and leave_pool(pool, number):
+                spare.stdin.close()  # end of input: the spare exits CLEAN
+                spare.wait()
+                return (ExitCode.CLEAN if done else None), signalled
+        time.sleep(0.05)
+    leave_pool(pool, number)  # it died waiting (a signal): no survivor may count on it
+    return spare.returncode, signalled
 
 
 def finished(events: list[dict], steps: int, since: float) -> bool:

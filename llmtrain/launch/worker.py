@@ -4,22 +4,19 @@ train, record how it ended, and tell the agent when a restart would not help."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import sys
-import time
-from datetime import timedelta
 
 import torch
 
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import ShardError
 from llmtrain.distributed.process_group import node_name
-from llmtrain.events import EventLog, EventTail
+from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
-from llmtrain.launch.node import finished
 from llmtrain.model import Transformer
-from llmtrain.recovery.warm import await_assignment, outside_store
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.integrity import TrainingDiverged
 from llmtrain.trainer import Trainer
@@ -64,21 +61,19 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
 
 
 def run_spare(cfg: JobConfig) -> ExitCode:
-    """A warm spare (``llmtrain spare``, started by a standby ``llmtrain launch``): torch
-    and llmtrain already imported, the store connected, it waits for the survivors of a
-    lost rank to assign it that rank, then trains in its place. CLEAN if the job ended
-    without needing it."""
-    store = outside_store(timedelta(seconds=cfg.warm.budget_s))
-    if store is None:
+    """A warm spare (``llmtrain spare``, started by a standby ``llmtrain launch``, which
+    holds its place in the job's pool): torch and llmtrain already imported, it waits for
+    the plan that assigns it a lost rank (one JSON line on stdin), then trains in that
+    rank's place. CLEAN if its input ends first: the job no longer needs it warm."""
+    if "LLMTRAIN_RDZV_ENDPOINT" not in os.environ:
         raise ConfigError("llmtrain spare needs the rendezvous store's address in "
                           "LLMTRAIN_RDZV_ENDPOINT (run it under llmtrain launch --standby)")
     with torch.device("meta"):  # the first model build pays one-time costs: pay them now
         Transformer(cfg.model)
-    since = time.time()
-    ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
-    plan = await_assignment(store, stop=lambda: finished(ends.read(), cfg.training.steps, since))
-    if plan is None:
+    line = sys.stdin.readline()
+    if not line:
         return ExitCode.CLEAN
+    plan = json.loads(line)
     os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     return run_worker(cfg, plan)

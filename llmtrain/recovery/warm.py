@@ -14,6 +14,11 @@ refused, and every survivor takes the cold path (exit RETRYABLE, torchrun restar
 job from the durable checkpoint), when a lost rank's buddy is lost too, when no step is
 held by every survivor and by every lost rank's buddy, or when no spare is waiting.
 
+A spare leaves the pool when the job ends, or when a cold restart's round waits for a node
+it lacks (the warm path could not replace one): then it joins that round as a node. Each
+spare's slot is claimed or withdrawn by one ``compare_set``, so a spare is never both
+claimed by a survivor and gone.
+
 Why not torchft or nvidia-resiliency-ext's in-process restart: torchft drops a failed
 replica group and trains on with fewer (so not bitwise equal to a fault-free run, and a
 plain FSDP job has no replica to drop) behind a per-step quorum with its own lighthouse
@@ -87,8 +92,29 @@ def job_namespace(store: dist.Store, rdzv_id: str) -> dist.Store:
 
 
 def spares_waiting(store: dist.Store) -> int:
-    """Spares registered and not yet claimed, in a job's namespace."""
-    return store.add("spares/registered", 0) - store.add("spares/claimed", 0)
+    """Spares in a job's pool, neither claimed nor withdrawn."""
+    return (store.add("spares/registered", 0) - store.add("spares/claimed", 0)
+            - store.add("spares/left", 0))
+
+
+def join_pool(store: dist.Store) -> int:
+    """A spare's number in the job's pool; its plan will come to ``spares/<number>/plan``."""
+    return store.add("spares/registered", 1)
+
+
+def leave_pool(store: dist.Store, number: int) -> bool:
+    """Takes spare ``number`` out of the pool (the job ended, or a cold restart needs it as
+    a node). False when a survivor claimed it first: its plan is on the way."""
+    if store.compare_set(f"spares/{number}/state", "", "left").decode() != "left":
+        return False
+    store.add("spares/left", 1)
+    return True
+
+
+def assignment(store: dist.Store, number: int) -> dict | None:
+    """Spare ``number``'s plan (with its ``rank``) once a survivor has written it."""
+    key = f"spares/{number}/plan"
+    return json.loads(store.get(key)) if store.check([key]) else None
 
 
 def round_of(job_store: dist.Store) -> str:
@@ -146,6 +172,20 @@ class WarmPath:
             raise ColdPath(f"rank {self.rank} reported too late and was counted as lost")
         return plan
 
+    def assemble(self, deadline: float) -> None:
+        """Waits until every member of this generation (survivors and spares) has come to
+        form its group; ColdPath when one has not by ``deadline`` (a claimed spare that died
+        or is too slow), so that no rank waits in the group's creation for its much longer
+        timeout (``reliability.init_timeout_s``)."""
+        count = self._key("arrived")
+        seen = self.store.add(count, 1)
+        while seen < self.world_size:
+            if time.monotonic() > deadline:
+                raise ColdPath(f"{self.world_size - seen} member(s) of generation {self.gen} "
+                               f"did not come within warm.budget_s={self.cfg.budget_s}")
+            time.sleep(0.01)
+            seen = self.store.add(count, 0)
+
     def _propose(self, reports: dict[int, dict]) -> str:
         lost = [r for r in range(self.world_size) if r not in reports]
         if not lost:
@@ -173,18 +213,32 @@ class WarmPath:
             self._go_cold(proposal)
             return
         plan = Plan.from_json(proposal)
-        registered = self.store.add("spares/registered", 0)
+        taken, skipped = [], 0
         for r in plan.lost:
-            number = self.store.add("spares/claimed", 1)
-            if number > registered:  # unclaim: the spares that register later get used
-                self.store.add("spares/claimed", -len(plan.spares) - 1)
-                self._go_cold(f"cold:no warm spare waits for rank {r}")
-                return
-            plan.spares[str(r)] = number
+            while str(r) not in plan.spares:
+                number = self.store.add("spares/claimed", 1)
+                if number > self.store.add("spares/registered", 0):
+                    self._unclaim(taken, skipped)  # the spares that register later get used
+                    self._go_cold(f"cold:no warm spare waits for rank {r}")
+                    return
+                key = f"spares/{number}/state"
+                if self.store.compare_set(key, "", "claimed").decode() == "claimed":
+                    taken.append(number)
+                    plan.spares[str(r)] = number
+                else:  # withdrawn: it went to join a cold restart, or the job ended
+                    skipped += 1
+                    self.store.add("spares/left", -1)
         for r, number in plan.spares.items():
             self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
             self.store.add(f"replaced/{r}", 1)  # the lost rank's agent must not restart
         self.store.set(self._key("spares"), plan.to_json())
+
+    def _unclaim(self, taken: list[int], skipped: int) -> None:
+        """Puts the pool back as it was before a claim that found too few spares."""
+        for number in taken:
+            self.store.set(f"spares/{number}/state", "")
+        self.store.add("spares/left", skipped)
+        self.store.add("spares/claimed", -(len(taken) + skipped + 1))
 
     def give_up(self) -> None:
         """The plan failed after it was made (a replica failed its check, the budget ran
@@ -204,19 +258,3 @@ class WarmPath:
         except (dist.DistStoreError, RuntimeError):
             raise ColdPath(f"no plan within warm.budget_s={self.cfg.budget_s}") from None
         return self.store.get(key).decode()
-
-
-def await_assignment(store: dist.Store, stop, poll_s: float = 0.05) -> dict | None:
-    """A spare's wait: registers, then returns its plan (with its ``rank``), or None once
-    ``stop()`` says the job no longer needs it. (It polls with ``check``: a store ``wait``
-    that times out logs a warning each time.)"""
-    number = store.add("spares/registered", 1)
-    key = f"spares/{number}/plan"
-    asked = time.monotonic()
-    while not store.check([key]):
-        if time.monotonic() - asked > 1.0:  # the job's end is read once a second
-            if stop():
-                return None
-            asked = time.monotonic()
-        time.sleep(poll_s)
-    return json.loads(store.get(key))

@@ -105,3 +105,53 @@ def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, ref
     got = final_weights(c.run, STEPS)
     for name in reference:
         assert torch.equal(reference[name], got[name]), name
+
+
+def test_when_the_warm_path_goes_cold_the_waiting_spare_joins_the_restart(cluster, reference):
+    """No snapshot is held yet, so the warm path cannot replace the lost node and every
+    rank goes cold; the restart's round lacks that node, and the warm spare, never
+    claimed, leaves the pool and joins it as a node. The job ends with the weights of a
+    run that never failed."""
+    c = cluster("2:2", TRAIN)
+    never = ("--warm.snapshot_every", "1000")
+    for name in ("node1", "node2"):
+        c.start(name, *never)
+    c.start("spare", *never, spare=True)
+    wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
+                   where=lambda e: e["step"] == 20, timeout=180)
+    c.kill("node2")
+    for name in ("node1", "spare"):
+        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    failed = events(c.run, "warm_recovery_failed")
+    assert failed and all("no snapshot step" in e["reason"] for e in failed), failed
+    assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2, 2]
+    assert "spare" in {e["host"] for e in events(c.run, "startup")}
+    got = final_weights(c.run, STEPS)
+    for name in reference:
+        assert torch.equal(reference[name], got[name]), name
+
+
+def test_a_spare_that_dies_once_claimed_sends_the_job_cold_within_the_budget(cluster,
+                                                                          reference):
+    """The claimed spare dies before it joins: the survivor stops waiting for it when
+    warm.budget_s is spent (not after the group's 300 s creation timeout), every rank goes
+    cold, the spare's node joins the restart, and the weights match a run without faults."""
+    c = cluster("2:2", TRAIN)
+    budget = ("--warm.budget_s", "4")
+    for name in ("node1", "node2"):
+        c.start(name, *budget)
+    c.start("spare", *budget, "--reliability.faults", "kill@spare_assigned", spare=True)
+    wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
+                   where=lambda e: e["step"] == 20, timeout=180)
+    c.kill("node2")
+    for name in ("node1", "spare"):
+        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    failure = next(e for e in events(c.run, "failure") if e.get("path") == "warm")
+    failed = events(c.run, "warm_recovery_failed")
+    assert len(failed) == 1 and "did not come within warm.budget_s=4" in failed[0]["reason"]
+    assert failed[0]["ts"] - failure["ts"] < 4 + 1
+    assert not events(c.run, "warm_recovery")
+    assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2, 2]
+    got = final_weights(c.run, STEPS)
+    for name in reference:
+        assert torch.equal(reference[name], got[name]), name

@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.recovery.warm import (ColdPath, WarmPath, await_assignment, buddy_of,
-                                    spares_waiting)
+from llmtrain.recovery.warm import (ColdPath, WarmPath, assignment, buddy_of, join_pool,
+                                    leave_pool, spares_waiting)
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
@@ -80,8 +80,19 @@ def test_without_a_spare_it_goes_cold_and_the_next_spare_is_used():
     assert spares_waiting(store) == 0
 
 
-def test_a_spare_waits_for_its_plan_or_for_the_end():
+def test_a_spare_is_claimed_or_withdrawn_never_both():
+    """A spare leaves the pool to join a cold restart (or at the job's end) by the same
+    compare-and-set that claims it: the claim skips a withdrawn spare, a claimed spare
+    cannot withdraw, and a claim that finds too few spares leaves the pool as it was."""
     store = dist.HashStore()
-    threading.Timer(0.2, lambda: store.set("spares/1/plan", json.dumps({"rank": 3}))).start()
-    assert await_assignment(store, stop=lambda: False) == {"rank": 3}
-    assert await_assignment(store, stop=lambda: True) is None  # spare 2: the job ended
+    first = join_pool(store)
+    assert leave_pool(store, first) and spares_waiting(store) == 0
+    out = agree_all(store, {0: held([3], [3], 1)}, 2)
+    assert "no warm spare" in str(out[0]) and spares_waiting(store) == 0
+    second = join_pool(store)
+    assert spares_waiting(store) == 1
+    plan = agree_all(store, {0: held([7], [7], 1)}, 2, round_id="after the cold restart")[0]
+    assert plan.spares == {"1": second} and assignment(store, second)["rank"] == 1
+    assert assignment(store, first) is None
+    assert not leave_pool(store, second)  # claimed: its plan is what it gets
+    assert spares_waiting(store) == 0
