@@ -292,8 +292,11 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     while spare.poll() is None:
         plan = assignment(pool, number)
         if plan is not None:
-            spare.stdin.write(json.dumps(plan) + "\n")
-            spare.stdin.close()
+            try:
+                spare.stdin.write(json.dumps(plan) + "\n")
+                spare.stdin.close()
+            except BrokenPipeError:  # it died just now: the survivors go cold in budget
+                pass
             return spare.wait(), signalled
         if time.monotonic() - looked > 0.5:
             looked = time.monotonic()
