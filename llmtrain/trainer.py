@@ -528,8 +528,8 @@ class Trainer:
                          path="warm")
         plan = None
         try:
-            if not self.snapshots.stop(max(0.0, deadline - time.monotonic())):
-                raise ColdPath("the snapshot thread is stuck in a collective")
+            # an exchange with the lost peer may never end: it is left behind, not awaited
+            self.snapshots.stop(self.cfg.warm.settle_s)
             plan = self.warm.agree(self.snapshots.holdings(), deadline)
             agreed = time.time()
             if self.checkpoints is not None:

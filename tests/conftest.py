@@ -51,7 +51,7 @@ def wait_for_event(run_dir: Path, name: str, proc: subprocess.Popen, timeout: fl
         if proc.poll() is not None:
             out, err = proc.communicate()
             raise AssertionError(f"the job exited {proc.returncode} before a {name} event\n"
-                                 f"{out[-2000:]}\n{err[-4000:]}")
+                                 f"{(out or '')[-2000:]}\n{(err or '')[-4000:]}")
         time.sleep(0.2)
     raise AssertionError(f"no {name} event within {timeout} s")
 

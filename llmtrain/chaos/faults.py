@@ -29,10 +29,13 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            it is about to hand to a warm spare
     kill@spare_assigned                    a warm spare dies as soon as it is assigned a
                                            lost rank, before it joins the survivors
+    hang@replicate:step=12                 every rank's snapshot replication thread stops
+                                           (sleeps for ever) before exchanging step 12
 
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 ``replica`` (a buddy about to send a lost rank's snapshot replica to its warm
-replacement; ``step`` is the snapshot's), ``spare_assigned`` (a warm spare given a lost
+replacement; ``step`` is the snapshot's), ``replicate`` (a rank's replication thread about
+to exchange its snapshot of ``step`` with its buddy), ``spare_assigned`` (a warm spare given a lost
 rank's place; ``step`` is the snapshot it will restore), ``checkpoint_write`` (inside a rank's DCP
 shard write, in the background writer), ``resume`` (a verified checkpoint about to be
 loaded; ``step`` is the checkpoint's), ``prepare_shard`` (``llmtrain data prepare``
@@ -64,7 +67,7 @@ from llmtrain.config import ConfigError
 
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
            "badmath")
-POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica",
+POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica", "replicate",
           "spare_assigned")
 
 

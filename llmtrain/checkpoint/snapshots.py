@@ -14,6 +14,11 @@ are). The copy runs on the training thread (a memcpy); the checksum and the exch
 the buddy run on a thread of their own, over a gloo group used for nothing else. A snapshot
 due while the previous one is still being sent is skipped, so the training thread never
 waits for the network.
+
+Each generation of the job has its own replication thread. A peer that dies in the middle
+of a transfer can leave gloo waiting until the group's timeout (it has no abort), so a
+recovery does not wait for the thread: it is left behind with the abandoned group, and
+nothing it finishes later is kept.
 """
 
 from __future__ import annotations
@@ -88,7 +93,6 @@ class Snapshot:
     step: int
     header: dict
     buffer: torch.Tensor
-    replicated: bool = False
 
     def verify(self) -> None:
         if _crc(self.buffer[:self.header["nbytes"]]) != self.header["crc"]:
@@ -142,37 +146,36 @@ class Snapshots:
         self.every, self.rank, self.buddy, self.ward = every, rank, buddy, ward
         self.events = events
         self.own, self.replicas = _Slots(), _Slots()
-        self.group = None
         self.skipped = 0
         self._work: Snapshot | None = None
+        self._gen = 0  # the replication thread's generation; a stale thread keeps nothing
         self._wake = threading.Condition()
         self._idle = threading.Event()
         self._idle.set()
-        self._closed = False
         self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None
 
     # -- lifecycle (one replication group per generation of the job) ------------------
 
     def start(self, group) -> None:
         """Starts replicating over ``group`` (a gloo group of every rank)."""
-        self.group, self._closed, self.error = group, False, None
+        self._idle = threading.Event()
+        self._idle.set()
         if self.buddy is not None:
-            self._thread = threading.Thread(target=self._replicate, name="llmtrain-snapshots",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._replicate, args=(self._gen, group, self._idle),
+                name="llmtrain-snapshots", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float) -> bool:
-        """Stops replicating (the group is about to go); False if the thread is stuck."""
+    def stop(self, timeout: float) -> None:
+        """Stops replicating (the group is about to go). A thread still in an exchange
+        after ``timeout`` is left behind, and nothing it finishes is kept."""
         with self._wake:
-            self._closed = True
-            self._wake.notify()
+            self._gen += 1
+            self._work = None
+            self._wake.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-            if self._thread.is_alive():
-                return False
-        self._thread, self.group = None, None
-        return True
+            self._thread = None
 
     # -- on the training thread -------------------------------------------------------
 
@@ -202,7 +205,7 @@ class Snapshots:
         with self._wake:
             self._idle.clear()
             self._work = snap
-            self._wake.notify()
+            self._wake.notify_all()
         return True
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -210,50 +213,59 @@ class Snapshots:
 
     # -- the replication thread -------------------------------------------------------
 
-    def _replicate(self) -> None:
+    def _replicate(self, gen: int, group, idle: threading.Event) -> None:
         while True:
             with self._wake:
-                while self._work is None and not self._closed:
+                while self._work is None and self._gen == gen:
                     self._wake.wait()
-                if self._closed:
+                if self._gen != gen:
                     return
                 snap, self._work = self._work, None
             try:
-                self._exchange(snap)
-            except Exception as e:  # noqa: BLE001 - a peer failed: recovery reads it
-                self.error = e
-                self._idle.set()
+                replica = self._exchange(snap, group, gen)
+            except Exception:  # noqa: BLE001 - a peer failed: the training thread's
+                idle.set()     # collectives fail too, and recovery takes it from there
                 return
-            self._idle.set()
+            if replica is not None:
+                self._keep(replica, gen)
+            idle.set()
 
-    def _exchange(self, snap: Snapshot) -> None:
-        """Sends our snapshot to the buddy and receives the ward's: sizes first, then the
-        JSON header and the bytes; the ward's is kept only if its CRC-32 matches."""
-        nbytes = snap.header["nbytes"]
-        snap.header["crc"] = _crc(snap.buffer[:nbytes])
-        head = json.dumps(snap.header).encode()
-        sizes_out = torch.tensor([len(head), nbytes], dtype=torch.int64)
-        sizes_in = torch.empty(2, dtype=torch.int64)
-        _both(dist.isend(sizes_out, self.buddy, group=self.group),
-              dist.irecv(sizes_in, self.ward, group=self.group))
-        head_len, body_len = (int(x) for x in sizes_in)
-        head_in = torch.empty(head_len, dtype=torch.uint8)
-        body_in = self.replicas.reuse(body_len)
-        _both(dist.isend(torch.frombuffer(bytearray(head), dtype=torch.uint8), self.buddy,
-                         group=self.group),
-              dist.irecv(head_in, self.ward, group=self.group))
-        _both(dist.isend(snap.buffer[:nbytes], self.buddy, group=self.group),
-              dist.irecv(body_in[:body_len], self.ward, group=self.group))
-        snap.replicated = True
-        header = json.loads(bytes(head_in.numpy()))
-        replica = Snapshot(header["step"], header, body_in)
+    def _keep(self, replica: Snapshot, gen: int) -> None:
+        """Keeps the ward's replica if its CRC-32 matches and the thread is still current."""
         try:
             replica.verify()
         except SnapshotError as e:
             self.events.emit("snapshot_corrupt", rank=self.rank, ward=self.ward,
                              step=replica.step, error=str(e), when="received")
             return
-        self.replicas.add(replica)
+        with self._wake:
+            if self._gen == gen:
+                self.replicas.add(replica)
+
+    def _exchange(self, snap: Snapshot, group, gen: int) -> Snapshot | None:
+        """Sends our snapshot to the buddy and receives the ward's: sizes first, then the
+        JSON header and the bytes; returns the ward's (None once the thread is stale)."""
+        fault_points.point("replicate", snap.step)
+        nbytes = snap.header["nbytes"]
+        snap.header["crc"] = _crc(snap.buffer[:nbytes])
+        head = json.dumps(snap.header).encode()
+        sizes_out = torch.tensor([len(head), nbytes], dtype=torch.int64)
+        sizes_in = torch.empty(2, dtype=torch.int64)
+        _both(dist.isend(sizes_out, self.buddy, group=group),
+              dist.irecv(sizes_in, self.ward, group=group))
+        head_len, body_len = (int(x) for x in sizes_in)
+        head_in = torch.empty(head_len, dtype=torch.uint8)
+        with self._wake:
+            if self._gen != gen:
+                return None
+            body_in = self.replicas.reuse(body_len)
+        _both(dist.isend(torch.frombuffer(bytearray(head), dtype=torch.uint8), self.buddy,
+                         group=group),
+              dist.irecv(head_in, self.ward, group=group))
+        _both(dist.isend(snap.buffer[:nbytes], self.buddy, group=group),
+              dist.irecv(body_in[:body_len], self.ward, group=group))
+        header = json.loads(bytes(head_in.numpy()))
+        return Snapshot(header["step"], header, body_in)
 
     # -- recovery ---------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ restores bit for bit, and one corrupted in memory is caught by its CRC-32 and ne
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
             p.data.add_(step)
         assert snaps.take(step, state_tensors(model, optimizer, []), {"marker": step})
         assert snaps.wait_idle(30)
-    assert snaps.stop(30)
+    snaps.stop(30)
     result = {"holdings": snaps.holdings()}
     # rank 1 hands rank 0's state back (as to a replacement): it restores bit for bit
     if rank == 1:
@@ -57,6 +58,25 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
             result["corrupt_caught"] = False
         except SnapshotError as e:
             result["corrupt_caught"] = "CRC-32" in str(e)
+    # a thread that stop() left behind mid-exchange keeps nothing it receives later:
+    # rank 0's thread waits for rank 1's sizes when it is stopped; rank 1 then sends them
+    late = dist.new_group(backend="gloo")
+    snaps.start(late)
+    if rank == 0:
+        snaps.take(4, state_tensors(model, optimizer, []), {"marker": 4})
+        while snaps._work is not None:  # until the thread has taken it up
+            time.sleep(0.01)
+        snaps.stop(0.2)
+    dist.barrier()
+    if rank == 1:
+        snaps.take(4, state_tensors(model, optimizer, []), {"marker": 4})
+        snaps.wait_idle(1)  # it never is: rank 0's thread sends nothing after the sizes
+    else:
+        result["stale_finished"] = snaps.wait_idle(30)
+        result["after_stale"] = snaps.holdings()["replicas"]
+    dist.barrier()
+    if rank == 1:  # its thread waits for rank 0's header until rank 0's sockets close
+        snaps.stop(30)
     events.close()
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
@@ -71,6 +91,7 @@ def test_a_replica_restores_bitwise_and_a_corrupted_one_is_refused(tmp_path):
     assert r0["holdings"] == {"own": [2, 3], "ward": 1, "replicas": [2, 3]}
     assert r0["marker"] == 3 and r0["equal"]
     assert r0["corrupt_caught"]
+    assert r0["stale_finished"] and r0["after_stale"] == [2, 3]
     (corrupt,) = read_events(str(tmp_path), "snapshot_corrupt")
     assert corrupt["rank"] == 1 and corrupt["step"] == 3 and corrupt["when"] == "before restore"
 
