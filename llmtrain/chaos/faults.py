@@ -30,7 +30,8 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
     kill@spare_assigned                    a warm spare dies as soon as it is assigned a
                                            lost rank, before it joins the survivors
     hang@replicate:step=12                 every rank's snapshot replication thread stops
-                                           (sleeps for ever) before exchanging step 12
+                                           (sleeps for ever) before exchanging step 12 (once
+                                           per process: a later thread replays it cleanly)
 
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 ``replica`` (a buddy about to send a lost rank's snapshot replica to its warm
@@ -130,7 +131,7 @@ class Injector:
         self._from_file: list[Fault] = []
         self._started: dict[Fault, float] = {}   # slow faults: when the last full-speed step began
         self._baseline: dict[Fault, float] = {}  # and how long it took
-        self._corrupted: set[Fault] = set()  # nan/bitflip strike once: a replay runs clean
+        self._struck: set[Fault] = set()  # nan/bitflip/hang strike once: a replay runs clean
 
     def _armed_at_run_time(self) -> list[Fault]:
         """The faults of the run-time file, re-read when it changes."""
@@ -179,10 +180,10 @@ class Injector:
         return target
 
     def _strike(self, fault: Fault, step: int, target):
-        if fault.action in ("nan", "bitflip"):
-            if fault in self._corrupted:
+        if fault.action in ("nan", "bitflip", "hang"):
+            if fault in self._struck:
                 return target
-            self._corrupted.add(fault)
+            self._struck.add(fault)
         if fault.action == "nan":
             return target * float("nan")
         if fault.action == "badmath":

@@ -300,9 +300,10 @@ class Chaos:
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
         if v.path == "warm":
             v.restored = rec["step"]
-            if node is not None and self.cluster.nodes[node].poll() is None:
-                self.cluster.kill(node)  # its agent has no worker left: back as a spare
-                self.cluster.nodes[node].wait()
+            if node is not None:  # its agent has no worker left: back as a spare
+                if self.cluster.nodes[node].poll() is None:  # not ended yet
+                    self.cluster.kill(node)
+                    self.cluster.nodes[node].wait()
                 self._start(node)
         else:
             loaded = self._latest("checkpoint_loaded", since)

@@ -10,7 +10,9 @@ was replaced by a spare (the agent forgets the worker and keeps the others runni
 the job goes cold (the agent does what torchrun always does). When no survivor has begun
 to agree within a few seconds, nobody is left to recover warm (every rank died at once)
 and the agent goes cold without waiting out the budget; a worker that exited RETRYABLE
-(a preemption's save) sends it cold at once. Everything else is torchrun.
+(a preemption's save) sends it cold at once. After a warm recovery, an agent whose workers
+were all replaced has nothing left to supervise and ends, and no agent waits in torchrun's
+exit barrier, which a lost node's agent never reaches. Everything else is torchrun.
 
     python -m llmtrain.launch.agent <torchrun arguments>
 """
@@ -35,6 +37,10 @@ _NOBODY_AGREES_S = 5.0
 
 
 class WarmAgent(LocalElasticAgent):
+    # set by main(): the rendezvous store is an `llmtrain rdzv-store`, not this agent's, so
+    # this agent may end before the job does
+    store_outside = False
+
     def _start_workers(self, worker_group: WorkerGroup):
         started = super()._start_workers(worker_group)
         budget = float(os.environ.get("LLMTRAIN_WARM_BUDGET_S", 30))
@@ -45,6 +51,7 @@ class WarmAgent(LocalElasticAgent):
                       for w in worker_group.workers}
         self._cold_seen = self._count("cold")
         self._agreed = self._count("agreeing")  # agreements entered before this death
+        self._replacements = self._count("replacements")
         return started
 
     def _count(self, key: str) -> int:
@@ -64,12 +71,18 @@ class WarmAgent(LocalElasticAgent):
         if not self._replaced:
             return super()._monitor_workers(worker_group)
         left = {lr: code for lr, code in codes.items() if lr not in self._replaced}
-        if left and all(code == 0 for code in left.values()):
-            return RunResult(state=WorkerState.SUCCEEDED, return_values={
-                worker_group.workers[lr].global_rank: None for lr in left})
-        # Workers still running, or none left here: the launcher stops an idle agent once
-        # the run has ended.
+        if (left or self.store_outside) and all(code == 0 for code in left.values()):
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={  # torchrun
+                w.global_rank: None for w in worker_group.workers})  # wants every worker
+        # Workers still running, or none left here while this agent holds the job's store:
+        # the launcher stops an idle agent once the run has ended.
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _exit_barrier(self) -> None:
+        """torchrun's barrier waits (300 s) for every agent of the round; after a warm
+        recovery in this round, a lost node's agent never comes, so it is skipped."""
+        if self._count("replacements") == self._replacements:
+            super()._exit_barrier()
 
     def _was_replaced(self, worker_group: WorkerGroup, local_rank: int) -> bool:
         """Waits for the warm path's verdict on a dead worker's rank."""
@@ -95,6 +108,8 @@ def main(argv: list[str]) -> None:
     import torch.distributed.launcher.api as launcher
     from torch.distributed.run import main as torchrun
     launcher.LocalElasticAgent = WarmAgent
+    WarmAgent.store_outside = any(a.startswith("--rdzv-conf") and "is_host=0" in a
+                                  for a in argv)
     gc.freeze()  # torch's modules live as long as the agent: no collection scans them again
     torchrun(argv)
 

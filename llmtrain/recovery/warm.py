@@ -231,6 +231,7 @@ class WarmPath:
         for r, number in plan.spares.items():
             self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
             self.store.add(f"replaced/{r}", 1)  # the lost rank's agent must not restart
+            self.store.add("replacements", 1)  # no agent waits for the lost one at the end
         self.store.set(self._key("spares"), plan.to_json())
 
     def _unclaim(self, taken: list[int], skipped: int) -> None:

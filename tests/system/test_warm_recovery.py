@@ -12,6 +12,7 @@ from nvml_states import node, write_script
 from test_elastic import final_weights
 
 from llmtrain.exit_codes import ExitCode
+from llmtrain.launch.node import EXIT_GRACE_S
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
 STEPS = 45
@@ -47,30 +48,33 @@ def test_three_faults_each_recovered_warm_and_the_weights_match(cluster, referen
         c.start(name, "--health.interval_s", "1", spare=True,
                 env={"LLMTRAIN_NVML_SCRIPT": str(scripts[name][0])})
 
-    def recovered(n: int, then_step: int) -> dict:
-        """The ``n``-th warm recovery, once training has reached ``then_step``."""
-        rec = wait_for_event(c.run, "warm_recovery", c.nodes["node1"], timeout=120,
+    def recovered(n: int, then_step: int, rank: int) -> dict:
+        """The ``n``-th warm recovery, once training has reached ``then_step`` (watching the
+        node that holds ``rank``)."""
+        node = c.nodes[host_of(c.run, rank)]
+        rec = wait_for_event(c.run, "warm_recovery", node, timeout=120,
                              where=lambda e: e["gen"] == n)
-        wait_for_event(c.run, "step", c.nodes["node1"], timeout=120,
-                       where=lambda e: e["step"] >= then_step)
+        wait_for_event(c.run, "step", node, timeout=120, where=lambda e: e["step"] >= then_step)
         return rec
 
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 10, timeout=180)
     c.kill("node2")  # 1: a node lost whole
-    lost = recovered(1, then_step=20)["lost"]
-    assert lost == [1 - next(e["rank"] for e in events(c.run, "startup")
-                             if e["host"] == "node1")]
     victim = next(e for e in events(c.run, "startup") if e["host"] == "node1")
+    assert recovered(1, then_step=20, rank=victim["rank"])["lost"] == [1 - victim["rank"]]
     os.kill(victim["pid"], signal.SIGKILL)  # 2: a worker killed; node1's agent lives on
-    assert recovered(2, then_step=30)["lost"] == [victim["rank"]]
+    assert recovered(2, then_step=30, rank=1 - victim["rank"])["lost"] == [victim["rank"]]
+    # node1's agent has no worker left: it ends at once, not after the job
+    assert c.wait("node1", timeout=60) == ExitCode.CLEAN, c.log("node1")
     failing = host_of(c.run, 0)  # 3: the GPU under rank 0 (now on a spare) fails
     path, state = scripts[failing]
     state["gpus"][0]["ecc"]["volatile"]["sram"] = 1
     write_script(path, state)
     assert c.wait(failing) == ExitCode.EXCLUDE_NODE, c.log(failing)
-    assert recovered(3, then_step=STEPS)["lost"] == [0]
-    for name in ("node1", *(n for n in scripts if n != failing)):
+    assert recovered(3, then_step=STEPS, rank=1)["lost"] == [0]
+    for name in (n for n in scripts if n != failing):
         assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    end = max(e["ts"] for e in events(c.run, "run_end"))
+    assert next(e for e in events(c.run, "node_exit") if e["host"] == "node1")["ts"] < end
     assert "ecc_volatile" in excluded_hosts(str(c.run))[failing]["reason"]
     assert not events(c.run, "warm_recovery_failed") and not events(c.run, "stop_vote")
     assert len(events(c.run, "attempt_start")) == 1  # nobody restarted
@@ -172,6 +176,11 @@ def test_a_replication_thread_that_never_returns_is_left_behind(cluster, referen
     c.kill("node2")
     for name in ("node1", "spare"):
         assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    # torchrun's exit barrier, which node2's agent never reaches, is not waited for: node1
+    # ends before its launcher would have had to stop the agent
+    end = max(e["ts"] for e in events(c.run, "run_end"))
+    node1 = next(e for e in events(c.run, "node_exit") if e["host"] == "node1")
+    assert node1["torchrun_exit"] == 0 and node1["ts"] - end < EXIT_GRACE_S
     assert not events(c.run, "warm_recovery_failed")
     (recovery,) = events(c.run, "warm_recovery")
     # not awaited: waiting for the thread would spend warm.budget_s (30 s), then go cold
