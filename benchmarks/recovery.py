@@ -1,41 +1,49 @@
-"""How long a node's loss costs: from killing it to the first step after it, on the warm
-path and on the cold path, in the same run.
+"""What a lost rank costs: from the fault to the first step after it, on the warm path and
+on the cold path, in the same run, for three faults:
+
+- ``node_loss``: node2 is killed whole (launcher, agent, workers);
+- ``kill_rank``: node2's worker is SIGKILLed (its agent lives on);
+- ``gpu_bad``: node2's GPU (the scripted NVML stand-in, checked every second) reports
+  uncorrectable ECC errors; its rank leaves and the node is excluded. The time counts from
+  the state's change, so it includes up to a second of the health monitor's polling.
 
 Three "nodes" on this machine (``LocalCluster``: ``llmtrain launch`` agents on loopback,
-an external rendezvous store), ``--nnodes 2:2`` with the third as a spare. Once training
-runs, node2 is killed whole (launcher, agent, workers).
+an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
 
 - **warm** (``--warm.enable true``): the spare waits warm (imported, store connected); the
   survivor keeps its process, the spare takes the lost rank, both restore the snapshot of
   the last step from memory (the lost rank's from its buddy's replica). Parts from the
   ``warm_recovery`` event: detected, agreed (who is lost, which spare, which step),
   group formed, restored, first step.
-- **cold** (today's default): torchrun restarts every worker; the spare joins the
-  rendezvous; the new processes load the newest checkpoint. Parts from the ``recovery``
-  event.
+- **cold**: torchrun restarts every worker; the spare joins the rendezvous; the new
+  processes load the newest checkpoint. Parts from the ``recovery`` event.
 
-Goal (the warm-recovery issue): warm <= 2.0 s median, warm / cold <= 0.2.
+Goal (the warm-recovery issue): warm <= 2.0 s median for each fault, warm / cold <= 0.2.
 
-    python benchmarks/recovery.py [--repeats 2]
+    python benchmarks/recovery.py [--repeats 2] [--faults node_loss,kill_rank,gpu_bad]
 
-Prints a table, then one JSON line of the figures.
+Prints a table per fault and path, then one JSON line of the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from llmtrain.chaos.local_cluster import LocalCluster
+from llmtrain.chaos.runner import write_gpu_script
 from llmtrain.events import read_events
 
 TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
-         "--metrics.address", "127.0.0.1", "--metrics.port", "0")
+         "--metrics.address", "127.0.0.1", "--metrics.port", "0", "--health.interval_s", "1")
+FAULTS = ("node_loss", "kill_rank", "gpu_bad")
 
 
 def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) -> dict:
@@ -51,34 +59,46 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) 
     raise TimeoutError(f"no {event} event in {run} within {timeout} s")
 
 
-def one_recovery(workdir: Path, warm: bool) -> dict:
+def one_recovery(workdir: Path, warm: bool, fault: str) -> dict:
     run = workdir / "run"
     cluster = LocalCluster(workdir, run, "2:2",
                            TRAIN + (("--warm.enable", "true") if warm else ()))
+    gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
+
+    def start(name: str, spare: bool = False) -> None:
+        write_gpu_script(gpus[name], healthy=True)
+        cluster.start(name, env={"LLMTRAIN_NVML_SCRIPT": str(gpus[name])}, spare=spare)
     try:
-        cluster.start("node1")
-        cluster.start("node2")
+        start("node1")
+        start("node2")
         if warm:
-            cluster.start("node3", spare=True)
+            start("node3", spare=True)
         wait_for(run, "checkpoint_committed", lambda e: e["step"] >= 40)
         if not warm:
-            cluster.start("node3", spare=True)
+            start("node3", spare=True)
         time.sleep(2)  # mid-interval, with the spare waiting
+        worker = wait_for(run, "startup", lambda e: e["host"] == "node2")
         killed = time.time()
-        cluster.kill("node2")
-        rec = wait_for(run, "warm_recovery" if warm else "recovery")
+        if fault == "node_loss":
+            cluster.kill("node2")
+        elif fault == "kill_rank":
+            os.kill(worker["pid"], signal.SIGKILL)
+        else:
+            write_gpu_script(gpus["node2"], healthy=False)
+        rec = wait_for(run, "warm_recovery" if warm else "recovery",
+                       lambda e: e["ts"] > killed)
     finally:
         cluster.close()
     marks = rec["marks"]
     detected = marks["failure_detected"] or killed
     if warm:
-        return {"kill_to_first_step_s": marks["first_step"] - killed,
+        return {"fault_to_first_step_s": marks["first_step"] - killed,
                 "detect_s": detected - killed,
                 "agree_s": marks["agreed"] - detected,
                 "form_group_s": marks["group_formed"] - marks["agreed"],
                 "restore_s": marks["restored"] - marks["group_formed"],
                 "first_step_s": marks["first_step"] - marks["restored"]}
-    return {"kill_to_first_step_s": marks["first_step"] - killed,
+    return {"fault_to_first_step_s": marks["first_step"] - killed,
             "detect_s": detected - killed,
             "rendezvous_spawn_s": marks["process_start"] - detected,
             "startup_to_pg_s": marks["process_group_up"] - marks["process_start"],
@@ -98,16 +118,24 @@ def table(name: str, runs: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--faults", default=",".join(FAULTS))
     args = ap.parse_args()
-    results = {"warm": [], "cold": []}
+    faults = args.faults.split(",")
+    if unknown := set(faults) - set(FAULTS):
+        ap.error(f"--faults: {sorted(unknown)} not among {FAULTS}")
+    results = {(f, path): [] for f in faults for path in ("warm", "cold")}
     for _ in range(args.repeats):
-        for path in results:
-            with tempfile.TemporaryDirectory(prefix=f"llmtrain-bench-{path}-") as d:
-                results[path].append(one_recovery(Path(d), warm=path == "warm"))
-    med = {path: table(path, runs) for path, runs in results.items()}
-    figures = {f"{path}_{k}": round(v, 3) for path, m in med.items() for k, v in m.items()}
-    figures["warm_over_cold"] = round(med["warm"]["kill_to_first_step_s"]
-                                      / med["cold"]["kill_to_first_step_s"], 3)
+        for fault, path in results:
+            with tempfile.TemporaryDirectory(prefix=f"llmtrain-bench-{fault}-{path}-") as d:
+                results[fault, path].append(one_recovery(Path(d), path == "warm", fault))
+    figures = {}
+    for (fault, path), runs in results.items():
+        med = table(f"{fault} {path}", runs)
+        figures |= {f"{fault}_{path}_{k}": round(v, 3) for k, v in med.items()}
+    for fault in faults:
+        figures[f"{fault}_warm_over_cold"] = round(
+            figures[f"{fault}_warm_fault_to_first_step_s"]
+            / figures[f"{fault}_cold_fault_to_first_step_s"], 3)
     figures["goal_warm_s"] = 2.0
     figures["goal_warm_over_cold"] = 0.2
     print(json.dumps(figures))

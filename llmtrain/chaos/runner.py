@@ -142,14 +142,20 @@ class Verdict:
     restored: int | None = None    # the step it went on from
 
 
-def _healthy_gpu() -> dict:
-    return {"name": "scripted GPU", "uuid": "GPU-chaos", "pci_bus_id": "00000000:18:00.0",
-            "ecc": {"volatile": {"dram": 0, "sram": 0}, "aggregate": {"dram": 0, "sram": 0}},
-            "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False,
-                              "failure": False},
-            "pcie": {"gen": 5, "width": 16, "max_gen": 5, "max_width": 16},
-            "temperature_c": 40, "power_w": 100, "throttle": [], "processes": [],
-            "recovery_action": "none"}
+def write_gpu_script(path: Path, healthy: bool) -> None:
+    """Writes one scripted GPU's state for a node's NVML stand-in (``LLMTRAIN_NVML_SCRIPT``),
+    atomically: healthy, or with uncorrectable ECC errors (the node must leave)."""
+    gpu = {"name": "scripted GPU", "uuid": "GPU-chaos", "pci_bus_id": "00000000:18:00.0",
+           "ecc": {"volatile": {"dram": 0 if healthy else 2, "sram": 0},
+                   "aggregate": {"dram": 0, "sram": 0}},
+           "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False,
+                             "failure": False},
+           "pcie": {"gen": 5, "width": 16, "max_gen": 5, "max_width": 16},
+           "temperature_c": 40, "power_w": 100, "throttle": [], "processes": [],
+           "recovery_action": "none"}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"gpus": [gpu]}))
+    os.replace(tmp, path)
 
 
 class Chaos:
@@ -231,13 +237,7 @@ class Chaos:
         return self.dir / "nvml" / f"{name}.json"
 
     def _gpu(self, name: str, healthy: bool) -> None:
-        gpu = _healthy_gpu()
-        if not healthy:
-            gpu["ecc"]["volatile"]["dram"] = 2
-        path = self._script(name)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"gpus": [gpu]}))
-        os.replace(tmp, path)
+        write_gpu_script(self._script(name), healthy)
 
     # -- what the job is doing --------------------------------------------------------------
 
