@@ -537,7 +537,7 @@ class Trainer:
             abandon()
             if self.watchdog is not None:
                 self.watchdog.new_generation()
-            self.warm.gen = plan.gen
+            self.warm.enter(plan.gen)
             self.warm.assemble(deadline)
             self._form_group(self.warm.group_store(), category="restart")
             if self.checkpoints is not None:
@@ -630,6 +630,7 @@ class Trainer:
         if unhealthy and not self.excluded:  # first, so the record exists however it ends
             self.exclude_node(self.health.fatal.sentence(), findings=[asdict(self.health.fatal)])
         if unhealthy and self.warm is not None:
+            self.warm.leave()
             return True  # leave now, unsaved: the survivors go on warm with a spare
         if self.checkpoints is None:
             return unhealthy

@@ -29,7 +29,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from llmtrain.exit_codes import ExitCode
-from llmtrain.recovery.warm import outside_store
+from llmtrain.recovery.warm import mark_gone, outside_store
 
 # Survivors of a dead peer enter the agreement at their next collective, which fails as
 # soon as the peer's connections close: far sooner than this on any job.
@@ -89,6 +89,7 @@ class WarmAgent(LocalElasticAgent):
         if local_rank in self._replaced:
             return True
         rank = worker_group.workers[local_rank].global_rank
+        mark_gone(self._warm_store, rank)  # the survivors need not wait for its report
         start = time.monotonic()
         while time.monotonic() < start + self._warm_budget:
             if self._count(f"replaced/{rank}") > self._seen[local_rank]:

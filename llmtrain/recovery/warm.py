@@ -8,7 +8,8 @@ start, +1 per warm recovery) has its own keys and its own process-group prefix.
 
 When a rank sees a collective fail, it reports what it can restore from (its own snapshot
 steps, its ward's replica steps) and waits ``warm.settle_s`` for the others' reports; the
-ranks that did not report are lost. The lowest reporting rank proposes a plan, the first
+ranks that did not report are lost (a rank that leaves on purpose, or whose agent saw it
+die, says so, and nobody waits for it). The lowest reporting rank proposes a plan, the first
 proposal stored wins, and its proposer claims a warm spare for each lost rank. The plan is
 refused, and every survivor takes the cold path (exit RETRYABLE, torchrun restarts the
 job from the durable checkpoint), when a lost rank's buddy is lost too, when no step is
@@ -117,6 +118,17 @@ def assignment(store: dist.Store, number: int) -> dict | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
+def mark_gone(store: dist.Store, rank: int) -> None:
+    """Tells the survivors of ``rank``'s generation that it will not report, once however
+    many say so (the rank as it leaves, its agent when the process is gone)."""
+    where = f"where/{rank}"
+    if not store.check([where]):
+        return
+    prefix, token = store.get(where).decode(), uuid.uuid4().hex
+    if store.compare_set(f"{prefix}gone/{rank}", "", token).decode() == token:
+        store.add(f"{prefix}gone", 1)
+
+
 def round_of(job_store: dist.Store) -> str:
     """This torchrun round's name, agreed through the round's own store."""
     return job_store.compare_set("warm/round", "", uuid.uuid4().hex).decode()
@@ -129,7 +141,17 @@ class WarmPath:
                  world_size: int, local_world_size: int, gen: int = 0):
         self.cfg, self.store, self.round_id = cfg, store, round_id
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
+        self.enter(gen)
+
+    def enter(self, gen: int) -> None:
+        """This rank is in generation ``gen`` now; its agent learns where to say it died."""
         self.gen = gen
+        self.store.set(f"where/{self.rank}", self._key(""))
+
+    def leave(self) -> None:
+        """This rank leaves on purpose (its GPU failed): the survivors need not wait
+        ``warm.settle_s`` for its report."""
+        mark_gone(self.store, self.rank)
 
     @property
     def buddy(self) -> int | None:
@@ -152,9 +174,10 @@ class WarmPath:
         self.store.add("agreeing", 1)  # agents of dead workers: someone is left to agree
         self.store.set(self._key(f"report/{self.rank}"), json.dumps(holdings))
         count = self._key("reported")
+        gone = self._key("gone")
         settle = time.monotonic() + self.cfg.settle_s
         seen = self.store.add(count, 1)
-        while seen < self.world_size and time.monotonic() < settle:
+        while seen + self.store.add(gone, 0) < self.world_size and time.monotonic() < settle:
             time.sleep(0.01)
             seen = self.store.add(count, 0)
         reports = {r: json.loads(self.store.get(self._key(f"report/{r}")))

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.recovery.warm import (ColdPath, WarmPath, assignment, buddy_of, join_pool,
-                                    leave_pool, spares_waiting)
+                                    leave_pool, mark_gone, spares_waiting)
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
@@ -54,6 +54,32 @@ def test_a_lost_rank_gets_a_spare_and_the_newest_common_step():
     told = json.loads(store.get("spares/1/plan"))
     assert told["rank"] == 1 and told["step"] == 10
     assert store.add("replaced/1", 0) == 1  # what rank 1's agent waits for
+
+
+def test_a_rank_said_gone_is_not_waited_for_and_saying_it_twice_counts_once():
+    """Rank 1 leaves (its GPU failed) and its agent says so too. Ranks 0 and 2 report at
+    once, rank 3 a second later: the survivors wait for rank 3 (one "gone" counted twice
+    would make them stop before it and count it lost), then agree without waiting out
+    the rest of warm.settle_s."""
+    store = dist.HashStore()
+    store.add("spares/registered", 1)
+    cfg = WarmConfig(enable=True, settle_s=10.0, budget_s=20)
+    paths = {r: WarmPath(cfg, store, "round", r, 4, 1) for r in range(4)}
+    paths[1].leave()  # as it leaves
+    mark_gone(store, 1)  # its agent, when the process is gone
+    out = {}
+
+    def one(rank, delay):
+        time.sleep(delay)
+        out[rank] = paths[rank].agree(held([4], [4], (rank - 1) % 4), time.monotonic() + 20)
+    threads = [threading.Thread(target=one, args=(r, 1.0 if r == 3 else 0)) for r in (0, 2, 3)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - start < 5  # not the 10 s settle
+    assert [out[r].lost for r in (0, 2, 3)] == [[1], [1], [1]], out
 
 
 @pytest.mark.parametrize("holdings, world, why", [
