@@ -34,17 +34,17 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            per process: a later thread replays it cleanly)
 
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
-``replica`` (a buddy about to send a lost rank's snapshot replica to its warm
-replacement; ``step`` is the snapshot's), ``replicate`` (a rank's replication thread about
-to exchange its snapshot of ``step`` with its buddy), ``spare_assigned`` (a warm spare given a lost
-rank's place; ``step`` is the snapshot it will restore), ``checkpoint_write`` (inside a rank's DCP
-shard write, in the background writer), ``resume`` (a verified checkpoint about to be
-loaded; ``step`` is the checkpoint's), ``prepare_shard`` (``llmtrain data prepare``
-about to write a shard; ``step`` counts the shards of its process, from 1). Keys:
-``rank`` and ``step`` (default: any), and
-``restart``: the TorchElastic restart count the fault fires on (default 0, the first
-attempt), so a restarted job does not meet the same fault again. ``slow`` also takes
-``factor`` and, unlike the others, strikes at every step from ``step`` on.
+``replica`` (a buddy about to send a lost rank's snapshot replica to its warm replacement;
+``step`` is the snapshot's), ``replicate`` (a rank's replication thread about to exchange
+its snapshot of ``step`` with its buddy), ``spare_assigned`` (a warm spare given a lost
+rank's place; ``step`` is the snapshot it will restore), ``checkpoint_write`` (inside a
+rank's DCP shard write, in the background writer), ``resume`` (a verified checkpoint about
+to be loaded; ``step`` is the checkpoint's), ``prepare_shard`` (``llmtrain data prepare``
+about to write a shard; ``step`` counts the shards of its process, from 1). Keys: ``rank``
+and ``step`` (default: any), and ``restart``: the TorchElastic restart count the fault
+fires on (default 0, the first attempt), so a restarted job does not meet the same fault
+again. ``slow`` also takes ``factor`` and, unlike the others, strikes at every step from
+``step`` on.
 
 Faults can also arrive while the job runs (chaos runs, ``reliability.faults = "env"``):
 lines appended to the file named by ``$LLMTRAIN_FAULTS_FILE`` are armed at the next fault

@@ -9,11 +9,11 @@ start, +1 per warm recovery) has its own keys and its own process-group prefix.
 When a rank sees a collective fail, it reports what it can restore from (its own snapshot
 steps, its ward's replica steps) and waits ``warm.settle_s`` for the others' reports; the
 ranks that did not report are lost (a rank that leaves on purpose, or whose agent saw it
-die, says so, and nobody waits for it). The lowest reporting rank proposes a plan, the first
-proposal stored wins, and its proposer claims a warm spare for each lost rank. The plan is
-refused, and every survivor takes the cold path (exit RETRYABLE, torchrun restarts the
-job from the durable checkpoint), when a lost rank's buddy is lost too, when no step is
-held by every survivor and by every lost rank's buddy, or when no spare is waiting.
+die, says so, and nobody waits for it). The lowest reporting rank proposes a plan, the
+first proposal stored wins, and its proposer claims a warm spare for each lost rank. The
+plan is refused, and every survivor takes the cold path (exit RETRYABLE, torchrun restarts
+the job from the durable checkpoint), when a lost rank's buddy is lost too, when no step
+is held by every survivor and by every lost rank's buddy, or when no spare is waiting.
 
 A spare leaves the pool when the job ends, or when a cold restart's round waits for a node
 it lacks (the warm path could not replace one): then it joins that round as a node. Each
@@ -254,7 +254,7 @@ class WarmPath:
         for r, number in plan.spares.items():
             self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
             self.store.add(f"replaced/{r}", 1)  # the lost rank's agent must not restart
-            self.store.add("replacements", 1)  # no agent waits for the lost one at the end
+        self.store.add("replacements", len(plan.spares))  # no agent waits for the lost at the end
         self.store.set(self._key("spares"), plan.to_json())
 
     def _unclaim(self, taken: list[int], skipped: int) -> None:
