@@ -12,7 +12,8 @@ to agree within a few seconds, nobody is left to recover warm (every rank died a
 and the agent goes cold without waiting out the budget; a worker that exited RETRYABLE
 (a preemption's save) sends it cold at once. After a warm recovery, an agent whose workers
 were all replaced has nothing left to supervise and ends, and no agent waits in torchrun's
-exit barrier, which a lost node's agent never reaches. Everything else is torchrun.
+exit barrier, which a lost node's agent never reaches; an agent that ends so leaves the
+rendezvous open for the job's later rounds. Everything else is torchrun.
 
     python -m llmtrain.launch.agent <torchrun arguments>
 """
@@ -72,11 +73,21 @@ class WarmAgent(LocalElasticAgent):
             return super()._monitor_workers(worker_group)
         left = {lr: code for lr, code in codes.items() if lr not in self._replaced}
         if (left or self.store_outside) and all(code == 0 for code in left.values()):
+            if not left:
+                self._leave_rendezvous_open(worker_group)
             return RunResult(state=WorkerState.SUCCEEDED, return_values={  # torchrun
                 w.global_rank: None for w in worker_group.workers})  # wants every worker
         # Workers still running, or none left here while this agent holds the job's store:
         # the launcher stops an idle agent once the run has ended.
         return RunResult(state=WorkerState.HEALTHY)
+
+    @staticmethod
+    def _leave_rendezvous_open(worker_group: WorkerGroup) -> None:
+        """torchrun closes the rendezvous for every node when its agent ends (a run that
+        finished: no round may follow). This agent ends because the warm path replaced
+        all its workers, while the job goes on: a later cold restart needs the rendezvous
+        open, and would fail in every node's agent with RendezvousClosedError."""
+        worker_group.spec.rdzv_handler.shutdown = lambda: True
 
     def _exit_barrier(self) -> None:
         """torchrun's barrier waits (300 s) for every agent of the round; after a warm
