@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import socket
 import sys
 
@@ -164,7 +165,7 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
                             nodes=args.nodes, rank=args.rank,
                             checkpoint_every=args.checkpoint_every,
                             reference=not args.no_reference, warm=not args.cold,
-                            mix=mix, mix_source=source)
+                            mix=mix, mix_source=source, netns=not args.no_netns)
     if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
         raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
     if cfg.checkpoint_every < 1:
@@ -172,6 +173,8 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     unknown = set(cfg.faults.split(",")) - set(chaos.KINDS)
     if unknown:
         raise ConfigError(f"--faults: unknown {sorted(unknown)}; choose from {chaos.KINDS}")
+    # a stopped chaos run removes what it made (namespaces, mounts, nodes) on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = chaos.Chaos(cfg).execute()
     out = os.path.join(args.workdir, "verdict.json")
     with open(out, "w") as f:
@@ -256,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                          "3 intervals before the end)")
     ch.add_argument("--cold", action="store_true",
                     help="without the warm path: every lost rank costs a restart of all")
+    ch.add_argument("--no-netns", action="store_true",
+                    help="nodes on loopback, not in network namespaces of their own (the "
+                         "kinds that need their own link are left out)")
     ch.add_argument("--no-reference", action="store_true",
                     help="skip the fault-free run that the final weights are compared with")
     ch.set_defaults(func=cmd_chaos)

@@ -168,6 +168,10 @@ class ReliabilityConfig:
                                                    "once, before the hang timeout; 0: off")
     not_arrived_floor_s: float = _f(3.0, gt=0, doc="the least wait that names a rank as not "
                                                    "arrived")
+    fence_timeout_s: float = _f(10.0, gt=0, doc="how long a rank about to write a checkpoint "
+                                                "waits for the rendezvous store to confirm "
+                                                "it is still a member of the job, before "
+                                                "refusing the write (llmtrain/recovery/fence.py)")
 
 
 @dataclass
@@ -237,6 +241,13 @@ class HealthConfig:
                               doc="another process holding memory on our GPU")
     min_free_gb: float = _f(1.0, ge=0, doc="free space wanted on local run/checkpoint storage")
     min_shm_gb: float = _f(1.0, ge=0, doc="/dev/shm size NCCL needs")
+    max_retransmit_ratio: float = _f(0.02, gt=0, doc="TCP segments a node sends again, as a "
+                                                     "share of those it sends, above which "
+                                                     "its link is reported lossy")
+    link_window_s: float = _f(30.0, gt=0, doc="how far back a node's resent share is "
+                                              "measured")
+    link_min_segments: int = _f(1000, ge=1, doc="TCP segments a node must send in that window "
+                                                "for its link to be judged")
     plugins: str = _f("", doc="comma-separated module:function site checks, each returning "
                               "a list of Finding")
 

@@ -60,10 +60,13 @@ class EventLog:
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self._writer: _Appender | _Uploader | None = None  # most ranks may never write one
         self._lock = threading.Lock()  # background checkpoint threads emit too
+        self.silenced = False
 
     def emit(self, event: str, **fields: Any) -> None:
         record = {"ts": round(time.time(), 6), "event": event, "rank": self.rank, **fields}
         with self._lock:
+            if self.silenced:
+                return
             writer = self._writer = self._writer or self._open()
             writer.write((json.dumps(record) + "\n").encode())
             for listener in self.listeners:
@@ -74,6 +77,13 @@ class EventLog:
         if is_local(fs):
             return _Appender(join(path, f"{self.name}.jsonl"))
         return _Uploader(fs, path, f"{self.name}.{uuid.uuid4().hex[:12]}")
+
+    def silence(self) -> None:
+        """Nothing this process emits from now on is written or seen: it was fenced out
+        of the job (:mod:`llmtrain.recovery.fence`), and its events would read as the
+        job's."""
+        with self._lock:
+            self.silenced = True
 
     def close(self) -> None:
         """Without the lock: the watchdog closes the log of a rank that may be stuck."""

@@ -42,6 +42,7 @@ from llmtrain.reliability.health.monitor import HealthMonitor, rank_gpu
 from llmtrain.reliability.integrity import (Integrity, TrainingDiverged, learned_skips,
                                            replica_groups)
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
+from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, outside_store, round_of
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
@@ -151,6 +152,11 @@ class Trainer:
             job = connect_store(self.world, cfg.reliability) if plan is None else None
             self.warm = self._warm_path(job, plan)
             store = job if plan is None else self.warm.group_store()
+            self.fence = Fence(outside_store(timedelta(seconds=cfg.reliability.fence_timeout_s)),
+                               self.events, cfg.reliability.fence_timeout_s)
+            # the round's name: the warm path's, or agreed through the round's own store
+            self.round_id = self.warm.round_id if self.warm else (
+                round_of(job) if self.fence.store is not None else "")
         if plan is not None:
             fault_points.point("spare_assigned", plan["step"])
             self.warm.assemble(time.monotonic() + cfg.warm.budget_s)
@@ -198,7 +204,7 @@ class Trainer:
                     manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
                                    "model_config": asdict(cfg.model),
                                    "mesh": list(cfg.mesh_shape(self.world.world_size))},
-                    stop_votes=cfg.health.monitor)
+                    stop_votes=cfg.health.monitor, fence=self.fence.check)
             self.health = self._start_health_monitor() if cfg.health.monitor else None
             self.snapshots = None
             if self.warm is not None:
@@ -230,6 +236,8 @@ class Trainer:
         """The parts bound to the job's process group: built at start, and again by the
         survivors of a lost rank in each new generation of the group (warm path)."""
         cfg, t = self.cfg, self.cfg.training
+        # every member names the membership before it can form: no rank trains before
+        self.fence.join(f"{self.round_id}/g{self.warm.gen if self.warm else 0}")
         with self.ledger.span(category, "process_group"):
             self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world, store)
         if self.device.type == "cpu":
@@ -426,6 +434,8 @@ class Trainer:
                 if self.checkpoint(step):
                     break
             except (RuntimeError, OSError) as e:
+                # a rank cut off from the job while it re-formed says no more (Fenced)
+                self.fence.check("a report of its failure")
                 if not self.recover_warm(e):
                     raise
                 last_step, last_time = self.step, time.perf_counter()

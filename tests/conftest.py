@@ -78,15 +78,18 @@ from storage_fixtures import *  # noqa: E402,F401,F403  (bindfs_mount, faultfs, 
 
 @pytest.fixture
 def cluster(tmp_path):
-    """Makes local clusters (``LocalCluster``: "nodes" of ``llmtrain launch`` on loopback)
-    of the debug preset with the given training arguments; closes them after the test."""
+    """Makes local clusters (``LocalCluster``: "nodes" of ``llmtrain launch`` on loopback,
+    or each in a network namespace of its own with ``network``) of the debug preset with
+    the given training arguments; closes them, and their networks, after the test."""
     from llmtrain.chaos.local_cluster import LocalCluster
     made = []
 
-    def make(nnodes: str, args: tuple[str, ...]) -> LocalCluster:
+    def make(nnodes: str, args: tuple[str, ...], **kwargs) -> LocalCluster:
         made.append(LocalCluster(tmp_path, tmp_path / "run", nnodes,
-                                 ("--config", "debug_cpu", *args)))
+                                 ("--config", "debug_cpu", *args), **kwargs))
         return made[-1]
     yield make
     for c in made:
         c.close()
+        if c.network is not None:
+            c.network.close()

@@ -27,3 +27,11 @@ def tool(name: str, install: str) -> str:
     if path is None:
         unavailable(f"{name} is not installed ({install})")
     return path
+
+
+def netns() -> None:
+    """Network namespaces for "nodes" with links of their own (root, iproute2)."""
+    from llmtrain.chaos.netns import available
+    reason = available()
+    if reason is not None:
+        unavailable(reason)

@@ -1,6 +1,9 @@
 """Several "nodes" on one machine: a rendezvous store and one ``llmtrain launch`` per node,
-on loopback, each node with its own name and its own process tree, so that a node can be
-killed whole. The elastic tests, the recovery benchmark and chaos runs use it."""
+each node with its own name and its own process tree, so that a node can be killed whole.
+On loopback by default; with a :class:`~llmtrain.chaos.netns.Network`, each node has a
+network namespace, address and hostname of its own, and the store sits on the bridge
+between them, so that a node can also be cut off or given a bad link. The elastic tests,
+the recovery benchmark and chaos runs use it."""
 
 from __future__ import annotations
 
@@ -8,8 +11,12 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+import torch.distributed as dist
+
+from llmtrain.chaos.netns import Network
 from llmtrain.distributed.process_group import free_port
 from llmtrain.launch.node import child_pids
 
@@ -31,15 +38,21 @@ def kill_tree(pid: int) -> None:
 
 class LocalCluster:
     def __init__(self, workdir: Path, run_dir: Path, nnodes: str, train_args: tuple[str, ...],
-                 *, max_restarts: int = 3, env: dict | None = None):
+                 *, max_restarts: int = 3, env: dict | None = None,
+                 network: Network | None = None):
         self.workdir, self.run, self.nnodes = workdir, run_dir, nnodes
         self.train_args, self.max_restarts = train_args, max_restarts
+        self.network = network
+        self.address = network.hub_address if network else "127.0.0.1"  # the store's
         self.port = free_port()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                     **(env or {})}
-        self.store = subprocess.Popen(
-            [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", "127.0.0.1",
-             "--port", str(self.port)], env=self.env, stdout=subprocess.DEVNULL)
+        if network:  # gloo's sockets on the node's own link, not its loopback
+            self.env["GLOO_SOCKET_IFNAME"] = "eth0"
+        store = [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", self.address,
+                 "--port", str(self.port)]
+        self.store = subprocess.Popen(network.in_hub(store) if network else store,
+                                      env=self.env, stdout=subprocess.DEVNULL)
         self.nodes: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, *extra: str, env: dict | None = None,
@@ -47,16 +60,26 @@ class LocalCluster:
         """Starts node ``name``'s launcher (``spare``: on standby); ``extra`` are more
         training overrides."""
         log = open(self.workdir / f"{name}.log", "a")  # a node started again keeps its past
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "llmtrain", "launch", "--nnodes", self.nnodes,
-             "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--external-store",
-             "--rdzv-id", "local", "--host", name, "--max-restarts", str(self.max_restarts),
-             *(["--standby"] if spare else []),
-             "--training.run_dir", str(self.run), *self.train_args, *extra],
-            env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        argv = [sys.executable, "-m", "llmtrain", "launch", "--nnodes", self.nnodes,
+                "--rdzv-endpoint", f"{self.address}:{self.port}", "--external-store",
+                "--rdzv-id", "local", "--host", name, "--max-restarts", str(self.max_restarts),
+                *(["--standby"] if spare else []),
+                "--training.run_dir", str(self.run), *self.train_args, *extra]
+        if self.network:
+            self.network.add(name)
+            argv = self.network.command(name, argv)
+        proc = subprocess.Popen(argv, env={**self.env, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         self.nodes[name] = proc
         return proc
+
+    def store_client(self, timeout: float = 30) -> dist.TCPStore:
+        """A client of the rendezvous store, for the harness (opened from the hub when
+        the nodes have namespaces)."""
+        def connect() -> dist.TCPStore:
+            return dist.TCPStore(self.address, self.port, is_master=False, use_libuv=True,
+                                 timeout=timedelta(seconds=timeout))
+        return self.network.from_hub(connect) if self.network else connect()
 
     def kill(self, name: str) -> None:
         """The node dies: its launcher, agent and workers at once."""

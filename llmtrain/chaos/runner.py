@@ -1,8 +1,11 @@
 """Chaos runs: the whole fault matrix against one running job, and a verdict on each fault.
 
 A job runs on this machine as several "nodes" (``LocalCluster``: ``llmtrain launch``
-agents on loopback, an external rendezvous store) with spares waiting, checkpoints on
-the fault-injecting FUSE filesystem and a scripted NVML per node. A seeded schedule
+agents, an external rendezvous store) with spares waiting, checkpoints on the
+fault-injecting FUSE filesystem and a scripted NVML per node. Each node has a network
+namespace, address and hostname of its own where the machine allows (root, iproute2;
+``llmtrain.chaos.netns``), and loopback otherwise, where the kinds that need a link of
+their own are left out, and the table says so. A seeded schedule
 injects every kind of fault at least once, then random ones, one at a time:
 
 ==================  ===================================================================
@@ -12,6 +15,13 @@ hang                SIGSTOP one rank: it stops inside a collective, watchdog thr
 desync              one rank calls a different collective (a run-time fault)
 slow_rank           one rank stopped 2/3 of the time for a while: a straggler
 node_loss           a whole node (launcher, agent, workers) dies; the spare takes over
+lossy_link          a node's link drops what does not fit a small queue at 100 Mbit/s
+                    (``tc tbf``, nodes in network namespaces only): the node whose link it
+                    is must be named by its health check; training goes on, slower
+partition           a node's link goes down while its processes live (nodes in network
+                    namespaces only): the others must name its rank, go on without the
+                    node, and fence it out; once the job has re-formed the link comes back,
+                    and the node, repaired, becomes the next spare
 preempt             a node's launcher gets SIGTERM, as Slurm sends it before taking the
                     node: the job saves at an agreed step, exits RETRYABLE and restarts
                     cold from that save (no step lost); the requeue brings the node back
@@ -59,11 +69,10 @@ import threading
 import time
 import tomllib
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
 
+from llmtrain.chaos import netns
 from llmtrain.chaos.local_cluster import LocalCluster
 from llmtrain.chaos.mount import FaultMount
 from llmtrain.checkpoint import storage
@@ -73,8 +82,10 @@ from llmtrain.metrics import goodput
 from llmtrain.recovery.warm import job_namespace, spares_waiting
 from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 
-KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "preempt",
-         "enospc", "eio", "gpu_bad", "truncated_shard", "nan", "bitflip")
+KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "partition",
+         "lossy_link", "preempt", "enospc", "eio", "gpu_bad", "truncated_shard", "nan",
+         "bitflip")
+NEED_NETNS = ("partition", "lossy_link")  # kinds that need nodes with links of their own
 MIXES = Path(__file__).parent / "mixes"
 
 
@@ -93,6 +104,7 @@ class ChaosConfig:
     warm: bool = True              # recover lost ranks warm where the warm path can
     mix: dict[str, float] | None = None  # kind -> weight (``load_mix``): draws by weight
     mix_source: str = ""
+    netns: bool = True             # nodes in network namespaces where the machine allows
 
 
 def load_mix(name_or_path: str) -> tuple[dict[str, float], str]:
@@ -178,7 +190,8 @@ class Chaos:
             "--checkpoint.keep_last", "4", "--metrics.log_every", "5",
             "--metrics.address", "127.0.0.1", "--metrics.port", "0",
             "--reliability.straggler_window_s", "4",
-            "--health.interval_s", "1", "--reliability.faults", "env",
+            "--health.interval_s", "1", "--health.link_window_s", "5",
+            "--reliability.faults", "env",
             "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5",
             "--warm.enable", str(cfg.warm).lower())
         self.skipped: set[int] = set()  # batches the job skipped: the reference skips them
@@ -191,9 +204,13 @@ class Chaos:
         self.faults_file.write_text("")
         self.mount = FaultMount(self.dir / "ckpt").start()
         env = {"LLMTRAIN_FAULTS_FILE": str(self.faults_file)}
+        why_not = netns.available() if self.cfg.netns else "--no-netns"
+        self.network = netns.Network(self.dir) if why_not is None else None
+        self.left_out = {k: f"nodes on loopback ({why_not})" for k in NEED_NETNS
+                         if why_not is not None}
         self.cluster = LocalCluster(self.dir, self.run, f"{self.cfg.nodes}:{self.cfg.nodes}",
                                     (*self.train_args, "--checkpoint.url", str(self.mount.mount)),
-                                    max_restarts=100, env=env)
+                                    max_restarts=100, env=env, network=self.network)
         try:
             for name in self.names:
                 self._gpu(name, healthy=True)
@@ -202,11 +219,9 @@ class Chaos:
             self._wait(lambda: self._latest("step"), "the first step", 300)
             for name in self.names[self.cfg.nodes:]:
                 self._start(name)
-            self.spares = job_namespace(
-                dist.TCPStore("127.0.0.1", self.cluster.port, is_master=False, use_libuv=True,
-                              timeout=timedelta(seconds=30)), "local")
+            self.spares = job_namespace(self.cluster.store_client(), "local")
             kinds = [k for k in KINDS if k in self.cfg.faults.split(",")
-                     and (self.cfg.mix is None or k in self.cfg.mix)]
+                     and (self.cfg.mix is None or k in self.cfg.mix) and k not in self.left_out]
             weights = [self.cfg.mix[k] for k in kinds] if self.cfg.mix else None
             schedule = self.rng.sample(kinds, len(kinds))
             last = self.cfg.steps - 3 * self.cfg.checkpoint_every
@@ -227,6 +242,8 @@ class Chaos:
         finally:
             self.cluster.close()
             self.mount.stop()
+            if self.network is not None:
+                self.network.close()
         return final
 
     def _start(self, name: str, spare: bool = True) -> None:
@@ -455,6 +472,60 @@ class Chaos:
         self._start(node)  # repaired: the next spare
         return v
 
+    def _partition(self) -> Verdict:
+        rank, info = self._pick_rank()
+        node = info["host"]
+        v = self._verdict("partition", f"rank {rank} ({node})")
+        self.network.cut(node)
+        try:
+            seen = self._wait(lambda: self._latest("hang", v.injected_at), "hang report", 120)
+            self._judge_report(v, seen, rank)
+            self._recovered(v, v.injected_at)
+            self._wait(lambda: node not in {e["host"] for e in self._ranks().values()},
+                       f"a world without {node}", 60)
+        finally:
+            self.network.heal(node)
+        healed = time.time()
+        # Back on the network, the node's processes meet a job that re-formed without them
+        # (they notice when TCP next resends, seconds later): whatever they try to write
+        # into it is refused. Then the node is repaired and becomes the next spare.
+        try:
+            fenced = self._wait(lambda: [e for e in self._events("fenced", healed)
+                                         if e.get("host") == node], "fenced", 15)
+        except TimeoutError:
+            fenced = []
+        self.cluster.kill(node)
+        self.cluster.nodes[node].wait()
+        self._start(node)
+        v.diagnosis = (f"world re-formed without {node}; on its return "
+                       + (f"refused: {fenced[0]['what']}" if fenced else "it tried nothing")
+                       + "; " + v.diagnosis)
+        v.action = f"{v.action}; fenced on its return" if fenced else v.action
+        return v
+
+    def _lossy_link(self) -> Verdict:
+        rank, info = self._pick_rank()
+        node = info["host"]
+        v = self._verdict("lossy_link", node)
+        self.network.degrade(node, "100mbit")
+
+        def warnings() -> list[dict]:
+            return [e for e in self._events("health", v.injected_at)
+                    if e["check"] == "link" and e["severity"] == "warn"]
+        try:
+            first = self._wait(warnings, "link warning", 60)[0]
+            time.sleep(8)  # more than a link window: a peer's link may be reported too
+            reports = warnings()
+        finally:
+            self.network.restore(node)
+        worst = max(reports, key=lambda e: e["value"])
+        v.detected, v.detect_s = True, first["ts"] - v.injected_at
+        v.diagnosis = "; ".join(f"{e['host']} resent {e['value']:.0%}" for e in reports)[:120]
+        v.correct = worst["host"] == node
+        v.action = "link health warning (event, metric); training goes on, slower"
+        v.recover_s, v.steps_lost = 0.0, 0
+        return v
+
     def _preempt(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
@@ -601,6 +672,7 @@ class Chaos:
                   "detected": sum(v.detected for v in self.verdicts),
                   "correct": sum(v.correct for v in self.verdicts),
                   "committed_checkpoints_lost": self._lost_checkpoints()}
+        result["left_out"] = self.left_out
         result.update(self._ettr())
         if self.cfg.reference and finished:
             result["bitwise_equal_to_reference"] = self._compare(self.cfg.steps)
@@ -680,6 +752,8 @@ def table(result: dict) -> str:
                f"faults detected: {result['detected']}/{result['faults']}, diagnosed right: "
                f"{result['correct']}/{result['faults']}",
                f"committed checkpoints lost: {len(result['committed_checkpoints_lost'])}"]
+    for kind, why in result.get("left_out", {}).items():
+        summary.append(f"left out: {kind} ({why})")
     if "bitwise_equal_to_reference" in result:
         summary.append(f"final weights bitwise equal to a fault-free run: "
                        f"{result['bitwise_equal_to_reference']}")

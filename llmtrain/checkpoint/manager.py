@@ -20,6 +20,7 @@ import signal
 import time
 from concurrent import futures
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,10 @@ def describe(error: BaseException) -> str:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
-                 events: EventLog, device: torch.device, stop_votes: bool = False):
+                 events: EventLog, device: torch.device, stop_votes: bool = False,
+                 fence: Callable[[str], None] = storage.no_fence):
         self.cfg, self.url, self.events = cfg, url, events
+        self.fence = fence  # asked before each file is written (llmtrain.recovery.fence)
         self.stop_votes = stop_votes  # ranks may vote to stop: every step takes the vote
         self.stopped_by_peer = False
         self.manifest_base = manifest_base
@@ -153,7 +156,7 @@ class CheckpointManager:
                 storage.step_dir(self.url, step),
                 {**self.manifest_base, "step": step, "world_size": self.world,
                  "integrity_checked": checked},
-                thread_count=self.cfg.writer_threads)
+                thread_count=self.cfg.writer_threads, fence=self.fence)
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":
                 dcp.save(state_dict, storage_writer=writer, process_group=self.io_group)

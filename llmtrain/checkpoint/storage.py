@@ -43,7 +43,7 @@ import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
@@ -124,15 +124,18 @@ class _HashingFileSystem(FileSystem):
     mounts. Object stores need none (an object is durable once its upload completes), and
     DCP's own ``sync_files`` would fall back to ``os.sync()`` of the whole node there."""
 
-    def __init__(self) -> None:
+    def __init__(self, fence: Callable[[str], None]) -> None:
         super().__init__()
         self.sums: dict[str, dict[str, Any]] = {}
+        self.fence = fence
 
     def mkdir(self, path) -> None:
         makedirs(os.fspath(path), self.fs)
 
     @contextmanager
     def create_stream(self, path, mode: str):
+        if "w" in mode:  # the last moment a rank cut off from the job can be stopped
+            self.fence(f"checkpoint file {os.fspath(path)}")
         with super().create_stream(path, mode) as stream:
             if "w" not in mode:
                 yield stream
@@ -148,13 +151,21 @@ class _HashingFileSystem(FileSystem):
             self.sums[posixpath.basename(os.fspath(path))] = hashed.sums()
 
 
+def no_fence(what: str) -> None:
+    """No fence: every writer is a member of the job."""
+
+
 class CommitWriter(FsspecWriter):
     """An fsspec DCP writer of raw tensor bytes (:mod:`llmtrain.checkpoint.shards`) whose
-    ``finish`` also commits the checkpoint's manifest."""
+    ``finish`` also commits the checkpoint's manifest. ``fence(what)`` raises when this
+    rank may no longer write into the job's storage (:mod:`llmtrain.recovery.fence`); it
+    is asked before every file is created, and before the commit."""
 
-    def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1):
+    def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1,
+                 fence: Callable[[str], None] = no_fence):
         super().__init__(url, thread_count=thread_count, sync_files=False, overwrite=True)
-        hashing = _HashingFileSystem()
+        self.fence = fence
+        hashing = _HashingFileSystem(fence)
         hashing.fs = self.fs.fs
         self.fs = hashing
         self.url = url
@@ -165,6 +176,7 @@ class CommitWriter(FsspecWriter):
         # so no stale shard or old manifest survives next to the new files. Nothing of
         # this save is written yet (every rank has only made the directory).
         fs = self.fs.fs
+        self.fence(f"clearing {self.path} for a new save")
         if fs.exists(self.path):
             fs.rm(os.fspath(self.path), recursive=True)
         self.fs.mkdir(self.path)
@@ -195,6 +207,7 @@ class CommitWriter(FsspecWriter):
                 plain[-1].append(dataclasses.replace(r, storage_data=info))
         super().finish(metadata, plain)
         files[".metadata"] = self.fs.sums[".metadata.tmp"]
+        self.fence(f"the commit of {self.url}")
         manifest = {**self.manifest, "files": dict(sorted(files.items())),
                     "bytes": sum(f["size"] for f in files.values()),
                     "committed_at": time.time()}

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from conftest import ROOT
+from needs import IN_CI
 
 from llmtrain.chaos.runner import KINDS
 from llmtrain.config import ReliabilityConfig
@@ -31,7 +32,9 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
     verdict = json.loads((work / "verdict.json").read_text())
     table = proc.stdout[-6000:]
-    assert sorted(verdict["kinds"]) == sorted(KINDS), table
+    # nodes in network namespaces where the machine allows: always in CI, which runs as root
+    assert not (IN_CI and verdict["left_out"]), verdict["left_out"]
+    assert sorted(verdict["kinds"]) == sorted(set(KINDS) - set(verdict["left_out"])), table
     for v in verdict["verdicts"]:
         assert v["detected"] and v["correct"], (v, table)
     assert verdict["finished"], table

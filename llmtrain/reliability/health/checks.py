@@ -61,6 +61,7 @@ class Finding:
     gpu: int | None = None
     uuid: str | None = None
     pci_bus_id: str | None = None
+    value: float | None = None  # the measure judged, where one number says it (link)
 
     def sentence(self) -> str:
         where = self.host if self.gpu is None else (
@@ -161,6 +162,7 @@ class HealthChecker:
         self.event_set = None
         self.xids: dict[int, list[int]] = {}  # XIDs seen through NVML events, per GPU
         self.plugins = [_load_plugin(p) for p in cfg.plugins.split(",") if p.strip()]
+        self.tcp: list[tuple[float, int, int]] = []  # (when, TCP segments sent, resent)
 
     # -- GPUs --
 
@@ -370,6 +372,7 @@ class HealthChecker:
         out = [self._storage(check, url) for check, url in self.storage.items()]
         out.append(self._shm())
         out.append(self._clock())
+        out.append(self._link())
         for plugin in self.plugins:
             out += plugin(self.cfg, self.host)
         return out
@@ -422,9 +425,52 @@ class HealthChecker:
                            "may disagree", self.host)
         return Finding("clock", "ok", "clock synchronized", self.host)
 
+    def _link(self) -> Finding:
+        """The share of the TCP segments this node sent over the last
+        ``health.link_window_s`` that it had to send again: a lossy link (a bad cable, NIC
+        or switch port, a congested fabric) shows there first, most on the node whose
+        sends are lost. The counters are the network namespace's: a node's own on a
+        cluster (and in chaos runs)."""
+        now = _tcp_counters()
+        if now is None:
+            return Finding("link", "unknown", "/proc/net/snmp has no TCP counters here",
+                           self.host)
+        t = time.monotonic()
+        self.tcp.append((t, *now))
+        while len(self.tcp) > 2 and self.tcp[1][0] <= t - self.cfg.link_window_s:
+            self.tcp.pop(0)  # keep the newest sample a window old, as the base
+        if len(self.tcp) == 1:
+            return Finding("link", "ok", "TCP counters sampled; judged from the next pass on",
+                           self.host)
+        _, sent_before, resent_before = self.tcp[0]
+        sent, resent = now[0] - sent_before, now[1] - resent_before
+        if sent < self.cfg.link_min_segments:
+            return Finding("link", "ok", f"{sent} TCP segments sent in the last "
+                           f"{t - self.tcp[0][0]:.0f} s: too few to judge", self.host)
+        ratio = resent / sent
+        if ratio > self.cfg.max_retransmit_ratio:
+            return Finding("link", "warn", f"{ratio:.1%} of the {sent} TCP segments sent in "
+                           f"the last {t - self.tcp[0][0]:.0f} s were sent again (above "
+                           f"health.max_retransmit_ratio={self.cfg.max_retransmit_ratio}): a "
+                           f"lossy or congested link; check this node's NIC, cable and "
+                           f"switch port", self.host, value=ratio)
+        return Finding("link", "ok", f"{ratio:.2%} of {sent} TCP segments sent again",
+                       self.host, value=ratio)
+
     def run(self) -> tuple[list[Finding], dict[int, dict]]:
         findings, values = self.gpus()
         return findings + self.node(), values
+
+
+def _tcp_counters() -> tuple[int, int] | None:
+    """(OutSegs, RetransSegs) of this network namespace, from /proc/net/snmp."""
+    try:
+        with open("/proc/net/snmp") as f:
+            names, values = [line.split()[1:] for line in f if line.startswith("Tcp:")][:2]
+    except (OSError, ValueError):
+        return None
+    tcp = dict(zip(names, map(int, values)))
+    return tcp["OutSegs"], tcp["RetransSegs"]
 
 
 def _show(v: Any) -> str:
