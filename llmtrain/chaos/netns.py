@@ -102,7 +102,8 @@ class Network:
 
     def _write_hosts(self) -> None:
         common = "".join(f"{self.address(n)} {n}\n" for n in self.nodes)
-        (self.dir / "hosts").write_text(f"127.0.0.1 localhost\n{common}")
+        (self.dir / "hosts").write_text(f"127.0.0.1 localhost\n{self.hub_address} "
+                                        f"{self.hub}\n{common}")
 
     def command(self, name: str, argv: list[str]) -> list[str]:
         """``argv`` run as node ``name``: in its namespace, with its hostname, and the
