@@ -53,7 +53,7 @@ class EventLog:
     it is written."""
 
     def __init__(self, run_dir: str, rank: int | None):
-        self.rank = rank
+        self.run_dir, self.rank = run_dir, rank
         self.name = (f"rank-{rank}" if rank is not None
                      else f"launcher-{socket.gethostname()}-{os.getpid()}")
         self.dir = join(run_dir, "events")

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import socket
 import threading
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from llmtrain.events import EventLog
+from llmtrain.recovery.warm import outside_store
 
 KEY = "fence/token"
 
@@ -46,6 +49,19 @@ class Fence:
         self.token = ""
         self.refused: str | None = None
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        """A fence travels to a save's writer process (``checkpoint.mode=async_process``)
+        with the checkpoint writer, and connects to the store again there."""
+        return {"token": self.token, "refused": self.refused, "timeout_s": self.timeout_s,
+                "events": (self.events.run_dir, self.events.rank),
+                "outside": self.store is not None}
+
+    def __setstate__(self, state: dict) -> None:
+        timeout = timedelta(seconds=state["timeout_s"])
+        self.__init__(outside_store(timeout) if state["outside"] else None,
+                      EventLog(*state["events"]), state["timeout_s"])
+        self.token, self.refused = state["token"], state["refused"]
 
     def join(self, token: str) -> None:
         """This rank is a member of ``token``'s membership; called by every member before

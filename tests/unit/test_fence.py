@@ -1,6 +1,7 @@
 """The fence against a real store: a member writes, a rank of a past membership or one
 that cannot reach the store is refused, says so once, and writes no event after."""
 
+import pickle
 from datetime import timedelta
 
 import pytest
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 from llmtrain.events import EventLog, read_events
 from llmtrain.recovery.fence import Fence, Fenced
+from llmtrain.recovery.warm import outside_store
 
 
 def client(server: dist.TCPStore, timeout_s: float = 2.0) -> dist.TCPStore:
@@ -53,3 +55,17 @@ def test_without_a_store_outside_the_workers_nothing_is_fenced(tmp_path):
     fence = Fence(None, EventLog(str(tmp_path), rank=0), 1.0)
     fence.join("round-a/g0")
     fence.check("checkpoint file __0_0.distcp")
+
+
+def test_a_fence_sent_to_a_writer_process_connects_again_and_still_refuses(
+        server, tmp_path, monkeypatch):
+    """checkpoint.mode=async_process pickles the checkpoint writer, its fence with it."""
+    monkeypatch.setenv("LLMTRAIN_RDZV_ENDPOINT", f"127.0.0.1:{server.port}")
+    fence = Fence(outside_store(timedelta(seconds=2)), EventLog(str(tmp_path), rank=1), 2.0)
+    fence.join("round-a/g0")
+    sent = pickle.loads(pickle.dumps(fence.check)).__self__
+    sent.check("checkpoint file __1_0.distcp")
+    Fence(outside_store(timedelta(seconds=2)), EventLog(str(tmp_path), rank=0),
+          2.0).join("round-b/g0")
+    with pytest.raises(Fenced, match="re-formed as round-b/g0"):
+        sent.check("checkpoint file __1_1.distcp")
