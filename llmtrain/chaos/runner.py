@@ -487,11 +487,13 @@ class Chaos:
             self.network.heal(node)
         healed = time.time()
         # Back on the network, the node's processes meet a job that re-formed without them
-        # (they notice when TCP next resends, seconds later): whatever they try to write
-        # into it is refused. Then the node is repaired and becomes the next spare.
+        # (they notice when TCP next resends: seconds later, or more after a long cut):
+        # whatever they try to write into it is refused. A few seconds later the node is
+        # repaired and becomes the next spare (tests/system/test_partition.py makes the
+        # late write happen, every time).
         try:
             fenced = self._wait(lambda: [e for e in self._events("fenced", healed)
-                                         if e.get("host") == node], "fenced", 15)
+                                         if e.get("host") == node], "fenced", 5)
         except TimeoutError:
             fenced = []
         self.cluster.kill(node)

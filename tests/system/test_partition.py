@@ -14,7 +14,7 @@ from needs import netns
 from llmtrain.chaos.netns import Network
 from llmtrain.checkpoint import storage
 
-STEPS = 40
+STEPS = 30
 
 
 def test_a_partitioned_rank_that_comes_back_is_fenced_out_of_the_checkpoints(cluster, tmp_path):
