@@ -282,6 +282,10 @@ class Chaos:
         attempt = self._latest("attempt_start")
         return {e["rank"]: e for e in self._events("startup", attempt["ts"] if attempt else 0)}
 
+    def _hosts(self) -> set[str]:
+        """The nodes this attempt's ranks run on."""
+        return {e["host"] for e in self._ranks().values()}
+
     def _step(self) -> int:
         last = self._latest("step")
         return last["step"] if last else 0
@@ -458,15 +462,13 @@ class Chaos:
         seen = self._wait(lambda: self._latest("failure", v.injected_at), "failure", 120)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         self._recovered(v, v.injected_at)
-
-        def hosts() -> set[str]:
-            return {e["host"] for e in self._ranks().values()}
         try:  # the spare's startup event follows its first step
-            self._wait(lambda: node not in hosts(), f"a world without {node}", 60)
+            self._wait(lambda: node not in self._hosts(), f"a world without {node}", 60)
         except TimeoutError:
             pass  # judged below
-        v.diagnosis = f"world re-formed on {sorted(hosts())}"
-        v.correct = node not in hosts() and len(hosts()) == self.cfg.nodes
+        hosts = self._hosts()
+        v.diagnosis = f"world re-formed on {sorted(hosts)}"
+        v.correct = node not in hosts and len(hosts) == self.cfg.nodes
         v.action = ("a spare took its place, state from memory" if v.path == "warm" else
                     "spare admitted, restart from the last checkpoint")
         self._start(node)  # repaired: the next spare
@@ -481,8 +483,7 @@ class Chaos:
             seen = self._wait(lambda: self._latest("hang", v.injected_at), "hang report", 120)
             self._judge_report(v, seen, rank)
             self._recovered(v, v.injected_at)
-            self._wait(lambda: node not in {e["host"] for e in self._ranks().values()},
-                       f"a world without {node}", 60)
+            self._wait(lambda: node not in self._hosts(), f"a world without {node}", 60)
         finally:
             self.network.heal(node)
         healed = time.time()
