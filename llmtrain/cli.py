@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = sub.add_parser("ckpt", help="list, verify, inspect or export checkpoints")
     ckpt.add_argument("action", choices=("list", "verify", "inspect", "export"))
     ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
-    ckpt.add_argument("--sizes-only", action="store_true", help="skip the sha256 checks")
+    ckpt.add_argument("--sizes-only", action="store_true", help="skip the checksum checks")
     ckpt.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"),
                       help="export: 'hf' and a directory for safetensors + config.json "
                            "(transformers.LlamaForCausalLM loads it)")

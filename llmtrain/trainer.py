@@ -587,7 +587,7 @@ class Trainer:
 
     def restore(self, plan: Plan, replication) -> None:
         """Every rank's state at ``plan.step`` from memory: survivors from their own
-        snapshot, a spare from its buddy's replica; all verified by CRC-32 first, and all
+        snapshot, a spare from its buddy's replica; all verified by checksum first, and all
         ranks agree that each did, or none goes on (SnapshotError: the cold path)."""
         ok = torch.ones(1)
         snap = None

@@ -9,9 +9,10 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
 
 - writing is one ``write`` per 4 MiB of a tensor's memory, each piece hashed by the
   writing thread while it is still in the CPU cache, on several writer threads, one file
-  each. Every item's sha256 goes into its ``_StorageInfo`` (a descriptor ``sha256=<hex>``),
-  so a reader can check exactly what it reads, and the manifest commits to the item sums
-  (:mod:`llmtrain.checkpoint.storage`);
+  each. Every item's checksum goes into its ``_StorageInfo`` (a descriptor
+  ``xxh3_128=<hex>``; ``sha256=`` in checkpoints written before, see
+  :mod:`llmtrain.checkpoint.checksum`), so a reader can check exactly what it reads, and
+  the manifest commits to the item sums (:mod:`llmtrain.checkpoint.storage`);
 - reading is positional range reads straight into the destination tensors' memory (a
   scratch buffer and one copy only when the destination's layout or dtype differ, as in
   some reshardings), split into pieces that several threads read ahead in parallel;
@@ -33,7 +34,6 @@ format) are read by DCP's stock reader, so old checkpoints load. Stock
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import math
 import os
@@ -50,10 +50,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from llmtrain.checkpoint import checksum
 from llmtrain.fsio import is_local
 
 RAW = "llmtrain-raw/1"  # the transform descriptor of an item stored as bare tensor bytes
-SUM = "sha256="         # the descriptor carrying an item's sha256 (hex)
 READ_PIECE = 16 << 20   # the unit several threads share a large tensor's reading in
 BATCH = 64 << 20        # bytes of ranges per cat_ranges call (object stores)
 
@@ -66,10 +66,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def item_sum(info: _StorageInfo) -> str | None:
-    """The sha256 (hex) recorded for a stored item; None in checkpoints older than that."""
-    return next((d[len(SUM):] for d in info.transform_descriptors or () if d.startswith(SUM)),
-                None)
+def item_sum(info: _StorageInfo) -> tuple[str, str] | None:
+    """(algorithm, hex digest) of the checksum recorded for a stored item; None in
+    checkpoints older than item sums."""
+    return next(filter(None, map(checksum.parse, info.transform_descriptors or ())), None)
 
 
 class DamagedCheckpoint(Exception):
@@ -84,7 +84,7 @@ class DamagedCheckpoint(Exception):
 def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
     """Writes this rank's items of ``plan`` to ``thread_count`` files on as many threads.
     ``fs`` is DCP's FileSystem whose streams fsync as the storage needs and have
-    ``write_item(view) -> sha256 hex`` (:class:`llmtrain.checkpoint.storage.CommitWriter`)."""
+    ``write_item(view) -> its checksum, labelled`` (:class:`llmtrain.checkpoint.storage.CommitWriter`)."""
     buckets = [b for b in _split_by_size_and_type(thread_count, plan.items) if b]
     names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
@@ -97,7 +97,7 @@ def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
                     view, descriptors = data.getbuffer(), []
                 else:
                     view, descriptors = tensor_bytes(data), [RAW]
-                descriptors.append(SUM + stream.write_item(view))
+                descriptors.append(stream.write_item(view))
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view),
                                            storage_data=_StorageInfo(name, offset, len(view),
                                                                      descriptors)))
@@ -311,16 +311,17 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
 
 def _check_sums(items: list[tuple[str, _StorageInfo, memoryview]], root: str,
                 threads: int) -> None:
-    """Hashes each item's bytes as read, ``threads`` at a time (hashlib lets go of the
+    """Hashes each item's bytes as read, ``threads`` at a time (hashing lets go of the
     GIL), and raises DamagedCheckpoint naming every item whose sum differs."""
     def damaged(item) -> str | None:
         name, info, data = item
         expected = item_sum(info)
         if expected is None:
             raise ValueError(f"{info.relative_path}: {name} has no recorded sum to check")
-        if hashlib.sha256(data).hexdigest() == expected:
+        algorithm, digest = expected
+        if checksum.of(data, algorithm) == digest:
             return None
-        return (f"{posixpath.join(root, info.relative_path)}: sha256 differs from the "
+        return (f"{posixpath.join(root, info.relative_path)}: {algorithm} differs from the "
                 f"manifest in {name} (bytes {info.offset}-{info.offset + info.length}; "
                 f"corrupted)")
     with ThreadPoolExecutor(max_workers=threads) as pool:

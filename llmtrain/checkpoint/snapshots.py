@@ -8,7 +8,7 @@ at most ``snapshot_every`` steps are redone, and nothing is read from storage.
 
 A snapshot is one flat byte buffer (this rank's model and optimizer shards, its RNG, the
 integrity window) plus a small JSON header (step, LR schedule, data position, Python RNG,
-the buffer's layout and CRC-32). Nothing is pickled: a replica from a peer is data, never
+the buffer's layout and checksum, :mod:`llmtrain.checkpoint.checksum`). Nothing is pickled: a replica from a peer is data, never
 code. Buffers are reused: two slots of our own, two of our ward's (the rank whose buddy we
 are). The copy runs on the training thread (a memcpy); the checksum and the exchange with
 the buddy run on a thread of their own, over a gloo group used for nothing else. A snapshot
@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from llmtrain import fault_points
+from llmtrain.checkpoint import checksum
 from llmtrain.events import EventLog
 
 _ALIGN = 64
@@ -83,8 +83,8 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _crc(buffer: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(buffer.numpy()))  # releases the GIL for large buffers
+def _sum(buffer: torch.Tensor) -> str:
+    return checksum.label(checksum.of(memoryview(buffer.numpy())))
 
 
 @dataclass
@@ -95,9 +95,9 @@ class Snapshot:
     buffer: torch.Tensor
 
     def verify(self) -> None:
-        if _crc(self.buffer[:self.header["nbytes"]]) != self.header["crc"]:
+        if _sum(self.buffer[:self.header["nbytes"]]) != self.header["sum"]:
             raise SnapshotError(f"rank {self.header['rank']}'s snapshot of step {self.step} "
-                                f"fails its CRC-32: the memory holding it was corrupted")
+                                f"fails its checksum: the memory holding it was corrupted")
 
     def restore_into(self, tensors: list[torch.Tensor]) -> dict:
         """Copies the buffer into ``tensors`` (same layout); returns the header."""
@@ -196,11 +196,11 @@ class Snapshots:
                     buffer[off:off + t.numel() * t.element_size()].copy_(
                         t.detach().reshape(-1).view(torch.uint8))
         header = {**header, "step": step, "rank": self.rank, "layout": _layout(tensors),
-                  "nbytes": nbytes, "python_rng": _jsonable(random.getstate()), "crc": None}
+                  "nbytes": nbytes, "python_rng": _jsonable(random.getstate()), "sum": None}
         snap = Snapshot(step, header, buffer)
         self.own.add(snap)
         if self.buddy is None:
-            snap.header["crc"] = _crc(buffer[:nbytes])
+            snap.header["sum"] = _sum(buffer[:nbytes])
             return True
         with self._wake:
             self._idle.clear()
@@ -231,7 +231,7 @@ class Snapshots:
             idle.set()
 
     def _keep(self, replica: Snapshot, gen: int) -> None:
-        """Keeps the ward's replica if its CRC-32 matches and the thread is still current."""
+        """Keeps the ward's replica if its checksum matches and the thread is still current."""
         try:
             replica.verify()
         except SnapshotError as e:
@@ -247,7 +247,7 @@ class Snapshots:
         JSON header and the bytes; returns the ward's (None once the thread is stale)."""
         fault_points.point("replicate", snap.step)
         nbytes = snap.header["nbytes"]
-        snap.header["crc"] = _crc(snap.buffer[:nbytes])
+        snap.header["sum"] = _sum(snap.buffer[:nbytes])
         head = json.dumps(snap.header).encode()
         sizes_out = torch.tensor([len(head), nbytes], dtype=torch.int64)
         sizes_in = torch.empty(2, dtype=torch.int64)
@@ -271,7 +271,7 @@ class Snapshots:
 
     def holdings(self) -> dict:
         """What this rank can restore from: its own steps, and its ward's (verified)."""
-        return {"own": [s.step for s in self.own.held if s.header["crc"] is not None],
+        return {"own": [s.step for s in self.own.held if s.header["sum"] is not None],
                 "ward": self.ward, "replicas": self.replicas.steps()}
 
     def send_replica(self, step: int, to: int, group) -> None:
@@ -301,7 +301,7 @@ class Snapshots:
         dist.recv(sizes, source, group=group)
         head_len, nbytes = (int(x) for x in sizes)
         if not head_len:
-            raise SnapshotError(f"the replica rank {source} holds failed its CRC-32 (see "
+            raise SnapshotError(f"the replica rank {source} holds failed its checksum (see "
                                 f"its snapshot_corrupt event)")
         head = torch.empty(head_len, dtype=torch.uint8)
         dist.recv(head, source, group=group)

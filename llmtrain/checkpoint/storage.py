@@ -10,8 +10,8 @@ Layout of one checkpoint, ``<checkpoint url>/step-00000100/``::
                        step, world, config digest, timings, and each file's size and sum:
                        ``sha256`` of the file (``.metadata``, checkpoints before item sums),
                        or ``items_sha256`` of a shard file: the sha256 of its items' own
-                       sha256 digests in file order, each recorded with its item in
-                       ``.metadata``
+                       digests in file order, each recorded with its item in ``.metadata``
+                       (XXH3-128; SHA-256 before, :mod:`llmtrain.checkpoint.checksum`)
 
 The commit protocol: each rank hashes its shards *while writing them* (no read-back), item
 by item, and hands the sums to the coordinator inside DCP's own gather of write results;
@@ -50,7 +50,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.futures import Future
 
 from llmtrain import fault_points
-from llmtrain.checkpoint import shards
+from llmtrain.checkpoint import checksum, shards
 from llmtrain.fsio import FILE_MODE, is_local, join, makedirs, set_mode, write_atomic
 
 MANIFEST = "MANIFEST.json"
@@ -65,7 +65,8 @@ def step_dir(root: str, step: int) -> str:
 class _HashingStream:
     """Passes writes through, hashing each piece in the writing thread just before it is
     written, while it is still in the CPU cache: plain writes into the file's sha256,
-    ``write_item`` into the item's own (a file is written one way or the other)."""
+    ``write_item`` into the item's own checksum (a file is written one way or the
+    other)."""
 
     PIECE = 4 << 20  # well inside L2/L3
 
@@ -84,17 +85,18 @@ class _HashingStream:
         return self._stream.write(view)
 
     def write_item(self, data) -> str:
-        """Writes one stored item; returns its sha256 (hex)."""
+        """Writes one stored item; returns its checksum, labelled (``xxh3_128=<hex>``)."""
         view = memoryview(data).cast("B")
-        sha = hashlib.sha256()
+        algorithm = checksum.DEFAULT
+        hasher = checksum.new(algorithm)
         for start in range(0, len(view), self.PIECE):
             piece = view[start:start + self.PIECE]
-            sha.update(piece)
+            hasher.update(piece)
             self._stream.write(piece)
             self.size += len(piece)
             self._write_back()
-        self._items.append(sha.digest())
-        return sha.hexdigest()
+        self._items.append(hasher.digest())
+        return checksum.label(hasher.hexdigest(), algorithm)
 
     def _write_back(self) -> None:
         """Starts the disk writing what is written so far, in the background (a local
@@ -280,29 +282,30 @@ def retention_victims(ckpts: list[CheckpointInfo], keep_last: int,
 
 
 def items_sha256(digests: list[bytes]) -> str:
-    """A shard file's sum in the manifest: the sha256 of its items' sha256 digests."""
+    """A shard file's sum in the manifest: the sha256 of its items' digests."""
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
-def _sha256(fs, path: str, start: int = 0, length: int | None = None) -> str:
-    sha = hashlib.sha256()
+def _file_sum(fs, path: str, algorithm: str = "sha256", start: int = 0,
+              length: int | None = None) -> str:
+    hasher = checksum.new(algorithm)
     with fs.open(path, "rb") as f:
         f.seek(start)
         left = fs.size(path) - start if length is None else length
         while left > 0 and (chunk := f.read(min(left, 8 << 20))):
-            sha.update(chunk)
+            hasher.update(chunk)
             left -= len(chunk)
-    return sha.hexdigest()
+    return hasher.hexdigest()
 
 
 def _items(url: str, root: str, fs, manifest: dict) -> dict[str, list] | str:
-    """{shard file: [(first byte, length, name, sha256) of each item, in file order]} from
-    ``.metadata``, once its own sum matches the manifest's (it is unpickled); a string
-    saying why not otherwise."""
+    """{shard file: [(first byte, length, name, (algorithm, digest)) of each item, in file
+    order]} from ``.metadata``, once its own sum matches the manifest's (it is
+    unpickled); a string saying why not otherwise."""
     meta = manifest["files"].get(".metadata", {})
     path = posixpath.join(root, ".metadata")
     if not fs.exists(path) or fs.size(path) != meta.get("size") or \
-            _sha256(fs, path) != meta.get("sha256"):
+            _file_sum(fs, path) != meta.get("sha256"):
         return f"{url}/.metadata: damaged, so the item sums cannot be checked"
     out: dict[str, list] = {}
     for index, info in shards.ShardReader(url).read_metadata().storage_data.items():
@@ -313,11 +316,11 @@ def _items(url: str, root: str, fs, manifest: dict) -> dict[str, list] | str:
 
 def _damaged_items(url: str, fs, path: str, name: str, items: list, expect: str) -> list[str]:
     """The items of one shard file whose bytes differ from their sums."""
-    problems = [f"{url}/{name}: sha256 differs from the manifest in {fqn} (bytes "
+    problems = [f"{url}/{name}: {algorithm} differs from the manifest in {fqn} (bytes "
                 f"{start}-{start + length}; corrupted)"
-                for start, length, fqn, digest in items
-                if _sha256(fs, path, start, length) != digest]
-    if not problems and items_sha256([bytes.fromhex(d) for *_, d in items]) != expect:
+                for start, length, fqn, (algorithm, digest) in items
+                if _file_sum(fs, path, algorithm, start, length) != digest]
+    if not problems and items_sha256([bytes.fromhex(d) for *_, (_, d) in items]) != expect:
         problems.append(f"{url}/{name}: its item sums differ from the manifest's")
     return problems
 
@@ -353,7 +356,7 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
         elif not checksums:
             continue
         elif "items_sha256" not in expect:
-            if whole and _sha256(fs, path) != expect["sha256"]:
+            if whole and _file_sum(fs, path) != expect["sha256"]:
                 problems.append(f"{url}/{name}: sha256 differs from the manifest (corrupted)")
         elif items:
             table = table or _items(url, root, fs, manifest)

@@ -126,7 +126,7 @@ def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path, r
     rejected = {e["step"]: " ".join(e["problems"]) for e in events(run, "checkpoint_rejected")}
     assert sorted(rejected) == [12, 18]
     # the flipped byte was found by the load, which checks each item as it reads it
-    assert "__1_0.distcp: sha256 differs from the manifest in " in rejected[18]
+    assert "__1_0.distcp: xxh3_128 differs from the manifest in " in rejected[18]
     assert "bytes, manifest says" in rejected[12] and "__0_0.distcp" in rejected[12]
     assert [(e["step"], e["checked_in_load"]) for e in events(run, "checkpoint_loaded")] == \
         [(6, True)]

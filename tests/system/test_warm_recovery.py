@@ -85,7 +85,7 @@ def test_three_faults_each_recovered_warm_and_the_weights_match(cluster, referen
 
 
 def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, reference):
-    """The survivor's replica of the lost rank has a bit flipped in memory: its CRC-32
+    """The survivor's replica of the lost rank has a bit flipped in memory: its checksum
     catches it before the spare gets it, every rank goes cold, and the job still ends
     with the weights of a run that never failed."""
     c = cluster("2:2", TRAIN)
@@ -101,7 +101,7 @@ def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, ref
     # named by the rank that holds it, before it is sent, and by the spare that needed it
     corrupt = {e["when"]: e for e in events(c.run, "snapshot_corrupt")}
     assert set(corrupt) == {"before restore", "restore"}, corrupt
-    assert "CRC-32" in corrupt["before restore"]["error"]
+    assert "fails its checksum" in corrupt["before restore"]["error"]
     failed = events(c.run, "warm_recovery_failed")
     assert failed and all("failed its check" in e["reason"] for e in failed), failed
     assert not events(c.run, "warm_recovery")

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from conftest import ROOT
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import checksum, shards, storage
 from llmtrain.checkpoint.shards import RAW, ShardReader, load_unsharded
 
 # Three ranks: ranks 0-1 save a 2-way sharded state (the new format, and main's format:
@@ -132,9 +132,12 @@ def test_a_truncated_shard_fails_the_load(tmp_path):
         dcp.load({"w": torch.zeros(1000)}, storage_reader=ShardReader(url), no_dist=True)
 
 
-def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_place(tmp_path):
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])  # sha256: checkpoints before
+def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_place(
+        tmp_path, monkeypatch, algorithm):
     """Item sums: ``verify`` names the damaged item, and an in-place read that checks its
     items raises before returning anything, naming the same one; unchecked it reads."""
+    monkeypatch.setattr(checksum, "DEFAULT", algorithm)
     url = str(tmp_path / "ck")
     want = state()
     dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, thread_count=1),
@@ -146,7 +149,8 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     data[info.offset + 1234] ^= 0x10
     shard.write_bytes(bytes(data))
     (problem,) = storage.verify(url, checksums=True)
-    assert f"{info.relative_path}: sha256 differs from the manifest in w " in problem
+    assert shards.item_sum(info)[0] == algorithm
+    assert f"{info.relative_path}: {algorithm} differs from the manifest in w " in problem
     assert storage.verify(url, checksums=True, items=False) == []  # left to the reader
     assert storage.verify(url, checksums=True, whole=False) == [problem]  # items only
 
