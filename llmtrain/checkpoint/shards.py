@@ -39,6 +39,7 @@ import math
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import fsspec
 import torch
@@ -56,6 +57,7 @@ from llmtrain.fsio import is_local
 RAW = "llmtrain-raw/1"  # the transform descriptor of an item stored as bare tensor bytes
 READ_PIECE = 16 << 20   # the unit several threads share a large tensor's reading in
 BATCH = 64 << 20        # bytes of ranges per cat_ranges call (object stores)
+_IOV_MAX = 1024         # buffers one preadv may fill (Linux's IOV_MAX)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -84,7 +86,8 @@ class DamagedCheckpoint(Exception):
 def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
     """Writes this rank's items of ``plan`` to ``thread_count`` files on as many threads.
     ``fs`` is DCP's FileSystem whose streams fsync as the storage needs and have
-    ``write_item(view) -> its checksum, labelled`` (:class:`llmtrain.checkpoint.storage.CommitWriter`)."""
+    ``write_item(view) -> its checksum, labelled``
+    (:class:`llmtrain.checkpoint.storage.CommitWriter`)."""
     buckets = [b for b in _split_by_size_and_type(thread_count, plan.items) if b]
     names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
@@ -128,6 +131,7 @@ class _Range:
     path: str
     start: int
     dest: memoryview
+    done: Callable[[], None] | None = None  # run by the reading thread once dest is full
 
 
 class ShardReader(FsspecReader):
@@ -205,27 +209,25 @@ class ShardReader(FsspecReader):
         return fut
 
     def _read(self, ranges: list[_Range]) -> None:
-        """Fills every range's destination, ``threads`` reads at a time."""
+        """Fills every range's destination, ``threads`` reads at a time. A local file's
+        back-to-back ranges (a shard file's items are) are read by one ``preadv`` of up
+        to READ_PIECE bytes, so a state of many small tensors costs a few dozen calls,
+        not one call and one task handed to a thread per tensor."""
         if not ranges:
             return
-        with ThreadPoolExecutor(max_workers=self.threads) as pool:
-            if is_local(self._fs):
+        local = is_local(self._fs)
+        runs = _runs(ranges, READ_PIECE if local else BATCH, _IOV_MAX if local else None)
+        with ThreadPoolExecutor(max_workers=min(self.threads, len(runs))) as pool:
+            if local:
                 fds = {p: os.open(p, os.O_RDONLY) for p in {r.path for r in ranges}}
                 try:
-                    for _ in pool.map(lambda r: _pread(fds[r.path], r), ranges):
+                    for _ in pool.map(lambda run: _preadv(fds[run[0].path], run), runs):
                         pass
                 finally:
                     for fd in fds.values():
                         os.close(fd)
                 return
-            batches, size = [[]], 0
-            for r in sorted(ranges, key=lambda r: (r.path, r.start)):
-                if size >= BATCH:
-                    batches.append([])
-                    size = 0
-                batches[-1].append(r)
-                size += len(r.dest)
-            for _ in pool.map(self._cat_ranges, batches):
+            for _ in pool.map(self._cat_ranges, runs):
                 pass
 
     def _cat_ranges(self, batch: list[_Range]) -> None:
@@ -238,6 +240,8 @@ class ShardReader(FsspecReader):
                 raise OSError(f"{r.path}: {len(data)} bytes at {r.start}, expected "
                               f"{len(r.dest)} (truncated)")
             r.dest[:] = data
+            if r.done is not None:
+                r.done()
 
 
 def _exact_chunks(reader: ShardReader, tensors: dict, objects: list[str]) -> dict | None:
@@ -282,7 +286,8 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
     if found is None:
         return None
     ranges: list[_Range] = []
-    checks: list[tuple[str, _StorageInfo, memoryview]] = []  # (name, item, its bytes)
+    split: list[tuple[str, _StorageInfo, memoryview]] = []  # items read in several pieces
+    problems: list[str] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch, destination)
     buffers: dict[str, bytearray] = {}
     for key, info in found.items():
@@ -298,36 +303,38 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
                 copies.append((scratch, target))
             dest = tensor_bytes(scratch)
         path = posixpath.join(reader._root, info.relative_path)
+        item = (key if isinstance(key, str) else key[0], info, dest)
+        if len(dest) <= READ_PIECE:  # checked by the thread that read it, while cached
+            done = (lambda item=item: _damaged(item, reader._root, problems)) if check else None
+            ranges.append(_Range(path, info.offset, dest, done))
+            continue
+        split.append(item)
         for piece in range(0, len(dest), READ_PIECE):
             ranges.append(_Range(path, info.offset + piece, dest[piece:piece + READ_PIECE]))
-        checks.append((key if isinstance(key, str) else key[0], info, dest))
     reader._read(ranges)
-    if check:
-        _check_sums(checks, reader._root, reader.threads)
+    if check and split:
+        with ThreadPoolExecutor(max_workers=reader.threads) as pool:
+            list(pool.map(lambda item: _damaged(item, reader._root, problems), split))
+    if problems:
+        raise DamagedCheckpoint(sorted(problems))
     for scratch, target in copies:
         target.copy_(scratch, non_blocking=True)
     return {name: bytes(buf) for name, buf in buffers.items()}
 
 
-def _check_sums(items: list[tuple[str, _StorageInfo, memoryview]], root: str,
-                threads: int) -> None:
-    """Hashes each item's bytes as read, ``threads`` at a time (hashing lets go of the
-    GIL), and raises DamagedCheckpoint naming every item whose sum differs."""
-    def damaged(item) -> str | None:
-        name, info, data = item
-        expected = item_sum(info)
-        if expected is None:
-            raise ValueError(f"{info.relative_path}: {name} has no recorded sum to check")
-        algorithm, digest = expected
-        if checksum.of(data, algorithm) == digest:
-            return None
-        return (f"{posixpath.join(root, info.relative_path)}: {algorithm} differs from the "
-                f"manifest in {name} (bytes {info.offset}-{info.offset + info.length}; "
-                f"corrupted)")
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        problems = [p for p in pool.map(damaged, sorted(items, key=lambda i: -len(i[2]))) if p]
-    if problems:
-        raise DamagedCheckpoint(problems)
+def _damaged(item: tuple[str, _StorageInfo, memoryview], root: str,
+             problems: list[str]) -> None:
+    """Hashes one item's bytes as read (hashing lets go of the GIL, so reading threads
+    check in parallel) and adds a problem naming it when its sum differs."""
+    name, info, data = item
+    expected = item_sum(info)
+    if expected is None:
+        raise ValueError(f"{info.relative_path}: {name} has no recorded sum to check")
+    algorithm, digest = expected
+    if checksum.of(data, algorithm) != digest:
+        problems.append(f"{posixpath.join(root, info.relative_path)}: {algorithm} differs "
+                        f"from the manifest in {name} (bytes {info.offset}-"
+                        f"{info.offset + info.length}; corrupted)")
 
 
 def load_unsharded(url: str, threads: int = 4) -> dict:
@@ -341,11 +348,40 @@ def load_unsharded(url: str, threads: int = 4) -> dict:
     return state
 
 
-def _pread(fd: int, r: _Range) -> None:
-    done = 0
-    while done < len(r.dest):
-        n = os.preadv(fd, [r.dest[done:]], r.start + done)
+def _runs(ranges: list[_Range], limit: int, iovecs: int | None) -> list[list[_Range]]:
+    """``ranges`` in file order, grouped into runs that one read can fill: back to back in
+    one file, up to ``limit`` bytes (a range larger than that is a run of its own) and,
+    where ``iovecs`` is given, that many ranges; without it, any ranges of up to
+    ``limit`` bytes in all (a batch of ranges for an object store)."""
+    runs: list[list[_Range]] = []
+    size = 0
+    for r in sorted(ranges, key=lambda r: (r.path, r.start)):
+        last = runs[-1][-1] if runs else None
+        if (last is None or size + len(r.dest) > limit
+                or iovecs is not None and (len(runs[-1]) >= iovecs or r.path != last.path
+                                           or r.start != last.start + len(last.dest))):
+            runs.append([])
+            size = 0
+        runs[-1].append(r)
+        size += len(r.dest)
+    return runs
+
+
+def _preadv(fd: int, run: list[_Range]) -> None:
+    """Fills a run of back-to-back ranges with ``preadv`` calls, then runs their
+    ``done``; a short read goes on from where it stopped, the end of file raises."""
+    views = [r.dest for r in run]
+    at = run[0].start
+    while views:
+        n = os.preadv(fd, views, at)
         if n == 0:
-            raise OSError(f"{r.path}: ends at {r.start + done}, {len(r.dest) - done} bytes "
-                          f"short (truncated)")
-        done += n
+            left = sum(len(v) for v in views)
+            raise OSError(f"{run[0].path}: ends at {at}, {left} bytes short (truncated)")
+        at += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views and n:
+            views[0] = views[0][n:]
+    for r in run:
+        if r.done is not None:
+            r.done()

@@ -114,6 +114,31 @@ def test_raw_items_round_trip_on_local_disk_and_in_batched_ranges(tmp_path, monk
     assert torch.equal(load_unsharded(url)["w"], want["w"])
 
 
+def test_short_reads_go_on_where_they_stopped(tmp_path, monkeypatch):
+    """A positional read may return fewer bytes than asked (a FUSE or NFS file can): the
+    reader goes on from there, across the boundaries of the items one read fills."""
+    url = str(tmp_path / "ck")
+    want = state()
+    dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}), no_dist=True)
+    real, calls = os.preadv, []
+
+    def short(fd, views, at):  # at most 777 bytes a call, cut anywhere in a buffer
+        calls.append(at)
+        out, left = [], 777
+        for v in views:
+            out.append(memoryview(v)[:left])
+            left -= len(out[-1])
+            if not left:
+                break
+        return real(fd, out, at)
+    monkeypatch.setattr(os, "preadv", short)
+    got = empty_like(want)
+    dcp.load(got, storage_reader=ShardReader(url), no_dist=True)
+    assert_same(got, want)
+    assert len(calls) > sum(v.numel() * v.element_size() for v in want.values()
+                            if isinstance(v, torch.Tensor)) // 777
+
+
 def test_stock_readers_refuse_the_raw_format_instead_of_misreading_it(tmp_path):
     url = str(tmp_path / "ck")
     dcp.save({"w": torch.ones(4)}, storage_writer=storage.CommitWriter(url, {"step": 1}),
