@@ -9,6 +9,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from datetime import timedelta
 
 import torch
@@ -43,7 +44,7 @@ from llmtrain.reliability.integrity import (Integrity, TrainingDiverged, learned
                                            replica_groups)
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
 from llmtrain.recovery.fence import Fence
-from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, outside_store, round_of
+from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, evict, outside_store, round_of
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -187,13 +188,16 @@ class Trainer:
         self.watchdog = None
         with self.ledger.span("startup", "components"):
             if cfg.reliability.watchdog:
+                store = open_store("watchdog", timedelta(seconds=30),
+                                   self.warm and self.warm.round_id)
                 self.watchdog = Watchdog(
-                    cfg.reliability, open_store("watchdog", timedelta(seconds=30),
-                                                self.warm and self.warm.round_id),
-                    t.run_dir, self.events, self.world.rank, self.world.world_size,
-                    int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
+                    cfg.reliability, store, t.run_dir, self.events, self.world.rank,
+                    self.world.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 0)),
                     # the agents must restart everyone, not wait for a warm verdict
-                    on_exit=self.warm.give_up if self.warm else lambda: None)
+                    on_exit=self.warm.give_up if self.warm else lambda: None,
+                    evict=self.warm and partial(
+                        evict, outside_store(timedelta(seconds=30), store.underlying_store),
+                        wait_s=cfg.warm.evict_wait_s))
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                     self.world.rank)

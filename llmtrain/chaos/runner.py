@@ -11,7 +11,9 @@ injects every kind of fault at least once, then random ones, one at a time:
 ==================  ===================================================================
 kill_rank           SIGKILL one rank mid-step
 kill_in_save        a rank dies inside its checkpoint shard write (a run-time fault)
-hang                SIGSTOP one rank: it stops inside a collective, watchdog thread and all
+hang                SIGSTOP one rank: it stops inside a collective, watchdog thread and all;
+                    on the warm path its agent kills it once the report names it, and a
+                    spare takes its place
 desync              one rank calls a different collective (a run-time fault)
 slow_rank           one rank stopped 2/3 of the time for a while: a straggler
 node_loss           a whole node (launcher, agent, workers) dies; the spare takes over
@@ -59,6 +61,7 @@ how does the measured ETTR compare with the Young/Daly model's for the measured 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -381,8 +384,9 @@ class Chaos:
         os.kill(info["pid"], signal.SIGSTOP)
         try:
             seen = self._wait(lambda: self._latest("hang", v.injected_at), "hang report", 120)
-        finally:
-            os.kill(info["pid"], signal.SIGKILL)  # a stopped process ignores SIGTERM
+        finally:  # a stopped process ignores SIGTERM; on the warm path its agent kills it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(info["pid"], signal.SIGKILL)
         self._judge_report(v, seen, rank)
         self._recovered(v, v.injected_at, info["host"])
         return v

@@ -13,15 +13,20 @@ and the agent goes cold without waiting out the budget; a worker that exited RET
 (a preemption's save) sends it cold at once. After a warm recovery, an agent whose workers
 were all replaced has nothing left to supervise and ends, and no agent waits in torchrun's
 exit barrier, which a lost node's agent never reaches; an agent that ends so leaves the
-rendezvous open for the job's later rounds. Everything else is torchrun.
+rendezvous open for the job's later rounds. A worker a hang's report named as stuck is
+killed by its agent when the watchdog asks (:func:`llmtrain.recovery.warm.evict`), so
+that its peers' collectives fail and the warm path replaces it like any dead worker.
+Everything else is torchrun.
 
     python -m llmtrain.launch.agent <torchrun arguments>
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -53,6 +58,9 @@ class WarmAgent(LocalElasticAgent):
         self._cold_seen = self._count("cold")
         self._agreed = self._count("agreeing")  # agreements entered before this death
         self._replacements = self._count("replacements")
+        self._evictions = self._count("evictions")
+        self._evicts = {w.local_rank: self._count(f"evict/{w.global_rank}")
+                        for w in worker_group.workers}
         return started
 
     def _count(self, key: str) -> int:
@@ -62,6 +70,7 @@ class WarmAgent(LocalElasticAgent):
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
         if self._warm_store is None or handlers is None:
             return super()._monitor_workers(worker_group)
+        self._kill_evicted(worker_group, handlers)
         codes = {lr: h.proc.poll() for lr, h in handlers.items() if lr not in self._replaced}
         failed = [lr for lr, code in codes.items() if code not in (None, 0)]
         # A worker that exited RETRYABLE stopped on purpose (a preemption's agreed save, a
@@ -80,6 +89,23 @@ class WarmAgent(LocalElasticAgent):
         # Workers still running, or none left here while this agent holds the job's store:
         # the launcher stops an idle agent once the run has ended.
         return RunResult(state=WorkerState.HEALTHY)
+
+    def _kill_evicted(self, worker_group: WorkerGroup, handlers: dict) -> None:
+        """Kills the workers (and their children) a hang's watchdog asked to evict, and
+        says so; their deaths then take the usual way to a warm verdict."""
+        evictions = self._count("evictions")
+        if evictions == self._evictions:
+            return
+        self._evictions = evictions
+        for w in worker_group.workers:
+            asked = self._count(f"evict/{w.global_rank}")
+            if asked == self._evicts[w.local_rank] or w.local_rank in self._replaced:
+                continue
+            self._evicts[w.local_rank] = asked
+            with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
+                os.killpg(handlers[w.local_rank].proc.pid, signal.SIGKILL)
+            mark_gone(self._warm_store, w.global_rank)  # its peers need not wait for it
+            self._warm_store.add(f"evicted/{w.global_rank}", 1)
 
     @staticmethod
     def _leave_rendezvous_open(worker_group: WorkerGroup) -> None:

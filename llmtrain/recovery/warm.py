@@ -79,10 +79,12 @@ def ward_of(rank: int, world_size: int, local_world_size: int) -> int | None:
     return (rank - local_world_size) % world_size
 
 
-def outside_store(timeout: timedelta) -> dist.Store | None:
+def outside_store(timeout: timedelta, client: dist.Store | None = None) -> dist.Store | None:
     """The job's warm-path namespace in the rendezvous store, or None without one
-    (``llmtrain launch`` passes ``LLMTRAIN_RDZV_ENDPOINT`` and ``LLMTRAIN_RDZV_ID``)."""
-    store = rendezvous_store(timeout)
+    (``llmtrain launch`` passes ``LLMTRAIN_RDZV_ENDPOINT`` and ``LLMTRAIN_RDZV_ID``);
+    through ``client`` (a connection to that store a thread already has), else a new
+    connection."""
+    store = client if client is not None else rendezvous_store(timeout)
     if store is None:
         return None
     return job_namespace(store, os.environ.get("LLMTRAIN_RDZV_ID", "job"))
@@ -127,6 +129,24 @@ def mark_gone(store: dist.Store, rank: int) -> None:
     prefix, token = store.get(where).decode(), uuid.uuid4().hex
     if store.compare_set(f"{prefix}gone/{rank}", "", token).decode() == token:
         store.add(f"{prefix}gone", 1)
+
+
+def evict(store: dist.Store, ranks: list[int], wait_s: float) -> bool:
+    """Asks the agents of ``ranks`` (a hang's stuck ranks) to kill them: their peers'
+    collectives then fail at once, and the warm path replaces them as it replaces any lost
+    rank. True once every one's agent has (:class:`llmtrain.launch.agent.WarmAgent`);
+    False after ``wait_s`` without (an agent on a node cut off from the store never
+    answers), and the hang goes cold."""
+    done = {r: store.add(f"evicted/{r}", 0) for r in ranks}
+    for r in ranks:
+        store.add(f"evict/{r}", 1)
+    store.add("evictions", 1)  # what agents poll: one key, however many ranks
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if all(store.add(f"evicted/{r}", 0) > done[r] for r in ranks):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def round_of(job_store: dist.Store) -> str:

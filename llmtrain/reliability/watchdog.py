@@ -29,7 +29,13 @@ group (which may be the thing that is stuck):
   ``<run dir>/diagnostics/<event>/rank-N.json``; the leader waits for the dumps (up to
   ``dump_timeout_s``), analyzes them (:mod:`llmtrain.reliability.flightrec`), writes
   ``report.md`` and ``report.json`` and an event, and every rank exits RETRYABLE so the
-  launcher restarts the job from its last checkpoint.
+  launcher restarts the job from its last checkpoint;
+- with the warm path on, a hang whose report names its stuck ranks goes warm instead: the
+  leader has their agents kill them (:func:`llmtrain.recovery.warm.evict`), every other
+  rank stays, its stuck collective fails as the peer's connections close, and the warm
+  path replaces the killed ranks with spares. An agent that does not answer (its node cut
+  off from the store) sends the hang cold, as does a desync or a failed collective (a
+  replay would meet the same fault).
 """
 
 from __future__ import annotations
@@ -103,12 +109,14 @@ def thread_stacks() -> dict[str, str]:
 class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
                  events: EventLog, rank: int, world_size: int, local_world_size: int = 0,
-                 on_exit: Callable[[], None] = lambda: None):
+                 on_exit: Callable[[], None] = lambda: None,
+                 evict: Callable[[list[int]], bool] | None = None):
         """``local_world_size``: ranks per node, whose heartbeats a node leader reduces
         (0: the world is one node). ``on_exit``: called before this rank leaves for a cold
-        restart."""
+        restart. ``evict(ranks)``: has stuck ranks killed for the warm path to replace,
+        True once they are (None: every hang goes cold)."""
         self.cfg, self.store, self.events = cfg, store, events
-        self.on_exit = on_exit
+        self.on_exit, self.evict = on_exit, evict
         self.rank, self.world_size = rank, world_size
         self.plane = ControlPlane(store, rank, world_size, local_world_size,
                                   cfg.heartbeat_interval_s)
@@ -314,14 +322,35 @@ class Watchdog:
                 "progress_age_s": time.monotonic() - self.progress,
                 **flight_recorder(), "stacks": thread_stacks()}
         write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
-        self.store.set(f"dumped/{self.rank}", "1")
+        self.store.set(f"dumped/{event['id']}/{self.rank}", "1")
+        done = f"done/{event['id']}"
         if leader:
-            self._report(event, url)
-        else:
-            self._await(["done"], self.cfg.dump_timeout_s + 60)
+            self.store.set(done, json.dumps(self._evicted(event, self._report(event, url))))
+        no_word = not leader and self._await([done], self.cfg.dump_timeout_s + 60)
+        evicted = [] if no_word else json.loads(self.store.get(done))
+        while self.rank in evicted:  # its agent kills this process
+            time.sleep(3600)
+        if evicted:
+            # warm: the stuck collective fails once the evicted ranks' connections close,
+            # and the warm path takes over; until it does, this rank counts as recovering
+            self.beat(self.step, "recover", long=True)
+            self._responding.release()
+            return
         self.events.close()
         self.on_exit()
         os._exit(ExitCode.RETRYABLE)
+
+    def _evicted(self, event: dict, culprits: list[int]) -> list[int]:
+        """The ranks a hang's leader had killed for the warm path to replace; [] when the
+        event goes cold (a desync or failed collective, no stuck rank named, every rank
+        stuck, or an agent that did not answer)."""
+        if (self.evict is None or event["kind"] != "hang" or not culprits
+                or len(set(culprits)) >= self.world_size):
+            return []
+        # Every live rank has dumped and waits for the verdict: nobody needs the event any
+        # more, and a spare that starts watching must not find it.
+        self.store.delete_key("event")
+        return sorted(set(culprits)) if self.evict(sorted(set(culprits))) else []
 
     def _silent_ranks(self) -> set[int]:
         """Ranks whose heartbeat stopped: none for three beat intervals (the watchdog
@@ -342,10 +371,11 @@ class Watchdog:
                 return missing
             time.sleep(0.1)
 
-    def _report(self, event: dict, url: str) -> None:
+    def _report(self, event: dict, url: str) -> list[int]:
+        """Analyzes the dumps, writes the report and the event; returns the culprits."""
         silent = self._silent_ranks()  # stopped or dead: no dump will come from them
-        self._await([f"dumped/{r}" for r in range(self.world_size) if r not in silent],
-                    self.cfg.dump_timeout_s)
+        self._await([f"dumped/{event['id']}/{r}" for r in range(self.world_size)
+                     if r not in silent], self.cfg.dump_timeout_s)
         report = flightrec.analyze(flightrec.load_dumps(url), self.world_size)
         detected_after = event["progress_age"]
         flightrec.write_report(url, report, {"event": event["id"], "reason": event["reason"],
@@ -358,5 +388,5 @@ class Watchdog:
                          detected_after_s=detected_after, reported_after_s=reported_after)
         print(f"llmtrain watchdog: {event['reason']}\n  verdict: {report.verdict}\n"
               f"  report: {join(url, 'report.md')}", file=sys.stderr, flush=True)
-        self.store.set("done", "1")
+        return report.culprits
 
