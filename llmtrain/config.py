@@ -218,7 +218,7 @@ class WarmConfig:
                                         "before the missing ranks count as lost")
     budget_s: float = _f(30.0, gt=0, doc="a warm recovery not done in this time falls "
                                          "back to the cold path (a restart under torchrun)")
-    evict_wait_s: float = _f(3.0, gt=0, doc="a hang's stuck ranks are killed by their "
+    evict_wait_s: float = _f(2.0, gt=0, doc="a hang's stuck ranks are killed by their "
                                             "agents for the warm path to replace; no word "
                                             "from an agent in this time (its node cut off) "
                                             "sends the hang cold. Above the launcher's "
