@@ -312,7 +312,8 @@ class Watchdog:
         self._respond(claimed, leader=claimed["id"] == event["id"])
 
     def _respond(self, event: dict, leader: bool) -> None:
-        """Dump, (leader) analyze and report, then leave with the retryable exit code."""
+        """Dump, (leader) analyze, report and decide; then leave with the retryable exit
+        code, or, where the decision evicted other ranks (warm), go on watching."""
         if not self._responding.acquire(blocking=False):
             while True:  # the other thread of this rank is already at it
                 time.sleep(3600)
