@@ -118,7 +118,8 @@ class CheckpointConfig:
                       doc="when a save is due while the previous one still writes")
     keep_last: int = _f(3, ge=1, doc="committed checkpoints kept")
     keep_every: int = _f(0, ge=0, doc="also keep every checkpoint whose step is a multiple; 0: none")
-    verify_checksums: bool = _f(True, doc="check the checksums of every file before resuming (sizes always)")
+    verify_checksums: bool = _f(True, doc="check every file's checksums before resuming "
+                                          "(sizes always)")
     resume: bool = _f(True, doc="resume from the newest checkpoint that verifies")
     save_on_signal: bool = _f(True, doc="SIGTERM/SIGUSR1: save, then exit RETRYABLE")
     writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")

@@ -8,9 +8,9 @@ at most ``snapshot_every`` steps are redone, and nothing is read from storage.
 
 A snapshot is one flat byte buffer (this rank's model and optimizer shards, its RNG, the
 integrity window) plus a small JSON header (step, LR schedule, data position, Python RNG,
-the buffer's layout and checksum, :mod:`llmtrain.checkpoint.checksum`). Nothing is pickled: a replica from a peer is data, never
-code. Buffers are reused: two slots of our own, two of our ward's (the rank whose buddy we
-are). The copy runs on the training thread (a memcpy); the checksum and the exchange with
+the buffer's layout and checksum, :mod:`llmtrain.checkpoint.checksum`). Nothing is
+pickled: a replica from a peer is data, never code. Buffers are reused: two slots of our
+own, two of our ward's (the rank whose buddy we are). The copy runs on the training thread (a memcpy); the checksum and the exchange with
 the buddy run on a thread of their own, over a gloo group used for nothing else. A snapshot
 due while the previous one is still being sent is skipped, so the training thread never
 waits for the network.

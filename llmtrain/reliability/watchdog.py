@@ -345,13 +345,14 @@ class Watchdog:
         """The ranks a hang's leader had killed for the warm path to replace; [] when the
         event goes cold (a desync or failed collective, no stuck rank named, every rank
         stuck, or an agent that did not answer)."""
-        if (self.evict is None or event["kind"] != "hang" or not culprits
-                or len(set(culprits)) >= self.world_size):
+        stuck = sorted(set(culprits))
+        if (self.evict is None or event["kind"] != "hang" or not stuck
+                or len(stuck) >= self.world_size):
             return []
         # Every live rank has dumped and waits for the verdict: nobody needs the event any
         # more, and a spare that starts watching must not find it.
         self.store.delete_key("event")
-        return sorted(set(culprits)) if self.evict(sorted(set(culprits))) else []
+        return stuck if self.evict(stuck) else []
 
     def _silent_ranks(self) -> set[int]:
         """Ranks whose heartbeat stopped: none for three beat intervals (the watchdog
