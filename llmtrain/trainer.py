@@ -26,7 +26,7 @@ from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import TokenDataset, check_vocab, shard_urls
 from llmtrain.data.sampler import BatchIterator, GlobalSampler
-from llmtrain.distributed.parallelize import parallelize
+from llmtrain.distributed.parallelize import fp8_all_gather, parallelize, precompute_fp8_scales
 from llmtrain.distributed.process_group import (WorldInfo, abandon, build_mesh, connect_store,
                                                 init_process_group, open_store, shutdown)
 from llmtrain.events import EventLog, EventTail
@@ -259,6 +259,7 @@ class Trainer:
                 model = Transformer(cfg.model)
         with self.ledger.span(category, "shard"):
             self.model = parallelize(model, self.mesh, cfg.parallelism)
+            self.fp8_scales = fp8_all_gather(cfg.parallelism, self.device.type)
         with self.ledger.span(category, "materialize"):
             self.model.to_empty(device=self.device)
             self.model.init_weights(t.seed)
@@ -317,6 +318,8 @@ class Trainer:
         """Forward and backward over this rank's micro-batches, then one optimizer step.
         Returns this rank's mean loss (a tensor, so reading it costs no sync)."""
         step = self.step + 1
+        if self.fp8_scales:  # of the weights as they are now: stepped, resumed or restored
+            precompute_fp8_scales(self.model)
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             self.beat("forward", step)

@@ -4,6 +4,7 @@ checkpointing, torch.compile and FSDP2, applied in that order (each wraps the pr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from llmtrain.config import ParallelismConfig
+from llmtrain.config import ConfigError, ParallelismConfig
 
 # Selective checkpointing keeps the outputs of these ops (the expensive ones to redo) and
 # recomputes the cheap elementwise work in between.
@@ -23,6 +24,7 @@ _SAVE_OPS = {
     torch.ops.aten._scaled_mm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,  # SDPA's pick on Hopper+
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 
@@ -39,16 +41,43 @@ def _fp8_fits(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def apply_fp8(model: nn.Module, recipe: str, device_type: str) -> None:
+def check_fp8(recipe: str, capability: tuple[int, int], name: str) -> None:
+    """FP8 GEMMs (``_scaled_mm``) need FP8 tensor cores: compute capability 8.9 or later
+    (L4/L40S, H100/H200, B200). On an A100 the first matmul would fail."""
+    if capability < (8, 9):
+        raise ConfigError(
+            f"parallelism.fp8={recipe} needs FP8 tensor cores (compute capability 8.9+: "
+            f"H100, H200, L40S, B200), but {name} is sm_{capability[0]}{capability[1]}: "
+            f"set parallelism.fp8=none")
+
+
+def fp8_all_gather(p: ParallelismConfig, device_type: str) -> bool:
+    """Whether FSDP all-gathers the FP8 weights (tensorwise on GPUs): half the bytes of
+    bf16, and the cast happens once per shard instead of after the gather. The scales are
+    then computed for all weights in one pass after each optimizer step
+    (:func:`precompute_fp8_scales`)."""
+    return p.fp8 == "tensorwise" and device_type == "cuda"
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def apply_fp8(model: nn.Module, p: ParallelismConfig, device_type: str) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    if device_type == "cpu":
+    if device_type == "cuda":
+        check_fp8(p.fp8, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+    else:
         # No CPU multiplies FP8 natively. Where oneDNN offers an FP8 matmul (CPUs with
         # AVX-512 FP16) it emulates it, and 200x slower (1.2 s against 7 ms for one
         # 512x128x384 product on a Sapphire Rapids core) than torch's own path (upcast,
         # then the FP32 GEMM), which every other CPU takes anyway.
         torch.backends.mkldnn.enabled = False
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=_fp8_fits)
+    config = Float8LinearConfig.from_recipe_name(p.fp8)
+    if fp8_all_gather(p, device_type):
+        config = replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=_fp8_fits)
 
 
 def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
@@ -62,7 +91,7 @@ def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
 def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelismConfig) -> nn.Module:
     """Shards ``model`` (a :class:`llmtrain.model.Transformer`) in place over ``mesh``."""
     if p.fp8 != "none":
-        apply_fp8(model, p.fp8, mesh.device_type)
+        apply_fp8(model, p, mesh.device_type)
     for name, block in list(model.layers.items()):
         if p.activation_checkpoint != "none":
             block = _checkpointed(block, p.activation_checkpoint)

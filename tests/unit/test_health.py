@@ -268,3 +268,27 @@ def test_monitor_sees_an_xid_event_and_reports_changes_once(tmp_path):
         assert passes[-1][1]["temperature_c"] == 41
     finally:
         monitor.close()
+
+
+def test_monitor_without_xid_events_reads_the_kernel_log(tmp_path, capsys):
+    """Under MIG or vGPU NVML refuses event registration: the monitor starts anyway and
+    reads XIDs from the kernel log at each pass."""
+    path = tmp_path / "gpus.json"
+    state = node(2)
+    state["gpus"][1]["unsupported"] = ["xid_events"]
+    write_script(path, state)
+    checker = HealthChecker(HealthConfig(), Backend(ScriptedNVML(str(path), HOST), "scripted"),
+                            host=HOST)
+    monitor = HealthMonitor(checker, [1], interval_s=3600, node_checks=False, events=_Events())
+    monitor.start()
+    try:
+        assert checker.event_set is None and monitor.fatal is None
+        assert "XID events unavailable" in capsys.readouterr().err
+        state["kernel_log"] = ["NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=python, "
+                               "GPU has fallen off the bus."]
+        write_script(path, state)
+        monitor.check()
+        assert monitor.fatal is not None and monitor.fatal.check == "xid"
+        assert monitor.fatal.gpu == 1
+    finally:
+        monitor.close()

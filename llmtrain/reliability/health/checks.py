@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -169,13 +170,25 @@ class HealthChecker:
     def gpu_count(self) -> int:
         return self.backend.nvml.nvmlDeviceGetCount() if self.backend else 0
 
-    def watch_xids(self, gpus: list[int]) -> None:
-        """Registers for XID events, so a monitor sees each one as it happens."""
+    def watch_xids(self, gpus: list[int]) -> bool:
+        """Registers for XID events, so a monitor sees each one as it happens.
+
+        MIG, vGPU and some drivers refuse event registration (NotSupported, NoPermission):
+        then the monitor goes on reading XIDs from the kernel log at each pass, and this
+        returns False instead of failing the trainer's start.
+        """
         nvml = self.backend.nvml
-        self.event_set = nvml.nvmlEventSetCreate()
-        for i in gpus:
-            nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(i),
-                                          nvml.nvmlEventTypeXidCriticalError, self.event_set)
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+            for i in gpus:
+                nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(i),
+                                              nvml.nvmlEventTypeXidCriticalError, event_set)
+        except pynvml.NVMLError as e:
+            print(f"llmtrain health: NVML XID events unavailable ({e}); XIDs are read from "
+                  f"the kernel log at each check instead", file=sys.stderr)
+            return False
+        self.event_set = event_set
+        return True
 
     def _poll_xids(self, handles: dict) -> None:
         nvml = self.backend.nvml

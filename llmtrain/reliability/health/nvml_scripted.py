@@ -211,6 +211,8 @@ class ScriptedNVML:
         return []
 
     def nvmlDeviceRegisterEvents(self, h: int, event_types: int, event_set: list) -> None:
+        if "xid_events" in self._gpu(h).get("unsupported", ()):  # MIG, vGPU, some drivers
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         event_set.append(h)
 
     def nvmlEventSetWait_v2(self, event_set: list, timeout_ms: int):
