@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: train test bench clean
+.PHONY: train test bench gpu-check clean
 
 $(BIN)/llmtrain: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ train: $(BIN)/llmtrain
 test: $(BIN)/llmtrain
 	$(BIN)/python -m compileall -q llmtrain  # bytecode once, not in each of hundreds of processes
 	$(BIN)/python -m pytest tests --durations=25 $(ARGS)
+
+# On a GPU node: the CUDA/NCCL/NVML/FP8 checks (tests/gpu), then the GPU figures. The venv's
+# torch==2.13.0 from PyPI is the CUDA build on Linux x86-64.
+gpu-check: $(BIN)/llmtrain
+	$(BIN)/python -m pytest tests/gpu -s -p no:cacheprovider $(ARGS)
+	$(BIN)/python benchmarks/gpu.py
 
 bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/step_overhead.py

@@ -198,7 +198,8 @@ class CheckpointManager:
         if self.rank == 0:
             manifest = storage.read_manifest(storage.step_dir(self.url, step)) or {}
             self.events.emit("checkpoint_committed", step=step, blocking_s=blocked,
-                             total_s=time.perf_counter() - start, bytes=manifest.get("bytes"))
+                             total_s=time.perf_counter() - start, bytes=manifest.get("bytes"),
+                             staging_s=self.stager and self.stager.copy_s)
             self.apply_retention()
 
     def _failed(self, step: int, error: BaseException) -> None:

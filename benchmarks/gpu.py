@@ -1,0 +1,234 @@
+"""The GPU figures of ``make gpu-check``, on one GPU, each from real ``llmtrain train`` runs
+under torchrun (NCCL) and read back from their events:
+
+- **start-up**: the first run's start-up timeline (launch, imports, NCCL group, model...);
+- **bf16 MFU** of FSDP2 on a ~1B Llama (Llama 3.2 1B's shape, vocab 32768) with
+  ``torch.compile``: model FLOPs (6N + attention, as torchtitan counts them) per second
+  over the GPU's dense bf16 peak, the median of the steps after the first ``--warmup``;
+- **FP8 / bf16**: tokens/s of torchao's tensorwise and rowwise FP8 against bf16 on a ~3B
+  Llama (Llama 3.2 3B's shape) with selective activation checkpointing and compile, and
+  their mean loss over the last 20 steps against bf16's (same data, same init);
+- **checkpoints** of the 1B run's full state (weights and Adam, fp32): async save's
+  blocking time over a sync save's, the extra time of the step the staging copy overlaps,
+  and that copy's bandwidth over a plain device-to-host copy into pinned memory.
+
+    python benchmarks/gpu.py [--quick] [--sections startup_mfu,fp8,checkpoint]
+                             [--work DIR] [--timeout 240]
+
+``--quick`` uses small models and few steps (a smoke run of every path). Prints a table,
+then one JSON line of the figures. Each run's output is kept under ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from llmtrain.events import read_events  # noqa: E402
+
+LLAMA_1B = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=32768,
+                ffn_dim_multiplier=1.5, multiple_of=256, max_seq_len=2048)
+LLAMA_3B = dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=32768,
+                ffn_dim_multiplier=1.0, multiple_of=256, max_seq_len=2048)
+SMALL = dict(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=32768,
+             ffn_dim_multiplier=1.0, multiple_of=256, max_seq_len=1024)
+
+
+def model_args(shape: dict) -> list[str]:
+    return [a for k, v in shape.items() for a in (f"--model.{k}", str(v))]
+
+
+def train(work: Path, name: str, args: list[str], timeout: float) -> dict:
+    """One ``llmtrain train`` run on this GPU; its events, or the error that ended it."""
+    run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "1", "-m", "llmtrain", "train", "--config", "debug_cpu",
+           "--training.run_dir", str(run_dir), "--parallelism.device", "cuda",
+           "--parallelism.param_dtype", "bfloat16",
+           "--metrics.log_every", "1", "--metrics.progress", "plain",
+           "--metrics.address", "127.0.0.1",
+           # the first step compiles for minutes; a GPU check may run beside (make gpu-check)
+           "--reliability.hang_timeout_s", "900", "--reliability.collective_timeout_s", "1200",
+           "--health.stray_processes", "warn", *args]
+    started = time.monotonic()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        code, text = out.returncode, out.stdout + out.stderr
+    except subprocess.TimeoutExpired as e:
+        code, text = "timeout", (e.stdout or b"").decode(errors="replace") + \
+            (e.stderr or b"").decode(errors="replace")
+    (work / f"{name}.log").write_text(text)
+    wall = time.monotonic() - started
+    print(f"  {name}: exit {code} in {wall:.0f} s", flush=True)
+    if code != 0:
+        tail = "\n".join(text.strip().splitlines()[-25:])
+        print(f"--- {name} failed; the end of its output:\n{tail}\n---", flush=True)
+    ev = {k: read_events(str(run_dir), k) if run_dir.exists() else []
+          for k in ("step", "startup", "checkpoint_committed", "checkpoint_staged", "run_end")}
+    return {"exit": code, "wall_s": wall, **ev}
+
+
+def steady(run: dict, key: str, warmup: int) -> float | None:
+    """The median of ``key`` over the steps after the first ``warmup``."""
+    values = [e[key] for e in run["step"] if e["step"] > warmup and e.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def last_loss(run: dict, n: int = 20) -> float | None:
+    losses = [e["loss"] for e in run["step"]][-n:]
+    return sum(losses) / len(losses) if losses else None
+
+
+def d2h_gbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-host copy bandwidth into pinned memory, the staging copy's ceiling."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small models, few steps (smoke)")
+    ap.add_argument("--sections", default="startup_mfu,fp8,checkpoint")
+    ap.add_argument("--work", default="", help="run directories and logs (default: a temp dir)")
+    ap.add_argument("--ckpt-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "",
+                    help="where checkpoints go (default /dev/shm: the disk is not measured)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per training run")
+    ap.add_argument("--fp8-steps", type=int, default=150)
+    ap.add_argument("--warmup", type=int, default=5)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu.py needs a CUDA GPU")
+    work = Path(a.work or tempfile.mkdtemp(prefix="llmtrain-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_root = Path(tempfile.mkdtemp(prefix="llmtrain-gpu-ckpt-", dir=a.ckpt_dir or work))
+    sections = set(a.sections.split(","))
+    one_b, three_b = (SMALL, SMALL) if a.quick else (LLAMA_1B, LLAMA_3B)
+    seq = "1024" if a.quick else "2048"
+    steps = 12 if a.quick else 30
+    fp8_steps = 12 if a.quick else a.fp8_steps
+    name = torch.cuda.get_device_name()
+    print(f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}; work dir {work}",
+          flush=True)
+    fig: dict = {"device": name, "torch": torch.__version__, "quick": a.quick}
+    rows: list[tuple[str, str]] = []
+
+    def ckpt(run: str, mode: str, every: int) -> list[str]:
+        return ["--checkpoint.url", str(ckpt_root / run), "--checkpoint.mode", mode,
+                "--checkpoint.interval_steps", str(every), "--checkpoint.keep_last", "1",
+                "--checkpoint.resume", "false"]
+
+    base = ["--data.seq_len", seq, "--training.global_batch_size", "4",
+            "--training.micro_batch_size", "4", "--optim.warmup_steps", "10"]
+    if sections & {"startup_mfu", "checkpoint"}:
+        print("1B bf16, compile, async checkpoints:", flush=True)
+        r = train(work, "bf16_1b", [*model_args(one_b), *base, "--training.steps", str(steps),
+                                    "--parallelism.compile", "true",
+                                    *ckpt("bf16_1b", "async_thread", steps // 2)], a.timeout)
+        fig["bf16_1b_exit"] = r["exit"]
+        if r["startup"]:
+            phases = r["startup"][0]["phases"]
+            fig["startup_s"] = {k: round(v, 3) for k, v in phases.items()}
+            fig["first_step_after_launch_s"] = round(r["startup"][0]["since_launch_s"], 2)
+            rows.append(("start-up (s)", ", ".join(f"{k} {v:.2f}" for k, v in phases.items())))
+            rows.append(("first step after launch (s)", f"{fig['first_step_after_launch_s']}"))
+        mfu = steady(r, "mfu", a.warmup)
+        tps = steady(r, "tokens_per_s", a.warmup)
+        fig.update(bf16_1b_mfu=mfu and round(mfu, 4), bf16_1b_tokens_per_s=tps and round(tps),
+                   bf16_1b_memory_gb=r["step"] and round(r["step"][-1]["memory_gb"], 1))
+        rows.append(("1B bf16 MFU (compile)", f"{mfu:.3f}" if mfu else "n/a"))
+        rows.append(("1B bf16 tokens/s", f"{tps:,.0f}" if tps else "n/a"))
+        async_commits = r["checkpoint_committed"]
+        print(f"partial: {json.dumps(fig)}", flush=True)
+    if "checkpoint" in sections:
+        print("1B bf16, sync checkpoints:", flush=True)
+        s = train(work, "sync_1b", [*model_args(one_b), *base, "--training.steps", "12",
+                                    *ckpt("sync_1b", "sync", 6)], a.timeout)
+        sync = [e["blocking_s"] for e in s["checkpoint_committed"]]
+        blocking = [e["blocking_s"] for e in async_commits]
+        staged = [(e["bytes"], e["staging_s"]) for e in async_commits if e.get("staging_s")]
+        ceiling = d2h_gbps()
+        # the staging copy overlaps the next step, whose optimizer waits for it
+        times = {e["step"]: e["step_time_s"] for e in r["step"]}
+        median = statistics.median(times.values()) if times else 0.0
+        extra = [times[e["step"] + 1] - median for e in async_commits if e["step"] + 1 in times]
+        if extra:
+            fig["async_next_step_extra_s"] = round(min(extra), 3)
+            rows.append(("async save: next step's extra time (s)", f"{min(extra):.3f}"))
+        if sync and blocking:
+            ratio = min(blocking) / min(sync)
+            fig.update(async_blocking_s=round(min(blocking), 3), sync_s=round(min(sync), 3),
+                       blocking_over_sync=round(ratio, 4))
+            rows.append(("async blocking / sync save", f"{min(blocking):.3f} / {min(sync):.3f} s"
+                         f" = {ratio:.3f}"))
+        if staged:
+            gbps = max(b / t for b, t in staged) / 1e9
+            fig.update(staging_gbps=round(gbps, 2), d2h_pinned_gbps=round(ceiling, 2),
+                       staging_over_d2h=round(gbps / ceiling, 3),
+                       checkpoint_gb=round(staged[0][0] / 1e9, 2))
+            rows.append(("staging / D2H pinned (GB/s)",
+                         f"{gbps:.1f} / {ceiling:.1f} = {gbps / ceiling:.3f}"))
+        print(f"partial: {json.dumps(fig)}", flush=True)
+    if "fp8" in sections:
+        fp8_base = [*model_args(three_b), "--data.seq_len", seq,
+                    "--training.global_batch_size", "2", "--training.micro_batch_size", "2",
+                    "--training.steps", str(fp8_steps), "--optim.warmup_steps", "20",
+                    "--optim.lr", "3e-4", "--parallelism.compile", "true",
+                    "--parallelism.activation_checkpoint", "selective",
+                    "--checkpoint.enable", "false"]
+        runs = {}
+        for recipe in ("none", "tensorwise", "rowwise"):
+            print(f"3B {recipe if recipe != 'none' else 'bf16'}:", flush=True)
+            runs[recipe] = train(work, f"fp8_{recipe}",
+                                 [*fp8_base, "--parallelism.fp8", recipe], a.timeout)
+        bf16_tps, bf16_loss = steady(runs["none"], "tokens_per_s", a.warmup), \
+            last_loss(runs["none"])
+        bf16_mfu = steady(runs["none"], "mfu", a.warmup)
+        fig.update(bf16_3b_tokens_per_s=bf16_tps and round(bf16_tps),
+                   bf16_3b_mfu=bf16_mfu and round(bf16_mfu, 4),
+                   bf16_3b_loss=bf16_loss and round(bf16_loss, 4))
+        rows.append(("3B bf16 tokens/s (MFU)", f"{bf16_tps:,.0f} ({bf16_mfu:.3f})"
+                     if bf16_tps and bf16_mfu else "n/a"))
+        for recipe in ("tensorwise", "rowwise"):
+            tps, loss = steady(runs[recipe], "tokens_per_s", a.warmup), last_loss(runs[recipe])
+            ratio = tps / bf16_tps if tps and bf16_tps else None
+            fig.update({f"fp8_{recipe}_tokens_per_s": tps and round(tps),
+                        f"fp8_{recipe}_over_bf16": ratio and round(ratio, 3),
+                        f"fp8_{recipe}_loss": loss and round(loss, 4),
+                        f"fp8_{recipe}_exit": runs[recipe]["exit"]})
+            rows.append((f"3B FP8 {recipe} / bf16 tokens/s", f"{ratio:.3f}" if ratio else "n/a"))
+            if loss is not None and bf16_loss is not None:
+                rows.append((f"3B FP8 {recipe} loss (last 20) vs bf16",
+                             f"{loss:.4f} vs {bf16_loss:.4f} ({loss - bf16_loss:+.4f})"))
+    shutil.rmtree(ckpt_root, ignore_errors=True)
+    width = max(len(k) for k, _ in rows) if rows else 10
+    print(f"\n{'figure':{width}}  value")
+    for k, v in rows:
+        print(f"{k:{width}}  {v}")
+    print(json.dumps(fig))
+
+
+if __name__ == "__main__":
+    main()

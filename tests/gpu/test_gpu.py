@@ -1,0 +1,179 @@
+"""The CUDA, NCCL, NVML and FP8 paths on a real GPU (one is enough): ``make gpu-check``.
+
+Each test prints what it measured or found (``-s`` shows it); ``benchmarks/gpu.py`` does
+the throughput, MFU, FP8 and checkpoint figures.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import ROOT, check, events, llmtrain
+from llmtrain.checkpoint import shards, storage
+from llmtrain.config import HealthConfig, ParallelismConfig, ReliabilityConfig
+from llmtrain.distributed.process_group import WorldInfo, free_port, init_process_group
+from llmtrain.reliability.health.checks import HealthChecker, open_backend
+from llmtrain.reliability.health.monitor import HealthMonitor, rank_gpu
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (make gpu-check on a GPU node)")
+
+# stray processes only warn: the monitor check or the benchmark may share the GPU
+GPU = ("--parallelism.device", "cuda", "--parallelism.param_dtype", "bfloat16",
+       "--health.stray_processes", "warn")
+
+
+@pytest.fixture(scope="module")
+def nccl(tmp_path_factory):
+    """A one-rank NCCL group made by llmtrain's own start-up, the flight recorder on."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # started/completed per entry
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True,
+                          timeout=timedelta(seconds=60))
+    started = time.perf_counter()
+    device = init_process_group(ParallelismConfig(device="cuda"), ReliabilityConfig(),
+                                WorldInfo(rank=0, world_size=1, local_rank=0, host="gpu"), store)
+    print(f"\nNCCL group (eager, bound to {device}) in {time.perf_counter() - started:.2f} s")
+    yield device
+    dist.destroy_process_group()
+
+
+def test_nccl_group_reduces_on_the_gpu(nccl):
+    assert dist.get_backend() == "nccl" and nccl.type == "cuda"
+    x = torch.arange(1 << 20, device=nccl, dtype=torch.float32)
+    dist.all_reduce(x)
+    out = torch.empty(1 << 20, device=nccl)
+    dist.all_gather_into_tensor(out, x)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_queued_nccl_collective_is_named_by_analyze(nccl, tmp_path):
+    """NCCL's own recorder reaches llmtrain's dump: an all_reduce queued behind a long
+    kernel (not started when the dump is taken) is the collective ``analyze`` names."""
+    from llmtrain.reliability.watchdog import flight_recorder
+    x = torch.ones(4096, device=nccl)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles ahead of the collective
+    work = dist.all_reduce(x, async_op=True)
+    dump = {"rank": 0, **flight_recorder()}
+    work.wait()
+    torch.cuda.synchronize()
+    nccl_entries = [e for e in dump["entries"] if "nccl:" in e.get("profiling_name", "")]
+    print(f"\n{len(dump['entries'])} recorder entries, {len(nccl_entries)} NCCL; newest: "
+          f"{json.dumps(nccl_entries[-1:], default=str)[:600]}")
+    assert nccl_entries and nccl_entries[-1]["profiling_name"] == "nccl:all_reduce"
+    assert nccl_entries[-1]["state"] == "scheduled"
+    (tmp_path / "rank-00000.json").write_text(json.dumps(dump))
+    out = subprocess.run([sys.executable, "-m", "llmtrain", "analyze", str(tmp_path),
+                          "--json"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    print(f"analyze: {report['verdict']}; collective {report['collective']}; "
+          f"groups {report['groups']}")
+    assert "nccl:all_reduce" in json.dumps(report["groups"])
+
+
+def test_health_json_against_the_driver():
+    """Every check runs against the real driver: none crashes, each is ok or unknown."""
+    out = subprocess.run([sys.executable, "-m", "llmtrain", "health", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "Traceback" not in out.stderr, out.stderr
+    report = json.loads(out.stdout)
+    findings = report["findings"]
+    print("\n" + "\n".join(f"{f['severity']:8} {f['check']:18} gpu={f.get('gpu')} "
+                           f"{f['message'][:150]}" for f in findings))
+    assert {f["check"] for f in findings} >= {"gpu_count", "ecc_volatile", "xid", "pcie_link",
+                                              "temperature", "stray_processes"}
+    bad = [f for f in findings if f["severity"] not in ("ok", "unknown")]
+    assert not bad, bad
+
+
+def test_nvml_monitor_runs_its_event_loop_while_the_gpu_works():
+    """The in-training monitor for ``LLMTRAIN_GPU_MONITOR_S`` (60) seconds at a 1 s
+    interval, with XID events registered, while a matmul loop keeps the GPU busy (or,
+    with ``LLMTRAIN_GPU_MONITOR_LOAD=0``, while the GPU benchmark runs beside it)."""
+    seconds = float(os.environ.get("LLMTRAIN_GPU_MONITOR_S", 60))
+    load = os.environ.get("LLMTRAIN_GPU_MONITOR_LOAD", "1") == "1"
+    checker = HealthChecker(HealthConfig(), open_backend(HealthConfig(backend="nvml")))
+    recorded, passes = [], []
+
+    class Events:
+        def emit(self, event, **fields):
+            recorded.append({"event": event, **fields})
+    gpu = rank_gpu(checker.backend, torch.device("cuda", 0))
+    monitor = HealthMonitor(checker, [gpu], interval_s=1.0, node_checks=True, events=Events(),
+                            on_pass=lambda findings, values: passes.append(values))
+    monitor.start()
+    print(f"\nXID events registered: {checker.event_set is not None}")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            for _ in range(50 if load else 0):
+                a = (a @ a).clamp_(-1, 1)
+            torch.cuda.synchronize()
+            time.sleep(0 if load else 0.5)
+    finally:
+        monitor.close()
+    print(f"{len(passes)} passes; last readings {passes[-1] if passes else None}; "
+          f"events {recorded}")
+    assert monitor.fatal is None, monitor.fatal
+    assert len(passes) >= seconds / 2 and passes[-1].get(gpu)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_tracks_bf16(recipe):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 4096, bias=False),
+                              torch.nn.Linear(4096, 1024, bias=False)).cuda().bfloat16()
+    fp8 = convert_to_float8_training(
+        __import__("copy").deepcopy(ref), config=Float8LinearConfig.from_recipe_name(recipe))
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    y_ref, y = ref(x), fp8(x)
+    y_ref.float().square().mean().backward()
+    y.float().square().mean().backward()
+    rel = ((y - y_ref).float().norm() / y_ref.float().norm()).item()
+    grad = ((fp8[0].weight.grad - ref[0].weight.grad).float().norm()
+            / ref[0].weight.grad.float().norm()).item()
+    print(f"\n{recipe}: output off by {rel:.4f}, weight grad by {grad:.4f} (relative)")
+    assert rel < 0.1 and grad < 0.2
+
+
+def test_pinned_prefetch_and_pinned_staging():
+    from llmtrain.checkpoint.staging import ReusedBufferStager
+    stager = ReusedBufferStager(cuda=True, share_memory=False)
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "step": 3}
+    staged = stager.stage(state).result()
+    assert staged["w"].is_pinned() and torch.equal(staged["w"], state["w"].cpu())
+    stager.close()
+
+
+def _weights(run_dir, step):
+    return shards.load_unsharded(storage.step_dir(str(run_dir / "checkpoints"), step))["model"]
+
+
+def test_resume_on_the_gpu_is_bitwise_equal(tmp_path):
+    """A run killed at step 11 and resumed from its step-8 checkpoint ends with the same
+    weights, bit for bit, as one that was never interrupted (same GPU, deterministic)."""
+    det = (("--parallelism.deterministic", "true")
+           if hasattr(ParallelismConfig, "deterministic") else ())
+    args = (*GPU, *det, "--training.steps", "16", "--checkpoint.interval_steps", "8",
+            "--metrics.log_every", "1")
+    check(llmtrain(tmp_path / "ref", *args, nproc=1))
+    faulty = tmp_path / "faulty"
+    check(llmtrain(faulty, *args, "--reliability.faults", "kill@step:rank=0,step=11,restart=0",
+                   nproc=1, torchrun_args=("--max-restarts", "1")))
+    assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [8]
+    ref, got = _weights(tmp_path / "ref", 16), _weights(faulty, 16)
+    differ = [name for name in ref if not torch.equal(ref[name], got[name])]
+    print(f"\nresumed run: {len(differ)} of {len(ref)} tensors differ "
+          f"(deterministic settings: {bool(det)})")
+    assert not differ, differ
