@@ -344,6 +344,8 @@ class Trainer:
         """The update may not change the state while a save still copies it out; the
         copy overlaps forward and backward, so this rarely waits."""
         if self.checkpoints is not None and not self.checkpoints.staged():
+            # a first save pins its host buffers: seconds for a GPU's state, not a hang
+            self.beat("checkpoint_staging", step, long=True)
             with self.ledger.span("checkpoint_stall", f"staging before step {step}"):
                 self.checkpoints.wait_staged()
 

@@ -292,3 +292,22 @@ def test_monitor_without_xid_events_reads_the_kernel_log(tmp_path, capsys):
         assert monitor.fatal.gpu == 1
     finally:
         monitor.close()
+
+
+def test_a_process_beside_a_running_job_only_warns(tmp_path):
+    """The gate keeps a node with a stray process out; the monitor of a job already
+    training only warns (the H200 check found the monitor stopping training for this)."""
+    path = tmp_path / "gpus.json"
+    state = node(2)
+    state["gpus"][1]["processes"] = [{"pid": 4242, "used_memory_mib": 900}]
+    write_script(path, state)
+    checker = HealthChecker(HealthConfig(), Backend(ScriptedNVML(str(path), HOST), "scripted"),
+                            host=HOST)
+    assert only(checker.gpus()[0], "stray_processes").severity == "fatal"
+    events = _Events()
+    monitor = HealthMonitor(checker, [1], interval_s=3600, node_checks=False, events=events)
+    monitor.start()
+    monitor.close()
+    assert monitor.fatal is None
+    (f,) = [r for r in events.records if r["check"] == "stray_processes"]
+    assert f["severity"] == "warn" and "pid 4242" in f["message"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable
 
 from llmtrain.reliability.health.checks import Backend, Finding, HealthChecker
@@ -47,6 +47,7 @@ class HealthMonitor:
                             else ([], {}))
         if self.node_checks:
             findings += self.checker.node()
+        findings = [_while_training(f) for f in findings]
         for f in findings:
             key = (f.check, f.gpu)
             if self.last.get(key, "ok") != f.severity:
@@ -63,6 +64,15 @@ class HealthMonitor:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+def _while_training(f: Finding) -> Finding:
+    """Another process on the GPU keeps a node out of a job (the gate) but does not stop
+    one that runs: it may be a tool or this job's own helper (a checkpoint process), and
+    training goes on beside it."""
+    if f.check == "stray_processes" and f.severity == "fatal":
+        return replace(f, severity="warn", message=f"{f.message} (while training: a warning)")
+    return f
 
 
 def rank_gpu(backend: Backend | None, device) -> int | None:
