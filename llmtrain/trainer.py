@@ -200,7 +200,7 @@ class Trainer:
                         wait_s=cfg.warm.evict_wait_s))
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
-                                    self.world.rank)
+                                    self.world.rank, self.device)
             self.checkpoints = None
             if cfg.checkpoint.enable:
                 self.checkpoints = CheckpointManager(
@@ -627,7 +627,7 @@ class Trainer:
         self.data.load_state_dict(header["data"])
         self.integrity.restart_at(header["judged"], header["skips"])
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
-                                self.world.rank)
+                                self.world.rank, self.device)
         self.step = self.checked_step = plan.step
 
     @contextmanager
