@@ -80,6 +80,13 @@ class ParallelismConfig:
                   doc="torchao float8 training recipe")
     activation_checkpoint: str = _f("none", choices=("none", "full", "selective"))
     compile: bool = _f(False, doc="torch.compile each transformer block")
+    deterministic: bool = _f(False, doc="CUDA: deterministic kernels (cuBLAS, cuDNN, "
+                             "torch.use_deterministic_algorithms) and NCCL pinned to "
+                             "NCCL_ALGO=Ring, NCCL_PROTO=Simple (unless set), so a resume on "
+                             "other nodes of the same kind reaches bitwise the same weights; "
+                             "costs slower kernels (e.g. index_add/scatter backward) and "
+                             "ring-only all-reduce. Without it, bitwise-equal resume holds "
+                             "only on the same nodes and NCCL topology")
 
 
 @dataclass

@@ -200,7 +200,7 @@ class Trainer:
                         wait_s=cfg.warm.evict_wait_s))
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
-                                    self.world.rank)
+                                    self.world.rank, self.device)
             self.checkpoints = None
             if cfg.checkpoint.enable:
                 self.checkpoints = CheckpointManager(
@@ -629,7 +629,7 @@ class Trainer:
         self.data.load_state_dict(header["data"])
         self.integrity.restart_at(header["judged"], header["skips"])
         self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
-                                self.world.rank)
+                                self.world.rank, self.device)
         self.step = self.checked_step = plan.step
 
     @contextmanager
@@ -773,8 +773,11 @@ class Trainer:
                 f"peak memory {s.memory_gb:.2f} GB per rank")
         return s
 
-    def close(self) -> None:
-        """Stops every component; the time it takes is in the ledger too (as "other")."""
+    def close(self, failed: bool = False) -> None:
+        """Stops every component; the time it takes is in the ledger too (as "other").
+        ``failed``: training ended by an exception (a collective error, a timeout, a stop
+        for bad state); the process groups are then abandoned, their NCCL communicators
+        aborted, since destroying them can wait for ever on a collective a peer never ends."""
         started = time.time()
         self.data.close()
         if self.health is not None:
@@ -787,6 +790,6 @@ class Trainer:
             self.checkpoints.close()
         if self.snapshots is not None:
             self.snapshots.stop(timeout=10.0)
-        shutdown()
+        (abandon if failed else shutdown)()
         self.ledger.record("other", "shutdown", started, time.time())
         self.events.close()

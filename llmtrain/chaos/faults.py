@@ -210,13 +210,23 @@ class Injector:
     def _desync(self, target: int, by_size: bool) -> None:
         """A collective the ranks disagree on: the target gathers while the others reduce,
         or (``by_size``) reduces a larger tensor."""
-        t = torch.ones(16)
+        device = collective_device(dist.get_backend())
+        t = torch.ones(16, device=device)
         if self.rank == target and by_size:
-            dist.all_reduce(torch.ones(20))
+            dist.all_reduce(torch.ones(20, device=device))
         elif self.rank == target:
-            dist.all_gather([torch.empty(16) for _ in range(dist.get_world_size())], t)
+            dist.all_gather([torch.empty(16, device=device)
+                             for _ in range(dist.get_world_size())], t)
         else:
             dist.all_reduce(t)
+
+
+def collective_device(backend: str) -> torch.device:
+    """Where a tensor must live to go through a group of ``backend``: NCCL takes only this
+    rank's GPU (a CPU tensor raises at once, where a desync was wanted); gloo, the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _flip_bit(model: torch.nn.Module | torch.Tensor, bit: int) -> None:

@@ -2,7 +2,7 @@
 
 Model and optimizer are sharded DTensor state (DCP reshards them to any world size).
 The rest is small and goes as bytes: the step, the LR schedule, the data sampler's
-position (global, so it means the same at any world size) and, per rank, every RNG.
+position (global, so it means the same at any world size) and, per rank, its RNGs.
 """
 
 from __future__ import annotations
@@ -22,24 +22,34 @@ from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.model import global_offset, unwrapped_name
 
 
-def _rng_state() -> dict:
+def _rng_state(device: torch.device) -> dict:
+    """The RNG states of this rank: Python's, the CPU's and, on a GPU, its own GPU's only
+    (every rank sees all the node's GPUs, but draws only on its own; another rank's
+    generator is that rank's to save, and a list of all of them would not restore on a
+    node showing fewer GPUs)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(_own_gpu_rng(state["cuda"], device.index), device)
+
+
+def _own_gpu_rng(saved: torch.Tensor | list[torch.Tensor], index: int) -> torch.Tensor:
+    """This rank's GPU RNG state as saved: checkpoints written before it was saved alone
+    hold a list of every visible GPU's, of which the rank's device ``index`` is its own."""
+    return saved[index] if isinstance(saved, list) else saved
 
 
 class TrainState:
-    def __init__(self, model, optimizer, scheduler, data, rank: int):
+    def __init__(self, model, optimizer, scheduler, data, rank: int, device: torch.device):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.data, self.rank = data, rank
+        self.data, self.rank, self.device = data, rank, device
 
     def _trainer_bytes(self, step: int) -> io.BytesIO:
         blob = {"step": step, "scheduler": self.scheduler.state_dict(),
@@ -50,7 +60,7 @@ class TrainState:
         """What DCP saves; the same keys on every rank but the RNG, which is per rank."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         rng = io.BytesIO()
-        torch.save(_rng_state(), rng)
+        torch.save(_rng_state(self.device), rng)
         return {"model": model_sd, "optim": optim_sd, "trainer": self._trainer_bytes(step),
                 f"rng.{self.rank}": rng}
 
@@ -90,7 +100,8 @@ class TrainState:
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.load_state_dict(trainer["data"])
         if rng_key in values:
-            _set_rng_state(torch.load(io.BytesIO(values[rng_key]), weights_only=True))
+            _set_rng_state(torch.load(io.BytesIO(values[rng_key]), weights_only=True),
+                           self.device)
         return trainer["step"], rng_key in values, planned
 
     def _objects(self, reader: ShardReader) -> list[str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -143,10 +144,32 @@ def connect_store(world: WorldInfo, r: ReliabilityConfig) -> dist.Store:
     return dist.PrefixStore(_attempt_namespace(), store)
 
 
+_DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring",
+                      "NCCL_PROTO": "Simple"}
+
+
+def make_deterministic(p: ParallelismConfig, device_type: str,
+                       env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """``parallelism.deterministic`` on CUDA: deterministic kernels, and NCCL's choice of
+    algorithm and protocol (which follows message size and topology) pinned, so that a
+    restart on other nodes reduces in the same order. Called before the process group
+    exists: cuBLAS reads its workspace setting at its first call, NCCL its variables when
+    the first communicator is created. Variables already set are the user's and kept;
+    returns those it set."""
+    if not (p.deterministic and device_type == "cuda"):
+        return {}
+    new = {k: v for k, v in _DETERMINISTIC_ENV.items() if k not in env}
+    env.update(new)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    return new
+
+
 def init_process_group(p: ParallelismConfig, r: ReliabilityConfig, world: WorldInfo,
                        store: dist.Store) -> torch.device:
     """Joins the job's default process group; returns this rank's device."""
     device = resolve_device(p, world.local_rank)
+    make_deterministic(p, device.type)
     backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(
         backend=backend, store=store, rank=world.rank, world_size=world.world_size,

@@ -86,6 +86,15 @@ def test_a_non_root_user_runs_the_image_after_the_installs():
         f"{workdir[-1]} must belong to {name}"
 
 
+def test_a_c_compiler_for_tritons_kernel_launchers():
+    """torch.compile on GPUs (Triton) compiles a C launcher per kernel at run time."""
+    installs = [a for k, a, _ in instructions() if k == "RUN" and "apt-get install" in a]
+    assert any(re.search(r"\b(gcc|build-essential|clang)\b", a) for a in installs), \
+        "no C compiler is installed: torch.compile fails on GPUs"
+    for args in installs:  # the package lists stay out of the image
+        assert "rm -rf /var/lib/apt/lists" in args and "apt-get update" in args
+
+
 def test_entrypoint_is_the_gate_script_and_runs_the_gate_before_exec():
     (entry,) = of("ENTRYPOINT")
     argv = json.loads(entry[1])  # exec form: signals reach the script, which execs

@@ -1,9 +1,10 @@
 """Faults are injected only when the run's config asks: the environment alone arms none."""
 
 import pytest
+import torch
 
 from llmtrain import fault_points
-from llmtrain.chaos.faults import Fault
+from llmtrain.chaos.faults import Fault, collective_device
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +47,10 @@ def test_nothing_set_nothing_armed_nothing_said(monkeypatch, capsys):
         fault_points.install(spec, rank=0)
         assert fault_points._injector is None
     assert capsys.readouterr().err == ""
+
+
+def test_desync_tensors_live_where_the_groups_backend_takes_them(monkeypatch):
+    """On NCCL a CPU tensor raises instead of desyncing the ranks: the GPU's, there."""
+    assert collective_device("gloo") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device("nccl") == torch.device("cuda", 3)

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 from datetime import datetime, timezone
 
 import pytest
@@ -11,7 +12,8 @@ from llmtrain.cli import main
 from llmtrain.config import ConfigError, HealthConfig
 from llmtrain.events import read_events
 from llmtrain.exit_codes import ExitCode
-from llmtrain.reliability.health.checks import Backend, HealthChecker, open_backend, worst
+from llmtrain.reliability.health.checks import (Backend, HealthChecker, _pid_visible,
+                                                open_backend, worst)
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.monitor import HealthMonitor
 from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
@@ -19,10 +21,10 @@ from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
 HOST = "node-a"
 
 
-def check(tmp_path, state, **cfg) -> list:
+def check(tmp_path, state, pid_visible=lambda pid: True, **cfg) -> list:
     script = write_script(tmp_path / "gpus.json", state)
     checker = HealthChecker(HealthConfig(**cfg), Backend(ScriptedNVML(script, HOST), "scripted"),
-                            host=HOST)
+                            host=HOST, pid_visible=pid_visible)
     findings, _ = checker.gpus()
     return findings
 
@@ -158,6 +160,25 @@ def test_stray_process_and_recovery_action(tmp_path):
     assert f.severity == "fatal" and "pid 4242 (900 MiB)" in f.message
     f = only(findings, "recovery_action")
     assert f.severity == "fatal" and "drain_and_reset" in f.message
+
+
+def test_processes_of_another_pid_namespace_are_not_strays(tmp_path):
+    """In a container, NVML's PIDs are the host's: absent from this namespace's /proc."""
+    state = node(2)
+    state["gpus"][1]["processes"] = [{"pid": 4242, "used_memory_mib": 900},
+                                     {"pid": os.getpid(), "used_memory_mib": 500}]
+    f = only(check(tmp_path, state, pid_visible=lambda pid: False), "stray_processes")
+    assert f.severity == "unknown" and "another PID namespace" in f.message
+    assert "pid 4242 (900 MiB)" in f.message and f"pid {os.getpid()}" not in f.message
+    state["gpus"][1]["processes"].append({"pid": 7, "used_memory_mib": 100})
+    f = only(check(tmp_path, state, pid_visible=lambda pid: pid == 7), "stray_processes")
+    assert f.severity == "fatal" and "pid 7 (100 MiB)" in f.message
+    assert "pid 4242 (900 MiB) in another PID namespace" in f.message
+
+
+def test_pid_visible_looks_in_this_pid_namespace():
+    assert _pid_visible(os.getpid()) and _pid_visible(os.getppid())
+    assert not _pid_visible(2**22 + 1)  # above the kernel's largest pid_max
 
 
 def test_cpu_mode_reports_no_gpus(tmp_path, monkeypatch):

@@ -151,12 +151,22 @@ def kernel_xids(lines: list[str], window_s: float, now: float) -> list[tuple[str
     return found
 
 
+def _pid_visible(pid: int) -> bool:
+    """Whether ``pid`` is a process of this PID namespace. NVML reports the host's PIDs:
+    in a container without the host's PID namespace they are not (not even this
+    process's own), so a process holding memory there cannot be called a stray."""
+    return os.path.exists(f"/proc/{pid}")
+
+
 class HealthChecker:
     """Runs the checks for some GPUs of this node, and the node's own checks."""
 
     def __init__(self, cfg: HealthConfig, backend: Backend | None, *, host: str | None = None,
-                 storage: dict[str, str] | None = None):
-        self.cfg, self.backend = cfg, backend
+                 storage: dict[str, str] | None = None,
+                 pid_visible: Callable[[int], bool] = _pid_visible):
+        """``pid_visible``: whether a PID that NVML reports is a process of this PID
+        namespace (the stray-process check's only use of it)."""
+        self.cfg, self.backend, self.pid_visible = cfg, backend, pid_visible
         self.host = host or socket.gethostname()
         self.storage = storage or {}  # check name -> URL, e.g. {"run_storage": run_dir}
         self.xid_fatal, self.xid_warn = _parse_xids(cfg.xid_fatal), _parse_xids(cfg.xid_warn)
@@ -362,11 +372,18 @@ class HealthChecker:
         if procs is UNKNOWN:
             unknown("stray_processes", "the processes using the GPU")
         else:
-            stray = [(pid, mib) for pid, mib in procs if pid != os.getpid()]
+            others = [(pid, mib) for pid, mib in procs if pid != os.getpid()]
+            stray = [(pid, mib) for pid, mib in others if self.pid_visible(pid)]
+            hidden = [p for p in others if p not in stray]
+            foreign = (f"GPU memory held by {_pids(hidden)} in another PID namespace (in a "
+                       f"container, NVML reports the host's PIDs, this process's own among "
+                       f"them): whose it is cannot be told here")
             if stray:
                 add("stray_processes", c.stray_processes, "processes holding GPU memory: " +
-                    ", ".join(f"pid {pid} ({mib:.0f} MiB)" for pid, mib in stray) +
-                    "; a previous job did not exit; kill them or reset the GPU")
+                    _pids(stray) + "; a previous job did not exit; kill them or reset the GPU" +
+                    (f"; {foreign}" if hidden else ""))
+            elif hidden:
+                add("stray_processes", "unknown", foreign)
             else:
                 add("stray_processes", "ok", "no other processes on the GPU")
         action = s["recovery_action"]
@@ -495,6 +512,10 @@ _XID_MEANINGS = {48: "double-bit ECC error", 63: "row remapping/page retirement 
                  79: "GPU has fallen off the bus", 92: "high single-bit ECC error rate",
                  94: "contained ECC error", 95: "uncontained ECC error",
                  119: "GSP RPC timeout", 120: "GSP error"}
+
+
+def _pids(procs: list[tuple[int, float]]) -> str:
+    return ", ".join(f"pid {pid} ({mib:.0f} MiB)" for pid, mib in procs)
 
 
 def _xid_meaning(xid: int) -> str:

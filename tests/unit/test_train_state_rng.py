@@ -1,0 +1,45 @@
+"""The RNG states a rank saves in a checkpoint and restores from it (on a GPU: its own)."""
+
+import io
+import random
+
+import torch
+
+from llmtrain.checkpoint.state import _own_gpu_rng, _rng_state, _set_rng_state
+
+CUDA1 = torch.device("cuda", 1)
+
+
+def _saved(device) -> dict:
+    """The state as a checkpoint holds it: torch.save'd, loaded back weights-only."""
+    buf = io.BytesIO()
+    torch.save(_rng_state(device), buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+def test_a_rank_saves_its_own_gpus_rng_and_no_other(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device: torch.tensor([device.index], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: 1 / 0)
+    assert _saved(CUDA1)["cuda"].tolist() == [1]
+    assert "cuda" not in _saved(torch.device("cpu"))
+
+
+def test_a_rank_restores_its_own_gpus_rng_also_from_an_old_checkpoints_list(monkeypatch):
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device: restored.append((state.tolist(), device)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: 1 / 0)
+    gpus = [torch.tensor([i], dtype=torch.uint8) for i in range(4)]
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    _set_rng_state({**state, "cuda": gpus}, CUDA1)  # written before: every visible GPU's
+    _set_rng_state({**state, "cuda": gpus[1]}, CUDA1)
+    assert restored == [([1], CUDA1), ([1], CUDA1)]
+    assert _own_gpu_rng(gpus, 2) is gpus[2] and _own_gpu_rng(gpus[3], 2) is gpus[3]
+
+
+def test_cpu_state_round_trips():
+    saved = _saved(torch.device("cpu"))
+    expected = torch.rand(3), random.random()
+    _set_rng_state(saved, torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
