@@ -323,7 +323,8 @@ def test_a_process_beside_a_running_job_only_warns(tmp_path):
     state["gpus"][1]["processes"] = [{"pid": 4242, "used_memory_mib": 900}]
     write_script(path, state)
     checker = HealthChecker(HealthConfig(), Backend(ScriptedNVML(str(path), HOST), "scripted"),
-                            host=HOST)
+                            host=HOST,
+                            pid_visible=lambda pid: True)
     assert only(checker.gpus()[0], "stray_processes").severity == "fatal"
     events = _Events()
     monitor = HealthMonitor(checker, [1], interval_s=3600, node_checks=False, events=events)
