@@ -423,6 +423,8 @@ class Trainer:
                     self.exporter.step_done(step, now - step_start)
                 if step == first_step + 1:
                     self.report_startup()
+                    if self.checkpoints is not None:  # the optimizer's state exists now
+                        self.checkpoints.prepare(self.state, step)
                 due = step % log_every == 0 or step in (first_step + 1, t.steps)
                 if (due or self.integrity.check_due(step)) and self.review(step):
                     last_step, last_time = self.step, time.perf_counter()

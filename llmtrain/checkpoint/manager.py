@@ -137,6 +137,12 @@ class CheckpointManager:
 
     # -- save -------------------------------------------------------------------------
 
+    def prepare(self, state: TrainState, step: int) -> None:
+        """Has the async stager make its host buffers now, beside training, so that the
+        first save does not wait for them."""
+        if self.stager is not None:
+            self.stager.prepare(state.state_dict(step))
+
     def save(self, step: int, state: TrainState, *, final: bool = False,
              checked: bool = False) -> None:
         """Stages ``state`` and starts writing it; ``final`` waits for the commit.

@@ -1,5 +1,6 @@
 """Staging into reused buffers (checkpoint/staging.py): a snapshot, not a view of the
-live state; the same buffers from save to save; new ones when the layout changes."""
+live state; the same buffers from save to save; new ones when the layout changes; made
+ahead of the first save, as views of one block."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from conftest import ROOT
 # A process of its own: DTensors need a process group (gloo, a world of one).
 STAGING = """
 import io, torch, torch.distributed as dist
+from multiprocessing.reduction import ForkingPickler
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from llmtrain.checkpoint.staging import ReusedBufferStager
@@ -34,6 +36,19 @@ assert second["lr"] == 0.2 and second["blob"].getvalue() == b"b"
 live["m"] = torch.ones(5)
 third = stager.stage(live).result()
 assert third["m"].shape == (5,) and third["m"] is not first["m"]
+
+def storage(t):
+    return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()
+for share in (False, True):
+    ahead = ReusedBufferStager(cuda=False, share_memory=share)
+    made = ahead.prepare(live).result()  # the trainer's call after its first step
+    assert len({storage(made[k]) for k in ("w", "step", "m")}) == 1  # one block
+    staged = ahead.stage(live).result()
+    assert staged["w"].to_local().data_ptr() == made["w"].to_local().data_ptr()
+    assert staged["w"].placements == live["w"].placements and staged["w"].shape == (2, 3)
+    assert torch.equal(staged["w"].to_local(), live["w"].to_local())
+    assert staged["m"].is_shared() == share
+    ForkingPickler.dumps(staged)  # what async_process sends (it crashed on offset wrappers)
 print("ok")
 """
 

@@ -57,12 +57,15 @@ def test_dcp_helpers_of_the_raw_shard_format():
     ``transform_descriptors`` mark raw tensors) and loads a whole checkpoint as
     ``dcp_to_torch_save`` does (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``);
     checkpoint/state.py loads each rank's share alone with ``_load_state_dict(no_dist=True)``;
-    checkpoint/staging.py makes and refills its buffers with ``_create_cpu_state_dict``
-    and ``_copy_state_dict``."""
+    checkpoint/staging.py refills its buffers with ``_copy_state_dict``, wraps them as
+    DTensors with the live ones' spec (``DTensor(local, spec, requires_grad=...)``, a C
+    constructor: test_checkpoint_staging.py builds them) and pins shared ones with
+    ``torch.cuda._pin_memory_utils``."""
     import dataclasses
     import inspect
 
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    import torch.cuda._pin_memory_utils as pin_memory_utils
+    from torch.distributed._state_dict_utils import _copy_state_dict
     from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -73,7 +76,8 @@ def test_dcp_helpers_of_the_raw_shard_format():
     assert {"storage_reader", "planner", "no_dist"} <= set(
         inspect.signature(_load_state_dict).parameters)
     assert callable(_EmptyStateDictLoadPlanner)
-    buffers = _create_cpu_state_dict({"w": torch.ones(3)}, pin_memory=False, share_memory=False)
+    assert callable(pin_memory_utils.pin_memory) and callable(pin_memory_utils.unpin_memory)
+    buffers = {"w": torch.ones(3)}
     staged = _copy_state_dict({"w": torch.arange(3.0)}, buffers)
     assert staged["w"] is buffers["w"] and torch.equal(buffers["w"], torch.arange(3.0))
 
