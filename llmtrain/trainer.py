@@ -44,7 +44,8 @@ from llmtrain.reliability.integrity import (Integrity, TrainingDiverged, learned
                                            replica_groups)
 from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
 from llmtrain.recovery.fence import Fence
-from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, evict, outside_store, round_of
+from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
+                                    publish_endpoints, round_of)
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -197,7 +198,8 @@ class Trainer:
                     on_exit=self.warm.give_up if self.warm else lambda: None,
                     evict=self.warm and partial(
                         evict, outside_store(timedelta(seconds=30), store.underlying_store),
-                        wait_s=cfg.warm.evict_wait_s))
+                        wait_s=cfg.warm.evict_wait_s),
+                    fence=self.fence if self.warm else None)
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                     self.world.rank, self.device)
@@ -227,6 +229,7 @@ class Trainer:
                                   f"in {cfg.checkpoint_url}")
         if self.snapshots is not None:
             self.snapshots.start(replication)
+            publish_endpoints(self.warm.store, self.world.rank)  # every group is formed
         if self.is_logger:
             self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
                              params=count_params(cfg.model), device=str(self.device))
@@ -573,6 +576,7 @@ class Trainer:
                 self.warm.give_up()
             return False
         self.snapshots.start(replication)
+        publish_endpoints(self.warm.store, self.world.rank)
         restored = time.time()
         self.ledger.record("restart", "warm", detected, restored)
         self.ledger.restart_at(self.step)

@@ -321,6 +321,9 @@ class Chaos:
         rec = self._wait(lambda: self._latest("warm_recovery", since)
                          or self._latest("recovery", since), "recovery", timeout)
         v.path = "warm" if rec["event"] == "warm_recovery" else "cold"
+        if v.action.startswith("flight-recorder report"):  # a watchdog's verdict
+            v.action += ("; a spare took the rank's place, state from memory"
+                         if v.path == "warm" else "; restart from the last checkpoint")
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
         if v.path == "warm":
             v.restored = rec["step"]
@@ -427,7 +430,7 @@ class Chaos:
                       + seen.get("detected_after_s", 0) - v.injected_at)
         v.diagnosis = seen.get("verdict") or seen["reason"]
         v.correct = rank in seen.get("culprits", [])
-        v.action = f"flight-recorder report {seen['id']}, restart"
+        v.action = f"flight-recorder report {seen['id']}"
 
     def _slow_rank(self) -> Verdict:
         rank, info = self._pick_rank()

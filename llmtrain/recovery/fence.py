@@ -84,6 +84,20 @@ class Fence:
         if self.refused is not None:
             raise Fenced(f"{what} refused: {self.refused}")
 
+    def superseded(self) -> str | None:
+        """Why this rank is no longer a member, once the store names another membership;
+        None while it names this one, or cannot be reached (no proof either way). The
+        watchdog of a warm job asks at every tick: a rank a partition cut off shares its
+        round's namespace with the spare that replaced it, and must not speak there when
+        its link comes back."""
+        if self.store is None:
+            return None
+        with self._lock:
+            try:
+                return self._other(self.store.get(KEY).decode())
+            except (dist.DistError, RuntimeError):
+                return None
+
     def _verdict(self) -> str | None:
         try:
             current = self.store.get(KEY).decode()
@@ -91,6 +105,9 @@ class Fence:
             return (f"the rendezvous store could not be reached within reliability."
                     f"fence_timeout_s={self.timeout_s} ({type(e).__name__}): membership "
                     f"unproven")
+        return self._other(current)
+
+    def _other(self, current: str) -> str | None:
         if current != self.token:
             return f"the job re-formed as {current} without this rank (it was {self.token})"
         return None

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import rendezvous_store
+from llmtrain.recovery.sockets import endpoints
 
 
 class ColdPath(RuntimeError):
@@ -131,22 +132,35 @@ def mark_gone(store: dist.Store, rank: int) -> None:
         store.add(f"{prefix}gone", 1)
 
 
-def evict(store: dist.Store, ranks: list[int], wait_s: float) -> bool:
-    """Asks the agents of ``ranks`` (a hang's stuck ranks) to kill them: their peers'
-    collectives then fail at once, and the warm path replaces them as it replaces any lost
-    rank. True once every one's agent has (:class:`llmtrain.launch.agent.WarmAgent`);
-    False after ``wait_s`` without (an agent on a node cut off from the store never
-    answers), and the hang goes cold."""
+def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[str]]:
+    """Has ``ranks`` (a hang's stuck ranks) leave, for the warm path to replace them.
+
+    Each one's agent is asked to kill it (:class:`llmtrain.launch.agent.WarmAgent`): its
+    peers' collectives then fail once its connections close. An agent that does not answer
+    in ``wait_s`` is cut off from the store (a partitioned node): its rank is marked gone
+    here instead, and its peers must shut their own ends of its connections. Returns those
+    ranks, each with the connection ends it published (:func:`publish_endpoints`): read
+    now, before a spare takes its place and publishes its own."""
     done = {r: store.add(f"evicted/{r}", 0) for r in ranks}
     for r in ranks:
-        store.add(f"evict/{r}", 1)
+        store.add(f"evict/{r}", 1)  # its agent still kills it, should it come back
     store.add("evictions", 1)  # what agents poll: one key, however many ranks
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if all(store.add(f"evicted/{r}", 0) > done[r] for r in ranks):
-            return True
+    while (silent := [r for r in ranks if store.add(f"evicted/{r}", 0) <= done[r]]) \
+            and time.monotonic() < deadline:
         time.sleep(0.05)
-    return False
+    ends = {}
+    for r in silent:
+        key = f"endpoints/{r}"
+        ends[r] = json.loads(store.get(key)) if store.check([key]) else []
+        mark_gone(store, r)
+    return ends
+
+
+def publish_endpoints(store: dist.Store, rank: int) -> None:
+    """This rank's connection ends, once its groups are formed: what its peers cut should
+    it stop answering with its agent out of reach (:func:`evict`)."""
+    store.set(f"endpoints/{rank}", json.dumps(endpoints()))
 
 
 def round_of(job_store: dist.Store) -> str:

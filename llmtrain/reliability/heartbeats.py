@@ -235,9 +235,15 @@ class ControlPlane:
         return out
 
     def beats(self, ranks) -> dict[int, dict]:
-        """The latest heartbeats of those of ``ranks`` that have published one."""
+        """The latest heartbeats of those of ``ranks`` that have published one. A rank's
+        silence counts from the groups' newest generation at the earliest: the beat of a
+        lost rank's process is the spare's until the spare, which took its place in that
+        generation, publishes its first."""
         raw = self._read([f"hb/{r}" for r in ranks])
-        return {int(k[3:]): json.loads(v) for k, v in raw.items()}
+        beats = {int(k[3:]): json.loads(v) for k, v in raw.items()}
+        for beat in beats.values():
+            beat["wall"] = max(beat["wall"], self.since_ns / 1e9)
+        return beats
 
     # -- heartbeats -------------------------------------------------------------------
 

@@ -33,13 +33,15 @@ group (which may be the thing that is stuck):
 - with the warm path on, a hang whose report names its stuck ranks goes warm instead: the
   leader has their agents kill them (:func:`llmtrain.recovery.warm.evict`), every other
   rank stays, its stuck collective fails as the peer's connections close, and the warm
-  path replaces the killed ranks with spares. An agent that does not answer (its node cut
-  off from the store) sends the hang cold, as does a desync or a failed collective (a
-  replay would meet the same fault).
+  path replaces the killed ranks with spares. A rank whose agent does not answer (its
+  node cut off from the network) is marked gone by the leader, and every other rank shuts
+  its own ends of the connections to it (:mod:`llmtrain.recovery.sockets`). A desync
+  or a failed collective goes cold (a replay would meet the same fault).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -51,6 +53,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -60,7 +63,11 @@ from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
+from llmtrain.recovery import sockets
 from llmtrain.reliability.heartbeats import ControlPlane, positions, silence, verdict
+
+if TYPE_CHECKING:
+    from llmtrain.recovery.fence import Fence
 
 HOST = socket.gethostname()
 # Steps a run must show before its hang timeout is learned from their pace, and how many
@@ -110,13 +117,16 @@ class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
                  events: EventLog, rank: int, world_size: int, local_world_size: int = 0,
                  on_exit: Callable[[], None] = lambda: None,
-                 evict: Callable[[list[int]], bool] | None = None):
+                 evict: Callable[[list[int]], dict[int, list[str]]] | None = None,
+                 fence: "Fence | None" = None):
         """``local_world_size``: ranks per node, whose heartbeats a node leader reduces
         (0: the world is one node). ``on_exit``: called before this rank leaves for a cold
-        restart. ``evict(ranks)``: has stuck ranks killed for the warm path to replace,
-        True once they are (None: every hang goes cold)."""
+        restart. ``evict(ranks)``: has stuck ranks leave for the warm path to replace them,
+        returning those cut off from the store with their connection ends (None: every
+        hang goes cold). ``fence``: asked at every tick whether this rank was replaced
+        (then the process ends)."""
         self.cfg, self.store, self.events = cfg, store, events
-        self.on_exit, self.evict = on_exit, evict
+        self.on_exit, self.evict, self.fence = on_exit, evict, fence
         self.rank, self.world_size = rank, world_size
         self.plane = ControlPlane(store, rank, world_size, local_world_size,
                                   cfg.heartbeat_interval_s)
@@ -216,6 +226,13 @@ class Watchdog:
                       file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
+        if self.fence is not None and self.fence.superseded():
+            # a rank that was cut off and replaced, back on the network: it may not beat,
+            # declare or answer in the job that went on without it (one fenced event, then
+            # the process ends; its agent sees the rank replaced)
+            with contextlib.suppress(RuntimeError):  # Fenced, as it says
+                self.fence.check("the watchdog's heartbeats and reports")
+            os._exit(1)
         long = self.limit is not None
         if long != self._counted_long:  # how many ranks are in a long phase, for the others
             self.store.add("long_phases", 1 if long else -1)
@@ -328,12 +345,15 @@ class Watchdog:
         if leader:
             self.store.set(done, json.dumps(self._evicted(event, self._report(event, url))))
         no_word = not leader and self._await([done], self.cfg.dump_timeout_s + 60)
-        evicted = [] if no_word else json.loads(self.store.get(done))
-        while self.rank in evicted:  # its agent kills this process
+        verdict = {"evicted": [], "cut": []} if no_word else json.loads(self.store.get(done))
+        evicted = verdict["evicted"]
+        while self.rank in evicted:  # its agent kills this process (or it is cut off)
             time.sleep(3600)
         if evicted:
-            # warm: the stuck collective fails once the evicted ranks' connections close,
-            # and the warm path takes over; until it does, this rank counts as recovering
+            # warm: the stuck collective fails once the evicted ranks' connections close
+            # (killed by their agents, or, cut off, this rank shuts its ends of them), and
+            # the warm path takes over; until it does, this rank counts as recovering
+            sockets.cut(set(verdict["cut"]))
             self.beat(self.step, "recover", long=True)
             self._responding.release()
             return
@@ -341,18 +361,20 @@ class Watchdog:
         self.on_exit()
         os._exit(ExitCode.RETRYABLE)
 
-    def _evicted(self, event: dict, culprits: list[int]) -> list[int]:
-        """The ranks a hang's leader had killed for the warm path to replace; [] when the
-        event goes cold (a desync or failed collective, no stuck rank named, every rank
-        stuck, or an agent that did not answer)."""
+    def _evicted(self, event: dict, culprits: list[int]) -> dict[str, list]:
+        """The verdict: the ranks a hang's leader has leave for the warm path to replace
+        (none when the event goes cold: a desync or failed collective, no stuck rank
+        named, or every rank stuck), and the connection ends the others must cut."""
         stuck = sorted(set(culprits))
         if (self.evict is None or event["kind"] != "hang" or not stuck
                 or len(stuck) >= self.world_size):
-            return []
+            return {"evicted": [], "cut": []}
         # Every live rank has dumped and waits for the verdict: nobody needs the event any
         # more, and a spare that starts watching must not find it.
         self.store.delete_key("event")
-        return stuck if self.evict(stuck) else []
+        unreachable = self.evict(stuck)
+        self.events.emit("evicted", id=event["id"], ranks=stuck, unreachable=list(unreachable))
+        return {"evicted": stuck, "cut": [e for ends in unreachable.values() for e in ends]}
 
     def _silent_ranks(self) -> set[int]:
         """Ranks whose heartbeat stopped: none for three beat intervals (the watchdog

@@ -44,15 +44,15 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     assert proc.returncode == 0, table
 
     # A lost rank is replaced warm, and so is a stopped one (its agent kills it at the
-    # watchdog's word); a desync report ends in a cold restart of all, as does a partition
-    # (the cut-off node's agent cannot be asked), the loss of every rank at once (how
-    # truncated_shard forces a load) and a preemption (an agreed save, then everyone
-    # restarts from it).
+    # watchdog's word) and a partitioned one (its agent cannot be asked: its peers cut their
+    # connections to it); a desync report ends in a cold restart of all, as do the loss of
+    # every rank at once (how truncated_shard forces a load) and a preemption (an agreed
+    # save, then everyone restarts from it).
     paths = {v["kind"]: v["path"] for v in verdict["verdicts"]}
-    warm = ("kill_rank", "kill_in_save", "node_loss", "gpu_bad", "hang")
-    assert [paths[k] for k in warm] == ["warm"] * len(warm), table
-    cold = ("desync", "truncated_shard", "preempt", "partition")
-    assert [paths.get(k, "cold") for k in cold] == ["cold"] * len(cold), table
+    warm = ("kill_rank", "kill_in_save", "node_loss", "gpu_bad", "hang", "partition")
+    assert [paths.get(k, "warm") for k in warm] == ["warm"] * len(warm), table
+    cold = ("desync", "truncated_shard", "preempt")
+    assert [paths[k] for k in cold] == ["cold"] * len(cold), table
 
     # A SIGSTOPped rank 0: the watchdogs meet in the rendezvous store, not in the round's
     # store inside rank 0, so rank 1 sees rank 0's heartbeat stop, names it, and does not

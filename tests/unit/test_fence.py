@@ -69,3 +69,21 @@ def test_a_fence_sent_to_a_writer_process_connects_again_and_still_refuses(
           2.0).join("round-b/g0")
     with pytest.raises(Fenced, match="re-formed as round-b/g0"):
         sent.check("checkpoint file __1_1.distcp")
+
+
+def test_a_rank_learns_it_was_superseded_only_from_a_store_that_answers(server, tmp_path):
+    """The watchdog's question at every tick: an unreachable store proves nothing (a
+    glitch must not end a member), another membership in it does."""
+    old = Fence(client(server), EventLog(str(tmp_path), rank=1), 2.0)
+    old.join("round-a/g0")
+    assert old.superseded() is None
+    Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0).join("round-a/g1")
+    assert "re-formed as round-a/g1 without this rank" in old.superseded()
+    lone = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         use_libuv=True)
+    cut_off = Fence(client(lone, timeout_s=0.5), EventLog(str(tmp_path), rank=2), 0.5)
+    cut_off.join("round-b/g0")
+    Fence(client(lone), EventLog(str(tmp_path), rank=0), 2.0).join("round-b/g1")
+    assert cut_off.superseded()
+    del lone  # the store goes away (a partition, from this side)
+    assert cut_off.superseded() is None

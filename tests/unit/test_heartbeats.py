@@ -152,3 +152,17 @@ def test_positions_come_from_the_flight_recorder():
     assert at["default_pg"] == [5, "gloo:all_reduce sizes=[[16]] dtypes=['Float']", True,
                                 2.0, 0.075]  # median of 0.1 and 0.05 s
     assert at["tp"] == [1, "gloo:broadcast sizes=[[16]] dtypes=['Float']", False, 0.0, None]
+
+
+def test_a_lost_ranks_old_beat_is_no_silence_of_the_spare_that_replaces_it():
+    """Rank 1 stopped 10 s ago and a warm recovery began a new generation just now: until
+    the spare in its place publishes its first beat, rank 1 has been silent only since
+    the generation began (the CI saw a second hang declared from the old beat)."""
+    ps = planes(2, block=1)
+    ps[0].publish(beat(None))
+    ps[1].publish(beat(None, wall=time.time() - 10))
+    ps[0].summarize()
+    assert list(ps[0].world().silent) == [1]
+    ps[0].since_ns = time.time_ns()  # Watchdog.new_generation
+    assert ps[0].world().silent == {}
+    assert time.time() - ps[0].beats([1])[1]["wall"] < 1

@@ -1,0 +1,63 @@
+"""Cutting a stuck peer's connections from this side (llmtrain/recovery/sockets.py) and
+evicting a rank whose agent does not answer, with real sockets and a real store."""
+
+import json
+import socket
+import threading
+import time
+
+import torch.distributed as dist
+
+from llmtrain.config import WarmConfig
+from llmtrain.recovery import sockets
+from llmtrain.recovery.warm import WarmPath, evict, publish_endpoints
+
+
+def _pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    return client, accepted
+
+
+def test_a_receive_stuck_on_a_silent_peer_ends_when_its_connection_is_cut():
+    """The stand-in for a partitioned peer never sends; a thread waits on it as gloo's
+    collective would. Cutting by the peer's published endpoints ends that wait at once
+    and leaves a connection to a healthy peer open."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        stuck_peer, ours = _pair(server)
+        healthy_peer, other = _pair(server)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(ours.recv(1)))
+        waiter.start()
+        time.sleep(0.2)
+        assert waiter.is_alive()
+        silent = {f"127.0.0.1:{stuck_peer.getsockname()[1]}"}
+        assert silent <= set(sockets.endpoints())  # what the peer would have published
+        assert sockets.cut(silent) == 1
+        waiter.join(timeout=5)
+        assert not waiter.is_alive() and got == [b""]
+        healthy_peer.sendall(b"x")
+        assert other.recv(1) == b"x"
+        for s in (stuck_peer, ours, healthy_peer, other):
+            s.close()
+
+
+def test_an_agent_that_does_not_answer_has_its_rank_marked_gone_and_cut_off():
+    store = dist.HashStore()
+    cfg = WarmConfig(enable=True)
+    WarmPath(cfg, store, "round", 1, 2, 1)  # rank 1 says where it would report
+    publish_endpoints(store, 1)
+    assert json.loads(store.get("endpoints/1")) == sockets.endpoints()
+    start = time.monotonic()
+    assert evict(store, [1], wait_s=0.3) == {1: sockets.endpoints()}  # no agent answered
+    assert 0.3 <= time.monotonic() - start < 2
+    assert store.add("evict/1", 0) == 1  # should its agent come back, it kills the rank
+    assert store.add("round/g0/gone", 0) == 1  # its generation's survivors need not wait
+
+    # an agent that answers: nobody is cut off
+    def agent():
+        while store.add("evict/1", 0) < 2:
+            time.sleep(0.01)
+        store.add("evicted/1", 1)
+    threading.Thread(target=agent).start()
+    assert evict(store, [1], wait_s=5) == {}
