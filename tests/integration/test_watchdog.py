@@ -83,12 +83,12 @@ def test_three_times_slower_rank_is_reported_as_straggler(tmp_path):
 
 def test_healthy_run_raises_no_false_alarm(tmp_path):
     run = tmp_path / "run"
-    check(llmtrain(run, "--training.steps", "200", "--reliability.hang_timeout_s", "3",
+    check(llmtrain(run, "--training.steps", "120", "--reliability.hang_timeout_s", "3",
                    "--reliability.straggler_window_s", "3",
-                   "--checkpoint.interval_steps", "50", nproc=2))
+                   "--checkpoint.interval_steps", "40", nproc=2))
     assert events(run, "hang") == [] and events(run, "straggler") == []
     assert [p.name for p in (run / "diagnostics").iterdir()] == ["nccl-timeout"]
-    assert events(run, "run_end")[0]["steps"] == 200
+    assert events(run, "run_end")[0]["steps"] == 120
 
 
 def test_mismatched_sizes_are_caught_by_the_desync_check(tmp_path):

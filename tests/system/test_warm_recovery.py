@@ -84,30 +84,6 @@ def test_three_faults_each_recovered_warm_and_the_weights_match(cluster, referen
         assert torch.equal(reference[name], got[name]), name
 
 
-def test_a_stopped_rank_is_killed_by_its_agent_and_replaced_warm(cluster, reference):
-    """A worker stopped whole (SIGSTOP: its peers wait in a collective that never ends):
-    the watchdog's report names it, its agent kills it at the leader's word, the peer's
-    collective fails, and a spare takes its place from memory; nobody restarts, and the
-    weights are those of a run that never failed."""
-    c = cluster("2:2", TRAIN)
-    c.start("node1")
-    c.start("node2")
-    c.start("spare", spare=True)
-    wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 10, timeout=180)
-    stuck = next(e for e in events(c.run, "startup") if e["host"] == "node2")
-    os.kill(stuck["pid"], signal.SIGSTOP)
-    for name in ("node1", "node2", "spare"):
-        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
-    (hang,) = events(c.run, "hang")
-    assert hang["culprits"] == [stuck["rank"]], hang
-    (warm,) = events(c.run, "warm_recovery")
-    assert warm["lost"] == [stuck["rank"]], warm
-    assert len(events(c.run, "attempt_start")) == 1  # nobody restarted
-    got = final_weights(c.run, STEPS)
-    for name in reference:
-        assert torch.equal(reference[name], got[name]), name
-
-
 def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, reference):
     """The survivor's replica of the lost rank has a bit flipped in memory: its checksum
     catches it before the spare gets it, every rank goes cold, and the job still ends
