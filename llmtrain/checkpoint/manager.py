@@ -231,8 +231,10 @@ class CheckpointManager:
     def apply_retention(self) -> None:
         for c in storage.retention_victims(storage.list_checkpoints(self.url),
                                            self.cfg.keep_last, self.cfg.keep_every):
-            storage.remove(c.url)
+            # said first: a removal a kill cuts short (manifest gone, files left) is what
+            # retention decided, and the next one finishes it as an incomplete checkpoint
             self.events.emit("checkpoint_removed", step=c.step, committed=c.committed)
+            storage.remove(c.url)
 
     # -- resume -----------------------------------------------------------------------
 
