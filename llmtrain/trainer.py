@@ -262,7 +262,8 @@ class Trainer:
                 model = Transformer(cfg.model)
         with self.ledger.span(category, "shard"):
             self.model = parallelize(model, self.mesh, cfg.parallelism)
-            self.fp8_scales = fp8_all_gather(cfg.parallelism, self.device.type)
+            self.fp8_scales = fp8_all_gather(cfg.parallelism, self.device.type,
+                                             self.mesh.shape[-1])
         with self.ledger.span(category, "materialize"):
             self.model.to_empty(device=self.device)
             self.model.init_weights(t.seed)

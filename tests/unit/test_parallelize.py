@@ -16,10 +16,11 @@ def test_fp8_needs_fp8_tensor_cores():
 
 
 def test_fp8_weights_are_all_gathered_in_fp8_only_tensorwise_on_gpus():
-    assert fp8_all_gather(ParallelismConfig(fp8="tensorwise"), "cuda")
-    assert not fp8_all_gather(ParallelismConfig(fp8="tensorwise"), "cpu")  # gloo: no FP8 dtype
-    assert not fp8_all_gather(ParallelismConfig(fp8="rowwise"), "cuda")  # per-row scales
-    assert not fp8_all_gather(ParallelismConfig(fp8="none"), "cuda")
+    assert fp8_all_gather(ParallelismConfig(fp8="tensorwise"), "cuda", 2)
+    assert not fp8_all_gather(ParallelismConfig(fp8="tensorwise"), "cuda", 1)  # nothing to gather
+    assert not fp8_all_gather(ParallelismConfig(fp8="tensorwise"), "cpu", 2)  # gloo: no FP8 dtype
+    assert not fp8_all_gather(ParallelismConfig(fp8="rowwise"), "cuda", 2)  # per-row scales
+    assert not fp8_all_gather(ParallelismConfig(fp8="none"), "cuda", 2)
 
 
 @pytest.mark.parametrize("op", ["_scaled_dot_product_flash_attention",
