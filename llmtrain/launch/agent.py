@@ -35,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from llmtrain.exit_codes import ExitCode
-from llmtrain.recovery.warm import mark_gone, outside_store
+from llmtrain.recovery.warm import agreements, mark_gone, outside_store
 
 # Survivors of a dead peer enter the agreement at their next collective, which fails as
 # soon as the peer's connections close: far sooner than this on any job.
@@ -56,7 +56,8 @@ class WarmAgent(LocalElasticAgent):
         self._seen = {w.local_rank: self._count(f"replaced/{w.global_rank}")
                       for w in worker_group.workers}
         self._cold_seen = self._count("cold")
-        self._agreed = self._count("agreeing")  # agreements entered before this death
+        self._agreements = agreements(self._warm_store) if self._warm_store is not None \
+            else (0, 0)
         self._replacements = self._count("replacements")
         self._evictions = self._count("evictions")
         self._evicts = {w.local_rank: self._count(f"evict/{w.global_rank}")
@@ -131,13 +132,13 @@ class WarmAgent(LocalElasticAgent):
         while time.monotonic() < start + self._warm_budget:
             if self._count(f"replaced/{rank}") > self._seen[local_rank]:
                 self._replaced.add(local_rank)
-                self._agreed = self._count("agreeing")
                 return True
             if self._count("cold") > self._cold_seen:
                 return False
-            if (time.monotonic() > start + min(_NOBODY_AGREES_S, self._warm_budget)
-                    and self._count("agreeing") == self._agreed):
-                return False  # nobody survived to agree
+            if time.monotonic() > start + min(_NOBODY_AGREES_S, self._warm_budget):
+                entered, left = agreements(self._warm_store)
+                if entered - self._agreements[0] == left - self._agreements[1]:
+                    return False  # nobody survived to agree
             time.sleep(0.1)
         return False
 

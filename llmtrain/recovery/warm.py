@@ -132,6 +132,13 @@ def mark_gone(store: dist.Store, rank: int) -> None:
         store.add(f"{prefix}gone", 1)
 
 
+def agreements(store: dist.Store) -> tuple[int, int]:
+    """How many agreements survivors have entered and left, job-wide. An agent compares
+    them with their values when it started its workers: more entered than left since is
+    someone agreeing now (a warm recovery that ended earlier does not count)."""
+    return store.add("agreeing", 0), store.add("agreed", 0)
+
+
 def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[str]]:
     """Has ``ranks`` (a hang's stuck ranks) leave, for the warm path to replace them.
 
@@ -206,6 +213,12 @@ class WarmPath:
         """Reports ``holdings``, learns who else is alive, and returns the plan every
         survivor follows; ColdPath when there is none."""
         self.store.add("agreeing", 1)  # agents of dead workers: someone is left to agree
+        try:
+            return self._agree(holdings, deadline)
+        finally:  # decided: replaced/<rank> or cold is set (or this rank gave up)
+            self.store.add("agreed", 1)
+
+    def _agree(self, holdings: dict, deadline: float) -> Plan:
         self.store.set(self._key(f"report/{self.rank}"), json.dumps(holdings))
         count = self._key("reported")
         gone = self._key("gone")

@@ -9,7 +9,7 @@ from conftest import ROOT
 from needs import IN_CI
 
 from llmtrain.chaos.runner import KINDS
-from llmtrain.config import ReliabilityConfig
+from llmtrain.config import ReliabilityConfig, WarmConfig
 from llmtrain.events import read_events
 
 pytestmark = pytest.mark.slow
@@ -48,11 +48,16 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     # connections to it); a desync report ends in a cold restart of all, as do the loss of
     # every rank at once (how truncated_shard forces a load) and a preemption (an agreed
     # save, then everyone restarts from it).
-    paths = {v["kind"]: v["path"] for v in verdict["verdicts"]}
+    by_kind = {v["kind"]: v for v in verdict["verdicts"]}
+    paths = {k: v["path"] for k, v in by_kind.items()}
     warm = ("kill_rank", "kill_in_save", "node_loss", "gpu_bad", "hang", "partition")
     assert [paths.get(k, "warm") for k in warm] == ["warm"] * len(warm), table
     cold = ("desync", "truncated_shard", "preempt")
     assert [paths[k] for k in cold] == ["cold"] * len(cold), table
+    # ...and no agent waits out its warm budget first for a verdict nobody is left to give
+    # (after any earlier warm recovery, truncated_shard's restart took 35 s, not 10)
+    budget_s = WarmConfig().budget_s  # chaos runs with the default
+    assert [k for k in cold if by_kind[k]["recover_s"] >= budget_s] == [], table
 
     # Nobody restarted for the warm ones: no attempt began between fault and recovery (a
     # stopped or cut-off rank is killed or cut out, not waited for until a restart)

@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.recovery.warm import (ColdPath, WarmPath, assignment, buddy_of, join_pool,
-                                    leave_pool, mark_gone, spares_waiting)
+from llmtrain.recovery.warm import (ColdPath, WarmPath, agreements, assignment, buddy_of,
+                                    join_pool, leave_pool, mark_gone, spares_waiting)
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
@@ -54,6 +54,29 @@ def test_a_lost_rank_gets_a_spare_and_the_newest_common_step():
     told = json.loads(store.get("spares/1/plan"))
     assert told["rank"] == 1 and told["step"] == 10
     assert store.add("replaced/1", 0) == 1  # what rank 1's agent waits for
+
+
+def test_an_agreement_is_open_from_its_start_until_it_is_decided():
+    """An agent whose workers all died waits for a warm verdict only while a survivor is
+    agreeing. An agreement that ended before must not count: it did, and a cold restart
+    after any earlier warm recovery waited out the agent's whole budget (35 s, not 10)."""
+    store = dist.HashStore()
+    store.add("spares/registered", 1)
+    start = agreements(store)
+    decided = agree_all(store, {0: held([10], [10], 2), 2: held([10], [10], 1)}, 3)
+    assert decided[0].lost == [1]
+    entered, left = agreements(store)
+    assert entered - start[0] == left - start[1] == 2
+    # rank 0 alone of 3 reports, and waits out the settle time before deciding
+    lone = threading.Thread(target=agree_all, args=(store, {0: held([10], [10], 2)}, 3),
+                            kwargs={"settle_s": 1.0, "round_id": "round2"})
+    lone.start()
+    time.sleep(0.3)
+    entered, left = agreements(store)
+    assert entered - left == 1
+    lone.join()
+    entered, left = agreements(store)
+    assert entered == left
 
 
 def test_a_rank_said_gone_is_not_waited_for_and_saying_it_twice_counts_once():
