@@ -295,13 +295,17 @@ class Chaos:
 
     def _settle(self) -> None:
         """Waits until every training node runs the current attempt and has stepped, a
-        spare waits (warm), and the quiet interval has passed."""
-        self._wait(lambda: len(self._ranks()) == self.cfg.nodes, "full world", 300)
+        spare waits (warm), and the quiet interval has passed; or the job has ended."""
+        def ended() -> bool:
+            return self._step() >= self.cfg.steps
+        self._wait(lambda: len(self._ranks()) == self.cfg.nodes or ended(), "full world", 300)
         if self.cfg.warm:
-            self._wait(lambda: spares_waiting(self.spares) > 0, "a waiting spare", 300)
+            self._wait(lambda: spares_waiting(self.spares) > 0 or ended(), "a waiting spare",
+                       300)
         since = time.time()
-        self._wait(lambda: self._latest("step", since), "a step", 120)
-        time.sleep(self.cfg.interval_s * self.rng.uniform(0.5, 1.5))
+        self._wait(lambda: self._latest("step", since) or ended(), "a step", 120)
+        if not ended():
+            time.sleep(self.cfg.interval_s * self.rng.uniform(0.5, 1.5))
 
     def _pick_rank(self) -> tuple[int, dict]:
         ranks = self._ranks()

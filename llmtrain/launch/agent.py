@@ -35,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from llmtrain.exit_codes import ExitCode
-from llmtrain.recovery.warm import agreements, mark_gone, outside_store
+from llmtrain.recovery.warm import EvictionWatch, agreements, mark_gone, outside_store
 
 # Survivors of a dead peer enter the agreement at their next collective, which fails as
 # soon as the peer's connections close: far sooner than this on any job.
@@ -59,9 +59,9 @@ class WarmAgent(LocalElasticAgent):
         self._agreements = agreements(self._warm_store) if self._warm_store is not None \
             else (0, 0)
         self._replacements = self._count("replacements")
-        self._evictions = self._count("evictions")
-        self._evicts = {w.local_rank: self._count(f"evict/{w.global_rank}")
-                        for w in worker_group.workers}
+        self._evictions = EvictionWatch(self._warm_store, [
+            w.global_rank for w in worker_group.workers]) if self._warm_store is not None \
+            else None
         return started
 
     def _count(self, key: str) -> int:
@@ -94,19 +94,13 @@ class WarmAgent(LocalElasticAgent):
     def _kill_evicted(self, worker_group: WorkerGroup, handlers: dict) -> None:
         """Kills the workers (and their children) a hang's watchdog asked to evict, and
         says so; their deaths then take the usual way to a warm verdict."""
-        evictions = self._count("evictions")
-        if evictions == self._evictions:
-            return
-        self._evictions = evictions
+        asked = self._evictions.asked()
         for w in worker_group.workers:
-            asked = self._count(f"evict/{w.global_rank}")
-            if asked == self._evicts[w.local_rank] or w.local_rank in self._replaced:
+            if w.global_rank not in asked or w.local_rank in self._replaced:
                 continue
-            self._evicts[w.local_rank] = asked
             with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
                 os.killpg(handlers[w.local_rank].proc.pid, signal.SIGKILL)
-            mark_gone(self._warm_store, w.global_rank)  # its peers need not wait for it
-            self._warm_store.add(f"evicted/{w.global_rank}", 1)
+            self._evictions.done(w.global_rank)
 
     @staticmethod
     def _leave_rendezvous_open(worker_group: WorkerGroup) -> None:

@@ -34,6 +34,7 @@ when a round has waited for nodes for ``STANDBY_GRACE_S``: a node is gone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -278,11 +279,13 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     signals forwarded to it; the code is CLEAN if the job finished without it, and None
     when a cold restart's round lacks a node (the warm path could not replace one): the
     spare left the pool, and this node holds a place in that round."""
-    from llmtrain.recovery.warm import assignment, job_namespace, join_pool, leave_pool
+    from llmtrain.recovery.warm import (EvictionWatch, assignment, job_namespace, join_pool,
+                                        leave_pool)
     vacancies = Vacancies(lc, restarts_only=True)
     pool = job_namespace(vacancies.store, lc.rdzv_id)
+    # in a session of its own, as torchrun's workers are: an eviction kills its children too
     spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
-                             stdin=subprocess.PIPE, text=True,
+                             stdin=subprocess.PIPE, text=True, start_new_session=True,
                              env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
                                   lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
     signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
@@ -292,12 +295,13 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     while spare.poll() is None:
         plan = assignment(pool, number)
         if plan is not None:
+            evictions = EvictionWatch(pool, [plan["rank"]])
             try:
                 spare.stdin.write(json.dumps(plan) + "\n")
                 spare.stdin.close()
             except BrokenPipeError:  # it died just now: the survivors go cold in budget
                 pass
-            return spare.wait(), signalled
+            return supervise_spare(spare, evictions, plan["rank"]), signalled
         if time.monotonic() - looked > 0.5:
             looked = time.monotonic()
             done = finished(ends.read(), cfg.training.steps, since)
@@ -308,6 +312,20 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
         time.sleep(0.05)
     leave_pool(pool, number)  # it died waiting (a signal): no survivor may count on it
     return spare.returncode, signalled
+
+
+def supervise_spare(spare: subprocess.Popen, evictions, rank: int) -> int:
+    """Waits for a spare that took ``rank``, doing for it what an agent does for its
+    workers: it is killed when a hang's watchdog asks (:func:`llmtrain.recovery.warm.evict`;
+    without this, a stopped spare went unanswered and its peers cut a later one)."""
+    while (rc := spare.poll()) is None:
+        if rank in evictions.asked():
+            with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
+                os.killpg(spare.pid, signal.SIGKILL)
+            evictions.done(rank)
+            return spare.wait()
+        time.sleep(0.1)
+    return rc
 
 
 def finished(events: list[dict], steps: int, since: float) -> bool:

@@ -121,13 +121,20 @@ def assignment(store: dist.Store, number: int) -> dict | None:
     return json.loads(store.get(key)) if store.check([key]) else None
 
 
-def mark_gone(store: dist.Store, rank: int) -> None:
-    """Tells the survivors of ``rank``'s generation that it will not report, once however
-    many say so (the rank as it leaves, its agent when the process is gone)."""
-    where = f"where/{rank}"
-    if not store.check([where]):
+def _where(store: dist.Store, rank: int) -> str | None:
+    """The key prefix of the generation ``rank`` reports to now."""
+    key = f"where/{rank}"
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def mark_gone(store: dist.Store, rank: int, prefix: str | None = None) -> None:
+    """Tells the survivors of ``rank``'s generation (``prefix``; default: its current one)
+    that it will not report, once however many say so (the rank as it leaves, its agent
+    when the process is gone)."""
+    prefix = prefix or _where(store, rank)
+    if prefix is None:
         return
-    prefix, token = store.get(where).decode(), uuid.uuid4().hex
+    token = uuid.uuid4().hex
     if store.compare_set(f"{prefix}gone/{rank}", "", token).decode() == token:
         store.add(f"{prefix}gone", 1)
 
@@ -146,22 +153,56 @@ def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[
     peers' collectives then fail once its connections close. An agent that does not answer
     in ``wait_s`` is cut off from the store (a partitioned node): its rank is marked gone
     here instead, and its peers must shut their own ends of its connections. Returns those
-    ranks, each with the connection ends it published (:func:`publish_endpoints`): read
-    now, before a spare takes its place and publishes its own."""
+    ranks, each with the connection ends it published (:func:`publish_endpoints`). Its
+    ends and generation are read before asking: once it is gone (its agent's kill, or one
+    from elsewhere), a spare may take its rank, and that spare must not be cut or marked
+    gone in its stead; a rank a spare already holds counts as answered."""
     done = {r: store.add(f"evicted/{r}", 0) for r in ranks}
+    was = {r: (_where(store, r), json.loads(store.get(f"endpoints/{r}"))
+               if store.check([f"endpoints/{r}"]) else []) for r in ranks}
     for r in ranks:
         store.add(f"evict/{r}", 1)  # its agent still kills it, should it come back
     store.add("evictions", 1)  # what agents poll: one key, however many ranks
     deadline = time.monotonic() + wait_s
-    while (silent := [r for r in ranks if store.add(f"evicted/{r}", 0) <= done[r]]) \
-            and time.monotonic() < deadline:
+
+    def unanswered() -> list[int]:  # no kill said, nor a spare in its place (it died anyway)
+        return [r for r in ranks if store.add(f"evicted/{r}", 0) <= done[r]
+                and _where(store, r) == was[r][0]]
+    while (silent := unanswered()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    ends = {}
     for r in silent:
-        key = f"endpoints/{r}"
-        ends[r] = json.loads(store.get(key)) if store.check([key]) else []
-        mark_gone(store, r)
-    return ends
+        mark_gone(store, r, was[r][0])
+    return {r: was[r][1] for r in silent}
+
+
+class EvictionWatch:
+    """What a supervisor of workers (an agent, a standby launcher whose spare holds a rank)
+    reads to learn that the watchdog asked it to kill one (:func:`evict`): one store read
+    a tick, and more only when some eviction was asked. Only asks made after the watch
+    began count, so a key from an earlier round never kills a later worker."""
+
+    def __init__(self, store: dist.Store, ranks: list[int]):
+        self.store = store
+        self._evictions = store.add("evictions", 0)
+        self._asked = {r: store.add(f"evict/{r}", 0) for r in ranks}
+
+    def asked(self) -> list[int]:
+        """The ranks whose eviction was asked since the last call."""
+        evictions = self.store.add("evictions", 0)
+        if evictions == self._evictions:
+            return []
+        self._evictions = evictions
+        new = []
+        for r, seen in self._asked.items():
+            if (now := self.store.add(f"evict/{r}", 0)) != seen:
+                self._asked[r] = now
+                new.append(r)
+        return new
+
+    def done(self, rank: int) -> None:
+        """Says ``rank`` was killed: its peers need not wait for it, and the asker knows."""
+        mark_gone(self.store, rank)
+        self.store.add(f"evicted/{rank}", 1)
 
 
 def publish_endpoints(store: dist.Store, rank: int) -> None:

@@ -2,7 +2,9 @@
 evicting a rank whose agent does not answer, with real sockets and a real store."""
 
 import json
+import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -10,7 +12,8 @@ import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.recovery import sockets
-from llmtrain.recovery.warm import WarmPath, evict, publish_endpoints
+from llmtrain.launch.node import supervise_spare
+from llmtrain.recovery.warm import EvictionWatch, WarmPath, evict, publish_endpoints
 
 
 def _pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -61,3 +64,42 @@ def test_an_agent_that_does_not_answer_has_its_rank_marked_gone_and_cut_off():
         store.add("evicted/1", 1)
     threading.Thread(target=agent).start()
     assert evict(store, [1], wait_s=5) == {}
+
+
+def test_a_spare_that_took_the_rank_meanwhile_is_neither_cut_nor_marked_gone():
+    """The stuck rank dies by another hand while its agent is silent, and a spare takes its
+    rank before the wait ends: the old holder is gone, so nobody is cut off (in a soak, the
+    spare's own connections were cut and its generation counted it gone)."""
+    store = dist.HashStore()
+    cfg = WarmConfig(enable=True)
+    WarmPath(cfg, store, "round", 1, 2, 1)
+    store.set("endpoints/1", json.dumps(["10.0.0.2:4000"]))
+
+    def spare_takes_rank_1():
+        while store.add("evict/1", 0) < 1:
+            time.sleep(0.01)
+        WarmPath(cfg, store, "round", 1, 2, 1, gen=1)
+        store.set("endpoints/1", json.dumps(["10.0.0.3:5000"]))
+    threading.Thread(target=spare_takes_rank_1).start()
+    start = time.monotonic()
+    assert evict(store, [1], wait_s=10) == {}
+    assert time.monotonic() - start < 10  # answered by the spare's arrival, not timed out
+    assert store.add("round/g1/gone", 0) == 0
+
+
+def test_a_spare_holding_a_rank_is_killed_by_its_launcher_when_evicted():
+    """A spare that took a rank runs under its standby launcher, not an agent: the launcher
+    answers the watchdog's eviction as an agent does, killing the spare's session."""
+    store = dist.HashStore()
+    store.add("evict/3", 1)  # an earlier holder's eviction: not this spare's
+    store.add("evictions", 1)
+    spare = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    watch = EvictionWatch(store, [3])
+    supervised = []
+    launcher = threading.Thread(target=lambda: supervised.append(supervise_spare(spare, watch, 3)))
+    launcher.start()
+    time.sleep(0.3)
+    assert spare.poll() is None  # the old key killed nothing
+    assert evict(store, [3], wait_s=5) == {}  # answered: nobody is cut off
+    launcher.join(timeout=5)
+    assert supervised == [-signal.SIGKILL]
