@@ -155,6 +155,14 @@ class Network:
                         "dev", "eth0", "root", "tbf", "rate", rate, "burst", "8kb",
                         "latency", "1ms"], check=True, capture_output=True)
 
+    def pace(self, name: str, rate: str = "400mbit") -> None:
+        """Node ``name`` sends at most ``rate``, with a queue deep enough not to drop: a
+        healthy link of that speed. (Unpaced, a veth pair runs at memory speed, and on a
+        busy 2-core machine dropped 0-2.3% of a 4 MB transfer's segments.)"""
+        subprocess.run(["ip", "netns", "exec", self._ns(name), "tc", "qdisc", "replace",
+                        "dev", "eth0", "root", "tbf", "rate", rate, "burst", "64kb",
+                        "latency", "100ms"], check=True, capture_output=True)
+
     def restore(self, name: str) -> None:
         """Node ``name``'s link as it was made: no shaping."""
         subprocess.run(["ip", "netns", "exec", self._ns(name), "tc", "qdisc", "del", "dev",

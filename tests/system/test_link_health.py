@@ -1,6 +1,7 @@
 """The link health check against real links: two network namespaces on a bridge, one
 node's sends shaped by ``tc tbf`` to a rate with a tiny queue, real TCP across. The node
-whose sends are dropped reports its link lossy; a node with a clean link does not."""
+whose sends are dropped reports its link lossy; a node with a clean link (paced, with a
+deep queue) does not."""
 
 import json
 import subprocess
@@ -49,6 +50,8 @@ def test_the_node_whose_sends_are_dropped_reports_its_link(tmp_path, shaped):
             network.add(name)
         if shaped:
             network.degrade("node2", "20mbit")
+        else:  # a healthy link: a finite rate and a queue that does not drop
+            network.pace("node2")
         receiver = subprocess.Popen(network.command("node1", [sys.executable, "-c", RECEIVER]),
                                     stdout=subprocess.PIPE, text=True)
         assert receiver.stdout.readline().strip() == "ready"
