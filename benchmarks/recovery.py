@@ -108,7 +108,10 @@ def one_recovery(workdir: Path, warm: bool, fault: str) -> dict:
                 "agree_s": marks["agreed"] - detected,
                 "form_group_s": marks["group_formed"] - marks["agreed"],
                 "restore_s": marks["restored"] - marks["group_formed"],
-                "first_step_s": marks["first_step"] - marks["restored"]}
+                "first_step_s": marks["first_step"] - marks["restored"],
+                # the last step done when it failed, back to the snapshot restored
+                "steps_redone": rec["failed_at"] - rec["step"],
+                "snapshot_interval": rec["snapshot_interval"]}
     return {"fault_to_first_step_s": marks["first_step"] - killed,
             "detect_s": detected - killed,
             "rendezvous_spawn_s": marks["process_start"] - detected,

@@ -8,10 +8,11 @@ loss all-reduce, console, event log and the integrity checks (each step judged o
 device, the state fingerprinted every 10 steps here). The same trainer with integrity off
 is the baseline for what those checks cost (the goal: <= 1.01), measured two ways: the
 median ratio of back-to-back segments, and the checks' own time, timed where they run. The
-same trainer taking an in-memory snapshot every step (the warm path's; on two ranks each
-replicates to the other, as to a buddy on another node) shows what snapshots cost (the
-goal: <= 1.03). A second baseline without FSDP2 shows what sharding itself costs on one
-rank.
+same trainer taking in-memory snapshots (the warm path's; on two ranks each replicates to
+the other, as to a buddy on another node) shows what snapshots cost (the goal: <= 1.03),
+at the interval ``warm.snapshot_budget`` sets (``--warm.snapshot_budget 0`` for every
+``warm.snapshot_every`` steps whatever they cost). A second baseline without FSDP2 shows
+what sharding itself costs on one rank.
 
     python benchmarks/step_overhead.py                       # one rank
     torchrun --nproc-per-node 2 benchmarks/step_overhead.py  # two ranks
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmtrain.checkpoint.snapshots import Snapshots
+from llmtrain.checkpoint.snapshots import Schedule, Snapshots, shares_cores
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.model import Transformer
@@ -64,10 +65,10 @@ def bare_loop(model: torch.nn.Module, cfg, device: torch.device):
 
 
 class Timed:
-    """Wraps a method of an object, adding up the seconds spent in it."""
+    """Wraps a method of an object, adding up the seconds spent in it and its calls."""
 
     def __init__(self, obj, name: str):
-        self.seconds, inner = 0.0, getattr(obj, name)
+        self.seconds, self.calls, inner = 0.0, 0, getattr(obj, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -75,6 +76,7 @@ class Timed:
                 return inner(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+                self.calls += 1
         setattr(obj, name, timed)
 
 
@@ -94,8 +96,6 @@ def main() -> None:
     parser.add_argument("--config", default="debug_cpu")
     parser.add_argument("--segments", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20, help="steps per segment")
-    parser.add_argument("--snapshot-every", type=int, default=1,
-                        help="steps between snapshots (warm.snapshot_every)")
     args, rest = parser.parse_known_args()
     cfg = load_config(args.config, parse_overrides(
         ["--training.run_dir", "runs/bench_step_overhead", "--metrics.progress", "plain",
@@ -107,9 +107,11 @@ def main() -> None:
     plain = Transformer(cfg.model).to(trainer.device)
     world, rank = trainer.world.world_size, trainer.world.rank
     other = (rank + 1) % world if world > 1 else None
-    snapshots = Snapshots(args.snapshot_every, rank, buddy=other, ward=other,
-                          events=trainer.events)
-    snapshots.start(dist.new_group(backend="gloo"))
+    w = cfg.warm
+    snapshots = Snapshots(Schedule(w.snapshot_every, w.snapshot_budget, w.snapshot_max_every),
+                          rank, buddy=other, ward=other, events=trainer.events,
+                          shares_cores=shares_cores(trainer.device, world))
+    snapshots.start(dist.new_group(backend="gloo"), trainer.control_group(), trainer.step)
     loops = {"llmtrain": llmtrain_loop(trainer, integrity=True),
              "no integrity": llmtrain_loop(trainer, integrity=False),
              "snapshots": llmtrain_loop(trainer, integrity=True, snapshots=snapshots),
@@ -129,7 +131,8 @@ def main() -> None:
             times[name].append(run(args.steps))
     judged = trainer.integrity.judged - judged
     skipped = snapshots.skipped - skipped
-    taken = args.segments * args.steps // args.snapshot_every - skipped
+    taken = taking.calls - skipped
+    every = args.segments * args.steps / taking.calls  # steps per snapshot
     snapshot_bytes = snapshots.bytes_held()
     params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                  for p in trainer.model.parameters())
@@ -153,7 +156,10 @@ def main() -> None:
           f"({checks_ms / (median['no integrity'] * 1e3):.2%} of a step); loop with / "
           f"without them, median of paired segments: {paired:.3f}")
     snap_paired = statistics.median(a / b for a, b in zip(times["snapshots"], times["llmtrain"]))
-    print(f"snapshots: {taking.seconds / taken * 1e3:.3f} ms per copy on the training thread, "
+    print(f"snapshots: one every {every:.1f} steps (the last interval agreed: "
+          f"{snapshots.schedule.interval}; each one's cost, median of the last 5: "
+          f"{snapshots.schedule.costs.median() * 1e3:.1f} ms); "
+          f"{taking.seconds / taken * 1e3:.3f} ms per copy on the training thread, "
           f"{skipped} of {taken + skipped} skipped (the previous one "
           f"still being sent); {snapshot_bytes / params:.1f} bytes per parameter held "
           f"(own and buddy's, two each); loop with / without them: {snap_paired:.3f}")
@@ -162,7 +168,9 @@ def main() -> None:
                "snapshot_copy_ms": round(taking.seconds / taken * 1e3, 3),
                "snapshots_skipped": skipped,
                "snapshot_bytes_per_param": round(snapshot_bytes / params, 1),
-               "snapshot_every": args.snapshot_every,
+               "steps_per_snapshot": round(every, 2),
+               "snapshot_cost_ms": round(snapshots.schedule.costs.median() * 1e3, 2),
+               "snapshot_budget": w.snapshot_budget,
                "llmtrain_ms": round(median["llmtrain"] * 1e3, 2),
                "bare_ms": round(base * 1e3, 2),
                "integrity_overhead": round(paired, 4),

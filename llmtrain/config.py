@@ -220,8 +220,16 @@ class WarmConfig:
     enable: bool = _f(False, doc="recover from a lost rank in memory, with a warm spare; "
                                  "needs the rendezvous store outside the workers "
                                  "(llmtrain launch --external-store)")
-    snapshot_every: int = _f(1, ge=1, doc="steps between in-memory snapshots (each also "
-                                          "replicated to a buddy rank on the next node)")
+    snapshot_every: int = _f(1, ge=1, doc="steps between in-memory snapshots at the least "
+                                          "(each also replicated to a buddy rank on the "
+                                          "next node)")
+    snapshot_budget: float = _f(0.03, ge=0, lt=1, doc="the share of training time snapshots "
+                                                      "may take: the interval grows from "
+                                                      "snapshot_every until they fit; 0: "
+                                                      "always snapshot_every")
+    snapshot_max_every: int = _f(50, ge=1, doc="steps between snapshots at the most, "
+                                               "whatever the budget: a warm recovery "
+                                               "redoes fewer steps than this")
     settle_s: float = _f(0.5, gt=0, doc="how long survivors wait for each other's reports "
                                         "before the missing ranks count as lost")
     budget_s: float = _f(30.0, gt=0, doc="a warm recovery not done in this time falls "

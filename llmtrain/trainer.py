@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from llmtrain import fault_points
 from llmtrain.checkpoint import hf
 from llmtrain.checkpoint.manager import CheckpointManager
-from llmtrain.checkpoint.snapshots import (Snapshots, SnapshotError, restore_python_rng,
+from llmtrain.checkpoint.snapshots import (Schedule, Snapshots, SnapshotError,
+                                           restore_python_rng, shares_cores,
                                            state_tensors)
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import ConfigError, JobConfig
@@ -214,9 +215,12 @@ class Trainer:
             self.health = self._start_health_monitor() if cfg.health.monitor else None
             self.snapshots = None
             if self.warm is not None:
-                self.snapshots = Snapshots(cfg.warm.snapshot_every, self.world.rank,
-                                           buddy=self.warm.buddy, ward=self.warm.ward,
-                                           events=self.events)
+                w = cfg.warm
+                self.snapshots = Snapshots(
+                    Schedule(w.snapshot_every, w.snapshot_budget, w.snapshot_max_every),
+                    self.world.rank, buddy=self.warm.buddy, ward=self.warm.ward,
+                    events=self.events,
+                    shares_cores=shares_cores(self.device, self.warm.local_world_size))
                 replication = dist.new_group(backend="gloo")
         if plan is not None:  # a warm spare: the lost rank's state comes from its buddy
             self.restore(Plan(**{k: v for k, v in plan.items() if k != "rank"}), replication)
@@ -228,7 +232,7 @@ class Trainer:
                 self.console.line(f"resumed from the checkpoint of step {self.step} "
                                   f"in {cfg.checkpoint_url}")
         if self.snapshots is not None:
-            self.snapshots.start(replication)
+            self.snapshots.start(replication, self.control_group(), self.step)
             publish_endpoints(self.warm.store, self.world.rank)  # every group is formed
         if self.is_logger:
             self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
@@ -546,7 +550,8 @@ class Trainer:
         False when the cold path must take over (the reason is logged)."""
         if self.warm is None or isinstance(error, TrainingDiverged):
             return False
-        detected = time.time()
+        detected, failed_at = time.time(), self.step
+        interval = self.snapshots.schedule.interval  # the one in force: start() resets it
         deadline = time.monotonic() + self.cfg.warm.budget_s
         self.beat("recover", long=True)
         self.events.emit("failure", step=self.step, error=f"{type(error).__name__}: {error}"[:500],
@@ -576,7 +581,7 @@ class Trainer:
             if plan is not None:  # a plan was made and failed
                 self.warm.give_up()
             return False
-        self.snapshots.start(replication)
+        self.snapshots.start(replication, self.control_group(), self.step)
         publish_endpoints(self.warm.store, self.world.rank)
         restored = time.time()
         self.ledger.record("restart", "warm", detected, restored)
@@ -584,10 +589,18 @@ class Trainer:
         if self.world.rank == min(set(range(self.world.world_size)) - set(plan.lost)):
             # reported once the first step after it is done: the whole cost of the fault
             self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
-                              "spares": plan.spares, "marks": {
+                              "spares": plan.spares, "failed_at": failed_at,
+                              "snapshot_interval": interval, "marks": {
                                   "failure_detected": detected, "agreed": agreed,
                                   "group_formed": formed, "restored": restored}}
         return True
+
+    def control_group(self):
+        """A gloo group for the training thread's votes: the checkpoint manager's, else a
+        group of its own (each more group is a full mesh of connections to form)."""
+        if self.checkpoints is not None:
+            return self.checkpoints.control_group
+        return dist.new_group(backend="gloo") if self.cfg.warm.snapshot_budget else None
 
     def report_warm_recovery(self) -> None:
         marks = {**self.recovered.pop("marks"), "first_step": time.time()}

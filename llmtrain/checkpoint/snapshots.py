@@ -1,10 +1,14 @@
 """In-memory snapshots of the training state, each replicated to a buddy on the next node.
 
 A cold restart reads the durable checkpoint back from shared storage and redoes every step
-since it. With each rank's state copied into host memory every ``warm.snapshot_every``
-steps, and a replica of it held by a rank on another node, the survivors of a failure
-restore from their own snapshot and the lost rank's replacement from its buddy's replica:
-at most ``snapshot_every`` steps are redone, and nothing is read from storage.
+since it. With each rank's state copied into host memory every few steps, and a replica of
+it held by a rank on another node, the survivors of a failure restore from their own
+snapshot and the lost rank's replacement from its buddy's replica: at most the interval
+between snapshots is redone, and nothing is read from storage.
+
+The interval is ``warm.snapshot_every`` steps, stretched where snapshots would take more
+than ``warm.snapshot_budget`` of the training time (:class:`Schedule`): every step on a
+node with cores to spare, every few where the replication competes with training for them.
 
 A snapshot is one flat byte buffer (this rank's model and optimizer shards, its RNG, the
 integrity window) plus a small JSON header (step, LR schedule, data position, Python RNG,
@@ -23,9 +27,14 @@ nothing it finishes later is kept.
 
 from __future__ import annotations
 
+import collections
 import json
+import math
+import os
 import random
+import statistics
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +122,104 @@ class Snapshot:
         return self.header
 
 
+def shares_cores(device: torch.device, local_world_size: int) -> bool:
+    """Whether the replication's CPU time comes out of training's: this rank has less than
+    a core of its own beyond what training uses (its thread; on CPU, torch's threads)."""
+    cores = len(os.sched_getaffinity(0)) / max(1, local_world_size)
+    return cores - (torch.get_num_threads() if device.type == "cpu" else 1) < 1
+
+
+class Schedule:
+    """The steps snapshots are taken at.
+
+    Every ``every`` steps at the least. With a ``budget``, the interval grows until a
+    snapshot costs at most ``budget`` of the training time between two (``max_every`` at
+    most). A snapshot's cost is what it adds to the steps' time: the time from one
+    snapshot to the next against as many clean steps (begun after the last replication
+    ended). That counts all it takes from training: the copy, the replication's CPU, the
+    kernel's work moving its bytes, caches. As a floor against noise, and alone until a
+    clean step is seen, the cost is what was timed: the copy and, where the replication
+    shares training's cores, its process CPU time (which misses the kernel's share).
+
+    A recovery restores a step every rank holds, so all ranks snapshot at the same steps:
+    the interval each proposes from its own costs is agreed by a MAX all-reduce on a gloo
+    group of the training thread's, cast at one snapshot and decided at the next, off the
+    step's critical path.
+    """
+
+    def __init__(self, every: int, budget: float = 0.0, max_every: int | None = None):
+        self.every, self.budget = every, budget
+        self.max_every = max(every, max_every or every)
+        # the last few measures of a snapshot's cost and of a step's time without one: their
+        # medians, so that a checkpoint's save or a slow step now and then does not count
+        self.costs, self.steps = _Recent(), _Recent()
+        self.seen_clean = False  # a step begun after a replication ended (see above)
+        self.restart(0, None)
+
+    def restart(self, step: int, control) -> None:
+        """The next snapshot ``every`` steps after ``step``, agreed on ``control`` (a gloo
+        group of every rank's training thread; None: no agreement, a fixed interval)."""
+        self.control = control if self.budget else None
+        self.next, self.interval = step + self.every, self.every
+        self.vote: tuple[dist.Work, torch.Tensor] | None = None
+        self.ticks: list[tuple[int, float]] = []  # each step since the last snapshot: its end
+
+    def due(self, step: int) -> bool:
+        """Called once after each step."""
+        self.ticks.append((step, time.perf_counter()))
+        return step >= self.next
+
+    def advance(self, step: int, timed_s: float, replicated: float | None) -> None:
+        """After the snapshot of ``step``: the last one's cost, the next agreed interval,
+        and this rank's proposal for the one after. ``timed_s``: a snapshot's cost as timed
+        (until clean steps are seen); ``replicated``: when the last replication ended (None:
+        not yet)."""
+        ticks, self.ticks = self.ticks, self.ticks[-1:]  # this step's: the copy comes next
+        steps = [s for s, _ in ticks]
+        if steps == list(range(step - self.interval, step + 1)):  # since the last, unbroken
+            times = [t for _, t in ticks]
+            total = times[-1] - times[0]
+            clean = [b - a for a, b in zip(times, times[1:])
+                     if replicated is not None and a >= replicated]
+            if clean:
+                self.seen_clean = True
+                self.steps.add(sum(clean) / len(clean))
+            elif not self.seen_clean:
+                self.steps.add(max(0.0, total - timed_s) / self.interval)
+            # what it adds to the steps, at least what was timed (a floor against noise)
+            self.costs.add(max(timed_s, total - self.interval * self.steps.median())
+                           if self.seen_clean else timed_s)
+        if self.vote is not None:
+            work, proposal = self.vote
+            work.wait()
+            self.interval = int(proposal.item())
+        if self.control is not None:
+            proposal = torch.tensor([self.proposal()], dtype=torch.int64)
+            self.vote = (dist.all_reduce(proposal, op=dist.ReduceOp.MAX, group=self.control,
+                                         async_op=True), proposal)
+        self.next = step + self.interval
+
+    def proposal(self) -> int:
+        """The least interval that keeps this rank's snapshots within the budget."""
+        if not (self.budget and self.costs.values and self.steps.median()):
+            return self.every
+        needed = math.ceil(self.costs.median() / (self.budget * self.steps.median()))
+        return min(self.max_every, max(self.every, needed))
+
+
+class _Recent:
+    """The last few values of a measure, and their median."""
+
+    def __init__(self, keep: int = 5):
+        self.values: collections.deque[float] = collections.deque(maxlen=keep)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else 0.0
+
+
 @dataclass
 class _Slots:
     """Two reusable snapshot slots; the older one is overwritten."""
@@ -141,10 +248,13 @@ class Snapshots:
     hold (None when the job has one node: a buddy on our own node dies with us).
     """
 
-    def __init__(self, every: int, rank: int, *, buddy: int | None, ward: int | None,
-                 events: EventLog):
-        self.every, self.rank, self.buddy, self.ward = every, rank, buddy, ward
+    def __init__(self, schedule: Schedule, rank: int, *, buddy: int | None, ward: int | None,
+                 events: EventLog, shares_cores: bool = True):
+        self.schedule, self.rank, self.buddy, self.ward = schedule, rank, buddy, ward
         self.events = events
+        self.shares_cores = shares_cores  # the replication's CPU time counts as a cost
+        self.replication_cpu_s = 0.0  # the last exchange's, beside the training thread's
+        self.replicated: float | None = None  # when the last one ended (perf_counter)
         self.own, self.replicas = _Slots(), _Slots()
         self.skipped = 0
         self._work: Snapshot | None = None
@@ -156,13 +266,17 @@ class Snapshots:
 
     # -- lifecycle (one replication group per generation of the job) ------------------
 
-    def start(self, group) -> None:
-        """Starts replicating over ``group`` (a gloo group of every rank)."""
+    def start(self, group, control, step: int) -> None:
+        """Starts replicating over ``group`` (a gloo group of every rank), the first
+        snapshot due ``every`` steps after ``step``; the interval is agreed on ``control``
+        (see :class:`Schedule`). Called on the training thread."""
+        self.schedule.restart(step, control)
         self._idle = threading.Event()
         self._idle.set()
         if self.buddy is not None:
+            training = time.pthread_getcpuclockid(threading.get_ident())
             self._thread = threading.Thread(
-                target=self._replicate, args=(self._gen, group, self._idle),
+                target=self._replicate, args=(self._gen, group, self._idle, training),
                 name="llmtrain-snapshots", daemon=True)
             self._thread.start()
 
@@ -180,11 +294,22 @@ class Snapshots:
     # -- on the training thread -------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        return self.schedule.due(step)
 
     def take(self, step: int, tensors: list[torch.Tensor], header: dict) -> bool:
         """Copies ``tensors`` into a free slot as the snapshot of ``step``; False (skipped)
         while the previous one is still being sent to the buddy."""
+        if tensors and tensors[0].is_cuda:  # the copy's time, not the queued steps'
+            torch.cuda.synchronize(tensors[0].device)
+        replicated = self.replicated if self._idle.is_set() else None
+        started = time.perf_counter()
+        taken = self._copy(step, tensors, header)
+        cost = time.perf_counter() - started
+        self.schedule.advance(step, cost + self.replication_cpu_s * self.shares_cores,
+                              replicated)
+        return taken
+
+    def _copy(self, step: int, tensors: list[torch.Tensor], header: dict) -> bool:
         if not self._idle.is_set():
             self.skipped += 1
             return False
@@ -201,6 +326,7 @@ class Snapshots:
         self.own.add(snap)
         if self.buddy is None:
             snap.header["sum"] = _sum(buffer[:nbytes])
+            self.replicated = time.perf_counter()  # nothing goes on beside training
             return True
         with self._wake:
             self._idle.clear()
@@ -213,7 +339,9 @@ class Snapshots:
 
     # -- the replication thread -------------------------------------------------------
 
-    def _replicate(self, gen: int, group, idle: threading.Event) -> None:
+    def _replicate(self, gen: int, group, idle: threading.Event, training: int) -> None:
+        """``training``: the training thread's CPU clock; the process's CPU time beyond it
+        during an exchange (this thread's, gloo's, other threads' if busy) is its cost."""
         while True:
             with self._wake:
                 while self._work is None and self._gen == gen:
@@ -221,6 +349,7 @@ class Snapshots:
                 if self._gen != gen:
                     return
                 snap, self._work = self._work, None
+            cpu, train = time.process_time(), time.clock_gettime(training)
             try:
                 replica = self._exchange(snap, group, gen)
             except Exception:  # noqa: BLE001 - a peer failed: the training thread's
@@ -228,6 +357,9 @@ class Snapshots:
                 return
             if replica is not None:
                 self._keep(replica, gen)
+            self.replication_cpu_s = max(0.0, time.process_time() - cpu
+                                         - (time.clock_gettime(training) - train))
+            self.replicated = time.perf_counter()
             idle.set()
 
     def _keep(self, replica: Snapshot, gen: int) -> None:

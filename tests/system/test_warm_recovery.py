@@ -168,9 +168,10 @@ def test_a_replication_thread_that_never_returns_is_left_behind(cluster, referen
     the last snapshot both ranks exchanged, and ends with the weights of a run that never
     failed."""
     c = cluster("2:2", TRAIN)
+    every_step = ("--warm.snapshot_budget", "0")  # step 12's snapshot, whatever it costs
     for name in ("node1", "node2"):
-        c.start(name, "--reliability.faults", "hang@replicate:step=12")
-    c.start("spare", spare=True)
+        c.start(name, *every_step, "--reliability.faults", "hang@replicate:step=12")
+    c.start("spare", *every_step, spare=True)
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 15,
                    timeout=180)
     c.kill("node2")

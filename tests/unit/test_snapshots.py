@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llmtrain.checkpoint.snapshots import SnapshotError, Snapshots, state_tensors
+from llmtrain.checkpoint.snapshots import Schedule, SnapshotError, Snapshots, state_tensors
 from llmtrain.events import EventLog, read_events
 
 
@@ -28,8 +28,8 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     group = dist.new_group(backend="gloo")
     events = EventLog(run_dir, rank)
-    snaps = Snapshots(1, rank, buddy=1 - rank, ward=1 - rank, events=events)
-    snaps.start(group)
+    snaps = Snapshots(Schedule(1), rank, buddy=1 - rank, ward=1 - rank, events=events)
+    snaps.start(group, None, 0)
     model, optimizer = _model_and_optimizer(seed=rank)
     for step in (1, 2, 3):  # three rounds through two slots: the oldest is reused
         for p in model.parameters():
@@ -61,7 +61,7 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
     # a thread that stop() left behind mid-exchange keeps nothing it receives later:
     # rank 0's thread waits for rank 1's sizes when it is stopped; rank 1 then sends them
     late = dist.new_group(backend="gloo")
-    snaps.start(late)
+    snaps.start(late, None, 3)
     if rank == 0:
         snaps.take(4, state_tensors(model, optimizer, []), {"marker": 4})
         while snaps._work is not None:  # until the thread has taken it up
@@ -97,9 +97,61 @@ def test_a_replica_restores_bitwise_and_a_corrupted_one_is_refused(tmp_path):
 
 
 def test_a_layout_that_does_not_match_is_refused():
-    snaps = Snapshots(1, 0, buddy=None, ward=None, events=None)
+    snaps = Snapshots(Schedule(1), 0, buddy=None, ward=None, events=None)
     model, optimizer = _model_and_optimizer(seed=0)
     snaps.take(1, state_tensors(model, optimizer, []), {})
     other = torch.nn.Linear(8, 2)
     with pytest.raises(SnapshotError, match="layout"):
         snaps.own.at(1).restore_into([other.weight])
+
+
+def test_the_interval_grows_until_snapshots_fit_the_budget():
+    schedule = Schedule(every=2, budget=0.03, max_every=50)
+    assert schedule.proposal() == 2  # nothing measured yet
+    schedule.steps.add(0.075)  # 75 ms a step
+    for cost in (0.012, 0.011, 0.9, 0.012):  # 12 ms a snapshot, once 0.9 s (a save beside)
+        schedule.costs.add(cost)
+    assert schedule.proposal() == 6  # 12 / (0.03 * 75) = 5.3: 6 steps keep it under 3%
+    schedule.costs.values.clear()
+    schedule.costs.add(0.001)
+    assert schedule.proposal() == 2  # never below snapshot_every
+    schedule.costs.add(10.0)
+    schedule.costs.add(10.0)
+    assert schedule.proposal() == 50  # nor above snapshot_max_every
+    assert Schedule(every=3).proposal() == 3  # no budget: a fixed interval
+
+
+def _schedule_worker(rank: int, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 2), rank=rank,
+                            world_size=2)
+    schedule = Schedule(every=1, budget=0.05, max_every=40)
+    schedule.restart(0, dist.new_group(backend="gloo"))
+    taken, proposals, replicated = [], [], None
+    for step in range(1, 151):
+        time.sleep(0.01)  # a 10 ms step (or longer, on a busy machine)
+        if schedule.due(step):
+            taken.append(step)
+            cost = 0.001 * (1 + 4 * rank)  # rank 1's snapshots cost five times rank 0's
+            time.sleep(cost)
+            schedule.advance(step, cost, replicated)
+            replicated = time.perf_counter()
+            proposals.append(schedule.proposal())
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"taken": taken, "proposals": proposals}, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_snapshot_steps_and_the_costliest_rank_sets_them(tmp_path):
+    """Two gloo processes whose snapshots cost differently: both take them at the same
+    steps (a recovery needs a step every rank holds), as far apart as the rank that
+    needs the most asks."""
+    out = str(tmp_path / "schedule")
+    mp.spawn(_schedule_worker, args=(out,), nprocs=2)
+    r0, r1 = (json.load(open(f"{out}.{r}")) for r in (0, 1))
+    assert r0["taken"] == r1["taken"]
+    gaps = [b - a for a, b in zip(r0["taken"], r0["taken"][1:])]
+    assert max(gaps) > 1, gaps  # the budget stretched the interval
+    # each interval after the first is the larger proposal of the snapshot before
+    wanted = [max(a, b) for a, b in zip(r0["proposals"], r1["proposals"])]
+    assert gaps[1:] == wanted[:len(gaps) - 1], (gaps, r0, r1)
+    assert max(r1["proposals"]) > max(r0["proposals"][:2])  # it measured its own cost
