@@ -66,6 +66,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -242,13 +243,21 @@ def main() -> None:
         parser.error(f"the checkpoint directory {ckpt_dir!r} must be local (raw I/O needs fsync)")
     ckpt_dir = ckpt_dir.removeprefix("file://")
 
-    if int(os.environ.get("RANK", 0)) == 0:  # fresh saves on every run; keep the data
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
-        shutil.rmtree(os.path.join(cfg.training.run_dir, "events"), ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):  # an older version's single log
-            os.remove(os.path.join(cfg.training.run_dir, "events.jsonl"))
+    # Fresh saves and logs on every run; the data is kept. Each rank removes its own log
+    # before it opens a new one; the checkpoints go once every rank is past the trainer's
+    # check that the directory takes files (removed under it, that check failed on NFS).
+    events_dir = os.path.join(cfg.training.run_dir, "events")
+    for old in glob.glob(os.path.join(events_dir, f"rank-{os.environ.get('RANK', 0)}.*")):
+        os.remove(old)
     trainer = Trainer(cfg)
     rank, world = trainer.world.rank, trainer.world.world_size
+    dist.barrier()
+    if rank == 0:
+        for old in glob.glob(os.path.join(ckpt_dir, "*")):
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        with contextlib.suppress(FileNotFoundError):  # an older version's single log
+            os.remove(os.path.join(cfg.training.run_dir, "events.jsonl"))
+    dist.barrier()
     device = trainer.device
     ranks = Ranks()
     mgr = trainer.checkpoints
