@@ -215,9 +215,11 @@ class Trainer:
             self.health = self._start_health_monitor() if cfg.health.monitor else None
             self.snapshots = None
             if self.warm is not None:
-                w = cfg.warm
+                w, c = cfg.warm, cfg.checkpoint
+                # never further apart than checkpoints: warm must not redo more than cold
+                most = min(w.snapshot_max_every, (c.enable and c.interval_steps) or 10**9)
                 self.snapshots = Snapshots(
-                    Schedule(w.snapshot_every, w.snapshot_budget, w.snapshot_max_every),
+                    Schedule(w.snapshot_every, w.snapshot_budget, most),
                     self.world.rank, buddy=self.warm.buddy, ward=self.warm.ward,
                     events=self.events,
                     shares_cores=shares_cores(self.device, self.warm.local_world_size))

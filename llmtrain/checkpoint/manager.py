@@ -155,6 +155,10 @@ class CheckpointManager:
             waited = time.perf_counter()
             self.wait()
             self._emit0("checkpoint_wait", step=step, seconds=time.perf_counter() - waited)
+        if self._committed(step):
+            self._emit0("checkpoint_skipped", step=step, reason="committed already (a "
+                        "warm recovery went back to a step before it)")
+            return
         self.last_save_time = time.monotonic()
         start = time.perf_counter()
         try:
@@ -193,6 +197,22 @@ class CheckpointManager:
         future.add_done_callback(finished)
         if final:
             self.wait()
+
+    def _committed(self, step: int) -> bool:
+        """Whether a committed checkpoint of ``step`` exists: saving again would write over
+        it (the same state: training is deterministic), and a write failing midway would
+        lose it. Rank 0 reads the manifest, and every rank learns its answer (one small
+        all-reduce a save), so all skip the collective save together."""
+        found = 0
+        if self.rank == 0:
+            try:
+                manifest = storage.read_manifest(storage.step_dir(self.url, step))
+                found = int(manifest is not None and not manifest.get("unreadable"))
+            except OSError:  # says nothing of the checkpoint: the save tries as before
+                pass
+        flag = torch.tensor([found])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        return bool(flag.item())
 
     def _done(self, future: Future, step: int, start: float, blocked: float) -> None:
         """Runs when the background write ends: record it, then apply retention."""

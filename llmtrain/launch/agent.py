@@ -23,10 +23,8 @@ Everything else is torchrun.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -98,9 +96,7 @@ class WarmAgent(LocalElasticAgent):
         for w in worker_group.workers:
             if w.global_rank not in asked or w.local_rank in self._replaced:
                 continue
-            with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
-                os.killpg(handlers[w.local_rank].proc.pid, signal.SIGKILL)
-            self._evictions.done(w.global_rank)
+            self._evictions.kill(w.global_rank, handlers[w.local_rank].proc.pid)
 
     @staticmethod
     def _leave_rendezvous_open(worker_group: WorkerGroup) -> None:

@@ -34,7 +34,6 @@ when a round has waited for nodes for ``STANDBY_GRACE_S``: a node is gone.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -320,9 +319,7 @@ def supervise_spare(spare: subprocess.Popen, evictions, rank: int) -> int:
     without this, a stopped spare went unanswered and its peers cut a later one)."""
     while (rc := spare.poll()) is None:
         if rank in evictions.asked():
-            with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
-                os.killpg(spare.pid, signal.SIGKILL)
-            evictions.done(rank)
+            evictions.kill(rank, spare.pid)
             return spare.wait()
         time.sleep(0.1)
     return rc

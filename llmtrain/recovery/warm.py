@@ -29,8 +29,10 @@ re-runs the training function, which still rebuilds state from storage.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -199,8 +201,11 @@ class EvictionWatch:
                 new.append(r)
         return new
 
-    def done(self, rank: int) -> None:
-        """Says ``rank`` was killed: its peers need not wait for it, and the asker knows."""
+    def kill(self, rank: int, pgid: int) -> None:
+        """Kills ``rank``'s process group ``pgid`` (the worker and its children), then says
+        so: its peers need not wait for it, and the asker knows."""
+        with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
+            os.killpg(pgid, signal.SIGKILL)
         mark_gone(self.store, rank)
         self.store.add(f"evicted/{rank}", 1)
 

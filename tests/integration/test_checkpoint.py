@@ -270,3 +270,47 @@ def test_a_load_in_place_and_a_planned_load_restore_the_same_state(tmp_path):
     proc = subprocess.run([sys.executable, "-c", LOAD_PATHS, str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+# A world of one in this process: the state of step 2 is saved and committed, training
+# goes on, then returns to step 2 (as a warm recovery to an older snapshot does) and
+# saves step 2 again, with every shard write failing.
+RESAVE = """
+import errno, sys
+from llmtrain.checkpoint import storage
+from llmtrain.config import load_config, parse_overrides
+from llmtrain.events import read_events
+from llmtrain.trainer import Trainer
+
+run = sys.argv[1]
+cfg = load_config("debug_cpu", parse_overrides([
+    "--training.run_dir", run, "--training.steps", "10", "--checkpoint.enable", "true",
+    "--checkpoint.mode", "sync", "--checkpoint.interval_steps", "0",
+    "--checkpoint.resume", "false", "--metrics.progress", "plain"]))
+trainer = Trainer(cfg)
+trainer.train_step(trainer.data.next_step())
+trainer.checkpoints.save(2, trainer.state)
+url = storage.step_dir(trainer.checkpoints.url, 2)
+manifest = storage.read_manifest(url)
+trainer.train_step(trainer.data.next_step())
+
+def fail(*args, **kwargs):
+    raise OSError(errno.EIO, "Input/output error")
+storage.CommitWriter.write_data = fail
+trainer.checkpoints.save(2, trainer.state)
+assert storage.read_manifest(url) == manifest, "the committed checkpoint was touched"
+assert storage.verify(url, checksums=True) == [], "the committed checkpoint was damaged"
+assert [e["step"] for e in read_events(run, "checkpoint_skipped")] == [2]
+assert not read_events(run, "checkpoint_failed")
+trainer.close()
+print("ok")
+"""
+
+
+def test_a_step_saved_again_never_writes_over_its_committed_checkpoint(tmp_path):
+    """A warm recovery to a snapshot older than the newest checkpoint redoes steps that
+    were saved: saving one again would clear its committed checkpoint before writing, and
+    a write failing then would lose it. The save is skipped instead."""
+    proc = subprocess.run([sys.executable, "-c", RESAVE, str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
