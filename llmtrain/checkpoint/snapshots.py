@@ -175,8 +175,7 @@ class Schedule:
         (until clean steps are seen); ``replicated``: when the last replication ended (None:
         not yet)."""
         ticks, self.ticks = self.ticks, self.ticks[-1:]  # this step's: the copy comes next
-        steps = [s for s, _ in ticks]
-        if steps == list(range(step - self.interval, step + 1)):  # since the last, unbroken
+        if [s for s, _ in ticks] == list(range(step - self.interval, step + 1)):  # unbroken
             times = [t for _, t in ticks]
             total = times[-1] - times[0]
             clean = [b - a for a, b in zip(times, times[1:])
