@@ -197,7 +197,6 @@ class Chaos:
             "--reliability.faults", "env",
             "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5",
             "--warm.enable", str(cfg.warm).lower())
-        self.skipped: set[int] = set()  # batches the job skipped: the reference skips them
 
     # -- the run --------------------------------------------------------------------------
 
@@ -644,7 +643,6 @@ class Chaos:
         self._struck(v, f"nan{len(self.verdicts)}", rank)
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         v.at_step = seen["step"]
-        self.skipped.add(seen["step"])
         v.diagnosis = (f"step {seen['step']} not applied ({seen['reason']}): non-finite loss "
                        f"on rank(s) {seen['ranks']}")
         v.correct = seen["reason"] == "nonfinite" and seen["ranks"] == [rank]
@@ -735,11 +733,12 @@ class Chaos:
 
         from llmtrain.checkpoint.shards import load_unsharded
         ref = self.dir / "reference"
+        skips = ",".join(map(str, skipped_at_last(self._events())))
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={self.cfg.nodes}", "-m", "llmtrain", "train",
                         *self.train_args, "--training.steps", str(final_step),
                         "--training.run_dir", str(ref), "--health.monitor", "false",
-                        "--integrity.skip_steps", ",".join(map(str, sorted(self.skipped))),
+                        "--integrity.skip_steps", skips,
                         "--checkpoint.interval_steps", str(final_step),
                         "--integrity.sdc_every", "0"],
                        check=True, capture_output=True,
@@ -747,6 +746,20 @@ class Chaos:
         a, b = (load_unsharded(storage.step_dir(str(root), final_step))["model"]
                 for root in (ref / "checkpoints", self.mount.root))
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def skipped_at_last(events: list[dict]) -> list[int]:
+    """The steps whose update a job skipped the last time it ran them: a restore to an
+    earlier step (a warm recovery, a checkpoint, a rollback) replays a skipped step, and a
+    NaN that struck once does not come again, so the replay applies it."""
+    restores = [(e["ts"], e.get("to_step", e.get("step"))) for e in events
+                if e["event"] in ("warm_recovery", "checkpoint_loaded", "rollback")]
+    last: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "step_skipped":
+            last[e["step"]] = max(last.get(e["step"], 0.0), e["ts"])
+    return sorted(step for step, ts in last.items()
+                  if not any(t > ts and to is not None and to < step for t, to in restores))
 
 
 def _row(v: Verdict) -> str:

@@ -121,12 +121,14 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
             ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
             if rc == ExitCode.CLEAN or finished(EventTail(
                 run_dir, keep=frozenset({"run_end"})).read(), cfg.training.steps, started)
-            else ExitCode.RETRYABLE if signalled else None)  # preempted: leave
+            else ExitCode.RETRYABLE if signalled  # preempted: leave
+            else None)  # its rank was lost and replaced: a standby for a restart
         if code is not None:
             events.emit("node_exit", host=host, spare_exit=rc, exit_code=int(code))
             events.close()
             return code
-    if lc.standby and not vacancy and not await_vacancy(lc, run_dir, cfg.training.steps, started):
+    if lc.standby and not vacancy and not await_vacancy(
+            standby_vacancies(cfg, lc), run_dir, cfg.training.steps, started):
         events.emit("spare_released", host=host)
         events.close()
         return ExitCode.CLEAN  # the job finished without needing this spare
@@ -257,10 +259,17 @@ class Vacancies:
         return False
 
 
-def await_vacancy(lc: LaunchConfig, run_dir: str, steps: int, since: float) -> bool:
+def standby_vacancies(cfg: JobConfig, lc: LaunchConfig) -> Vacancies:
+    """The rounds a standby joins. A warm job's running round lacks a node after every
+    warm recovery (the lost node's agent, whose rank a warm spare took): joining it would
+    restart every rank cold, so there only a restart's round counts. Chaos caught a warm
+    spare whose rank was lost doing that, when its launcher went on as a plain standby."""
+    return Vacancies(lc, restarts_only=cfg.warm.enable and lc.external_store)
+
+
+def await_vacancy(vacancies: Vacancies, run_dir: str, steps: int, since: float) -> bool:
     """Waits, as a spare, until the job's rendezvous is short of nodes (True), or the job
     has finished (False)."""
-    vacancies = Vacancies(lc)
     ends = EventTail(run_dir, keep=frozenset({"run_end"}))  # each poll reads what is new
     while True:
         if vacancies.claim():

@@ -1,0 +1,93 @@
+"""What a standby node reads as a vacancy, in rounds formed by torch's own rendezvous
+handlers on a real store: a warm job's running round that lost a node's agent is not one
+(joining it would restart every rank cold), a restart's round short of a node is."""
+
+import pickle
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from llmtrain.config import JobConfig
+from llmtrain.launch import node
+from llmtrain.launch.node import LaunchConfig, Vacancies, standby_vacancies
+from llmtrain.launch.store import store_server
+
+RDZV_ID = "job"
+
+
+@pytest.fixture
+def rendezvous(monkeypatch):
+    """(LaunchConfig of a 2-node job, a maker of its agents' rendezvous handlers)."""
+    monkeypatch.setattr(node, "STANDBY_GRACE_S", 0.0)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher runs them
+    server = store_server("127.0.0.1", 0)
+    lc = LaunchConfig(nnodes="2:2", rdzv_endpoint=f"127.0.0.1:{server.port}", rdzv_id=RDZV_ID,
+                      join_timeout_s=20, external_store=True, standby=True)
+
+    def agent():
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                              timeout=timedelta(seconds=20))
+        params = RendezvousParameters("c10d", lc.rdzv_endpoint, RDZV_ID, 2, 2,
+                                      join_timeout=20, last_call_timeout=1,
+                                      keep_alive_interval=1, keep_alive_max_attempt=2)
+        return create_handler(store, C10dRendezvousBackend(store, RDZV_ID), params)
+    yield lc, agent
+
+
+def next_round(*handlers) -> None:
+    """Every handler's agent enters the next round together, as after a restart."""
+    threads = [threading.Thread(target=h.next_rendezvous) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
+def state(lc: LaunchConfig):
+    """torch's rendezvous state, as a standby reads it."""
+    return pickle.loads(Vacancies(lc).backend.get_state()[0])
+
+
+def test_a_running_round_that_lost_an_agent_is_no_vacancy_in_a_warm_job(rendezvous):
+    lc, agent = rendezvous
+    a, b = agent(), agent()
+    next_round(a, b)
+    next_round(a, b)  # a restart: round 1, which restarts_only counts
+    b._stop_heartbeats()  # b's node died; a warm spare took its rank, a's workers go on
+    while len((s := state(lc)).participants) > 1:  # a's keep-alive sweeps b out
+        time.sleep(0.1)
+    assert (s.round, s.complete, len(s.participants)) == (1, True, 1)
+    warm, cold = JobConfig(), JobConfig()
+    warm.warm.enable, cold.warm.enable = True, False
+    assert not standby_vacancies(warm, lc).claim()  # a warm job's standby stays out
+    assert standby_vacancies(cold, lc).claim()  # a cold job's standby joins: agents admit it
+    a._stop_heartbeats()
+
+
+def test_a_restarts_round_short_of_a_node_takes_one_standby(rendezvous):
+    lc, agent = rendezvous
+    a, b = agent(), agent()
+    next_round(a, b)
+    first = Vacancies(lc, restarts_only=True)
+    assert not first.claim()  # round 0, complete: nothing to take
+    next_round(a, b)
+    b._stop_heartbeats()
+    # a restarts and waits in the next round for a node that never comes
+    waiting = threading.Thread(target=a.next_rendezvous, daemon=True)
+    waiting.start()
+    while not (s := state(lc)).participants or s.complete:
+        time.sleep(0.1)
+    assert (s.round, s.complete, len(s.participants)) == (2, False, 1)
+    second = Vacancies(lc, restarts_only=True)
+    assert first.claim() and not second.claim()  # one place, one standby
+    next_round(agent())  # the standby that took it: the round completes
+    waiting.join(timeout=30)
+    s = state(lc)
+    assert (s.round, s.complete, len(s.participants)) == (2, True, 2)
+    a._stop_heartbeats()
