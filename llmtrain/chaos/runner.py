@@ -89,6 +89,8 @@ KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss"
          "lossy_link", "preempt", "enospc", "eio", "gpu_bad", "truncated_shard", "nan",
          "bitflip")
 NEED_NETNS = ("partition", "lossy_link")  # kinds that need nodes with links of their own
+# kinds that cost no rank: they need no spare waiting, and do not wait while one starts
+KEEP_RANKS = ("slow_rank", "lossy_link", "enospc", "eio", "nan", "bitflip")
 MIXES = Path(__file__).parent / "mixes"
 
 
@@ -229,7 +231,7 @@ class Chaos:
             last = self.cfg.steps - 3 * self.cfg.checkpoint_every
             while schedule or self.cfg.repeat:
                 kind = schedule.pop(0) if schedule else self.rng.choices(kinds, weights)[0]
-                self._settle()
+                self._settle(spare=kind not in KEEP_RANKS)
                 if self._step() >= last:
                     break
                 before = len(self.verdicts)
@@ -292,13 +294,14 @@ class Chaos:
         last = self._latest("step")
         return last["step"] if last else 0
 
-    def _settle(self) -> None:
+    def _settle(self, spare: bool) -> None:
         """Waits until every training node runs the current attempt and has stepped, a
-        spare waits (warm), and the quiet interval has passed; or the job has ended."""
+        spare waits (warm, where the next fault may need one), and the quiet interval has
+        passed; or the job has ended."""
         def ended() -> bool:
             return self._step() >= self.cfg.steps
         self._wait(lambda: len(self._ranks()) == self.cfg.nodes or ended(), "full world", 300)
-        if self.cfg.warm:
+        if self.cfg.warm and spare:
             self._wait(lambda: spares_waiting(self.spares) > 0 or ended(), "a waiting spare",
                        300)
         since = time.time()
