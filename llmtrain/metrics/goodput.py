@@ -11,10 +11,12 @@ startup             process start to the first step: imports, rendezvous, proces
                     groups, model construction (the first step's own time is productive)
 checkpoint_load     reading and verifying the checkpoint a restart resumes from
 checkpoint_stall    training blocked by a save (staging, or waiting for the last write)
-lost_steps          steps done, then lost with their process and redone after a restart
+lost_steps          steps done, then lost and redone: after a restart, a warm recovery
+                    (back to the snapshot step) or an integrity rollback
 hang                last progress to the watchdog's verdict, when a hang was diagnosed
 restart             the attempt's tail after its last recorded progress, then the gap
-                    until the next attempt's processes start
+                    until the next attempt's processes start; within an attempt, the
+                    last progress before a warm recovery until it restored the state
 other               time inside an attempt that no span claims (shutdown, logging)
 ==================  =================================================================
 
@@ -163,13 +165,19 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
             pieces.append((begin, attempt[0]["process_start"], "startup"))
         spans = [e for e in attempt if e["event"] == "span"]
         redo_from = _resumed_step(attempts[i + 1]) + 1 if i + 1 < len(attempts) else math.inf
+        # Going back inside the attempt: (when, the step the state went back to).
+        restores = [(e["ts"], e["step"]) for e in attempt if e["event"] == "warm_recovery"] + [
+            (e["ts"], e["to_step"]) for e in attempt
+            if e["event"] == "rollback" and e.get("to_step") is not None]
         for s in spans:
             if s["category"] != "productive":
                 pieces.append((s["start"], s["end"], s["category"]))
                 continue
             first, last = s["steps"]
-            # Steps after the next attempt's resume point were redone: prorate the span.
-            kept = max(0, min(last, redo_from - 1) - first + 1) / (last - first + 1)
+            # Steps after a later resume point (the next attempt's, or a restore's in this
+            # one) were redone: prorate the span.
+            back_to = min((step for t, step in restores if t >= s["end"]), default=math.inf)
+            kept = max(0, min(last, redo_from - 1, back_to) - first + 1) / (last - first + 1)
             cut = s["start"] + kept * (s["end"] - s["start"])
             pieces.append((s["start"], cut, "productive"))
             pieces.append((cut, s["end"], "lost_steps"))
@@ -182,11 +190,12 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
             if verdict is not None:
                 pieces.append((progress, verdict, "hang"))
             pieces.append((verdict or progress, attempts[i + 1][0]["process_start"], "restart"))
+        pieces += _warm_recoveries(attempt, spans)
     totals = _sweep(pieces)
     productive = totals.pop("productive", 0.0)
     stalls = [e for e in events if e["event"] == "span" and e["category"] == "checkpoint_stall"]
     saves = [e for e in events if e["event"] == "checkpoint_staged"]
-    failures = len(attempts) - 1
+    failures = len(attempts) - 1 + sum(e["event"] == "warm_recovery" for e in events)
     return Breakdown(
         wall_s=sum(totals.values()) + productive, productive_s=productive,
         badput_s={c: totals.get(c, 0.0) for c in CATEGORIES}, attempts=len(attempts),
@@ -195,6 +204,25 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
         restart_cost_s=((totals.get("restart", 0.0) + totals.get("hang", 0.0)) / failures
                         + (totals.get("startup", 0.0) + totals.get("checkpoint_load", 0.0))
                         / len(attempts)) if failures else None)
+
+
+def _warm_recoveries(attempt: list[dict], spans: list[dict]) -> list[tuple[float, float, str]]:
+    """A warm recovery's cost inside its attempt: from the last progress before it to the
+    watchdog's verdict (a hang), then to the recovery."""
+    pieces = []
+    for e in attempt:
+        if e["event"] != "warm_recovery":
+            continue
+        progress = max((s["end"] for s in spans if s["category"] == "productive"
+                        and s["end"] <= e["ts"]), default=None)
+        if progress is None:
+            continue
+        verdict = next((h["ts"] for h in attempt if h["event"] == "hang"
+                        and progress < h["ts"] < e["ts"]), None)
+        if verdict is not None:
+            pieces.append((progress, verdict, "hang"))
+        pieces.append((verdict or progress, e["ts"], "restart"))
+    return pieces
 
 
 def _sweep(pieces: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -290,4 +318,4 @@ _FAILURE_SIGNS = ("failure", "hang", "collective_error", "stop_vote", "node_excl
                   "preempted")
 # Every event ``account`` and ``recovery`` read: a follower of the log may keep only these.
 INPUTS = frozenset({"attempt_start", "span", "checkpoint_loaded", "checkpoint_staged",
-                    *_FAILURE_SIGNS})
+                    "warm_recovery", "rollback", *_FAILURE_SIGNS})

@@ -66,6 +66,42 @@ def test_a_partly_redone_span_is_prorated_and_a_running_job_counts_to_now():
     assert b.productive_s + sum(b.badput_s.values()) == pytest.approx(20.0)
 
 
+def one_attempt_with_a_warm_recovery():
+    """Steps 1-10 in 3-5, 11-20 in 5-7; the watchdog names a stopped rank at 8, a spare
+    restores the snapshot of step 15 by 8.5 (the group re-formed in 8.5-9), and steps
+    16-20 are redone in 9-10."""
+    return [
+        attempt(0.6, 0.0, 0.5),
+        span("startup", 0.5, 3.0),
+        span("productive", 3.0, 5.0, steps=[1, 10]),
+        span("productive", 5.0, 7.0, steps=[11, 20]),
+        {"ts": 8.0, "event": "hang", "rank": 1, "reason": "rank 0 stopped"},
+        {"ts": 8.5, "event": "warm_recovery", "rank": 1, "step": 15, "lost": [0]},
+        span("restart", 8.5, 9.0),
+        span("productive", 9.0, 10.0, steps=[16, 20]),
+    ]
+
+
+def test_a_warm_recovery_counts_its_redone_steps_and_its_gap():
+    b = account(one_attempt_with_a_warm_recovery())
+    assert b.productive_s == pytest.approx(2.0 + 1.0 + 1.0)  # 16-20 once, not twice
+    assert b.badput_s["lost_steps"] == pytest.approx(1.0)  # 6-7: steps 16-20, redone
+    assert b.badput_s["hang"] == pytest.approx(1.0)  # last progress 7 to the verdict 8
+    assert b.badput_s["restart"] == pytest.approx(1.0)  # 8 to 8.5, then the re-forming
+    assert b.badput_s["other"] == pytest.approx(0.0)
+    assert (b.attempts, b.failures) == (1, 1)
+
+
+def test_a_rollback_loses_the_steps_since_its_checkpoint():
+    events = one_attempt_with_a_warm_recovery()[:4] + [
+        {"ts": 7.5, "event": "rollback", "rank": 0, "step": 20, "to_step": 10},
+        span("checkpoint_load", 7.5, 8.0),
+        span("productive", 8.0, 10.0, steps=[11, 20])]
+    b = account(events)
+    assert b.productive_s == pytest.approx(4.0)
+    assert b.badput_s["lost_steps"] == pytest.approx(2.0)  # all of 11-20 the first time
+
+
 def test_no_attempt_no_time():
     b = account([{"ts": 1, "event": "step", "rank": 0}])
     assert (b.wall_s, b.productive_s, b.ettr) == (0.0, 0.0, 0.0)
