@@ -35,7 +35,7 @@ def rendezvous(monkeypatch):
                               timeout=timedelta(seconds=20))
         params = RendezvousParameters("c10d", lc.rdzv_endpoint, RDZV_ID, 2, 2,
                                       join_timeout=20, last_call_timeout=1,
-                                      keep_alive_interval=1, keep_alive_max_attempt=2)
+                                      keep_alive_interval=1, keep_alive_max_attempt=3)
         return create_handler(store, C10dRendezvousBackend(store, RDZV_ID), params)
     yield lc, agent
 
@@ -49,6 +49,14 @@ def next_round(*handlers) -> None:
         t.join(timeout=30)
 
 
+def until(probe, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
+        time.sleep(0.1)
+    return value
+
+
 def state(lc: LaunchConfig):
     """torch's rendezvous state, as a standby reads it."""
     return pickle.loads(Vacancies(lc).backend.get_state()[0])
@@ -60,8 +68,9 @@ def test_a_running_round_that_lost_an_agent_is_no_vacancy_in_a_warm_job(rendezvo
     next_round(a, b)
     next_round(a, b)  # a restart: round 1, which restarts_only counts
     b._stop_heartbeats()  # b's node died; a warm spare took its rank, a's workers go on
-    while len((s := state(lc)).participants) > 1:  # a's keep-alive sweeps b out
-        time.sleep(0.1)
+    # a's keep-alive sweeps b out
+    s = until(lambda: (got := state(lc)).participants.keys() == {a._this_node} and got,
+              "sweep")
     assert (s.round, s.complete, len(s.participants)) == (1, True, 1)
     warm, cold = JobConfig(), JobConfig()
     warm.warm.enable, cold.warm.enable = True, False
@@ -81,8 +90,8 @@ def test_a_restarts_round_short_of_a_node_takes_one_standby(rendezvous):
     # a restarts and waits in the next round for a node that never comes
     waiting = threading.Thread(target=a.next_rendezvous, daemon=True)
     waiting.start()
-    while not (s := state(lc)).participants or s.complete:
-        time.sleep(0.1)
+    s = until(lambda: (got := state(lc)).participants and not got.complete and got,
+              "round waiting for a node")
     assert (s.round, s.complete, len(s.participants)) == (2, False, 1)
     second = Vacancies(lc, restarts_only=True)
     assert first.claim() and not second.claim()  # one place, one standby
