@@ -166,7 +166,8 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
         spans = [e for e in attempt if e["event"] == "span"]
         redo_from = _resumed_step(attempts[i + 1]) + 1 if i + 1 < len(attempts) else math.inf
         # Going back inside the attempt: (when, the step the state went back to).
-        restores = [(e["ts"], e["step"]) for e in attempt if e["event"] == "warm_recovery"] + [
+        restores = [(_restored_at(e), e["step"]) for e in attempt
+                    if e["event"] == "warm_recovery"] + [
             (e["ts"], e["to_step"]) for e in attempt
             if e["event"] == "rollback" and e.get("to_step") is not None]
         for s in spans:
@@ -206,22 +207,28 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
                         / len(attempts)) if failures else None)
 
 
+def _restored_at(warm_recovery: dict) -> float:
+    """When a warm recovery had the state back (its event comes after the first step)."""
+    return warm_recovery.get("marks", {}).get("restored", warm_recovery["ts"])
+
+
 def _warm_recoveries(attempt: list[dict], spans: list[dict]) -> list[tuple[float, float, str]]:
     """A warm recovery's cost inside its attempt: from the last progress before it to the
-    watchdog's verdict (a hang), then to the recovery."""
+    watchdog's verdict (a hang), then to the state restored."""
     pieces = []
     for e in attempt:
         if e["event"] != "warm_recovery":
             continue
+        restored = _restored_at(e)
         progress = max((s["end"] for s in spans if s["category"] == "productive"
-                        and s["end"] <= e["ts"]), default=None)
+                        and s["end"] <= restored), default=None)
         if progress is None:
             continue
         verdict = next((h["ts"] for h in attempt if h["event"] == "hang"
-                        and progress < h["ts"] < e["ts"]), None)
+                        and progress < h["ts"] < restored), None)
         if verdict is not None:
             pieces.append((progress, verdict, "hang"))
-        pieces.append((verdict or progress, e["ts"], "restart"))
+        pieces.append((verdict or progress, restored, "restart"))
     return pieces
 
 
