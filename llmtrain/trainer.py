@@ -217,7 +217,8 @@ class Trainer:
             if self.warm is not None:
                 w, c = cfg.warm, cfg.checkpoint
                 # never further apart than checkpoints: warm must not redo more than cold
-                most = min(w.snapshot_max_every, (c.enable and c.interval_steps) or 10**9)
+                most = (min(w.snapshot_max_every, c.interval_steps)
+                        if c.enable and c.interval_steps else w.snapshot_max_every)
                 self.snapshots = Snapshots(
                     Schedule(w.snapshot_every, w.snapshot_budget, most),
                     self.world.rank, buddy=self.warm.buddy, ward=self.warm.ward,

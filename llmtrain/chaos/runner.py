@@ -755,14 +755,14 @@ def skipped_at_last(events: list[dict]) -> list[int]:
     """The steps whose update a job skipped the last time it ran them: a restore to an
     earlier step (a warm recovery, a checkpoint, a rollback) replays a skipped step, and a
     NaN that struck once does not come again, so the replay applies it."""
-    restores = [(e["ts"], e.get("to_step", e.get("step"))) for e in events
-                if e["event"] in ("warm_recovery", "checkpoint_loaded", "rollback")]
+    back = goodput.restores(events) + [(e["ts"], e["step"]) for e in events
+                                       if e["event"] == "checkpoint_loaded"]
     last: dict[int, float] = {}
     for e in events:
         if e["event"] == "step_skipped":
             last[e["step"]] = max(last.get(e["step"], 0.0), e["ts"])
     return sorted(step for step, ts in last.items()
-                  if not any(t > ts and to is not None and to < step for t, to in restores))
+                  if not any(t > ts and to < step for t, to in back))
 
 
 def _row(v: Verdict) -> str:

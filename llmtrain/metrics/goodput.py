@@ -165,11 +165,7 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
             pieces.append((begin, attempt[0]["process_start"], "startup"))
         spans = [e for e in attempt if e["event"] == "span"]
         redo_from = _resumed_step(attempts[i + 1]) + 1 if i + 1 < len(attempts) else math.inf
-        # Going back inside the attempt: (when, the step the state went back to).
-        restores = [(_restored_at(e), e["step"]) for e in attempt
-                    if e["event"] == "warm_recovery"] + [
-            (e["ts"], e["to_step"]) for e in attempt
-            if e["event"] == "rollback" and e.get("to_step") is not None]
+        back = restores(attempt)
         for s in spans:
             if s["category"] != "productive":
                 pieces.append((s["start"], s["end"], s["category"]))
@@ -177,7 +173,7 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
             first, last = s["steps"]
             # Steps after a later resume point (the next attempt's, or a restore's in this
             # one) were redone: prorate the span.
-            back_to = min((step for t, step in restores if t >= s["end"]), default=math.inf)
+            back_to = min((step for t, step in back if t >= s["end"]), default=math.inf)
             kept = max(0, min(last, redo_from - 1, back_to) - first + 1) / (last - first + 1)
             cut = s["start"] + kept * (s["end"] - s["start"])
             pieces.append((s["start"], cut, "productive"))
@@ -185,9 +181,7 @@ def account(events: list[dict], now: float | None = None) -> Breakdown:
         if i + 1 < len(attempts):
             # From the last recorded progress to the next start: the failure's cost.
             progress = max((s["end"] for s in spans), default=begin)
-            verdict = next((e["ts"] for e in attempt
-                            if e["event"] in ("hang", "collective_error") and e["ts"] > progress),
-                           None)
+            verdict = _verdict(attempt, progress)
             if verdict is not None:
                 pieces.append((progress, verdict, "hang"))
             pieces.append((verdict or progress, attempts[i + 1][0]["process_start"], "restart"))
@@ -212,6 +206,22 @@ def _restored_at(warm_recovery: dict) -> float:
     return warm_recovery.get("marks", {}).get("restored", warm_recovery["ts"])
 
 
+def restores(events: list[dict]) -> list[tuple[float, int]]:
+    """Where a run went back without a restart: (when, the step its state went back to),
+    for each warm recovery and each integrity rollback to a checkpoint."""
+    return [(_restored_at(e), e["step"]) if e["event"] == "warm_recovery"
+            else (e["ts"], e["to_step"]) for e in events
+            if e["event"] == "warm_recovery"
+            or (e["event"] == "rollback" and e.get("to_step") is not None)]
+
+
+def _verdict(attempt: list[dict], after: float, before: float = math.inf) -> float | None:
+    """When the watchdog gave its verdict (a hang, a collective error) between the last
+    progress and the recovery."""
+    return next((e["ts"] for e in attempt if e["event"] in ("hang", "collective_error")
+                 and after < e["ts"] < before), None)
+
+
 def _warm_recoveries(attempt: list[dict], spans: list[dict]) -> list[tuple[float, float, str]]:
     """A warm recovery's cost inside its attempt: from the last progress before it to the
     watchdog's verdict (a hang), then to the state restored."""
@@ -224,8 +234,7 @@ def _warm_recoveries(attempt: list[dict], spans: list[dict]) -> list[tuple[float
                         and s["end"] <= restored), default=None)
         if progress is None:
             continue
-        verdict = next((h["ts"] for h in attempt if h["event"] == "hang"
-                        and progress < h["ts"] < restored), None)
+        verdict = _verdict(attempt, progress, restored)
         if verdict is not None:
             pieces.append((progress, verdict, "hang"))
         pieces.append((verdict or progress, restored, "restart"))
