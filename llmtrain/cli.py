@@ -150,6 +150,24 @@ def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     return ExitCode.CLEAN
 
 
+def cmd_stop(args: argparse.Namespace, rest: list[str]) -> int:
+    """Asks a running job to save and end at its next step (see llmtrain/stop_request.py)."""
+    import fsspec
+
+    from llmtrain.fsio import join
+    from llmtrain.stop_request import request_stop
+    if rest:
+        raise ConfigError(f"unexpected arguments {rest}")
+    fs, path = fsspec.core.url_to_fs(join(args.run_dir, "events"))
+    if not fs.exists(path):
+        raise ConfigError(f"{args.run_dir}: no run there (no events/): give the job's "
+                          f"training.run_dir")
+    request_stop(args.run_dir, args.reason)
+    print(f"asked the run at {args.run_dir} to save and end at its next step; its run_end "
+          f"event says when it has (launch it again to go on from that save)")
+    return ExitCode.CLEAN
+
+
 def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     """Injects every kind of fault into a running multi-node job; exit 1 unless every
     fault was detected and diagnosed, the job finished with the reference's weights and
@@ -242,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     store.set_defaults(func=cmd_rdzv_store)
     ch = sub.add_parser("chaos", help="inject the fault matrix into a running job; verdicts")
     ch.add_argument("--workdir", default="runs/chaos", help="a new directory for the run")
-    ch.add_argument("--steps", type=int, default=1000, help="the job's length")
+    ch.add_argument("--steps", type=int, default=1000,
+                    help="the job's length at most: without --repeat, it is asked to stop "
+                         "once every kind has run")
     ch.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--faults", default="", help="comma-separated kinds (default: all; "
@@ -265,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--no-reference", action="store_true",
                     help="skip the fault-free run that the final weights are compared with")
     ch.set_defaults(func=cmd_chaos)
+    stop = sub.add_parser("stop", help="ask a running job to save and end at its next step")
+    stop.add_argument("run_dir", help="the job's training.run_dir (an fsspec URL)")
+    stop.add_argument("--reason", default="asked by llmtrain stop",
+                      help="recorded in the run's stop_requested event")
+    stop.set_defaults(func=cmd_stop)
     report = sub.add_parser("report", help="an HTML report (and PNGs) of a run")
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")

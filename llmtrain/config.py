@@ -95,6 +95,9 @@ class OptimConfig:
     lr: float = _f(3e-4, gt=0)
     min_lr_ratio: float = _f(0.1, ge=0, le=1)
     warmup_steps: int = _f(100, ge=0)
+    decay_steps: int = _f(0, ge=0, doc="the step the cosine decay ends at; 0: training.steps "
+                                       "(set it to keep a schedule when the run's length "
+                                       "changes)")
     weight_decay: float = _f(0.1, ge=0)
     beta1: float = _f(0.9, ge=0, lt=1)
     beta2: float = _f(0.95, ge=0, lt=1)

@@ -47,6 +47,7 @@ from llmtrain.reliability.watchdog import Watchdog, configure_diagnostics
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
                                     publish_endpoints, round_of)
+from llmtrain.stop_request import StopRequestWatch, clear_request
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 _PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -103,6 +104,7 @@ class Summary:
     first_loss: float
     final_loss: float
     memory_gb: float
+    stopped: bool = False  # ended early on a stop request (llmtrain stop)
 
 
 class Trainer:
@@ -204,14 +206,17 @@ class Trainer:
                 self.watchdog.start()
             self.state = TrainState(self.model, self.optimizer, self.scheduler, self.data,
                                     self.world.rank, self.device)
-            self.checkpoints = None
+            self.checkpoints = self.stop_requests = None
             if cfg.checkpoint.enable:
+                if self.is_logger:  # one look-out is enough: the ranks vote on what it saw
+                    self.stop_requests = StopRequestWatch(t.run_dir).start()
                 self.checkpoints = CheckpointManager(
                     cfg.checkpoint, cfg.checkpoint_url, events=self.events, device=self.device,
                     manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
                                    "model_config": asdict(cfg.model),
                                    "mesh": list(cfg.mesh_shape(self.world.world_size))},
-                    stop_votes=cfg.health.monitor, fence=self.fence.check)
+                    stop_votes=cfg.health.monitor, fence=self.fence.check,
+                    requests=self.stop_requests)
             self.health = self._start_health_monitor() if cfg.health.monitor else None
             self.snapshots = None
             if self.warm is not None:
@@ -279,8 +284,9 @@ class Trainer:
                 hf.load(self.model, cfg.checkpoint.init_from, cfg.model)
         with self.ledger.span(category, "optimizer"):
             self.optimizer = self._build_optimizer()
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, _lr_lambda(cfg.optim.warmup_steps, t.steps, cfg.optim.min_lr_ratio))
+            o = cfg.optim
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(
+                o.warmup_steps, o.decay_steps or t.steps, o.min_lr_ratio))
 
     def _warm_path(self, job: dist.Store | None, plan: dict | None) -> WarmPath | None:
         """This rank's part in warm recoveries (None when off, or without a store outside
@@ -471,7 +477,8 @@ class Trainer:
         tokens = (self.step - first_step) * self.tokens_per_step
         return self.finish(Summary(
             steps=self.step, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
-            first_loss=first_loss, final_loss=loss, memory_gb=_memory_gb(self.device)))
+            first_loss=first_loss, final_loss=loss, memory_gb=_memory_gb(self.device),
+            stopped=self.checkpoints is not None and self.checkpoints.finishing))
 
     def review(self, step: int, save: bool = False) -> bool:
         """Reads the integrity verdicts and, when due (always before a save), checks the
@@ -688,7 +695,7 @@ class Trainer:
                 self.checkpoints.save(step, self.state, final=final,
                                       checked=self.cfg.integrity.enable)
             self.beat("step")
-        self.preempted = stop
+        self.preempted = stop and not self.checkpoints.finishing
         return stop
 
     @property
@@ -789,9 +796,12 @@ class Trainer:
                               f"{self.cfg.training.steps}")
         elif self.is_logger:
             self.events.emit("run_end", **asdict(s))
+            if s.stopped or s.steps == self.cfg.training.steps:
+                clear_request(self.cfg.training.run_dir)  # done with, or moot
             self.account_goodput(final=True)
+            ended = "done, stopped on request" if s.stopped else "done"
             self.console.line(
-                f"done: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
+                f"{ended}: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
                 f"({s.tokens_per_s:,.0f} tok/s); loss {s.first_loss:.3f} -> {s.final_loss:.3f}; "
                 f"peak memory {s.memory_gb:.2f} GB per rank")
         return s
@@ -811,6 +821,8 @@ class Trainer:
             self.watchdog.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
+        if self.stop_requests is not None:
+            self.stop_requests.close()
         if self.snapshots is not None:
             self.snapshots.stop(timeout=10.0)
         (abandon if failed else shutdown)()

@@ -27,7 +27,7 @@ partition           a node's link goes down while its processes live (nodes in n
 preempt             a node's launcher gets SIGTERM, as Slurm sends it before taking the
                     node: the job saves at an agreed step, exits RETRYABLE and restarts
                     cold from that save (no step lost); the requeue brings the node back
-                    (warm: into the restart; cold: as a spare, a standby took its place)
+                    as a spare (a waiting spare may have taken its place in the restart)
 enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / EIO
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
 truncated_shard     a shard of the newest committed checkpoint is cut short, then every
@@ -54,8 +54,10 @@ Each fault's verdict comes from the run's own event log: whether and when it was
 detected, whether the diagnosis named the right rank, collective, check or checkpoint,
 what the job did, how long until the first step after it, and the steps it cost. A node
 that was lost or excluded is repaired (its GPU fixed, its exclusion lifted) and started
-again as the next spare. At the end: did the job finish, are its final weights bitwise
-those of a fault-free run at the same world size, was any committed checkpoint lost, and
+again as the next spare. Once every kind has run (unless ``repeat``), chaos asks the job
+to stop (``llmtrain stop``: a save, then a clean end). At the end: did the job finish,
+are its final weights bitwise those of a fault-free run of as many steps at the same
+world size, was any committed checkpoint lost, and
 how does the measured ETTR compare with the Young/Daly model's for the measured costs.
 """
 
@@ -84,6 +86,7 @@ from llmtrain.events import read_events
 from llmtrain.metrics import goodput
 from llmtrain.recovery.warm import job_namespace, spares_waiting
 from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
+from llmtrain.stop_request import request_stop
 
 KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "partition",
          "lossy_link", "preempt", "enospc", "eio", "gpu_bad", "truncated_shard", "nan",
@@ -97,7 +100,9 @@ MIXES = Path(__file__).parent / "mixes"
 @dataclass
 class ChaosConfig:
     workdir: str = "runs/chaos"
-    steps: int = 1000              # the job's length: faults come until 3 intervals before
+    steps: int = 1000              # the job's length at most (without repeat it is asked
+                                   # to stop once every kind has run): faults come until
+                                   # 3 checkpoint intervals before it
     interval_s: float = 20.0       # mean quiet time after a fault's recovery
     seed: int = 0
     faults: str = ",".join(KINDS)  # kinds to inject: each once in a seeded order, then
@@ -242,6 +247,8 @@ class Chaos:
                         raise  # the job itself stopped answering, before any fault
                     self.verdicts[-1].diagnosis = f"missed: {e}"
                 print(_row(self.verdicts[-1]), flush=True)
+            if not schedule and not self.cfg.repeat:  # every kind has run: no need to wait
+                request_stop(str(self.run), "chaos: every fault kind has run")
             final = self._finish()
         finally:
             self.cluster.close()
@@ -555,9 +562,10 @@ class Chaos:
                            "the preemption's save", 120)[0]
         self._wait(lambda: self.cluster.nodes[node].poll() is not None, f"{node} to exit", 120)
         code = self.cluster.nodes[node].returncode
-        # The requeue brings the node back: into the restart, on the warm path (its spares
-        # take only lost ranks' places), or as the next spare where a standby took its place.
-        self._start(node, spare=not self.cfg.warm)
+        # The requeue brings the node back as a spare: the restart's round is short of its
+        # place for a few seconds, and a waiting spare may take it first. Brought back as a
+        # plain node, it then waited in the rendezvous, and no warm spare was left.
+        self._start(node)
         self._recovered(v, v.injected_at)
         v.diagnosis = (f"signal {seen['signal']} at step {seen['step']}: saved step "
                        f"{saved['step']} ({saved['event']}), {node} exited {code}; resumed "
@@ -673,15 +681,16 @@ class Chaos:
     # -- the end ----------------------------------------------------------------------------
 
     def _finish(self) -> dict:
-        """Lets the job run to its end, then judges it."""
+        """Lets the job run to its end (its last step, or the step a stop request ended
+        it at), then judges it."""
         for name, proc in self.cluster.nodes.items():
             try:
                 proc.wait(timeout=1800)
             except subprocess.TimeoutExpired:
                 self.cluster.kill(name)
         end = self._latest("run_end")
-        finished = end is not None and end["steps"] == self.cfg.steps
-        result = {"finished": finished, "steps": self.cfg.steps,
+        finished = end is not None and (end["steps"] == self.cfg.steps or end["stopped"])
+        result = {"finished": finished, "steps": end and end["steps"],
                   "faults": len(self.verdicts),
                   "kinds": sorted({v.kind for v in self.verdicts}),
                   "detected": sum(v.detected for v in self.verdicts),
@@ -690,7 +699,7 @@ class Chaos:
         result["left_out"] = self.left_out
         result.update(self._ettr())
         if self.cfg.reference and finished:
-            result["bitwise_equal_to_reference"] = self._compare(self.cfg.steps)
+            result["bitwise_equal_to_reference"] = self._compare(end["steps"])
         result["verdicts"] = [asdict(v) for v in self.verdicts]
         if self.cfg.mix:
             result["mix"] = {"weights": self.cfg.mix, "source": self.cfg.mix_source}
@@ -740,6 +749,7 @@ class Chaos:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc-per-node={self.cfg.nodes}", "-m", "llmtrain", "train",
                         *self.train_args, "--training.steps", str(final_step),
+                        "--optim.decay_steps", str(self.cfg.steps),  # the job's schedule
                         "--training.run_dir", str(ref), "--health.monitor", "false",
                         "--integrity.skip_steps", skips,
                         "--checkpoint.interval_steps", str(final_step),

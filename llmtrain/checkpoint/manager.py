@@ -35,6 +35,7 @@ from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError
 from llmtrain.events import EventLog
+from llmtrain.stop_request import StopRequestWatch
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
 SAVE_ERRORS = (Exception, CheckpointException)
@@ -57,11 +58,14 @@ def describe(error: BaseException) -> str:
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
                  events: EventLog, device: torch.device, stop_votes: bool = False,
-                 fence: Callable[[str], None] = storage.no_fence):
+                 fence: Callable[[str], None] = storage.no_fence,
+                 requests: StopRequestWatch | None = None):
         self.cfg, self.url, self.events = cfg, url, events
         self.fence = fence  # asked before each file is written (llmtrain.recovery.fence)
         self.stop_votes = stop_votes  # ranks may vote to stop: every step takes the vote
         self.stopped_by_peer = False
+        self.requests = requests  # rank 0's look-out for a stop request (llmtrain stop)
+        self.finishing = False  # stopping on a request: the run ends, it is not restarted
         self.manifest_base = manifest_base
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -100,29 +104,30 @@ class CheckpointManager:
     # -- when -------------------------------------------------------------------------
 
     def due(self, step: int, stop_vote: bool = False) -> tuple[bool, bool]:
-        """(save now, then stop): by step interval, by time, because of a signal, or
-        because a rank votes to stop (its GPU failed a health check).
+        """(save now, then stop): by step interval, by time, because of a signal, because
+        a rank votes to stop (its GPU failed a health check), or on a stop request (then
+        ``finishing``: the run ends there).
 
-        Time, signals and votes differ between ranks, so ranks agree with an all-reduce.
-        It is pipelined to stay off the step's critical path: the vote cast after step N
-        runs in the background and is decided after step N + 1, identically on every
-        rank, so a signal or a failed GPU costs one step more before the save.
+        Time, signals, votes and requests differ between ranks, so ranks agree with an
+        all-reduce, every step (a stop request must be heard whatever the config). It is
+        pipelined to stay off the step's critical path: the vote cast after step N runs
+        in the background and is decided after step N + 1, identically on every rank, so
+        a signal or a failed GPU costs one step more before the save.
         """
         c = self.cfg
         by_step = bool(c.interval_steps) and step % c.interval_steps == 0
-        if not (c.interval_seconds or c.save_on_signal or c.auto_interval or self.stop_votes):
-            return by_step, False
-        by_time = by_signal = by_vote = False
+        by_time = by_signal = by_vote = by_request = False
         if self.vote is not None:
             work, flags = self.vote
             work.wait()
-            by_time, by_signal, by_vote = (bool(f) for f in flags)
+            by_time, by_signal, by_vote, by_request = (bool(f) for f in flags)
         saving_by_time = by_time or by_step  # the clock starts over at this save
+        request = self.requests and self.requests.request
         flags = torch.tensor([
             int(bool(self.interval_seconds) and not saving_by_time
                 and time.monotonic() - self.last_save_time >= self.interval_seconds),
-            int(self.signal is not None), int(stop_vote)])
-        stop = by_signal or by_vote
+            int(self.signal is not None), int(stop_vote), int(request is not None)])
+        stop = by_signal or by_vote or by_request
         self.vote = None if stop else (
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group,
                             async_op=True), flags)
@@ -130,6 +135,9 @@ class CheckpointManager:
             self.stopped_by_peer = True
         if by_signal:
             self._emit0("preempted", step=step, signal=self.signal or "on another rank")
+        if by_request:
+            self.finishing = True
+            self._emit0("stop_requested", step=step, **(request or {}))
         if by_vote and self.voted:
             self.events.emit("stop_vote", step=step)
         self.voted = self.voted or stop_vote

@@ -335,8 +335,9 @@ def supervise_spare(spare: subprocess.Popen, evictions, rank: int) -> int:
 
 
 def finished(events: list[dict], steps: int, since: float) -> bool:
-    return any(e["event"] == "run_end" and e["ts"] >= since and e["steps"] == steps
-               for e in events)
+    """The run has ended since ``since``: at its last step, or early on a stop request."""
+    return any(e["event"] == "run_end" and e["ts"] >= since
+               and (e["steps"] == steps or e.get("stopped")) for e in events)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -504,7 +504,8 @@ def _summary(run: Run) -> list[tuple[str, str]]:
     start = of["run_start"][-1] if of["run_start"] else {}
     end = of["run_end"][-1] if of["run_end"] else None
     finished = end is not None and run.attempt_of(end["ts"]) == len(run.attempts) - 1
-    status = ("<span class=ok>finished</span>" if finished else
+    stopped = " (stopped on request)" if finished and end.get("stopped") else ""
+    status = (f"<span class=ok>finished</span>{stopped}" if finished else
               f"<span class=notok>not finished</span>: last event {esc(run.events[-1]['event'])}"
               f" at {_utc(run.t_end)}, {_duration(time.time() - run.t_end)} ago")
     rows = [("Status", status)]
@@ -560,8 +561,9 @@ def _attempts_table(run: Run) -> str:
     for a in run.attempts:
         kinds = {e["event"]: e for e in groups[a.index]}
         loaded = kinds.get("checkpoint_loaded")
-        if "run_end" in kinds:
-            ended = "finished"
+        if "run_end" in kinds:  # a preemption's agreed save ends with one too
+            ended = ("stopped on request" if kinds["run_end"].get("stopped") else
+                     "preempted" if "preempted" in kinds else "finished")
         elif ender := next((kinds[k] for k in ("hang", "collective_error", "preempted")
                             if k in kinds), None):
             ended = ender["event"].replace("_", " ")

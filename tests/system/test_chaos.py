@@ -25,7 +25,8 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     fault waits for a spare to start, ~4 s here) while training runs on: the fifteen kinds
     took until step 240-265 in four runs at half a second's quiet time, and until 270+ in
     two at a second, so 400 steps (faults until 370) leave room. A kind the schedule had
-    no room for fails the test.
+    no room for fails the test. Once every kind has run, chaos stops the job (llmtrain
+    stop), and the reference trains as many steps on the same LR schedule.
     The job runs with the warm path, as chaos does by default."""
     work = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),

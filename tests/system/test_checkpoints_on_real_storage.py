@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import check, events, llmtrain, step_losses
+from conftest import ROOT, check, events, llmtrain, llmtrain_start, step_losses, wait_for_event
 from storage_fixtures import is_mounted
 from llmtrain.checkpoint import storage
 from llmtrain.exit_codes import ExitCode
@@ -157,10 +157,13 @@ def test_checkpoints_in_s3(s3_url, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "alone"])
-def test_sigterm_saves_then_exits_for_a_restart(tmp_path, launcher):
+def test_sigterm_saves_then_exits_for_a_restart_and_a_stop_request_ends_the_run(tmp_path,
+                                                                              launcher):
     """Preemption: SIGTERM (to torchrun, which passes it on, or to a lone rank) makes the
     ranks agree on a step, commit a checkpoint there and exit RETRYABLE (75); the next
-    launch resumes from it."""
+    launch resumes from it. ``llmtrain stop`` then ends that run the same way, but as
+    finished: exit 0 (nothing restarts it), its run_end marked stopped, the request gone so
+    that a later launch goes on."""
     run = tmp_path / "run"
     nproc = 2 if launcher == "torchrun" else None
     prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -182,6 +185,18 @@ def test_sigterm_saves_then_exits_for_a_restart(tmp_path, launcher):
     assert events(run, "run_end")[0]["steps"] == step
     if launcher == "alone":
         assert proc.returncode == ExitCode.RETRYABLE
-    check(llmtrain(run, "--training.steps", str(step + 2), "--checkpoint.interval_steps", "0",
-                   nproc=nproc))
+    resumed = llmtrain_start(run, "--training.steps", "100000", "--checkpoint.interval_steps",
+                             "0", "--metrics.log_every", "1", nproc=nproc)
+    wait_for_event(run, "step", resumed, where=lambda e: e["step"] >= step + 2)
+    stop = subprocess.run([sys.executable, "-m", "llmtrain", "stop", str(run), "--reason",
+                           "the test"], capture_output=True, text=True, cwd=ROOT)
+    assert stop.returncode == 0, stop.stderr
+    out, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == ExitCode.CLEAN, err[-3000:]
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [step]
+    (asked,) = events(run, "stop_requested")
+    assert asked["reason"] == "the test" and asked["step"] > step
+    assert [e["step"] for e in events(run, "checkpoint_committed")] == [step, asked["step"]]
+    assert [(e["steps"], e["stopped"]) for e in events(run, "run_end")] == [
+        (step, False), (asked["step"], True)]
+    assert not (run / "stop_request.json").exists()

@@ -19,7 +19,8 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "llmtrain"
 LAYERS = [
-    {"config", "configs", "events", "exit_codes", "fsio", "fault_points"},   # foundations
+    {"config", "configs", "events", "exit_codes", "fsio", "fault_points",  # foundations
+     "stop_request"},
     {"model", "data", "distributed", "checkpoint", "metrics", "reliability", "recovery"},  # components
     {"trainer"},
     {"launch"},
