@@ -24,7 +24,12 @@ test: $(BIN)/llmtrain
 
 # On a GPU node: the CUDA/NCCL/NVML/FP8 checks (tests/gpu), then the GPU figures. The venv's
 # torch==2.13.0 from PyPI is the CUDA build on Linux x86-64.
+NO_GPU := make gpu-check: torch %s in $(VENV) sees no CUDA GPU (a CPU build, or no driver): \
+  check nvidia-smi, then install torch==2.13.0 from PyPI or the CUDA wheel index into $(VENV)
 gpu-check: $(BIN)/llmtrain
+	@# a CPU build of torch 2.13.0 satisfies the pin too, and then every GPU test skips
+	@$(BIN)/python -c "import sys, torch; torch.cuda.is_available() or sys.exit('$(NO_GPU)' \
+	  % torch.__version__)"
 	$(BIN)/python -m pytest tests/gpu -s -p no:cacheprovider $(ARGS)
 	$(BIN)/python benchmarks/gpu.py
 

@@ -50,7 +50,9 @@ from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_sto
 from llmtrain.stop_request import StopRequestWatch, clear_request
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
-_PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+# The first name found in the device's wins: the PCIe and NVL H100s are slower.
+_PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+                    "A100": 312e12, "B200": 2250e12}
 
 
 # Rollbacks from the same stretch of steps before the fault counts as persistent.
@@ -372,7 +374,7 @@ class Trainer:
         self.scheduler.step()
         if self.is_logger:
             self.events.emit("step_skipped", step=step, reason="skip_steps")
-        return torch.full((), math.nan)
+        return torch.full((), math.nan, device=self.device)  # NCCL reduces GPU tensors only
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
         # Asynchronous from pinned memory; the batch is never written to, so nothing can race.

@@ -55,7 +55,12 @@ class ReusedBufferStager(AsyncStager):
         self.pin_memory, self.share_memory = cuda, share_memory
         self._layout: list | None = None
         self._buffers: dict | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmtrain-staging")
+        # the rank's GPU in the staging thread too: registering memory from a thread on
+        # no device would open a context on GPU 0 for every rank of the node
+        self._thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="llmtrain-staging",
+            **({"initializer": torch.cuda.set_device,
+                "initargs": (torch.cuda.current_device(),)} if cuda else {}))
         self._stream = torch.cuda.Stream() if cuda else None
         self.copy_s: float | None = None  # the last staging's copy time, on its thread
 
@@ -109,7 +114,10 @@ def _host_buffers(state_dict: dict, *, pin: bool, share: bool) -> dict:
     torch's ``_create_cpu_state_dict`` copies every DTensor to the host first (a pageable,
     synchronous copy of the whole state, only to take its shape), then pins each tensor
     through the caching host allocator, which rounds each one up to a power of two. On an
-    H200 the first async save of a 1B model's 13 GB state stalled training 14.5 s.
+    H200 the first async save of a 1B model's 13 GB state stalled training 14.5 s. The
+    block is pinned where it lies (``cudaHostRegister``), not taken from that allocator,
+    which would round the block up too (a 17 GB state pinned as 32 GiB) and keep it cached
+    after a layout change.
     """
     tensors: list[torch.Tensor] = []
     _map_tensors(state_dict, tensors.append)
@@ -117,18 +125,23 @@ def _host_buffers(state_dict: dict, *, pin: bool, share: bool) -> dict:
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + -(-n // _ALIGN) * _ALIGN)
-    block = torch.empty(max(starts[-1], 1), dtype=torch.uint8, pin_memory=pin and not share)
+    block = torch.empty(max(starts[-1], 1), dtype=torch.uint8)
     if share:
         block.share_memory_()
-        if pin:  # registered as long as the block lives, as torch does for shared memory
-            pin_memory_utils.pin_memory(block.data_ptr(), block.numel())
-            weakref.finalize(block, pin_memory_utils.unpin_memory, block.data_ptr())
+    if pin:
+        pin_block(block)
     views = {}
     for t, start, n in zip(tensors, starts, sizes):
         local = _local(t)
         view = block[start:start + n].view(local.dtype).view(local.shape)
         views[id(t)] = _dtensor(view, t, block) if isinstance(t, DTensor) else view
     return _map_tensors(state_dict, lambda t: views[id(t)])
+
+
+def pin_block(block: torch.Tensor) -> None:
+    """Pins ``block``'s memory for as long as it lives (as torch does for shared memory)."""
+    pin_memory_utils.pin_memory(block.data_ptr(), block.numel())
+    weakref.finalize(block, pin_memory_utils.unpin_memory, block.data_ptr())
 
 
 def _dtensor(view: torch.Tensor, like: DTensor, block: torch.Tensor) -> DTensor:

@@ -151,6 +151,25 @@ def test_nvlink_down_and_noisy(tmp_path):
     assert only(check(tmp_path, state), "nvlink").severity == "warn"
 
 
+def test_nvlink_ports_never_active_are_no_fault_until_one_was(tmp_path):
+    """A PCIe card without a bridge reports every NVLink port inactive: not a fault. Once
+    a link has been seen active, its going down is one, even with every link down."""
+    state = node(2)
+    state["gpus"][1]["nvlink"] = [{"active": False, "replay": 0, "recovery": 0, "crc_flit": 0}
+                                  for _ in range(4)]
+    script = write_script(tmp_path / "gpus.json", state)
+    checker = HealthChecker(HealthConfig(), Backend(ScriptedNVML(script, HOST), "scripted"),
+                            host=HOST, pid_visible=lambda pid: True)
+    f = only(checker.gpus()[0], "nvlink")
+    assert f.severity == "ok" and "no NVLink link active" in f.message
+    for active in (True, False):
+        for link in state["gpus"][1]["nvlink"]:
+            link["active"] = active
+        write_script(tmp_path / "gpus.json", state)
+        f = only(checker.gpus()[0], "nvlink")
+    assert f.severity == "fatal" and "[0, 1, 2, 3] down" in f.message, f
+
+
 def test_stray_process_and_recovery_action(tmp_path):
     state = node(2)
     state["gpus"][1]["processes"] = [{"pid": 4242, "used_memory_mib": 900}]

@@ -59,8 +59,8 @@ def test_dcp_helpers_of_the_raw_shard_format():
     checkpoint/state.py loads each rank's share alone with ``_load_state_dict(no_dist=True)``;
     checkpoint/staging.py refills its buffers with ``_copy_state_dict``, wraps them as
     DTensors with the live ones' spec (``DTensor(local, spec, requires_grad=...)``, a C
-    constructor: test_checkpoint_staging.py builds them) and pins shared ones with
-    ``torch.cuda._pin_memory_utils``."""
+    constructor: test_checkpoint_staging.py builds them) and pins its block (and a resume's
+    scratch) with ``torch.cuda._pin_memory_utils``."""
     import dataclasses
     import inspect
 

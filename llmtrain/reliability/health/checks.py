@@ -172,6 +172,8 @@ class HealthChecker:
         self.xid_fatal, self.xid_warn = _parse_xids(cfg.xid_fatal), _parse_xids(cfg.xid_warn)
         self.event_set = None
         self.xids: dict[int, list[int]] = {}  # XIDs seen through NVML events, per GPU
+        # NVLink links seen active, per GPU: once one is, any link down is a fault
+        self.nvlink_active: dict[int, set[int]] = {}
         self.plugins = [_load_plugin(p) for p in cfg.plugins.split(",") if p.strip()]
         self.tcp: list[tuple[float, int, int]] = []  # (when, TCP segments sent, resent)
 
@@ -200,14 +202,16 @@ class HealthChecker:
         self.event_set = event_set
         return True
 
-    def _poll_xids(self, handles: dict) -> None:
+    def _poll_xids(self) -> None:
+        """The XID events NVML has for the watched GPUs, by GPU index (an event names its
+        GPU by a handle, which cannot be a key)."""
         nvml = self.backend.nvml
         while True:
             try:
                 e = nvml.nvmlEventSetWait_v2(self.event_set, 0)
-            except pynvml.NVMLError_Timeout:
+                gpu = nvml.nvmlDeviceGetIndex(e.device)
+            except pynvml.NVMLError:  # none left; or a GPU is lost: its reading says so
                 return
-            gpu = handles.get(e.device, e.device)
             self.xids.setdefault(gpu, []).append(e.eventData)
 
     def gpus(self, indices: list[int] | None = None) -> tuple[list[Finding], dict[int, dict]]:
@@ -225,7 +229,7 @@ class HealthChecker:
                                     "allow dmesg)", self.host))
         recent = kernel_xids(kernel or [], self.cfg.xid_window_s, time.time())
         if self.event_set is not None:
-            self._poll_xids({})
+            self._poll_xids()
         results: dict[int, dict] = {}
         for i in (range(count) if indices is None else indices):
             try:
@@ -352,8 +356,14 @@ class HealthChecker:
             add("temperature", "ok", f"{temp} C")
         # NVLink
         links = s["nvlink"]
+        active = {l["link"] for l in links if l["active"]} if links is not UNKNOWN else set()
+        was_active = self.nvlink_active.setdefault(s["index"], set())
+        was_active |= active
         if links is UNKNOWN or not links:
             add("nvlink", "ok", "no NVLink links reported (a PCIe-only GPU)")
+        elif not was_active:  # a PCIe card without a bridge reports every port inactive
+            add("nvlink", "ok", f"no NVLink link active of {len(links)} (no bridge or fabric "
+                f"in use)")
         else:
             down = [l["link"] for l in links if not l["active"]]
             noisy = [l["link"] for l in links if any(

@@ -52,6 +52,15 @@ def _error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)  # pynvml turns the code into its subclass
 
 
+class _Handle:
+    """A device handle. pynvml's is a ctypes pointer, which cannot be hashed or used as
+    an index: callers must ask ``nvmlDeviceGetIndex``, and so must the code under test."""
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, index: int):
+        self.index = index
+
+
 class ScriptedNVML:
     """The subset of the ``pynvml`` module the health checks use, replaying a script."""
 
@@ -82,13 +91,13 @@ class ScriptedNVML:
             self._mtime = mtime
         return self._state
 
-    def _gpu(self, handle: int) -> dict:
+    def _gpu(self, handle: _Handle) -> dict:
         gpus = self._load().get("gpus", [])
-        if handle >= len(gpus) or gpus[handle].get("lost"):
+        if handle.index >= len(gpus) or gpus[handle.index].get("lost"):
             raise _error(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return gpus[handle]
+        return gpus[handle.index]
 
-    def _field(self, handle: int, key: str):
+    def _field(self, handle: _Handle, key: str):
         gpu = self._gpu(handle)
         if key not in gpu or key in gpu.get("unsupported", ()):
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -111,24 +120,28 @@ class ScriptedNVML:
     def nvmlDeviceGetCount(self) -> int:
         return len(self._load().get("gpus", []))
 
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        self._gpu(index)
-        return index
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:
+        handle = _Handle(index)
+        self._gpu(handle)
+        return handle
 
-    def nvmlDeviceGetName(self, h: int) -> str:
+    def nvmlDeviceGetIndex(self, h: _Handle) -> int:
+        return h.index
+
+    def nvmlDeviceGetName(self, h: _Handle) -> str:
         return self._gpu(h).get("name", "scripted GPU")
 
-    def nvmlDeviceGetUUID(self, h: int) -> str:
-        return self._gpu(h).get("uuid", f"GPU-scripted-{h}")
+    def nvmlDeviceGetUUID(self, h: _Handle) -> str:
+        return self._gpu(h).get("uuid", f"GPU-scripted-{h.index}")
 
-    def nvmlDeviceGetPciInfo(self, h: int):
-        return SimpleNamespace(busId=self._gpu(h).get("pci_bus_id", f"00000000:{h:02x}:00.0"))
+    def nvmlDeviceGetPciInfo(self, h: _Handle):
+        return SimpleNamespace(busId=self._gpu(h).get("pci_bus_id", f"00000000:{h.index:02x}:00.0"))
 
-    def nvmlDeviceGetTotalEccErrors(self, h: int, error_type: int, counter_type: int) -> int:
+    def nvmlDeviceGetTotalEccErrors(self, h: _Handle, error_type: int, counter_type: int) -> int:
         scope = self._ecc_scope(h, error_type, counter_type)
         return sum(scope.values())
 
-    def nvmlDeviceGetMemoryErrorCounter(self, h: int, error_type: int, counter_type: int,
+    def nvmlDeviceGetMemoryErrorCounter(self, h: _Handle, error_type: int, counter_type: int,
                                         location: int) -> int:
         scope = self._ecc_scope(h, error_type, counter_type)
         key = {pynvml.NVML_MEMORY_LOCATION_DRAM: "dram",
@@ -137,7 +150,7 @@ class ScriptedNVML:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return scope[key]
 
-    def _ecc_scope(self, h: int, error_type: int, counter_type: int) -> dict:
+    def _ecc_scope(self, h: _Handle, error_type: int, counter_type: int) -> dict:
         if error_type != pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)  # only uncorrectable is scripted
         scope = "volatile" if counter_type == pynvml.NVML_VOLATILE_ECC else "aggregate"
@@ -146,53 +159,53 @@ class ScriptedNVML:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return ecc[scope]
 
-    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: int) -> int:
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: _Handle) -> int:
         pending = self._field(h, "retired_pages_pending")
         return pynvml.NVML_FEATURE_ENABLED if pending else pynvml.NVML_FEATURE_DISABLED
 
-    def nvmlDeviceGetRemappedRows(self, h: int) -> tuple[int, int, int, int]:
+    def nvmlDeviceGetRemappedRows(self, h: _Handle) -> tuple[int, int, int, int]:
         r = self._field(h, "remapped_rows")
         return (r.get("correctable", 0), r.get("uncorrectable", 0), int(r.get("pending", False)),
                 int(r.get("failure", False)))
 
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: _Handle) -> int:
         return self._field(h, "pcie")["gen"]
 
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: _Handle) -> int:
         return self._field(h, "pcie")["width"]
 
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int:
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: _Handle) -> int:
         return self._field(h, "pcie")["max_gen"]
 
-    def nvmlDeviceGetMaxPcieLinkWidth(self, h: int) -> int:
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h: _Handle) -> int:
         return self._field(h, "pcie")["max_width"]
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: _Handle) -> int:
         mask = 0
         for reason in self._field(h, "throttle"):
             mask |= THROTTLE_BITS[reason]
         return mask
 
-    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+    def nvmlDeviceGetTemperature(self, h: _Handle, sensor: int) -> int:
         return self._field(h, "temperature_c")
 
-    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+    def nvmlDeviceGetPowerUsage(self, h: _Handle) -> int:
         return int(self._field(h, "power_w") * 1000)  # milliwatts, as NVML reports
 
-    def nvmlDeviceGetNvLinkState(self, h: int, link: int) -> int:
+    def nvmlDeviceGetNvLinkState(self, h: _Handle, link: int) -> int:
         links = self._field(h, "nvlink")
         if link >= len(links):
             raise _error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return pynvml.NVML_FEATURE_ENABLED if links[link].get("active", True) else 0
 
-    def nvmlDeviceGetNvLinkErrorCounter(self, h: int, link: int, counter: int) -> int:
+    def nvmlDeviceGetNvLinkErrorCounter(self, h: _Handle, link: int, counter: int) -> int:
         return self._field(h, "nvlink")[link].get(_NVLINK_COUNTERS[counter], 0)
 
-    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list:
+    def nvmlDeviceGetComputeRunningProcesses(self, h: _Handle) -> list:
         return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p.get("used_memory_mib", 0) * 2**20)
                 for p in self._field(h, "processes")]
 
-    def nvmlDeviceGetFieldValues(self, h: int, field_ids: list[int]) -> list:
+    def nvmlDeviceGetFieldValues(self, h: _Handle, field_ids: list[int]) -> list:
         values = []
         for fid in field_ids:
             value = SimpleNamespace(nvmlReturn=pynvml.NVML_ERROR_NOT_SUPPORTED,
@@ -210,10 +223,10 @@ class ScriptedNVML:
     def nvmlEventSetCreate(self) -> list:
         return []
 
-    def nvmlDeviceRegisterEvents(self, h: int, event_types: int, event_set: list) -> None:
+    def nvmlDeviceRegisterEvents(self, h: _Handle, event_types: int, event_set: list) -> None:
         if "xid_events" in self._gpu(h).get("unsupported", ()):  # MIG, vGPU, some drivers
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        event_set.append(h)
+        event_set.append(h.index)
 
     def nvmlEventSetWait_v2(self, event_set: list, timeout_ms: int):
         events = self._load().get("xid_events", [])
@@ -221,7 +234,7 @@ class ScriptedNVML:
             e = events[self._delivered]
             self._delivered += 1
             if e["gpu"] in event_set:
-                return SimpleNamespace(device=e["gpu"], eventData=e["xid"],
+                return SimpleNamespace(device=_Handle(e["gpu"]), eventData=e["xid"],
                                        eventType=pynvml.nvmlEventTypeXidCriticalError,
                                        timeStamp=0)
         raise _error(pynvml.NVML_ERROR_TIMEOUT)
