@@ -217,8 +217,7 @@ class Trainer:
                     manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
                                    "model_config": asdict(cfg.model),
                                    "mesh": list(cfg.mesh_shape(self.world.world_size))},
-                    stop_votes=cfg.health.monitor, fence=self.fence.check,
-                    requests=self.stop_requests)
+                    fence=self.fence.check, requests=self.stop_requests)
             self.health = self._start_health_monitor() if cfg.health.monitor else None
             self.snapshots = None
             if self.warm is not None:

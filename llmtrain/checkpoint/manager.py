@@ -57,12 +57,11 @@ def describe(error: BaseException) -> str:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
-                 events: EventLog, device: torch.device, stop_votes: bool = False,
+                 events: EventLog, device: torch.device,
                  fence: Callable[[str], None] = storage.no_fence,
                  requests: StopRequestWatch | None = None):
         self.cfg, self.url, self.events = cfg, url, events
         self.fence = fence  # asked before each file is written (llmtrain.recovery.fence)
-        self.stop_votes = stop_votes  # ranks may vote to stop: every step takes the vote
         self.stopped_by_peer = False
         self.requests = requests  # rank 0's look-out for a stop request (llmtrain stop)
         self.finishing = False  # stopping on a request: the run ends, it is not restarted
