@@ -265,7 +265,8 @@ class Trainer:
             # training, when gradients get small; flushing them costs no accuracy.
             torch.set_flush_denormal(True)
         with self.ledger.span(category, "device_mesh"):
-            self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size))
+            self.mesh = build_mesh(self.device, cfg.mesh_shape(self.world.world_size),
+                                   cfg.reliability.collective_timeout_s)
 
         # Built on meta and sharded before any storage exists, so no rank ever holds the
         # whole model; each then draws only its shards, the same weights at any world size.

@@ -179,13 +179,20 @@ def init_process_group(p: ParallelismConfig, r: ReliabilityConfig, world: WorldI
     return device
 
 
-def build_mesh(device: torch.device, shape: tuple[int, int]) -> DeviceMesh:
-    """A 1-D ``dp_shard`` mesh for FSDP, or 2-D ``(dp_replicate, dp_shard)`` for HSDP."""
+def build_mesh(device: torch.device, shape: tuple[int, int],
+               collective_timeout_s: float) -> DeviceMesh:
+    """A 1-D ``dp_shard`` mesh for FSDP, or 2-D ``(dp_replicate, dp_shard)`` for HSDP. Its
+    groups get the job's collective timeout too: made with the backend's default (NCCL's
+    10 minutes), a longer ``reliability.hang_timeout_s`` would never be reached on them."""
     replicate, shard = shape
-    if replicate == 1:
-        return init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device.type, (replicate, shard),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = (init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
+            if replicate == 1 else
+            init_device_mesh(device.type, (replicate, shard),
+                             mesh_dim_names=("dp_replicate", "dp_shard")))
+    for dim in range(mesh.ndim):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout_s),
+                                              mesh.get_group(dim))
+    return mesh
 
 
 def shutdown() -> None:

@@ -1,5 +1,8 @@
 """Process-group start-up choices that CPU runs never exercise, checked as functions."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -38,3 +41,28 @@ def test_cpu_or_not_asked_changes_nothing(torch_flags, deterministic, device):
     env = {}
     assert make_deterministic(ParallelismConfig(deterministic=deterministic), device, env) == {}
     assert env == {} and not torch.are_deterministic_algorithms_enabled()
+
+
+MESH_TIMEOUTS = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from llmtrain.distributed.process_group import build_mesh
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+mesh = build_mesh(torch.device("cpu"), (2, 1), collective_timeout_s=4321)
+timeouts = {mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout
+            for d in range(mesh.ndim)}
+assert timeouts == {timedelta(seconds=4321)}, timeouts
+dist.destroy_process_group()
+"""
+
+
+def test_every_mesh_group_gets_the_collective_timeout(tmp_path):
+    """HSDP's groups are made with the backend's default timeout (NCCL's 10 minutes), under
+    a hang timeout that may be longer: build_mesh gives each the job's collective timeout."""
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", MESH_TIMEOUTS, str(r), store],
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()[-3000:]
