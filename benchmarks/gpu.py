@@ -36,7 +36,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from llmtrain.checkpoint.staging import pin_block  # noqa: E402
+from llmtrain.checkpoint.staging import host_block  # noqa: E402
 from llmtrain.events import read_events  # noqa: E402
 
 LLAMA_1B = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=32768,
@@ -98,8 +98,7 @@ def d2h_gbps(nbytes: int = 1 << 30) -> float:
     """Device-to-host copy bandwidth into memory pinned as the staging buffers are: the
     staging copy's ceiling."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8)
-    pin_block(dst)  # unpinned when it goes
+    _, (dst,) = host_block([src], pin=True)  # unpinned when it goes
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     best = float("inf")

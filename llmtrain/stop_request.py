@@ -58,8 +58,8 @@ def clear_request(run_dir: str) -> None:
 class StopRequestWatch:
     """Rank 0's look-out for a stop request: ``request`` is the pending one, once seen."""
 
-    def __init__(self, run_dir: str, poll_s: float = POLL_S):
-        self.run_dir, self.poll_s = run_dir, poll_s
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
         self.request: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="llmtrain-stop-request",
@@ -70,7 +70,7 @@ class StopRequestWatch:
         return self
 
     def _watch(self) -> None:
-        while self.request is None and not self._stop.wait(self.poll_s):
+        while self.request is None and not self._stop.wait(POLL_S):
             try:
                 self.request = read_request(self.run_dir)
             except OSError:  # storage briefly unreachable: look again

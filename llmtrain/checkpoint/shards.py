@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from llmtrain.checkpoint import checksum
-from llmtrain.checkpoint.staging import pin_block
+from llmtrain.checkpoint.staging import host_block
 from llmtrain.fsio import is_local
 
 RAW = "llmtrain-raw/1"  # the transform descriptor of an item stored as bare tensor bytes
@@ -321,14 +321,18 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
     split: list[tuple[str, _StorageInfo, memoryview]] = []  # items read in several pieces
     problems: list[str] = []
     buffers: dict[str, bytearray] = {}
-    copies = _scratch([tensors[k] for k in found if not isinstance(k, str)
-                       and _needs_scratch(tensors[k])])  # {id(destination): scratch}
+    # destinations read through a scratch copy: views into one host block, pinned where
+    # it lies for a GPU (from torch's pinned allocator, each would be rounded up to a
+    # power of two and stay cached for the rest of the run)
+    through = [t for t in tensors.values() if _needs_scratch(t)]  # found has them all
+    gpu = any(t.device.type == "cuda" for t in through)
+    scratch = dict(zip(map(id, through), host_block(through, pin=gpu)[1]))
     for key, info in found.items():
         if isinstance(key, str):
             buffers[key] = bytearray(info.length)
             dest = memoryview(buffers[key])
         else:
-            dest = tensor_bytes(copies.get(id(tensors[key]), tensors[key]))
+            dest = tensor_bytes(scratch.get(id(tensors[key]), tensors[key]))
         path = posixpath.join(reader._root, info.relative_path)
         item = (key if isinstance(key, str) else key[0], info, dest)
         if len(dest) <= READ_PIECE:  # checked by the thread that read it, while cached
@@ -344,10 +348,9 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
                                           split))
     if problems:
         raise DamagedCheckpoint(sorted(problems))
-    targets = {id(t): t for t in tensors.values()}
-    for key, scratch in copies.items():
-        targets[key].copy_(scratch, non_blocking=True)
-    if any(targets[key].device.type == "cuda" for key in copies):
+    for target in through:
+        target.copy_(scratch[id(target)], non_blocking=True)
+    if gpu:
         torch.cuda.current_stream().synchronize()  # before the pinned scratch goes
     return {name: bytes(buf) for name, buf in buffers.items()}
 
@@ -357,21 +360,6 @@ def _needs_scratch(target: torch.Tensor) -> bool:
     tensor subclass (its own ``copy_`` does the conversion)."""
     return (target.device.type != "cpu" or not target.is_contiguous()
             or type(target) is not torch.Tensor)
-
-
-def _scratch(targets: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    """{id(target): a host tensor of its shape and dtype}, all views into one block, which
-    is pinned where it lies when any target is on a GPU (taken from torch's pinned
-    allocator, each would be rounded up to a power of two and stay cached afterwards,
-    ~1.5x the state in page-locked memory for the rest of the run)."""
-    starts = [0]
-    for t in targets:
-        starts.append(starts[-1] + -(-t.numel() * t.element_size() // 64) * 64)
-    block = torch.empty(max(starts[-1], 1), dtype=torch.uint8)
-    if any(t.device.type == "cuda" for t in targets):
-        pin_block(block)
-    return {id(t): block[start:start + t.numel() * t.element_size()].view(t.dtype)
-            .view(t.shape) for t, start in zip(targets, starts)}
 
 
 def _damaged(item: tuple[str, _StorageInfo, memoryview], root: str,

@@ -121,7 +121,17 @@ def _host_buffers(state_dict: dict, *, pin: bool, share: bool) -> dict:
     """
     tensors: list[torch.Tensor] = []
     _map_tensors(state_dict, tensors.append)
-    sizes = [_local(t).numel() * _local(t).element_size() for t in tensors]
+    block, locals_ = host_block([_local(t) for t in tensors], pin=pin, share=share)
+    views = {id(t): _dtensor(view, t, block) if isinstance(t, DTensor) else view
+             for t, view in zip(tensors, locals_)}
+    return _map_tensors(state_dict, lambda t: views[id(t)])
+
+
+def host_block(tensors: list[torch.Tensor], *, pin: bool,
+               share: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(one host block, a view into it shaped like each of ``tensors``), the block made
+    once, shared where ``share``, and pinned where it lies where ``pin``."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + -(-n // _ALIGN) * _ALIGN)
@@ -129,19 +139,11 @@ def _host_buffers(state_dict: dict, *, pin: bool, share: bool) -> dict:
     if share:
         block.share_memory_()
     if pin:
-        pin_block(block)
-    views = {}
-    for t, start, n in zip(tensors, starts, sizes):
-        local = _local(t)
-        view = block[start:start + n].view(local.dtype).view(local.shape)
-        views[id(t)] = _dtensor(view, t, block) if isinstance(t, DTensor) else view
-    return _map_tensors(state_dict, lambda t: views[id(t)])
-
-
-def pin_block(block: torch.Tensor) -> None:
-    """Pins ``block``'s memory for as long as it lives (as torch does for shared memory)."""
-    pin_memory_utils.pin_memory(block.data_ptr(), block.numel())
-    weakref.finalize(block, pin_memory_utils.unpin_memory, block.data_ptr())
+        pin_memory_utils.pin_memory(block.data_ptr(), block.numel())
+        # unpinned when the block goes, as torch does for shared memory
+        weakref.finalize(block, pin_memory_utils.unpin_memory, block.data_ptr())
+    return block, [block[start:start + n].view(t.dtype).view(t.shape)
+                   for t, start, n in zip(tensors, starts, sizes)]
 
 
 def _dtensor(view: torch.Tensor, like: DTensor, block: torch.Tensor) -> DTensor:
