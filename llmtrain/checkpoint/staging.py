@@ -140,8 +140,10 @@ def host_block(tensors: list[torch.Tensor], *, pin: bool,
         block.share_memory_()
     if pin:
         pin_memory_utils.pin_memory(block.data_ptr(), block.numel())
-        # unpinned when the block goes, as torch does for shared memory
-        weakref.finalize(block, pin_memory_utils.unpin_memory, block.data_ptr())
+        # unpinned when the memory goes: with the last view, not with ``block`` (a view
+        # does not keep the tensor it was cut from alive, only their shared storage)
+        weakref.finalize(block.untyped_storage(), pin_memory_utils.unpin_memory,
+                         block.data_ptr())
     return block, [block[start:start + n].view(t.dtype).view(t.shape)
                    for t, start, n in zip(tensors, starts, sizes)]
 

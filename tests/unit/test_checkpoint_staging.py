@@ -57,3 +57,28 @@ def test_staged_state_is_a_snapshot_in_reused_buffers():
     proc = subprocess.run([sys.executable, "-c", STAGING], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_pinned_block_is_unpinned_with_its_last_view_not_before(monkeypatch):
+    """The pinning is released when the memory goes: the block tensor itself is dropped as
+    soon as its views are cut (a view does not keep it alive), and unpinning then would
+    leave the staging buffers in pageable memory while a GPU copies into them. (CUDA's
+    register calls are recorded here: this machine has no GPU to pin with.)"""
+    import gc
+
+    import torch
+
+    from llmtrain.checkpoint import staging
+    calls = []
+    monkeypatch.setattr(staging.pin_memory_utils, "pin_memory",
+                        lambda ptr, size: calls.append(("pin", ptr)))
+    monkeypatch.setattr(staging.pin_memory_utils, "unpin_memory",
+                        lambda ptr: calls.append(("unpin", ptr)))
+    block, views = staging.host_block([torch.ones(3), torch.ones(2, 2)], pin=True)
+    ptr = block.data_ptr()
+    del block
+    gc.collect()
+    assert calls == [("pin", ptr)]
+    del views
+    gc.collect()
+    assert calls == [("pin", ptr), ("unpin", ptr)]
