@@ -252,12 +252,16 @@ class Trainer:
                 f"({dist.get_backend()}), {self.accum_steps} micro-batch(es) per step, "
                 f"run dir {t.run_dir}")
 
+    def _membership(self, gen: int) -> str:
+        """The fence's name for the job's membership in warm generation ``gen``."""
+        return f"{self.round_id}/g{gen}"
+
     def _form_group(self, store: dist.Store, category: str = "startup") -> None:
         """The parts bound to the job's process group: built at start, and again by the
         survivors of a lost rank in each new generation of the group (warm path)."""
         cfg, t = self.cfg, self.cfg.training
         # every member names the membership before it can form: no rank trains before
-        self.fence.join(f"{self.round_id}/g{self.warm.gen if self.warm else 0}")
+        self.fence.join(self._membership(self.warm.gen if self.warm else 0))
         with self.ledger.span(category, "process_group"):
             self.device = init_process_group(cfg.parallelism, cfg.reliability, self.world, store)
         if self.device.type == "cpu":
@@ -573,6 +577,8 @@ class Trainer:
             # an exchange with the lost peer may never end: it is left behind, not awaited
             self.snapshots.stop(self.cfg.warm.settle_s)
             plan = self.warm.agree(self.snapshots.holdings(), deadline)
+            if self.world.rank not in plan.lost:  # the spares may name it first
+                self.fence.expect(self._membership(plan.gen))
             agreed = time.time()
             if self.checkpoints is not None:
                 self.checkpoints.wait(max(0.0, deadline - time.monotonic()))

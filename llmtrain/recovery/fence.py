@@ -47,6 +47,7 @@ class Fence:
     def __init__(self, store: dist.Store | None, events: EventLog, timeout_s: float):
         self.store, self.events, self.timeout_s = store, events, timeout_s
         self.token = ""
+        self.expected: str | None = None  # the membership a warm recovery is joining
         self.refused: str | None = None
         self._lock = threading.Lock()
 
@@ -66,9 +67,14 @@ class Fence:
     def join(self, token: str) -> None:
         """This rank is a member of ``token``'s membership; called by every member before
         its group forms."""
-        self.token = token
+        self.token, self.expected = token, None
         if self.store is not None:
             self.store.set(KEY, token)
+
+    def expect(self, token: str) -> None:
+        """This rank agreed to join ``token``'s membership (a warm recovery): a peer that
+        joins it first does not make this rank a cut-off one meanwhile."""
+        self.expected = token
 
     def check(self, what: str) -> None:
         """Raises Fenced unless the store still names this rank's membership."""
@@ -94,9 +100,10 @@ class Fence:
             return None
         with self._lock:
             try:
-                return self._other(self.store.get(KEY).decode())
+                current = self.store.get(KEY).decode()
             except (dist.DistError, RuntimeError):
                 return None
+            return None if current == self.expected else self._other(current)
 
     def _verdict(self) -> str | None:
         try:

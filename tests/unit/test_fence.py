@@ -41,6 +41,21 @@ def test_a_member_writes_and_a_rank_of_a_past_membership_is_refused(server, tmp_
     assert read_events(str(tmp_path), "step") == []
 
 
+def test_a_survivor_is_not_superseded_by_the_membership_it_agreed_to_join(server, tmp_path):
+    """A warm recovery's spare may name the new membership before the survivor does: the
+    survivor's watchdog must not take that for the job going on without it (a CI run caught
+    a survivor fencing itself so). Another membership still supersedes it."""
+    survivor = Fence(client(server), EventLog(str(tmp_path), rank=1), 2.0)
+    survivor.join("round-a/g0")
+    spare = Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0)
+    survivor.expect("round-a/g1")
+    spare.join("round-a/g1")
+    assert survivor.superseded() is None
+    survivor.join("round-a/g1")
+    spare.join("round-a/g2")  # a recovery without it
+    assert "re-formed as round-a/g2 without this rank" in survivor.superseded()
+
+
 def test_a_rank_that_cannot_reach_the_store_cannot_prove_it_is_a_member(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            use_libuv=True)
