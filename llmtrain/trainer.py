@@ -697,7 +697,10 @@ class Trainer:
             if self.cfg.integrity.enable and self.review(step, save=True):
                 return False  # never save a state that failed its check
             final = stop or last
-            self.beat("checkpoint", long=final or self.cfg.checkpoint.mode == "sync")
+            # a sync save, and one that waits for the previous save's write (13 GB of a 1B
+            # model's state took longer than the 5 s learned timeout on an H100), cannot beat
+            waits = self.cfg.checkpoint.mode == "sync" or self.checkpoints.writing()
+            self.beat("checkpoint", long=final or waits)
             self.ledger.steps_done(step)
             with self.ledger.span("checkpoint_stall", f"save step {step}"):
                 self.checkpoints.save(step, self.state, final=final,

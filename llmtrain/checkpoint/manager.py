@@ -155,7 +155,7 @@ class CheckpointManager:
         """Stages ``state`` and starts writing it; ``final`` waits for the commit.
         ``checked``: the state passed the integrity checks (retention keeps the newest
         such checkpoint whatever comes after it)."""
-        if self.inflight is not None and not self.inflight.done():
+        if self.writing():
             if self.cfg.if_busy == "skip" and not final:
                 self._emit0("checkpoint_skipped", step=step, reason="previous still writing")
                 return
@@ -237,6 +237,11 @@ class CheckpointManager:
 
     def _failed(self, step: int, error: BaseException) -> None:
         self.events.emit("checkpoint_failed", step=step, error=describe(error))
+
+    def writing(self) -> bool:
+        """True while a save's background write is in flight: a save due now waits for it
+        (``if_busy = "wait"``), for as long as the storage takes."""
+        return self.inflight is not None and not self.inflight.done()
 
     def staged(self) -> bool:
         """True when no save is still copying the state out (the optimizer may step)."""

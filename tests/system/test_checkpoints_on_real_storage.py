@@ -87,14 +87,21 @@ def test_an_eio_in_one_ranks_verify_ends_the_attempt_and_costs_no_checkpoint(fau
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
 
 
-def test_a_resume_longer_than_the_hang_timeout_is_not_a_hang(faultfs, tmp_path):
-    """Resume cannot beat the watchdog: it is a declared long phase, with
-    reliability.phase_timeout_s instead of the 3 s hang timeout. Opening each shard takes
-    2 s here, and the run resumes and finishes without a hang."""
+def test_waits_on_storage_longer_than_the_hang_timeout_are_not_hangs(faultfs, tmp_path):
+    """A save that waits for the previous save's write, and a resume, cannot beat the
+    watchdog: both are declared long phases, with reliability.phase_timeout_s instead of
+    the 3 s hang timeout. Checkpoint 6's shards take 4 s to create, so the async save of
+    step 9 waits for them (a 1B model's 13 GB did so on an H100, and the run was stopped
+    as hung); opening each shard of 12 takes 2 s. Both runs finish without a hang."""
     ckpt = faultfs.mount / "ckpt"
     run = tmp_path / "run"
-    on_faultfs = ("--checkpoint.url", str(ckpt), "--reliability.hang_timeout_s", "3", *CKPT)
+    on_faultfs = ("--checkpoint.url", str(ckpt), "--reliability.hang_timeout_s", "3",
+                  "--checkpoint.mode", "async_thread", "--checkpoint.interval_steps", "3",
+                  "--metrics.log_every", "1")
+    faultfs.set_rules([{"ops": ["create"], "path": "/ckpt/step-00000006/*.distcp", "delay": 4}])
     check(llmtrain(run, "--training.steps", "12", *on_faultfs, nproc=2))
+    (waited,) = [e for e in events(run, "checkpoint_wait") if e["step"] == 9]
+    assert waited["seconds"] > 3, waited
     faultfs.set_rules([{"ops": ["open"], "path": "/ckpt/step-00000012/*.distcp", "delay": 2}])
     check(llmtrain(run, "--training.steps", "14", *on_faultfs, nproc=2))
     assert events(run, "hang") == []
