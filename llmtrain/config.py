@@ -132,6 +132,11 @@ class CheckpointConfig:
                                           "(sizes always)")
     resume: bool = _f(True, doc="resume from the newest checkpoint that verifies")
     save_on_signal: bool = _f(True, doc="SIGTERM/SIGUSR1: save, then exit RETRYABLE")
+    vote_interval_s: float = _f(1.0, ge=0,
+                                doc="how often ranks agree on a save by time, a signal, a "
+                                    "failed GPU or a stop request: one small all-reduce "
+                                    "about this often, in flight until the next (heard "
+                                    "within two); 0: every step")
     writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")
     reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when loading")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "

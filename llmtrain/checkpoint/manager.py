@@ -16,6 +16,7 @@ group that only the training thread uses.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from concurrent import futures
@@ -90,6 +91,9 @@ class CheckpointManager:
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # cast, not yet decided
+        self.vote_step = 0  # the step the next vote is decided (and one cast) at
+        self.vote_every = 1  # steps between votes, agreed by the last one (see due)
+        self.cast: tuple[int, float] | None = None  # the step and time the last was cast
         self.voted = False  # this rank has voted to stop
 
     def _emit0(self, event: str, **fields) -> None:
@@ -107,29 +111,36 @@ class CheckpointManager:
         a rank votes to stop (its GPU failed a health check), or on a stop request (then
         ``finishing``: the run ends there).
 
-        Time, signals, votes and requests differ between ranks, so ranks agree with an
-        all-reduce, every step (a stop request must be heard whatever the config). It is
-        pipelined to stay off the step's critical path: the vote cast after step N runs
-        in the background and is decided after step N + 1, identically on every rank, so
-        a signal or a failed GPU costs one step more before the save.
+        Steps are the same on every rank; time, signals, votes and requests differ, so
+        ranks agree on them with a small all-reduce about every ``vote_interval_s``, not
+        every step: at thousands of ranks a gloo all-reduce takes a sizable share of a
+        second. Each vote runs in the background until the next is due, where it is
+        decided identically on every rank, so a signal or a failed GPU is acted on within
+        two intervals. A vote also carries each rank's count of steps in the interval
+        (from its own step time), and the largest is the next interval, the same for all.
         """
         c = self.cfg
         by_step = bool(c.interval_steps) and step % c.interval_steps == 0
+        if self.cast is not None and self.cast[0] < step < self.vote_step:
+            return by_step, False  # (a rollback that went back before the vote decides it)
         by_time = by_signal = by_vote = by_request = False
         if self.vote is not None:
             work, flags = self.vote
             work.wait()
-            by_time, by_signal, by_vote, by_request = (bool(f) for f in flags)
+            by_time, by_signal, by_vote, by_request = (bool(f) for f in flags[:4])
+            self.vote_every = int(flags[4])
         saving_by_time = by_time or by_step  # the clock starts over at this save
         request = self.requests and self.requests.request
         flags = torch.tensor([
             int(bool(self.interval_seconds) and not saving_by_time
                 and time.monotonic() - self.last_save_time >= self.interval_seconds),
-            int(self.signal is not None), int(stop_vote), int(request is not None)])
+            int(self.signal is not None), int(stop_vote), int(request is not None),
+            self._steps_per_vote(step)])
         stop = by_signal or by_vote or by_request
         self.vote = None if stop else (
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group,
                             async_op=True), flags)
+        self.vote_step = step + self.vote_every
         if by_vote and not self.voted and not by_signal:
             self.stopped_by_peer = True
         if by_signal:
@@ -141,6 +152,16 @@ class CheckpointManager:
             self.events.emit("stop_vote", step=step)
         self.voted = self.voted or stop_vote
         return by_step or by_time or stop, stop
+
+    def _steps_per_vote(self, step: int) -> int:
+        """This rank's proposal: the steps in ``vote_interval_s`` at the pace since the
+        last vote it cast (1 until it has one, or when the interval is 0)."""
+        now, cast = time.monotonic(), self.cast
+        self.cast = (step, now)
+        if not self.cfg.vote_interval_s or cast is None or step <= cast[0]:
+            return 1
+        pace = (now - cast[1]) / (step - cast[0])
+        return max(1, math.floor(self.cfg.vote_interval_s / pace)) if pace > 0 else 1
 
     # -- save -------------------------------------------------------------------------
 

@@ -1,0 +1,54 @@
+"""The ranks' agreement on saves by time, signals, failed GPUs and stop requests: two gloo
+processes, one small all-reduce about every ``checkpoint.vote_interval_s``, not every step."""
+
+import json
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmtrain.checkpoint.manager import CheckpointManager
+from llmtrain.config import CheckpointConfig
+from llmtrain.events import EventLog
+
+STEPS, SIGNAL_AT = 80, 30
+
+
+def _worker(rank: int, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 2), rank=rank,
+                            world_size=2)
+    cfg = CheckpointConfig(interval_steps=0, mode="sync", save_on_signal=False,
+                           vote_interval_s=0.1)
+    manager = CheckpointManager(cfg, f"{out}.ckpt", manifest_base={},
+                                events=EventLog(f"{out}.run", rank), device=torch.device("cpu"))
+    cast, stopped = [], None
+    for step in range(1, STEPS + 1):
+        time.sleep(0.01 * (1 + rank))  # rank 1's steps take twice as long as rank 0's
+        if rank == 1 and step == SIGNAL_AT:
+            manager.signal = signal.SIGTERM  # as its handler sets it
+        due, stop = manager.due(step)
+        if manager.cast and manager.cast[0] == step:
+            cast.append(step)
+        if stop:
+            stopped = step
+            break
+    manager.close()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"cast": cast, "stopped": stopped}, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_vote_about_every_interval_and_act_on_a_signal_at_the_same_step(tmp_path):
+    """Votes are cast at the same steps on both ranks, several steps apart (the pace of
+    the faster rank, the larger proposal, sets how many: 0.1 s of 10 ms steps); rank 1's
+    signal stops both ranks at the same step, within two intervals."""
+    out = str(tmp_path / "votes")
+    mp.spawn(_worker, args=(out,), nprocs=2)
+    r0, r1 = (json.load(open(f"{out}.{r}")) for r in (0, 1))
+    assert r0 == r1, (r0, r1)
+    gaps = [b - a for a, b in zip(r0["cast"], r0["cast"][1:])]
+    assert max(gaps) >= 4, gaps  # every step before: 1s only
+    assert len(r0["cast"]) < SIGNAL_AT / 2, r0
+    assert SIGNAL_AT < r0["stopped"] <= SIGNAL_AT + 2 * max(gaps) + 1, (r0, gaps)
