@@ -50,6 +50,7 @@ class TrainState:
     def __init__(self, model, optimizer, scheduler, data, rank: int, device: torch.device):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.rank, self.device = data, rank, device
+        self._kept: tuple[list, dict, dict] | None = None  # see _tensor_state
 
     def _trainer_bytes(self, step: int) -> io.BytesIO:
         blob = {"step": step, "scheduler": self.scheduler.state_dict(),
@@ -58,11 +59,34 @@ class TrainState:
 
     def state_dict(self, step: int) -> dict:
         """What DCP saves; the same keys on every rank but the RNG, which is per rank."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = self._tensor_state()
         rng = io.BytesIO()
         torch.save(_rng_state(self.device), rng)
         return {"model": model_sd, "optim": optim_sd, "trainer": self._trainer_bytes(step),
                 f"rng.{self.rank}": rng}
+
+    def _tensor_state(self) -> tuple[dict, dict]:
+        """``get_state_dict``'s model and optimizer dicts. Their tensors are views of the
+        live ones, which training updates in place, so they are kept from one save to
+        the next for as long as the same live tensors exist (a planned load or a rebuild
+        replaces them), and only the hyperparameters are read again: the walk over every
+        module and parameter was most of an async save's blocking time (about 8 of 11 ms
+        for 3,000 tensors here)."""
+        kept = self._kept
+        live = _live_objects(self.model, self.optimizer)
+        if kept is None or len(kept[0]) != len(live) or any(
+                a is not b for a, b in zip(kept[0], live)):
+            self._kept = None
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            if not _shares_storage([model_sd, optim_sd["state"]], self.model, self.optimizer):
+                return model_sd, optim_sd  # copies of the state: they would go stale
+            # (get_state_dict creates a fresh optimizer's state)
+            kept = self._kept = (_live_objects(self.model, self.optimizer), model_sd, optim_sd)
+        _, model_sd, optim_sd = kept
+        groups = [{**saved, **{k: v for k, v in group.items() if k != "params"}}
+                  for saved, group in zip(optim_sd["param_groups"], self.optimizer.param_groups,
+                                          strict=True)]
+        return model_sd, {**optim_sd, "param_groups": groups}
 
     def fits_in_place(self, url: str, *, checked: bool) -> bool:
         """Whether :meth:`load` reads ``url`` in place (``checked``: checking every item's
@@ -88,6 +112,7 @@ class TrainState:
         rank that did not exist at save time keeps its seeded RNG), and whether DCP
         planned the load.
         """
+        self._kept = None  # a planned load replaces the optimizer's state tensors
         reader = ShardReader(url, threads=threads)
         objects = self._objects(reader)
         plan = self._in_place(reader, objects)
@@ -155,6 +180,13 @@ class TrainState:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
         return {k: state[k].getvalue() for k in objects}
+
+
+def _live_objects(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+    """The live parameters, buffers and optimizer state tensors, in a fixed order."""
+    return [*model.parameters(), *model.buffers(),
+            *(v for group in optimizer.param_groups for p in group["params"]
+              for v in optimizer.state.get(p, {}).values())]
 
 
 def _live_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:

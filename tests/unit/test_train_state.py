@@ -1,0 +1,66 @@
+"""What TrainState hands DCP to save: the state dict kept from one save to the next while
+the live tensors are the same, always equal to a fresh ``get_state_dict``."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from llmtrain.checkpoint.state import TrainState
+
+
+class _Position:  # the data sampler's part of the state
+    def state_dict(self) -> dict:
+        return {"consumed": 0}
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def _step(model, optimizer, scheduler) -> None:
+    model(torch.randn(4, 8)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+def _same(saved: dict, fresh: dict) -> bool:
+    flat = lambda d, pre="": {f"{pre}{k}": v for key, val in d.items() for k, v in (  # noqa
+        flat(val, f"{key}.").items() if isinstance(val, dict) else [(key, val)])}
+    a, b = flat(saved), flat(fresh)
+    return a.keys() == b.keys() and all(
+        torch.equal(x.full_tensor(), y.full_tensor()) if hasattr(x, "full_tensor") else
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in
+        ((a[k], b[k]) for k in a))
+
+
+def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+    state = TrainState(model, optimizer, scheduler, _Position(), 0, torch.device("cpu"))
+    _step(model, optimizer, scheduler)
+    first = state.state_dict(1)
+    for step in (2, 3):
+        _step(model, optimizer, scheduler)  # weights, moments, step and rate all change
+        saved = state.state_dict(step)
+        assert saved["model"] is first["model"]  # kept: no walk over the modules
+        fresh = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+        assert _same({k: saved[k] for k in fresh}, fresh)
+        assert saved["optim"]["param_groups"][0]["lr"] == scheduler.get_last_lr()[0]
+    for moments in optimizer.state.values():  # new tensors, as set_state_dict may make
+        moments["exp_avg"] = moments["exp_avg"].clone()
+    _step(model, optimizer, scheduler)
+    saved = state.state_dict(4)
+    assert saved["model"] is not first["model"]
+    fresh = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    assert _same({k: saved[k] for k in fresh}, fresh)
