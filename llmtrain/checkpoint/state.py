@@ -51,6 +51,7 @@ class TrainState:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.data, self.rank, self.device = data, rank, device
         self._kept: tuple[list, dict, dict] | None = None  # see _tensor_state
+        self._opened: tuple[str, ShardReader] | None = None  # see _reader
 
     def _trainer_bytes(self, step: int) -> io.BytesIO:
         blob = {"step": step, "scheduler": self.scheduler.state_dict(),
@@ -91,7 +92,7 @@ class TrainState:
     def fits_in_place(self, url: str, *, checked: bool) -> bool:
         """Whether :meth:`load` reads ``url`` in place (``checked``: checking every item's
         sum as it reads it). ``url``'s ``.metadata`` must be verified already."""
-        reader = ShardReader(url)
+        reader = self._reader(url)
         plan = self._in_place(reader, self._objects(reader))
         return plan is not None and fits_in_place(reader, *plan, checked=checked)
 
@@ -113,7 +114,8 @@ class TrainState:
         planned the load.
         """
         self._kept = None  # a planned load replaces the optimizer's state tensors
-        reader = ShardReader(url, threads=threads)
+        reader = self._reader(url)
+        reader.threads, self._opened = threads, None
         objects = self._objects(reader)
         plan = self._in_place(reader, objects)
         values = None if plan is None else self._load_in_place(reader, *plan, check=check)
@@ -128,6 +130,14 @@ class TrainState:
             _set_rng_state(torch.load(io.BytesIO(values[rng_key]), weights_only=True),
                            self.device)
         return trainer["step"], rng_key in values, planned
+
+    def _reader(self, url: str) -> ShardReader:
+        """A reader of ``url``, kept from :meth:`fits_in_place` for the :meth:`load` that
+        follows it, so that a resume unpickles the checkpoint's ``.metadata`` once, not
+        twice (at thousands of ranks it lists every rank's chunk of every tensor)."""
+        if self._opened is None or self._opened[0] != url:
+            self._opened = (url, ShardReader(url))
+        return self._opened[1]
 
     def _objects(self, reader: ShardReader) -> list[str]:
         """The non-tensor items this rank loads: the trainer's, and its RNG if saved."""

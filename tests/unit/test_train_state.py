@@ -12,8 +12,13 @@ from llmtrain.checkpoint.state import TrainState
 
 
 class _Position:  # the data sampler's part of the state
+    consumed = 0
+
     def state_dict(self) -> dict:
-        return {"consumed": 0}
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = state["consumed"]
 
 
 @pytest.fixture
@@ -64,3 +69,35 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     assert saved["model"] is not first["model"]
     fresh = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     assert _same({k: saved[k] for k in fresh}, fresh)
+
+
+def test_a_resume_unpickles_the_checkpoints_metadata_once(group, tmp_path, monkeypatch):
+    """The reader that found the checkpoint loadable in place is the one that loads it:
+    one ``.metadata`` unpickled per resume (at scale it lists every rank's chunks)."""
+    from llmtrain.checkpoint import state as state_module
+    from llmtrain.checkpoint.manager import CheckpointManager
+    from llmtrain.config import CheckpointConfig
+    from llmtrain.events import EventLog
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = TrainState(model, optimizer, scheduler, _Position(), 0, torch.device("cpu"))
+    _step(model, optimizer, scheduler)
+    manager = CheckpointManager(CheckpointConfig(mode="sync", save_on_signal=False),
+                                str(tmp_path / "ckpt"), manifest_base={},
+                                events=EventLog(str(tmp_path / "run"), 0),
+                                device=torch.device("cpu"))
+    manager.save(1, state)
+    opened = []
+
+    class Counted(state_module.ShardReader):
+        def __init__(self, *args, **kwargs):
+            opened.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(state_module, "ShardReader", Counted)
+    assert manager.resume(state) == 1
+    assert len(opened) == 1, opened
+    manager.close()
