@@ -16,7 +16,6 @@ group that only the training thread uses.
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from concurrent import futures
@@ -91,7 +90,6 @@ class CheckpointManager:
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
         self.vote: tuple[dist.Work, torch.Tensor] | None = None  # cast, not yet decided
-        self.vote_step = 0  # the step the next vote is decided (and one cast) at
         self.vote_every = 1  # steps between votes, agreed by the last one (see due)
         self.cast: tuple[int, float] | None = None  # the step and time the last was cast
         self.voted = False  # this rank has voted to stop
@@ -121,7 +119,7 @@ class CheckpointManager:
         """
         c = self.cfg
         by_step = bool(c.interval_steps) and step % c.interval_steps == 0
-        if self.cast is not None and self.cast[0] < step < self.vote_step:
+        if self.cast is not None and self.cast[0] < step < self.cast[0] + self.vote_every:
             return by_step, False  # (a rollback that went back before the vote decides it)
         by_time = by_signal = by_vote = by_request = False
         if self.vote is not None:
@@ -140,7 +138,6 @@ class CheckpointManager:
         self.vote = None if stop else (
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group,
                             async_op=True), flags)
-        self.vote_step = step + self.vote_every
         if by_vote and not self.voted and not by_signal:
             self.stopped_by_peer = True
         if by_signal:
@@ -161,7 +158,7 @@ class CheckpointManager:
         if not self.cfg.vote_interval_s or cast is None or step <= cast[0]:
             return 1
         pace = (now - cast[1]) / (step - cast[0])
-        return max(1, math.floor(self.cfg.vote_interval_s / pace)) if pace > 0 else 1
+        return max(1, int(self.cfg.vote_interval_s / pace)) if pace > 0 else 1
 
     # -- save -------------------------------------------------------------------------
 
