@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from llmtrain.checkpoint.shards import ShardReader, fits_in_place, read_in_place
+from llmtrain.checkpoint.shards import (ShardReader, fits_in_place, no_gc, read_in_place,
+                                       stored_object)
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.model import global_offset, unwrapped_name
 
@@ -113,6 +114,10 @@ class TrainState:
         rank that did not exist at save time keeps its seeded RNG), and whether DCP
         planned the load.
         """
+        with no_gc():
+            return self._load(url, threads, check)
+
+    def _load(self, url: str, threads: int, check: bool) -> tuple[int, bool, bool]:
         self._kept = None  # a planned load replaces the optimizer's state tensors
         reader = self._reader(url)
         reader.threads, self._opened = threads, None
@@ -127,7 +132,7 @@ class TrainState:
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.load_state_dict(trainer["data"])
         if rng_key in values:
-            _set_rng_state(torch.load(io.BytesIO(values[rng_key]), weights_only=True),
+            _set_rng_state(stored_object(values[rng_key]),
                            self.device)
         return trainer["step"], rng_key in values, planned
 
@@ -167,8 +172,7 @@ class TrainState:
         got = read_in_place(reader, tensors, items, check=check)
         if got is None:
             return None
-        with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles every object
-            values = {k: torch.load(io.BytesIO(v), weights_only=True) for k, v in got.items()}
+        values = {k: stored_object(v) for k, v in got.items()}  # DCP pickles every object
         for i, group in enumerate(self.optimizer.param_groups):
             group.update({k: values[f"optim.param_groups.{i}.{k}"] for k in group
                           if k != "params"})

@@ -31,6 +31,7 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
               file=sys.stderr)
         stop_agent(ExitCode.EXCLUDE_NODE)
         return ExitCode.EXCLUDE_NODE
+    gc.freeze()  # torch's modules: no full collection in the start and resume scans them
     try:
         trainer = Trainer(cfg, plan)
     except (ConfigError, ShardError) as e:

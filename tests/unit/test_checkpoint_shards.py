@@ -190,3 +190,35 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     got = shards.read_in_place(ShardReader(url), tensors, ["blob"])
     assert list(got) == ["blob"] and not torch.equal(tensors[("w", (0, 0))], want["w"])
     assert torch.equal(tensors[("t", (0, 0))], want["t"])
+
+
+class _RunsCode:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_stored_objects_decode_as_torch_load_does_and_never_run_code(tmp_path, monkeypatch):
+    """Small items (DCP's torch.save archives) are read by a plain-values unpickler,
+    without torch.load; an RNG state's tensors go to torch.load(weights_only=True); a
+    pickle that would call anything else is refused by both and runs nothing."""
+    def stored(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    plain = [1e-3, (0.9, 0.95), False, None, 7, "x", {"a": [1, 2.5]}, b"\x00\xff",
+             io.BytesIO(b'{"step": 3}')]
+    archives = [stored(value) for value in plain]
+    with monkeypatch.context() as m:
+        m.setattr(torch, "load", None)  # the plain values never need it
+        got = [shards.stored_object(a) for a in archives]
+    assert got[:-1] == plain[:-1] and got[-1].getvalue() == b'{"step": 3}'
+    rng = shards.stored_object(stored({"torch": torch.get_rng_state()}))
+    assert torch.equal(rng["torch"], torch.get_rng_state())
+    planted = tmp_path / "ran"
+    with pytest.raises(Exception, match="system|Unsupported|not allowed|global"):
+        shards.stored_object(stored(_RunsCode(planted)))
+    assert not planted.exists()

@@ -1,6 +1,8 @@
 """What TrainState hands DCP to save: the state dict kept from one save to the next while
 the live tensors are the same, always equal to a fresh ``get_state_dict``."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,6 +10,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.state import TrainState
 
 
@@ -71,9 +74,11 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     assert _same({k: saved[k] for k in fresh}, fresh)
 
 
-def test_a_resume_unpickles_the_checkpoints_metadata_once(group, tmp_path, monkeypatch):
+def test_a_resume_unpickles_the_metadata_once_and_a_load_runs_no_collection(
+        group, tmp_path, monkeypatch):
     """The reader that found the checkpoint loadable in place is the one that loads it:
-    one ``.metadata`` unpickled per resume (at scale it lists every rank's chunks)."""
+    one ``.metadata`` unpickled per resume (at scale it lists every rank's chunks). And
+    no cyclic collection runs inside a load (a full one took six times a warm load)."""
     from llmtrain.checkpoint import state as state_module
     from llmtrain.checkpoint.manager import CheckpointManager
     from llmtrain.config import CheckpointConfig
@@ -100,4 +105,10 @@ def test_a_resume_unpickles_the_checkpoints_metadata_once(group, tmp_path, monke
     monkeypatch.setattr(state_module, "ShardReader", Counted)
     assert manager.resume(state) == 1
     assert len(opened) == 1, opened
+    collecting = []  # whether a collection could run, seen in the middle of a load
+    read = state_module.read_in_place
+    monkeypatch.setattr(state_module, "read_in_place", lambda *args, **kwargs: (
+        collecting.append(gc.isenabled()), read(*args, **kwargs))[1])
+    state.load(storage.step_dir(str(tmp_path / "ckpt"), 1))
+    assert collecting == [False] and gc.isenabled()
     manager.close()
