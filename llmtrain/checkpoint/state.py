@@ -132,8 +132,7 @@ class TrainState:
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.data.load_state_dict(trainer["data"])
         if rng_key in values:
-            _set_rng_state(stored_object(values[rng_key]),
-                           self.device)
+            _set_rng_state(stored_object(values[rng_key]), self.device)
         return trainer["step"], rng_key in values, planned
 
     def _reader(self, url: str) -> ShardReader:
