@@ -107,8 +107,12 @@ def test_a_resume_unpickles_the_metadata_once_and_a_load_runs_no_collection(
     assert len(opened) == 1, opened
     collecting = []  # whether a collection could run, seen in the middle of a load
     read = state_module.read_in_place
-    monkeypatch.setattr(state_module, "read_in_place", lambda *args, **kwargs: (
-        collecting.append(gc.isenabled()), read(*args, **kwargs))[1])
+
+    def watched(*args, **kwargs):
+        collecting.append(gc.isenabled())
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(state_module, "read_in_place", watched)
     state.load(storage.step_dir(str(tmp_path / "ckpt"), 1))
     assert collecting == [False] and gc.isenabled()
     manager.close()
