@@ -27,21 +27,34 @@ def _rng_state(device: torch.device) -> dict:
     """The RNG states of this rank: Python's, the CPU's and, on a GPU, its own GPU's only
     (every rank sees all the node's GPUs, but draws only on its own; another rank's
     generator is that rank's to save, and a list of all of them would not restore on a
-    node showing fewer GPUs)."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    node showing fewer GPUs). Generator states are kept as bytes, not tensors, so the
+    whole item is plain values that a load decodes without torch.load (whose unpickler,
+    in Python, took about 1 ms for the 625 numbers of Python's state)."""
+    state = {"python": random.getstate(), "torch": _as_bytes(torch.get_rng_state())}
     if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
+        state["cuda"] = _as_bytes(torch.cuda.get_rng_state(device))
     return state
+
+
+def _as_bytes(generator_state: torch.Tensor) -> bytes:
+    return generator_state.numpy().tobytes()
+
+
+def _as_tensor(saved: bytes | torch.Tensor) -> torch.Tensor:
+    """A generator state as torch takes it; checkpoints written before hold tensors."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    return torch.frombuffer(bytearray(saved), dtype=torch.uint8)
 
 
 def _set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(_as_tensor(state["torch"]))
     if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(_own_gpu_rng(state["cuda"], device.index), device)
+        torch.cuda.set_rng_state(_as_tensor(_own_gpu_rng(state["cuda"], device.index)), device)
 
 
-def _own_gpu_rng(saved: torch.Tensor | list[torch.Tensor], index: int) -> torch.Tensor:
+def _own_gpu_rng(saved, index: int):
     """This rank's GPU RNG state as saved: checkpoints written before it was saved alone
     hold a list of every visible GPU's, of which the rank's device ``index`` is its own."""
     return saved[index] if isinstance(saved, list) else saved
@@ -92,7 +105,7 @@ class TrainState:
 
     def fits_in_place(self, url: str, *, checked: bool) -> bool:
         """Whether :meth:`load` reads ``url`` in place (``checked``: checking every item's
-        sum as it reads it). ``url``'s ``.metadata`` must be verified already."""
+        sum as it reads it). ``url``'s files must be verified already."""
         reader = self._reader(url)
         plan = self._in_place(reader, self._objects(reader))
         return plan is not None and fits_in_place(reader, *plan, checked=checked)
@@ -137,8 +150,8 @@ class TrainState:
 
     def _reader(self, url: str) -> ShardReader:
         """A reader of ``url``, kept from :meth:`fits_in_place` for the :meth:`load` that
-        follows it, so that a resume unpickles the checkpoint's ``.metadata`` once, not
-        twice (at thousands of ranks it lists every rank's chunk of every tensor)."""
+        follows it, so that a resume reads the checkpoint's index once, not twice (at
+        thousands of ranks it lists every rank's chunk of every tensor)."""
         if self._opened is None or self._opened[0] != url:
             self._opened = (url, ShardReader(url))
         return self._opened[1]
@@ -146,8 +159,7 @@ class TrainState:
     def _objects(self, reader: ShardReader) -> list[str]:
         """The non-tensor items this rank loads: the trainer's, and its RNG if saved."""
         rng_key = f"rng.{self.rank}"
-        return ["trainer", *([rng_key] if rng_key in reader.read_metadata().state_dict_metadata
-                             else [])]
+        return ["trainer", *([rng_key] if (rng_key, None) in reader.stored_items() else [])]
 
     def _in_place(self, reader: ShardReader, objects: list[str]) -> tuple[dict, list] | None:
         """(live shards, items to read with them) when the checkpoint's model and
@@ -157,7 +169,7 @@ class TrainState:
             return None
         groups = [f"optim.param_groups.{i}.{k}"
                   for i, g in enumerate(self.optimizer.param_groups) for k in g if k != "params"]
-        saved_keys = {k for k in reader.read_metadata().state_dict_metadata
+        saved_keys = {k for k, _ in reader.stored_items()
                       if k.startswith(("model.", "optim.")) and not k.endswith(".params")}
         if saved_keys != {fqn for fqn, _ in tensors} | set(groups):
             return None

@@ -6,6 +6,8 @@ Layout of one checkpoint, ``<checkpoint url>/step-00000100/``::
                        none: DCP writes a replicated tensor once); tensors as raw
                        bytes, see :mod:`llmtrain.checkpoint.shards`
     .metadata          DCP's index of the shards (a pickle)
+    ITEMS.json         the same places of the stored items, as plain data, for a restart
+                       at the saved world size (it needs nothing else from .metadata)
     MANIFEST.json      written last, by rank 0, once every rank's files are written:
                        step, world, config digest, timings, and each file's size and sum:
                        ``sha256`` of the file (``.metadata``, checkpoints before item sums),
@@ -19,12 +21,15 @@ after DCP has written ``.metadata``, the coordinator writes ``MANIFEST.json`` wi
 :func:`llmtrain.fsio.write_atomic` (see there for what each storage kind guarantees). A
 directory without a manifest is incomplete and never loaded.
 
-Security rule: ``.metadata`` and the non-tensor items in the shards (and the tensors of
-checkpoints written before the raw format) are unpickled by DCP, so loading them can run
-code. :func:`verify` checks every file against the manifest before DCP opens any of
-them, which protects against corruption and files swapped in from elsewhere; it cannot
-protect against someone able to rewrite the manifest too. Only resume from storage the
-job's own identity controls.
+Security rule: a restart at the saved world size reads ITEMS.json and decodes the
+non-tensor items with an unpickler that builds plain values only
+(:func:`llmtrain.checkpoint.shards.stored_object`), so it runs no code from the
+checkpoint. A resharding load, and any load of a checkpoint written before ITEMS.json,
+goes through DCP, which unpickles ``.metadata`` (and the tensors of checkpoints written
+before the raw format), and that can run code. :func:`verify` checks every file against
+the manifest before any of them is opened, which protects against corruption and files
+swapped in from elsewhere; it cannot protect against someone able to rewrite the
+manifest too. Only resume from storage the job's own identity controls.
 
 Item sums let a reader check exactly the bytes it reads: a restart at the saved world size
 checks each item as it loads it (:func:`llmtrain.checkpoint.shards.read_in_place`) and
@@ -209,6 +214,9 @@ class CommitWriter(FsspecWriter):
                 plain[-1].append(dataclasses.replace(r, storage_data=info))
         super().finish(metadata, plain)
         files[".metadata"] = self.fs.sums[".metadata.tmp"]
+        with self.fs.create_stream(self.fs.concat_path(self.path, shards.ITEMS), "wb") as f:
+            f.write(shards.items_json(shards.metadata_items(metadata)))
+        files[shards.ITEMS] = self.fs.sums[shards.ITEMS]
         self.fence(f"the commit of {self.url}")
         manifest = {**self.manifest, "files": dict(sorted(files.items())),
                     "bytes": sum(f["size"] for f in files.values()),

@@ -74,11 +74,14 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     assert _same({k: saved[k] for k in fresh}, fresh)
 
 
-def test_a_resume_unpickles_the_metadata_once_and_a_load_runs_no_collection(
+def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collection(
         group, tmp_path, monkeypatch):
-    """The reader that found the checkpoint loadable in place is the one that loads it:
-    one ``.metadata`` unpickled per resume (at scale it lists every rank's chunks). And
-    no cyclic collection runs inside a load (a full one took six times a warm load)."""
+    """A restart at the saved world size finds its items in ITEMS.json, through the one
+    reader that found the checkpoint loadable in place: DCP's ``.metadata`` (a pickle,
+    listing every rank's chunks) is not unpickled at all. A checkpoint written before
+    ITEMS.json loads in place from ``.metadata``. And no cyclic collection runs inside a
+    load (a full one took six times a warm load)."""
+    from llmtrain.checkpoint import shards
     from llmtrain.checkpoint import state as state_module
     from llmtrain.checkpoint.manager import CheckpointManager
     from llmtrain.config import CheckpointConfig
@@ -95,7 +98,9 @@ def test_a_resume_unpickles_the_metadata_once_and_a_load_runs_no_collection(
                                 events=EventLog(str(tmp_path / "run"), 0),
                                 device=torch.device("cpu"))
     manager.save(1, state)
-    opened = []
+    saved = [t.detach().clone() for t in state_module._live_objects(model, optimizer)]
+    _step(model, optimizer, scheduler)
+    opened, unpickled = [], []
 
     class Counted(state_module.ShardReader):
         def __init__(self, *args, **kwargs):
@@ -103,8 +108,15 @@ def test_a_resume_unpickles_the_metadata_once_and_a_load_runs_no_collection(
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(state_module, "ShardReader", Counted)
+    monkeypatch.setattr(shards.FsspecReader, "read_metadata",
+                        lambda *a, **k: unpickled.append(1) or 1 / 0)
     assert manager.resume(state) == 1
-    assert len(opened) == 1, opened
+    assert len(opened) == 1 and unpickled == [], (opened, unpickled)
+    assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved))
+    monkeypatch.undo()
+
+    url = storage.step_dir(str(tmp_path / "ckpt"), 1)
+    (tmp_path / "ckpt" / "step-00000001" / shards.ITEMS).unlink()  # as written before it
     collecting = []  # whether a collection could run, seen in the middle of a load
     read = state_module.read_in_place
 
@@ -113,6 +125,8 @@ def test_a_resume_unpickles_the_metadata_once_and_a_load_runs_no_collection(
         return read(*args, **kwargs)
 
     monkeypatch.setattr(state_module, "read_in_place", watched)
-    state.load(storage.step_dir(str(tmp_path / "ckpt"), 1))
+    _step(model, optimizer, scheduler)
+    assert state.load(url) == (1, True, False)  # step, its RNG, not planned: in place
     assert collecting == [False] and gc.isenabled()
+    assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved))
     manager.close()
