@@ -313,20 +313,20 @@ class ShardReader(FsspecReader):
         """Fills every range's destination, ``threads`` reads at a time. A local file's
         back-to-back ranges (a shard file's items are) are read by one ``preadv`` of up
         to READ_PIECE bytes, so a state of many small tensors costs a few dozen calls,
-        not one call and one task handed to a thread per tensor."""
+        not one call and one task handed to a thread per tensor. Each thread reads one
+        stretch of the files in order, through descriptors of its own, so the kernel
+        sees sequential reads and reads ahead: 16 MiB pieces dealt out in turn to 4
+        threads sharing one descriptor per file read a cold 286 MB checkpoint in
+        145-187 ms here, against 93 ms for one thread."""
         if not ranges:
             return
         local = is_local(self._fs)
         runs = _runs(ranges, READ_PIECE if local else BATCH, _IOV_MAX if local else None)
-        pool = _readers(min(self.threads, len(runs)))
+        threads = min(self.threads, len(runs))
+        pool = _readers(threads)
         if local:
-            fds = {p: os.open(p, os.O_RDONLY) for p in {r.path for r in ranges}}
-            try:
-                for _ in pool.map(lambda run: _preadv(fds[run[0].path], run), runs):
-                    pass
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
+            for _ in pool.map(_read_stretch, _stretches(runs, threads)):
+                pass
             return
         for _ in pool.map(self._cat_ranges, runs):
             pass
@@ -505,6 +505,34 @@ def _runs(ranges: list[_Range], limit: int, iovecs: int | None) -> list[list[_Ra
         runs[-1].append(r)
         size += len(r.dest)
     return runs
+
+
+def _stretches(runs: list[list[_Range]], count: int) -> list[list[list[_Range]]]:
+    """``runs`` (in file order) cut into up to ``count`` consecutive stretches of about
+    equal bytes."""
+    total = sum(len(r.dest) for run in runs for r in run)
+    stretches: list[list[list[_Range]]] = [[]]
+    done = 0
+    for run in runs:
+        if stretches[-1] and done >= total * len(stretches) / count:
+            stretches.append([])
+        stretches[-1].append(run)
+        done += sum(len(r.dest) for r in run)
+    return stretches
+
+
+def _read_stretch(runs: list[list[_Range]]) -> None:
+    """Reads consecutive runs in order, through descriptors of this thread's own."""
+    fds: dict[str, int] = {}
+    try:
+        for run in runs:
+            path = run[0].path
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+            _preadv(fds[path], run)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _preadv(fd: int, run: list[_Range]) -> None:
