@@ -107,6 +107,10 @@ def test_raw_items_round_trip_on_local_disk_and_in_batched_ranges(tmp_path, monk
     # every item has its sum; the tensors are raw, the BytesIO as it is
     assert all(shards.item_sum(i) for i in items.values())
     assert sorted(RAW in i.transform_descriptors for i in items.values()) == [False] + [True] * 5
+    # ITEMS.json (in the manifest, so verified) says what .metadata says, as plain data
+    assert shards.ITEMS in storage.read_manifest(url)["files"]
+    assert reader.stored_items() == shards.metadata_items(reader.read_metadata())
+    assert reader.stored_items()[("h", (0,))].dtype is torch.bfloat16
     got = empty_like(want)
     monkeypatch.setattr(shards, "READ_PIECE", 4096)
     dcp.load(got, storage_reader=reader, no_dist=True)
