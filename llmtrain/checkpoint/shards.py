@@ -18,9 +18,10 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
   some reshardings), split into pieces that several threads read ahead in parallel;
   object stores get the ranges in batches (``cat_ranges``). A restart at the world size
   of the save skips DCP's planning too (:func:`read_in_place`): each saved chunk is
-  looked up by name and offset and read into the live shard at that place, and checked
-  against its sum once read, so a resume reads its data once, not once to verify it and
-  again to load it.
+  looked up by name and offset in :data:`ITEMS` (the places ``.metadata`` lists, as
+  plain data: nothing is unpickled) and read into the live shard at that place, and
+  checked against its sum once read, so a resume reads its data once, not once to
+  verify it and again to load it.
 
 Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
 written as they are). Items without the descriptor (checkpoints written before this
