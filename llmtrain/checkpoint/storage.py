@@ -308,17 +308,18 @@ def _file_sum(fs, path: str, algorithm: str = "sha256", start: int = 0,
 
 def _items(url: str, root: str, fs, manifest: dict) -> dict[str, list] | str:
     """{shard file: [(first byte, length, name, (algorithm, digest)) of each item, in file
-    order]} from ``.metadata``, once its own sum matches the manifest's (it is
-    unpickled); a string saying why not otherwise."""
-    meta = manifest["files"].get(".metadata", {})
-    path = posixpath.join(root, ".metadata")
+    order]} from the checkpoint's index (ITEMS.json, or ``.metadata`` where it has none),
+    once the index's own sum matches the manifest's; a string saying why not otherwise."""
+    index = shards.ITEMS if shards.ITEMS in manifest["files"] else ".metadata"
+    meta = manifest["files"].get(index, {})
+    path = posixpath.join(root, index)
     if not fs.exists(path) or fs.size(path) != meta.get("size") or \
             _file_sum(fs, path) != meta.get("sha256"):
-        return f"{url}/.metadata: damaged, so the item sums cannot be checked"
+        return f"{url}/{index}: damaged, so the item sums cannot be checked"
     out: dict[str, list] = {}
-    for index, info in shards.ShardReader(url).read_metadata().storage_data.items():
-        out.setdefault(info.relative_path, []).append(
-            (info.offset, info.length, index.fqn, shards.item_sum(info)))
+    for (fqn, _), item in shards.ShardReader(url).stored_items().items():
+        out.setdefault(item.relative_path, []).append(
+            (item.offset, item.length, fqn, shards.item_sum(item)))
     return {name: sorted(items) for name, items in out.items()}
 
 
