@@ -89,6 +89,7 @@ from llmtrain.chaos.nfs import NfsMount
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.manager import CheckpointManager
 from llmtrain.config import ModelConfig, load_config, parse_overrides
+from llmtrain.distributed.process_group import global_mean
 from llmtrain.events import read_events
 from llmtrain.model import count_params
 from llmtrain.trainer import Trainer
@@ -266,10 +267,10 @@ def main() -> None:
     mgr = trainer.checkpoints
     keep_last = cfg.checkpoint.keep_last
     cfg.checkpoint.keep_last = 10**6  # no retention work inside the timed saves
-    sync_mgr = CheckpointManager(dataclasses.replace(cfg.checkpoint, mode="sync",
-                                                     save_on_signal=False), mgr.url,
+    sync_mgr = CheckpointManager(dataclasses.replace(cfg.checkpoint, mode="sync"), mgr.url,
                                  manifest_base=mgr.manifest_base, events=trainer.events,
-                                 device=device)
+                                 device=device, control_group=trainer.control_group,
+                                 timeout_s=cfg.reliability.collective_timeout_s)
     say = print if rank == 0 else (lambda *a, **k: None)
     params = count_params(cfg.model)
     say(f"checkpoint benchmark: {cfg.model.name} ({cfg.model.dim} dim x {cfg.model.n_layers} "
@@ -282,7 +283,7 @@ def main() -> None:
             loss = trainer.train_step(trainer.data.next_step())
             trainer.step += 1
         if loss is not None:
-            trainer.global_mean(loss)  # host sync
+            global_mean(loss)  # host sync
 
     train(max(1, args.warmup_steps))  # AdamW's moments exist from the first step on
 
@@ -427,9 +428,9 @@ def main() -> None:
                 loss = trainer.train_step(trainer.data.next_step())
                 trainer.step = step
                 if step % log_every == 0:
-                    trainer.global_mean(loss)
+                    global_mean(loss)
                 trainer.checkpoint(step)
-            trainer.global_mean(loss)
+            global_mean(loss)
             mgr.wait()  # the segment's last write is paid here, not in the next segment
         return ranks.timed(run) / seg_steps
 

@@ -131,12 +131,6 @@ class CheckpointConfig:
     verify_checksums: bool = _f(True, doc="check every file's checksums before resuming "
                                           "(sizes always)")
     resume: bool = _f(True, doc="resume from the newest checkpoint that verifies")
-    save_on_signal: bool = _f(True, doc="SIGTERM/SIGUSR1: save, then exit RETRYABLE")
-    vote_interval_s: float = _f(1.0, ge=0,
-                                doc="how often ranks agree on a save by time, a signal, a "
-                                    "failed GPU or a stop request: one small all-reduce "
-                                    "about this often, in flight until the next (heard "
-                                    "within two); 0: every step")
     writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")
     reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when loading")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "
@@ -144,6 +138,19 @@ class CheckpointConfig:
     init_from: str = _f("", doc="a Hugging Face Llama directory (config.json + safetensors, "
                                 "e.g. from `llmtrain ckpt export`) whose weights start the "
                                 "run; a checkpoint to resume from takes precedence")
+
+
+@dataclass
+class ControlConfig:
+    """What all ranks decide together, with checkpointing on or off (llmtrain/control.py)."""
+    save_on_signal: bool = _f(True, doc="SIGTERM/SIGUSR1: every rank stops at one step, "
+                                        "saving first when checkpoints are on, then exits "
+                                        "RETRYABLE")
+    vote_interval_s: float = _f(1.0, ge=0,
+                                doc="how often ranks agree on a save by time, a signal, a "
+                                    "failed GPU or a stop request: one small all-reduce "
+                                    "about this often, in flight until the next (heard "
+                                    "within two); 0: every step")
 
 
 @dataclass
@@ -243,10 +250,11 @@ class WarmConfig:
     budget_s: float = _f(30.0, gt=0, doc="a warm recovery not done in this time falls "
                                          "back to the cold path (a restart under torchrun)")
     evict_wait_s: float = _f(2.0, gt=0, doc="a hang's stuck ranks are killed by their "
-                                            "agents for the warm path to replace; no word "
-                                            "from an agent in this time (its node cut off) "
-                                            "sends the hang cold. Above the launcher's "
-                                            "monitor interval")
+                                            "agents for the warm path to replace; a rank "
+                                            "whose agent says nothing in this time (its "
+                                            "node cut off) is marked gone and replaced all "
+                                            "the same. Above the launcher's monitor "
+                                            "interval")
 
 
 @dataclass
@@ -309,6 +317,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "training": TrainingConfig,
     "checkpoint": CheckpointConfig,
+    "control": ControlConfig,
     "reliability": ReliabilityConfig,
     "integrity": IntegrityConfig,
     "warm": WarmConfig,
@@ -325,6 +334,7 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     warm: WarmConfig = field(default_factory=WarmConfig)

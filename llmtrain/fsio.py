@@ -59,6 +59,8 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from llmtrain.config import ConfigError
+
 OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"}
 FILE_MODE, DIR_MODE = 0o644, 0o755
 
@@ -138,3 +140,13 @@ def probe_writable(url: str, name: str) -> tuple[fsspec.AbstractFileSystem, str]
     write_atomic(probe, b"ok")
     fs.rm_file(fsspec.core.url_to_fs(probe)[1])
     return fs, path
+
+
+def require_writable(field: str, url: str) -> None:
+    """Fails before any process group starts if ``url`` (config field ``field``) cannot
+    take files, naming the field and what to give instead."""
+    try:
+        probe_writable(url, f".llmtrain-write-test-{os.getpid()}")
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"{field}={url!r} is not writable ({type(e).__name__}: {e}); "
+                          f"give a writable local path or fsspec URL") from None

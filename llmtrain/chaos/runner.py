@@ -73,7 +73,8 @@ import sys
 import threading
 import time
 import tomllib
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -88,13 +89,38 @@ from llmtrain.recovery.warm import job_namespace, spares_waiting
 from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 from llmtrain.stop_request import request_stop
 
-KINDS = ("kill_rank", "kill_in_save", "hang", "desync", "slow_rank", "node_loss", "partition",
-         "lossy_link", "preempt", "enospc", "eio", "gpu_bad", "truncated_shard", "nan",
-         "bitflip")
-NEED_NETNS = ("partition", "lossy_link")  # kinds that need nodes with links of their own
-# kinds that cost no rank: they need no spare waiting, and do not wait while one starts
-KEEP_RANKS = ("slow_rank", "lossy_link", "enospc", "eio", "nan", "bitflip")
 MIXES = Path(__file__).parent / "mixes"
+
+
+@dataclass(frozen=True)
+class FaultKind:
+    """A kind of fault chaos injects: the ``Chaos`` method that injects it and judges the
+    job's answer, and what it needs of the cluster."""
+    name: str
+    inject: Callable[[Chaos], Verdict]
+    needs_netns: bool = False  # nodes with links of their own (network namespaces)
+    keeps_ranks: bool = False  # costs no rank: needs no spare waiting, nor waits for one
+
+
+# name -> kind, in the order the kinds are defined (a schedule's seeded order draws from it)
+FAULT_KINDS: dict[str, FaultKind] = {}
+
+
+def fault_kind(name: str, needs_netns: bool = False, keeps_ranks: bool = False):
+    """Registers the decorated ``Chaos`` method as the fault kind ``name``, so that the
+    kinds chaos schedules, and checks ``--faults`` and mixes against, have one source."""
+    def register(inject: Callable[[Chaos], Verdict]) -> Callable[[Chaos], Verdict]:
+        FAULT_KINDS[name] = FaultKind(name, inject, needs_netns, keeps_ranks)
+        return inject
+    return register
+
+
+def kinds_named(names: str) -> list[FaultKind]:
+    """The kinds a comma-separated list names, or a ConfigError listing the known ones."""
+    unknown = [n for n in names.split(",") if n not in FAULT_KINDS]
+    if unknown:
+        raise ConfigError(f"unknown fault kind(s) {unknown}; known: {', '.join(FAULT_KINDS)}")
+    return [FAULT_KINDS[n] for n in names.split(",")]
 
 
 @dataclass
@@ -105,8 +131,10 @@ class ChaosConfig:
                                    # 3 checkpoint intervals before it
     interval_s: float = 20.0       # mean quiet time after a fault's recovery
     seed: int = 0
-    faults: str = ",".join(KINDS)  # kinds to inject: each once in a seeded order, then
-    repeat: bool = False           # (with repeat) at random until the job nears its end
+    # kinds to inject: each once in a seeded order, then (with repeat) at random until the
+    # job nears its end
+    faults: str = field(default_factory=lambda: ",".join(KINDS))
+    repeat: bool = False
     nodes: int = 2                 # training nodes, one rank each, plus spares
     rank: int | None = None        # the rank every rank-level fault hits (default: random)
     checkpoint_every: int = 20
@@ -136,7 +164,7 @@ def load_mix(name_or_path: str) -> tuple[dict[str, float], str]:
     weights: dict[str, float] = {}
     for cause, entry in doc.get("categories", {}).items():
         kind, count = entry.get("kind"), entry.get("count")
-        if kind not in KINDS:
+        if kind not in FAULT_KINDS:
             raise ConfigError(f"--mix {path}: {cause!r} names kind {kind!r}; choose from {KINDS}")
         if not isinstance(count, (int, float)) or count < 0:
             raise ConfigError(f"--mix {path}: {cause!r} needs a count >= 0, not {count!r}")
@@ -183,6 +211,7 @@ def write_gpu_script(path: Path, healthy: bool) -> None:
 class Chaos:
     def __init__(self, cfg: ChaosConfig):
         self.cfg = cfg
+        self.kinds = kinds_named(cfg.faults)
         self.rng = random.Random(cfg.seed)
         self.dir = Path(cfg.workdir).resolve()
         if self.dir.exists() and any(self.dir.iterdir()):
@@ -215,8 +244,8 @@ class Chaos:
         env = {"LLMTRAIN_FAULTS_FILE": str(self.faults_file)}
         why_not = netns.available() if self.cfg.netns else "--no-netns"
         self.network = netns.Network(self.dir) if why_not is None else None
-        self.left_out = {k: f"nodes on loopback ({why_not})" for k in NEED_NETNS
-                         if why_not is not None}
+        self.left_out = {k.name: f"nodes on loopback ({why_not})"
+                         for k in FAULT_KINDS.values() if k.needs_netns and why_not is not None}
         self.cluster = LocalCluster(self.dir, self.run, f"{self.cfg.nodes}:{self.cfg.nodes}",
                                     (*self.train_args, "--checkpoint.url", str(self.mount.mount)),
                                     max_restarts=100, env=env, network=self.network)
@@ -229,19 +258,20 @@ class Chaos:
             for name in self.names[self.cfg.nodes:]:
                 self._start(name)
             self.spares = job_namespace(self.cluster.store_client(), "local")
-            kinds = [k for k in KINDS if k in self.cfg.faults.split(",")
-                     and (self.cfg.mix is None or k in self.cfg.mix) and k not in self.left_out]
-            weights = [self.cfg.mix[k] for k in kinds] if self.cfg.mix else None
+            kinds = [k for k in FAULT_KINDS.values() if k in self.kinds
+                     and (self.cfg.mix is None or k.name in self.cfg.mix)
+                     and k.name not in self.left_out]
+            weights = [self.cfg.mix[k.name] for k in kinds] if self.cfg.mix else None
             schedule = self.rng.sample(kinds, len(kinds))
             last = self.cfg.steps - 3 * self.cfg.checkpoint_every
             while schedule or self.cfg.repeat:
                 kind = schedule.pop(0) if schedule else self.rng.choices(kinds, weights)[0]
-                self._settle(spare=kind not in KEEP_RANKS)
+                self._settle(spare=not kind.keeps_ranks)
                 if self._step() >= last:
                     break
                 before = len(self.verdicts)
                 try:
-                    getattr(self, f"_{kind}")()
+                    kind.inject(self)
                 except TimeoutError as e:
                     if len(self.verdicts) == before:
                         raise  # the job itself stopped answering, before any fault
@@ -359,6 +389,7 @@ class Chaos:
 
     # -- the faults --------------------------------------------------------------------------
 
+    @fault_kind("kill_rank")
     def _kill_rank(self) -> Verdict:
         rank, info = self._pick_rank()
         v = self._verdict("kill_rank", f"rank {rank} ({info['host']})")
@@ -374,6 +405,7 @@ class Chaos:
         v.diagnosis = f"rank(s) {self._lost_ranks(rec)} died silently; " + v.diagnosis
         return v
 
+    @fault_kind("kill_in_save")
     def _kill_in_save(self) -> Verdict:
         rank, info = self._pick_rank()
         v = self._verdict("kill_in_save", f"rank {rank} ({info['host']})")
@@ -394,6 +426,7 @@ class Chaos:
                     "restart from the previous committed checkpoint")
         return v
 
+    @fault_kind("hang")
     def _hang(self) -> Verdict:
         rank, info = self._pick_rank()
         v = self._verdict("hang", f"rank {rank} ({info['host']})")
@@ -424,6 +457,7 @@ class Chaos:
         if marker.exists():
             v.injected_at = marker.stat().st_mtime
 
+    @fault_kind("desync")
     def _desync(self) -> Verdict:
         rank, v = self._arm_ahead("desync", "desync@step")
         node = self._ranks()[rank]["host"]
@@ -445,6 +479,7 @@ class Chaos:
         v.correct = rank in seen.get("culprits", [])
         v.action = f"flight-recorder report {seen['id']}"
 
+    @fault_kind("slow_rank", keeps_ranks=True)
     def _slow_rank(self) -> Verdict:
         rank, info = self._pick_rank()
         v = self._verdict("slow_rank", f"rank {rank} ({info['host']})")
@@ -474,6 +509,7 @@ class Chaos:
         v.recover_s, v.steps_lost = 0.0, 0
         return v
 
+    @fault_kind("node_loss")
     def _node_loss(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
@@ -494,6 +530,7 @@ class Chaos:
         self._start(node)  # repaired: the next spare
         return v
 
+    @fault_kind("partition", needs_netns=True)
     def _partition(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
@@ -526,6 +563,7 @@ class Chaos:
         v.action = f"{v.action}; fenced on its return" if fenced else v.action
         return v
 
+    @fault_kind("lossy_link", needs_netns=True, keeps_ranks=True)
     def _lossy_link(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
@@ -549,6 +587,7 @@ class Chaos:
         v.recover_s, v.steps_lost = 0.0, 0
         return v
 
+    @fault_kind("preempt")
     def _preempt(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
@@ -595,12 +634,15 @@ class Chaos:
         v.recover_s, v.steps_lost = 0.0, 0
         return v
 
+    @fault_kind("enospc", keeps_ranks=True)
     def _enospc(self) -> Verdict:
         return self._storage_error("enospc", "ENOSPC")
 
+    @fault_kind("eio", keeps_ranks=True)
     def _eio(self) -> Verdict:
         return self._storage_error("eio", "EIO")
 
+    @fault_kind("gpu_bad")
     def _gpu_bad(self) -> Verdict:
         rank, info = self._pick_rank()
         node = info["host"]
@@ -625,6 +667,7 @@ class Chaos:
         self._start(node)
         return v
 
+    @fault_kind("truncated_shard")
     def _truncated_shard(self) -> Verdict:
         since = time.time()
         newest = self._wait(lambda: self._latest("checkpoint_committed", since),
@@ -648,6 +691,7 @@ class Chaos:
                     "no older checkpoint: started over")
         return v
 
+    @fault_kind("nan", keeps_ranks=True)
     def _nan(self) -> Verdict:
         rank, v = self._arm_ahead("nan", "nan@loss")
         seen = self._wait(lambda: self._latest("step_skipped", v.injected_at), "step_skipped", 120)
@@ -661,6 +705,7 @@ class Chaos:
         v.recover_s, v.steps_lost = 0.0, 1
         return v
 
+    @fault_kind("bitflip", keeps_ranks=True)
     def _bitflip(self) -> Verdict:
         rank, v = self._arm_ahead("bitflip", "bitflip@step", keys="bit=12,")
         seen = self._wait(lambda: self._latest("state_check_failed", v.injected_at),
@@ -697,7 +742,8 @@ class Chaos:
                   "correct": sum(v.correct for v in self.verdicts),
                   "committed_checkpoints_lost": self._lost_checkpoints()}
         result["left_out"] = self.left_out
-        result.update(self._ettr())
+        recoveries = [v.recover_s for v in self.verdicts if v.recover_s]
+        result.update(measured_ettr(self._events(), recoveries, self.cfg.checkpoint_every))
         if self.cfg.reference and finished:
             result["bitwise_equal_to_reference"] = self._compare(end["steps"])
         result["verdicts"] = [asdict(v) for v in self.verdicts]
@@ -722,21 +768,6 @@ class Chaos:
                 lost.append(step)
         return sorted(set(lost))
 
-    def _ettr(self) -> dict:
-        final = self._latest("goodput")
-        if final is None:
-            return {}
-        restarts = [v for v in self.verdicts if v.recover_s]
-        steps = self._events("step")
-        step_s = sorted(e["step_time_s"] for e in steps)[len(steps) // 2]
-        mtbf = final["wall_s"] / max(1, len(restarts))
-        restart_cost = (sum(v.recover_s for v in restarts) / len(restarts)) if restarts else 0.0
-        predicted = goodput.expected_ettr(final["save_cost_s"] or 0.0,
-                                          self.cfg.checkpoint_every * step_s, mtbf,
-                                          restart_cost)
-        return {"ettr": final["ettr"], "ettr_predicted": predicted, "wall_s": final["wall_s"],
-                "badput_s": final["badput"], "mtbf_s": mtbf, "restart_cost_s": restart_cost}
-
     def _compare(self, final_step: int) -> bool:
         """Trains the same job without faults at the same world size, then compares the
         final weights bit for bit. The reference saves only its last step and checks no
@@ -759,6 +790,28 @@ class Chaos:
         a, b = (load_unsharded(storage.step_dir(str(root), final_step))["model"]
                 for root in (ref / "checkpoints", self.mount.root))
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def measured_ettr(events: list[dict], recover_s: list[float], checkpoint_every: int) -> dict:
+    """The run's ETTR from its whole event log, the number ``llmtrain report`` states (the
+    trainer's last ``goodput`` event is taken before the ranks' shutdown and the launchers'
+    exit, and reads higher), against the Young/Daly model's for the save cost, the
+    recoveries' mean time (``recover_s``, one per fault that cost one) and the failure rate
+    measured."""
+    b = goodput.account(events)
+    step_times = sorted(e["step_time_s"] for e in events if e["event"] == "step")
+    if b.wall_s == 0 or not step_times:
+        return {}
+    mtbf = b.wall_s / max(1, len(recover_s))
+    restart_cost = sum(recover_s) / len(recover_s) if recover_s else 0.0
+    predicted = goodput.expected_ettr(b.save_cost_s or 0.0,
+                                      checkpoint_every * step_times[len(step_times) // 2],
+                                      mtbf, restart_cost)
+    return {"ettr": b.ettr, "ettr_predicted": predicted, "wall_s": b.wall_s,
+            "badput_s": b.badput_s, "mtbf_s": mtbf, "restart_cost_s": restart_cost}
+
+
+KINDS = tuple(FAULT_KINDS)  # every kind's name, as the registrations above made them
 
 
 def skipped_at_last(events: list[dict]) -> list[int]:

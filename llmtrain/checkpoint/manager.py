@@ -9,14 +9,17 @@ training ones. One save is in flight at most. A failed save, whatever the error,
 every committed checkpoint as it was: the failure becomes an event and the next interval
 tries again.
 
-Decisions every rank must take together (a time-based or signal-triggered save, which
-checkpoint to resume from) go through a small all-reduce or broadcast on a second gloo
-group that only the training thread uses.
+Decisions every rank must take together (whether a step was committed already, which
+checkpoint to resume from) go through a small all-reduce or gather on the run control's
+gloo group, which only the training thread uses; when to save by time is one of the run
+control's votes (:mod:`llmtrain.control`).
+
+Nothing fails silently: a failed write or commit is a ``checkpoint_failed`` event, a
+failed retention pass a ``checkpoint_retention_failed`` one, both with the error.
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from concurrent import futures
 from concurrent.futures import Future
@@ -33,9 +36,11 @@ from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.shards import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
-from llmtrain.config import CheckpointConfig, ConfigError
+from dataclasses import asdict
+
+from llmtrain.config import CheckpointConfig, ConfigError, JobConfig
+from llmtrain.distributed.process_group import side_group
 from llmtrain.events import EventLog
-from llmtrain.stop_request import StopRequestWatch
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
 SAVE_ERRORS = (Exception, CheckpointException)
@@ -57,18 +62,17 @@ def describe(error: BaseException) -> str:
 
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
-                 events: EventLog, device: torch.device,
-                 fence: Callable[[str], None] = storage.no_fence,
-                 requests: StopRequestWatch | None = None):
+                 events: EventLog, device: torch.device, control_group: dist.ProcessGroup,
+                 timeout_s: float, fence: Callable[[str], None] = storage.no_fence):
+        """``control_group``: the training thread's gloo group for agreements;
+        ``timeout_s``: the bound of the I/O group's collectives."""
         self.cfg, self.url, self.events = cfg, url, events
         self.fence = fence  # asked before each file is written (llmtrain.recovery.fence)
-        self.stopped_by_peer = False
-        self.requests = requests  # rank 0's look-out for a stop request (llmtrain stop)
-        self.finishing = False  # stopping on a request: the run ends, it is not restarted
         self.manifest_base = manifest_base
+        self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.bind_groups()
+        self.bind_groups(control_group)
         self.stager = None
         if cfg.mode != "sync":
             cuda = device.type == "cuda"
@@ -77,88 +81,45 @@ class CheckpointManager:
         self.staging: Future | None = None  # the copy of the save in flight
         self.staging_wait_s = 0.0  # how long the training thread waited for that copy
         self.last_save_time = time.monotonic()
-        # By time; with auto_interval the trainer sets it (on rank 0, whose vote suffices).
+        # By time; with auto_interval, from the measured costs (see adopt_interval).
         self.interval_seconds = cfg.interval_seconds
-        self.signal: int | None = None
-        if cfg.save_on_signal:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                signal.signal(sig, self._on_signal)
 
-    def bind_groups(self) -> None:
-        """Its own gloo groups (for DCP's I/O and for votes): made at start, and again in
-        each new generation of the job's groups after a warm recovery."""
-        self.io_group = dist.new_group(backend="gloo")
-        self.control_group = dist.new_group(backend="gloo")
-        self.vote: tuple[dist.Work, torch.Tensor] | None = None  # cast, not yet decided
-        self.vote_every = 1  # steps between votes, agreed by the last one (see due)
-        self.cast: tuple[int, float] | None = None  # the step and time the last was cast
-        self.voted = False  # this rank has voted to stop
+    def bind_groups(self, control_group: dist.ProcessGroup) -> None:
+        """Its own gloo group for DCP's I/O, and the training thread's for agreements:
+        bound at start, and again in each new generation of the job's groups after a
+        warm recovery."""
+        self.io_group = side_group(self.timeout_s)
+        self.control_group = control_group
 
     def _emit0(self, event: str, **fields) -> None:
         """Events every rank would report alike are written once, by rank 0."""
         if self.rank == 0:
             self.events.emit(event, **fields)
 
-    def _on_signal(self, signum, frame) -> None:
-        self.signal = signum
-
     # -- when -------------------------------------------------------------------------
 
-    def due(self, step: int, stop_vote: bool = False) -> tuple[bool, bool]:
-        """(save now, then stop): by step interval, by time, because of a signal, because
-        a rank votes to stop (its GPU failed a health check), or on a stop request (then
-        ``finishing``: the run ends there).
+    def due(self, step: int, *, by_time: bool = False, final: bool = False) -> bool:
+        """A save is due: by steps (the same on every rank), by time (as the ranks voted,
+        see :mod:`llmtrain.control`), or ``final`` (the last step, or before a stop)."""
+        return self._by_step(step) or by_time or final
 
-        Steps are the same on every rank; time, signals, votes and requests differ, so
-        ranks agree on them with a small all-reduce about every ``vote_interval_s``, not
-        every step: at thousands of ranks a gloo all-reduce takes a sizable share of a
-        second. Each vote runs in the background until the next is due, where it is
-        decided identically on every rank, so a signal or a failed GPU is acted on within
-        two intervals. A vote also carries each rank's count of steps in the interval
-        (from its own step time), and the largest is the next interval, the same for all.
-        """
-        c = self.cfg
-        by_step = bool(c.interval_steps) and step % c.interval_steps == 0
-        if self.cast is not None and self.cast[0] < step < self.cast[0] + self.vote_every:
-            return by_step, False  # (a rollback that went back before the vote decides it)
-        by_time = by_signal = by_vote = by_request = False
-        if self.vote is not None:
-            work, flags = self.vote
-            work.wait()
-            by_time, by_signal, by_vote, by_request = (bool(f) for f in flags[:4])
-            self.vote_every = int(flags[4])
-        saving_by_time = by_time or by_step  # the clock starts over at this save
-        request = self.requests and self.requests.request
-        flags = torch.tensor([
-            int(bool(self.interval_seconds) and not saving_by_time
-                and time.monotonic() - self.last_save_time >= self.interval_seconds),
-            int(self.signal is not None), int(stop_vote), int(request is not None),
-            self._steps_per_vote(step)])
-        stop = by_signal or by_vote or by_request
-        self.vote = None if stop else (
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group,
-                            async_op=True), flags)
-        if by_vote and not self.voted and not by_signal:
-            self.stopped_by_peer = True
-        if by_signal:
-            self._emit0("preempted", step=step, signal=self.signal or "on another rank")
-        if by_request:
-            self.finishing = True
-            self._emit0("stop_requested", step=step, **(request or {}))
-        if by_vote and self.voted:
-            self.events.emit("stop_vote", step=step)
-        self.voted = self.voted or stop_vote
-        return by_step or by_time or stop, stop
+    def _by_step(self, step: int) -> bool:
+        return bool(self.cfg.interval_steps) and step % self.cfg.interval_steps == 0
 
-    def _steps_per_vote(self, step: int) -> int:
-        """This rank's proposal: the steps in ``vote_interval_s`` at the pace since the
-        last vote it cast (1 until it has one, or when the interval is 0)."""
-        now, cast = time.monotonic(), self.cast
-        self.cast = (step, now)
-        if not self.cfg.vote_interval_s or cast is None or step <= cast[0]:
-            return 1
-        pace = (now - cast[1]) / (step - cast[0])
-        return max(1, int(self.cfg.vote_interval_s / pace)) if pace > 0 else 1
+    def time_due(self, step: int) -> bool:
+        """This rank's clock says a save by time is due (and none by steps is now)."""
+        return (bool(self.interval_seconds) and not self._by_step(step)
+                and time.monotonic() - self.last_save_time >= self.interval_seconds)
+
+    def adopt_interval(self, seconds: float, advice: dict) -> None:
+        """Saves by time every ``seconds`` from now on (the interval the measured save
+        cost and failure rate suggest, ``checkpoint.auto_interval``), when it differs
+        from the one in force by more than a tenth."""
+        old = self.interval_seconds
+        if not self.cfg.auto_interval or (old and abs(seconds - old) <= 0.1 * old):
+            return
+        self.interval_seconds = seconds
+        self.events.emit("checkpoint_interval", seconds=seconds, previous=old, **advice)
 
     # -- save -------------------------------------------------------------------------
 
@@ -240,18 +201,26 @@ class CheckpointManager:
         return bool(flag.item())
 
     def _done(self, future: Future, step: int, start: float, blocked: float) -> None:
-        """Runs when the background write ends: record it, then apply retention."""
+        """Runs when the background write ends, in DCP's callback, where an exception
+        would reach no one: record it, then apply retention, each failure an event."""
         try:
             future.result()
         except SAVE_ERRORS as e:
             self._failed(step, e)
             return
-        if self.rank == 0:
+        if self.rank != 0:
+            return
+        try:
             manifest = storage.read_manifest(storage.step_dir(self.url, step)) or {}
-            self.events.emit("checkpoint_committed", step=step, blocking_s=blocked,
-                             total_s=time.perf_counter() - start, bytes=manifest.get("bytes"),
-                             staging_s=self.stager and self.stager.copy_s)
+        except OSError as e:  # committed all the same: the manifest was written last
+            manifest = {"unreadable": describe(e)}
+        self.events.emit("checkpoint_committed", step=step, blocking_s=blocked,
+                         total_s=time.perf_counter() - start, bytes=manifest.get("bytes"),
+                         staging_s=self.stager and self.stager.copy_s)
+        try:
             self.apply_retention()
+        except Exception as e:  # noqa: BLE001 - a disk filling up must be seen
+            self.events.emit("checkpoint_retention_failed", step=step, error=describe(e))
 
     def _failed(self, step: int, error: BaseException) -> None:
         self.events.emit("checkpoint_failed", step=step, error=describe(error))
@@ -333,9 +302,10 @@ class CheckpointManager:
                 overwritten = True
                 self._quarantine(step, problems)
                 continue
-            loaded_step, had_rng, _ = loads[self.rank]
+            loaded_step, missing, _ = loads[self.rank]
             self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
-                        rng_restored=had_rng, checked_in_load=checksums and in_place,
+                        missing_items=missing, rng_restored="rng" not in missing,
+                        checked_in_load=checksums and in_place,
                         planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
             return loaded_step
         if overwritten:  # starting from step 0 needs the state as it was built
@@ -392,9 +362,72 @@ class CheckpointManager:
         self.events.emit("checkpoint_rejected", step=step, problems=problems[:20],
                          quarantined=moved)
 
-    def close(self) -> None:
-        if self.vote is not None:  # every rank cast it: it completes
-            self.vote[0].wait()
-        self.wait()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Waits for the write in flight, at most ``timeout_s`` (None: until it ends);
+        one still going then is left to the process's exit (its checkpoint never
+        commits: nothing committed is lost)."""
+        try:
+            self.wait(timeout_s)
+        except (futures.TimeoutError, TimeoutError):
+            self.events.emit("checkpoint_abandoned", timeout_s=timeout_s,
+                             reason="the write in flight did not end before the close")
+            return
         if self.stager is not None:
             self.stager.close()
+
+
+class NoCheckpoints:
+    """``checkpoint.enable = false``: nothing is ever due, saved or resumed."""
+    interval_seconds = 0.0
+
+    def due(self, step: int, *, by_time: bool = False, final: bool = False) -> bool:
+        return False
+
+    def time_due(self, step: int) -> bool:
+        return False
+
+    def adopt_interval(self, seconds: float, advice: dict) -> None:
+        pass
+
+    def bind_groups(self, control_group) -> None:
+        pass
+
+    def prepare(self, state, step: int) -> None:
+        pass
+
+    def save(self, step: int, state, *, final: bool = False, checked: bool = False) -> None:
+        pass
+
+    def writing(self) -> bool:
+        return False
+
+    def staged(self) -> bool:
+        return True
+
+    def wait_staged(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def resume(self, state) -> int:
+        return 0
+
+    def close(self, timeout_s: float | None = None) -> None:
+        pass
+
+
+
+def checkpoints_for(cfg: JobConfig, world_size: int, *, events: EventLog, device: torch.device,
+                    control_group: dist.ProcessGroup,
+                    fence: Callable[[str], None]) -> CheckpointManager | NoCheckpoints:
+    """The run's checkpoints, each manifest naming the config, the model and the mesh."""
+    if not cfg.checkpoint.enable:
+        return NoCheckpoints()
+    return CheckpointManager(
+        cfg.checkpoint, cfg.checkpoint_url, events=events, device=device,
+        control_group=control_group, timeout_s=cfg.reliability.collective_timeout_s,
+        manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
+                       "model_config": asdict(cfg.model),
+                       "mesh": list(cfg.mesh_shape(world_size))},
+        fence=fence)

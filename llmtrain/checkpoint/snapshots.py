@@ -10,9 +10,9 @@ The interval is ``warm.snapshot_every`` steps, stretched where snapshots would t
 than ``warm.snapshot_budget`` of the training time (:class:`Schedule`): every step on a
 node with cores to spare, every few where the replication competes with training for them.
 
-A snapshot is one flat byte buffer (this rank's model and optimizer shards, its RNG, the
-integrity window) plus a small JSON header (step, LR schedule, data position, Python RNG,
-the buffer's layout and checksum, :mod:`llmtrain.checkpoint.checksum`). Nothing is
+A snapshot is one flat byte buffer (this rank's model and optimizer shards) plus a small
+JSON header (the step, every other item of the run's state registry, the buffer's layout
+and checksum, :mod:`llmtrain.checkpoint.checksum`). Nothing is
 pickled: a replica from a peer is data, never code. Buffers are reused: two slots of our
 own, two of our ward's (the rank whose buddy we are). The copy runs on the training thread (a memcpy); the checksum and the exchange with
 the buddy run on a thread of their own, over a gloo group used for nothing else. A snapshot
@@ -31,7 +31,6 @@ import collections
 import json
 import math
 import os
-import random
 import statistics
 import threading
 import time
@@ -320,7 +319,7 @@ class Snapshots:
                     buffer[off:off + t.numel() * t.element_size()].copy_(
                         t.detach().reshape(-1).view(torch.uint8))
         header = {**header, "step": step, "rank": self.rank, "layout": _layout(tensors),
-                  "nbytes": nbytes, "python_rng": _jsonable(random.getstate()), "sum": None}
+                  "nbytes": nbytes, "sum": None}
         snap = Snapshot(step, header, buffer)
         self.own.add(snap)
         if self.buddy is None:
@@ -332,6 +331,11 @@ class Snapshots:
             self._work = snap
             self._wake.notify_all()
         return True
+
+    def forget_own(self) -> None:
+        """The state went back (a rollback): this rank's snapshots of the steps it left
+        are never restored."""
+        self.own.held.clear()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         return self._idle.wait(timeout)
@@ -351,8 +355,9 @@ class Snapshots:
             cpu, train = time.process_time(), time.clock_gettime(training)
             try:
                 replica = self._exchange(snap, group, gen)
-            except Exception:  # noqa: BLE001 - a peer failed: the training thread's
-                idle.set()     # collectives fail too, and recovery takes it from there
+            except Exception as e:  # noqa: BLE001 - usually a peer failed: the training
+                self._failed(snap, gen, e)  # thread's collectives fail too, and recovery
+                idle.set()                  # takes it from there (a new generation)
                 return
             if replica is not None:
                 self._keep(replica, gen)
@@ -360,6 +365,22 @@ class Snapshots:
                                          - (time.clock_gettime(training) - train))
             self.replicated = time.perf_counter()
             idle.set()
+
+    def _failed(self, snap: Snapshot, gen: int, error: Exception) -> None:
+        """Says why replication ended (an event, ``snapshot_replication_failed``): this
+        generation replicates nothing more, so a recovery before the next one goes cold,
+        and without the event nothing would tell why. ``stale``: the thread had already
+        been left behind by a recovery (its group abandoned, a peer lost), where failing is
+        expected; the event is the trace that the thread did end, and the metrics do not
+        count it."""
+        with self._wake:
+            stale = self._gen != gen
+        try:
+            self.events.emit("snapshot_replication_failed", rank=self.rank, buddy=self.buddy,
+                             ward=self.ward, step=snap.step, stale=stale,
+                             error=f"{type(error).__name__}: {error}"[:500])
+        except Exception:  # noqa: BLE001 - an event log that fails cannot say so either;
+            pass           # the thread still ends cleanly (idle set)
 
     def _keep(self, replica: Snapshot, gen: int) -> None:
         """Keeps the ward's replica if its checksum matches and the thread is still current."""
@@ -450,12 +471,3 @@ class Snapshots:
 def _both(*works) -> None:
     for w in works:
         w.wait()
-
-
-def _jsonable(x):
-    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def restore_python_rng(header: dict) -> None:
-    version, state, gauss = header["python_rng"]
-    random.setstate((version, tuple(state), gauss))

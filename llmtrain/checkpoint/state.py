@@ -1,15 +1,15 @@
-"""TrainState: everything a resumed run needs to continue exactly where it stopped.
+"""TrainState: the run's state registry as DCP saves and loads it.
 
 Model and optimizer are sharded DTensor state (DCP reshards them to any world size).
-The rest is small and goes as bytes: the step, the LR schedule, the data sampler's
-position (global, so it means the same at any world size) and, per rank, its RNGs.
+The registry's other items are small and go as bytes: those the same on every rank as
+one JSON object with the step (``trainer``: the LR schedule, the data sampler's global
+position, the integrity window), and each rank's own under ``<name>.<rank>`` (its RNGs).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import random
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -21,64 +21,33 @@ from llmtrain.checkpoint.shards import (ShardReader, fits_in_place, no_gc, read_
                                        stored_object)
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.model import global_offset, unwrapped_name
-
-
-def _rng_state(device: torch.device) -> dict:
-    """The RNG states of this rank: Python's, the CPU's and, on a GPU, its own GPU's only
-    (every rank sees all the node's GPUs, but draws only on its own; another rank's
-    generator is that rank's to save, and a list of all of them would not restore on a
-    node showing fewer GPUs). Generator states are kept as bytes, not tensors, so the
-    whole item is plain values that a load decodes without torch.load (whose unpickler,
-    in Python, took about 1 ms for the 625 numbers of Python's state)."""
-    state = {"python": random.getstate(), "torch": _as_bytes(torch.get_rng_state())}
-    if device.type == "cuda":
-        state["cuda"] = _as_bytes(torch.cuda.get_rng_state(device))
-    return state
-
-
-def _as_bytes(generator_state: torch.Tensor) -> bytes:
-    return generator_state.numpy().tobytes()
-
-
-def _as_tensor(saved: bytes | torch.Tensor) -> torch.Tensor:
-    """A generator state as torch takes it; checkpoints written before hold tensors."""
-    if isinstance(saved, torch.Tensor):
-        return saved
-    return torch.frombuffer(bytearray(saved), dtype=torch.uint8)
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(_as_tensor(state["torch"]))
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(_as_tensor(_own_gpu_rng(state["cuda"], device.index)), device)
-
-
-def _own_gpu_rng(saved, index: int):
-    """This rank's GPU RNG state as saved: checkpoints written before it was saved alone
-    hold a list of every visible GPU's, of which the rank's device ``index`` is its own."""
-    return saved[index] if isinstance(saved, list) else saved
+from llmtrain.state_registry import StateRegistry
 
 
 class TrainState:
-    def __init__(self, model, optimizer, scheduler, data, rank: int, device: torch.device):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.data, self.rank, self.device = data, rank, device
+    def __init__(self, registry: StateRegistry, rank: int):
+        self.registry, self.rank = registry, rank
         self._kept: tuple[list, dict, dict] | None = None  # see _tensor_state
         self._opened: tuple[str, ShardReader] | None = None  # see _reader
 
-    def _trainer_bytes(self, step: int) -> io.BytesIO:
-        blob = {"step": step, "scheduler": self.scheduler.state_dict(),
-                "data": self.data.state_dict()}
-        return io.BytesIO(json.dumps(blob).encode())
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.registry.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.registry.optimizer
 
     def state_dict(self, step: int) -> dict:
-        """What DCP saves; the same keys on every rank but the RNG, which is per rank."""
+        """What DCP saves; the same keys on every rank but the per-rank items'."""
         model_sd, optim_sd = self._tensor_state()
-        rng = io.BytesIO()
-        torch.save(_rng_state(self.device), rng)
-        return {"model": model_sd, "optim": optim_sd, "trainer": self._trainer_bytes(step),
-                f"rng.{self.rank}": rng}
+        shared = {"step": step, **self.registry.shared()}
+        own = {}
+        for name, state in self.registry.own().items():
+            own[f"{name}.{self.rank}"] = buffer = io.BytesIO()
+            torch.save(state, buffer)
+        return {"model": model_sd, "optim": optim_sd,
+                "trainer": io.BytesIO(json.dumps(shared).encode()), **own}
 
     def _tensor_state(self) -> tuple[dict, dict]:
         """``get_state_dict``'s model and optimizer dicts. Their tensors are views of the
@@ -110,7 +79,8 @@ class TrainState:
         plan = self._in_place(reader, self._objects(reader))
         return plan is not None and fits_in_place(reader, *plan, checked=checked)
 
-    def load(self, url: str, *, threads: int = 4, check: bool = False) -> tuple[int, bool, bool]:
+    def load(self, url: str, *, threads: int = 4,
+             check: bool = False) -> tuple[int, list[str], bool]:
         """Loads the checkpoint at ``url`` (already verified, but for what ``check``
         leaves to this load) into the live objects, ``threads`` parallel reads at a time.
 
@@ -123,14 +93,14 @@ class TrainState:
         rank alone (``no_dist``: a load needs no agreement between ranks, so DCP's
         exchange of pickled plans is skipped, and the caller agrees on the outcome).
 
-        Returns the step it was saved at, whether this rank's RNG state was in it (a
-        rank that did not exist at save time keeps its seeded RNG), and whether DCP
-        planned the load.
+        Returns the step it was saved at, the registered items it lacked (a rank that
+        did not exist at save time keeps its seeded RNG; a checkpoint older than an item
+        leaves it as built), and whether DCP planned the load.
         """
         with no_gc():
             return self._load(url, threads, check)
 
-    def _load(self, url: str, threads: int, check: bool) -> tuple[int, bool, bool]:
+    def _load(self, url: str, threads: int, check: bool) -> tuple[int, list[str], bool]:
         self._kept = None  # a planned load replaces the optimizer's state tensors
         reader = self._reader(url)
         reader.threads, self._opened = threads, None
@@ -140,13 +110,11 @@ class TrainState:
         planned = values is None
         if planned:
             values = self._load_planned(reader, objects)
-        rng_key = f"rng.{self.rank}"
-        trainer = json.loads(values["trainer"])
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        self.data.load_state_dict(trainer["data"])
-        if rng_key in values:
-            _set_rng_state(stored_object(values[rng_key]), self.device)
-        return trainer["step"], rng_key in values, planned
+        states = json.loads(values["trainer"])
+        suffix = f".{self.rank}"
+        states.update({k.removesuffix(suffix): stored_object(v) for k, v in values.items()
+                       if k.endswith(suffix)})
+        return states["step"], self.registry.load(states), planned
 
     def _reader(self, url: str) -> ShardReader:
         """A reader of ``url``, kept from :meth:`fits_in_place` for the :meth:`load` that
@@ -157,9 +125,11 @@ class TrainState:
         return self._opened[1]
 
     def _objects(self, reader: ShardReader) -> list[str]:
-        """The non-tensor items this rank loads: the trainer's, and its RNG if saved."""
-        rng_key = f"rng.{self.rank}"
-        return ["trainer", *([rng_key] if (rng_key, None) in reader.stored_items() else [])]
+        """The non-tensor items this rank loads: the shared ones, and its own if saved."""
+        stored = reader.stored_items()
+        own = [f"{name}.{self.rank}" for name, item in self.registry.items.items()
+               if item.per_rank]
+        return ["trainer", *(key for key in own if (key, None) in stored)]
 
     def _in_place(self, reader: ShardReader, objects: list[str]) -> tuple[dict, list] | None:
         """(live shards, items to read with them) when the checkpoint's model and

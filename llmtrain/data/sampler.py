@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain.config import ConfigError
+from llmtrain.config import ConfigError, JobConfig
+from llmtrain.data import TokenDataset, check_vocab, shard_urls
 
 # Names the order in checkpoints: a resumed run must walk the same order it started on.
 ORDER = "feistel-v1"
@@ -171,6 +172,8 @@ class BatchIterator:
     elsewhere (a resume, a rollback).
     """
 
+    name, per_rank = "data", False  # its place in the run's state registry: global
+
     def __init__(self, dataset, sampler: GlobalSampler, micro_batch_size: int,
                  prefetch: int = 0, pin_memory: bool = False):
         if sampler.local_batch_size % micro_batch_size:
@@ -235,3 +238,15 @@ class BatchIterator:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
+
+
+def training_batches(cfg: JobConfig, rank: int, world_size: int) -> BatchIterator:
+    """This rank's batches of the run's data: a missing or truncated shard fails here,
+    before any process group starts."""
+    t = cfg.training
+    check_vocab(cfg.data, cfg.model.vocab_size)
+    dataset = TokenDataset(shard_urls(cfg.data, t.run_dir), cfg.data.seq_len)
+    sampler = GlobalSampler(len(dataset), t.global_batch_size, cfg.data.seed, rank, world_size)
+    # Pinned only where a GPU will take the batches (pinning needs CUDA).
+    return BatchIterator(dataset, sampler, t.micro_batch_size, prefetch=cfg.data.prefetch,
+                         pin_memory=torch.cuda.is_available() and cfg.parallelism.device != "cpu")

@@ -195,6 +195,20 @@ def build_mesh(device: torch.device, shape: tuple[int, int],
     return mesh
 
 
+def global_mean(value: torch.Tensor) -> float:
+    """The mean of ``value`` over all ranks (each holds an equal share of the batch)."""
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def side_group(timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of every rank beside the job's (votes, checkpoint I/O, snapshot
+    replication), bounded by the job's collective timeout, not gloo's 30-minute default:
+    a peer lost mid-exchange must not hold a survivor past its recovery budget."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

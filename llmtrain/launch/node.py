@@ -2,9 +2,10 @@
 
 ``llmtrain launch`` does, in order:
 
-1. **Preflight**: the config and its overrides must validate for the world sizes the job
-   may have, and the data must open. A FATAL error here exits 78 before torchrun starts,
-   so a bad config never becomes a restart loop.
+1. **Preflight**: the config and its overrides must validate at every world size the job
+   may run at (each node count from MIN to MAX), and the data must open. A FATAL error
+   here exits 78 before torchrun starts, so a bad config never becomes a restart loop, nor
+   a shrink to a size it cannot train at a FATAL hours in.
 2. **Health gate**: the node's checks (``llmtrain health --gate``). A fatal finding, or an
    exclusion recorded earlier in the run's ``excluded_hosts.json``, exits 76: the node
    never joins the rendezvous, and a spare takes its place.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -65,24 +67,63 @@ class LaunchConfig:
     monitor_interval_s: float = 1.0
 
     @property
-    def world_sizes(self) -> tuple[int, int]:
+    def world_sizes(self) -> list[int]:
+        """Every world size the job may run at: a node lost without a spare shrinks it by
+        one node, down to MIN."""
         lo, _, hi = self.nnodes.partition(":")
-        return int(lo) * self.nproc_per_node, int(hi or lo) * self.nproc_per_node
+        return [n * self.nproc_per_node for n in range(int(lo), int(hi or lo) + 1)]
 
 
 def preflight(cfg: JobConfig, lc: LaunchConfig) -> None:
-    """Raises ConfigError/ShardError for a config or data that no restart would fix."""
-    lo, hi = lc.world_sizes
-    errors = []
-    for world in sorted({lo, hi}):
+    """Raises ConfigError/ShardError for a config or data that no restart would fix. The
+    config must validate at every world size the job may run at, not only its ends: a
+    global batch that 2 and 8 ranks divide but 6 do not ends a shrink to 6 FATAL."""
+    failures = {}
+    for world in lc.world_sizes:
         try:
             cfg.validate(world)
         except ConfigError as e:
-            errors.append(f"at world size {world}: {e}")
-    if len(errors) == len({lo, hi}):
-        raise ConfigError("; ".join(errors))
+            failures[world] = str(e)
+    if failures:
+        raise ConfigError(_unfit(cfg, lc, failures))
     from llmtrain.data import TokenDataset, shard_urls
     TokenDataset(shard_urls(cfg.data, cfg.training.run_dir), cfg.data.seq_len)
+
+
+def _unfit(cfg: JobConfig, lc: LaunchConfig, failures: dict[int, str]) -> str:
+    """One line for the operator: the world sizes the config cannot train at, why at the
+    first, and the values that fit every size (or the node counts that fit as it is)."""
+    sizes = lc.world_sizes
+    reasons = set(failures.values())
+    if len(failures) == len(sizes) and len(reasons) == 1:
+        return reasons.pop()  # wrong at any world size
+    first = min(failures)
+    fixes = []
+    if any(_fails(cfg.accumulation_steps, w) for w in sizes):
+        per_step = math.lcm(*(cfg.training.micro_batch_size * w for w in sizes))
+        fixes.append(f"training.global_batch_size="
+                     f"{-(-cfg.training.global_batch_size // per_step) * per_step} "
+                     f"(a multiple of {per_step})")
+    if any(_fails(cfg.mesh_shape, w) for w in sizes):
+        p = cfg.parallelism
+        if p.dp_shard != -1:
+            fixes.append("parallelism.dp_shard=-1")
+        if any(w % p.dp_replicate for w in sizes):
+            fixes.append(f"parallelism.dp_replicate={math.gcd(*sizes)} (or a divisor of it)")
+    fits = [w // lc.nproc_per_node for w in sizes if w not in failures]
+    remedies = ([f"set {' and '.join(fixes)}"] if fixes else []) + (
+        [f"narrow --nnodes to node counts it fits: {fits}"] if fits else [])
+    return (f"--nnodes {lc.nnodes} x --nproc-per-node {lc.nproc_per_node} lets the job run "
+            f"at world sizes {sizes}, but the config cannot train at {sorted(failures)} "
+            f"(at {first}: {failures[first]}); to fit every size, " + ", or ".join(remedies))
+
+
+def _fails(check, world: int) -> bool:
+    try:
+        check(world)
+    except ConfigError:
+        return True
+    return False
 
 
 def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False) -> list[str]:

@@ -17,6 +17,7 @@ from llmtrain.distributed.process_group import abandon, node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.model import Transformer
+from llmtrain.recovery.coordinator import REPORTED
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.integrity import TrainingDiverged
 from llmtrain.trainer import Trainer
@@ -57,8 +58,10 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
         raise
     except BaseException as e:
         # The first sign of a failure elsewhere (a dead peer breaks our collective): the
-        # start of the recovery clock.
-        trainer.events.emit("failure", step=trainer.step, error=f"{type(e).__name__}: {e}"[:500])
+        # start of the recovery clock, unless the warm path reported it already.
+        if REPORTED not in getattr(e, "__notes__", ()):
+            trainer.events.emit("failure", step=trainer.step,
+                                error=f"{type(e).__name__}: {e}"[:500])
         raise
     finally:
         trainer.close(failed)

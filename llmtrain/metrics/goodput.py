@@ -21,7 +21,10 @@ other               time inside an attempt that no span claims (shutdown, loggin
 ==================  =================================================================
 
 The categories and productive time add up to the wall time by construction; ETTR (effective
-training time ratio) is productive / wall. The same log gives the inputs of the Young/Daly
+training time ratio) is productive / wall. A run's ETTR is :func:`account` of its whole log:
+the report and the chaos verdict state that; rank 0's ``goodput`` events and gauge are the
+same account up to their moment (a finished run's last is taken before the ranks' shutdown
+and the launchers' exit). The same log gives the inputs of the Young/Daly
 checkpoint-interval model: the cost of one save, the cost of a restart and the observed
 time between failures.
 """
@@ -81,6 +84,15 @@ class GoodputLedger:
         if self.enabled:
             self.events.emit("attempt_start", launch=launch_time(),
                              process_start=process_start_time(), **fields)
+
+    def launched(self, *, world_size: int, host: str, entered: float) -> None:
+        """A new attempt, its launch (the agent's start, rendezvous and spawn; a
+        restart's is "restart") and its imports (until ``entered``, the trainer's start)."""
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.attempt(world_size=world_size, host=host, restart_count=restart)
+        if not restart:
+            self.record("startup", "launch", launch_time(), process_start_time())
+        self.record("startup", "imports", process_start_time(), entered)
 
     def record(self, category: str, name: str, start: float, end: float, **fields) -> None:
         if category in ("startup", "checkpoint_load"):

@@ -47,12 +47,17 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llmtrain_checkpoint_last_committed_timestamp_seconds": (
         "gauge", "unix time of the newest commit", ()),
     "llmtrain_checkpoint_failures_total": ("counter", "failed saves in the run", ()),
+    "llmtrain_checkpoint_retention_failures_total": (
+        "counter", "retention passes that failed in the run (old checkpoints left)", ()),
     "llmtrain_checkpoint_load_seconds": ("gauge", "time the last resume took", ()),
     "llmtrain_heartbeat_timestamp_seconds": ("gauge", "unix time of this rank's last beat", ()),
     "llmtrain_hangs_total": ("counter", "hangs diagnosed in the run", ()),
     "llmtrain_desyncs_total": ("counter", "collective mismatches diagnosed in the run", ()),
     "llmtrain_warm_recoveries_total": ("counter", "lost ranks replaced on the warm path "
                                        "(counted by the lowest surviving rank)", ()),
+    "llmtrain_snapshot_replication_failures_total": (
+        "counter", "snapshot replications to the buddy that failed in this process "
+        "(none replicates again before the next recovery)", ()),
     "llmtrain_warm_recovery_seconds": ("gauge", "the last warm recovery: failure to first "
                                        "step (part=total), and its parts", ("part",)),
     "llmtrain_straggler_slowdown": ("gauge", "how many times slower than the others a rank "
@@ -101,10 +106,17 @@ class Exporter:
         self.server = None
         self.port: int | None = None
         self.target_url: str | None = None
-        if rank == 0:  # run-wide counts start at 0, so that increase() sees the first one
-            for name in ("llmtrain_hangs_total", "llmtrain_desyncs_total",
-                         "llmtrain_checkpoint_failures_total"):
-                self.series(name)
+        # Counts start at 0, so that increase() sees the first one: on rank 0 the run-wide
+        # ones and retention's (rank 0 applies it); on every rank those any rank may count
+        # (a warm recovery is counted by the lowest survivor, whichever rank that is)
+        zeroed = ("llmtrain_snapshot_replication_failures_total",
+                  "llmtrain_warm_recoveries_total")
+        if rank == 0:
+            zeroed += ("llmtrain_hangs_total", "llmtrain_desyncs_total",
+                       "llmtrain_checkpoint_failures_total",
+                       "llmtrain_checkpoint_retention_failures_total")
+        for name in zeroed:
+            self.series(name)
         self.set("llmtrain_world_size", world_size)
         self.set("llmtrain_restart_count", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
@@ -155,8 +167,9 @@ class Exporter:
             # this rank's own history, and on rank 0 the run-wide verdicts
             mine = e["rank"] == self.rank or (self.rank == 0 and e["event"] in
                                              ("hang", "collective_error"))
+            # (not snapshot replication failures: each process replicates afresh)
             if mine and e["event"] in ("hang", "collective_error", "checkpoint_failed",
-                                       "checkpoint_committed"):
+                                       "checkpoint_retention_failed", "checkpoint_committed"):
                 self.observe(e)
         sizes = [e["world_size"] for e in events if e["event"] == "attempt_start"]
         self.set("llmtrain_membership_changes", sum(a != b for a, b in zip(sizes, sizes[1:])))
@@ -225,6 +238,11 @@ class Exporter:
             self.set("llmtrain_checkpoint_last_committed_step", e["step"])
         elif kind == "checkpoint_failed":
             self.series("llmtrain_checkpoint_failures_total").inc()
+        elif kind == "checkpoint_retention_failed":
+            self.series("llmtrain_checkpoint_retention_failures_total").inc()
+        elif kind == "snapshot_replication_failed":
+            if not e.get("stale"):  # a thread a recovery left behind is expected to fail
+                self.series("llmtrain_snapshot_replication_failures_total").inc()
         elif kind == "hang":
             self.series("llmtrain_hangs_total").inc()
         elif kind == "collective_error":

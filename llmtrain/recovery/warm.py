@@ -61,6 +61,11 @@ class Plan:
     sources: dict[str, int]        # lost rank -> the buddy that sends its replica
     spares: dict[str, int] = field(default_factory=dict)  # lost rank -> spare number
 
+    @classmethod
+    def from_assignment(cls, assignment: dict) -> "Plan":
+        """The plan in a spare's assignment (which also names the spare's rank)."""
+        return cls(**{k: v for k, v in assignment.items() if k != "rank"})
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

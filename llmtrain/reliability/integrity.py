@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from llmtrain.config import IntegrityConfig, step_ranges
+from llmtrain.config import IntegrityConfig, JobConfig, step_ranges
 from llmtrain.events import EventLog, read_events
 from llmtrain.exit_codes import FatalError
 
@@ -107,7 +107,24 @@ def learned_skips(run_dir: str) -> set[int]:
 
 
 class Integrity:
-    """Judges steps and checks the state for one rank; every rank decides alike."""
+    """Judges steps and checks the state for one rank; every rank decides alike.
+
+    Registered in the run's state registry as ``integrity``: the window of recent losses
+    (what a spike is judged against), how many steps were judged and the steps to skip,
+    so a resume or a warm restore judges the next step as the run would have."""
+
+    name, per_rank = "integrity", False
+
+    @classmethod
+    def for_run(cls, cfg: JobConfig, events: EventLog, device: torch.device, mesh,
+                spare: bool) -> Integrity:
+        """This rank's, over the job's ``mesh``; the steps earlier rollbacks learned to
+        skip are read from the run's events (a ``spare`` learns them from its buddy's
+        replica instead, not from a collective its peers are not in)."""
+        return cls(cfg.integrity, events=events, device=device, rank=dist.get_rank(),
+                   world_size=dist.get_world_size(), replicas=replica_groups(mesh.mesh),
+                   global_batch_size=cfg.training.global_batch_size,
+                   learned_skips=set() if spare else learned_skips(cfg.training.run_dir))
 
     def __init__(self, cfg: IntegrityConfig, *, events: EventLog, device: torch.device,
                  rank: int, world_size: int, replicas: list[list[int]],
@@ -147,11 +164,21 @@ class Integrity:
         self.pending.append((step, torch.cat([torch.stack([code.float(), loss, norm]), losses])))
         return skip.float()
 
-    def restart_at(self, judged: int, skips: list[int]) -> None:
-        """After a warm recovery restored the window (``history``) of an earlier step:
-        verdicts judged since then are dropped, to be judged again."""
-        self.judged, self.pending = judged, []
-        self.skips |= set(skips)
+    def state_dict(self) -> dict:
+        """Plain values: the window's losses (None for a skipped step's), the count of
+        judged steps and the steps to skip."""
+        return {"history": [None if math.isnan(x) else x for x in self.history.tolist()],
+                "judged": self.judged, "skips": sorted(self.skips)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The window of an earlier step: verdicts judged since then are dropped, to be
+        judged again."""
+        history = [math.nan if x is None else x for x in state["history"]]
+        same_window = len(history) == len(self.history)  # else its size changed: anew
+        if same_window:
+            self.history.copy_(torch.tensor(history, dtype=self.history.dtype))
+        self.judged, self.pending = state["judged"] if same_window else 0, []
+        self.skips |= set(state["skips"])
 
     def _spike(self, loss: torch.Tensor) -> torch.Tensor:
         if not self.cfg.spike_z or self.judged < self.cfg.spike_window // 2:

@@ -53,12 +53,14 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from llmtrain.config import ReliabilityConfig
+from llmtrain.distributed.process_group import open_store
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import join, makedirs, write_atomic
@@ -113,6 +115,40 @@ def thread_stacks() -> dict[str, str]:
             for ident, frame in sys._current_frames().items()}
 
 
+@contextlib.contextmanager
+def _diagnosing(watchdog):
+    """A collective that fails PyTorch's desync check is diagnosed like a hang."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "mismatch between collectives" not in str(e):
+            raise
+        watchdog.collective_failed(e)
+
+
+class NoWatchdog:
+    """``reliability.watchdog = false``: nothing watches, a desync is raised as it is."""
+    slowdowns: dict[int, float] = {}
+
+    def diagnosing(self):
+        return _diagnosing(self)
+
+    def start(self) -> None:
+        pass
+
+    def beat(self, step: int, phase: str, long: bool = False) -> None:
+        pass
+
+    def new_generation(self) -> None:
+        pass
+
+    def collective_failed(self, error: BaseException) -> None:
+        raise error
+
+    def close(self) -> None:
+        pass
+
+
 class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
                  events: EventLog, rank: int, world_size: int, local_world_size: int = 0,
@@ -146,6 +182,10 @@ class Watchdog:
         # Rank 0's latest estimate of the slowest ranks; ranks that were among them and are
         # no longer are shown at the median.
         self.slowdowns: dict[int, float] = {}
+
+    def diagnosing(self):
+        """Around a step: a desync PyTorch detects becomes this watchdog's diagnosis."""
+        return _diagnosing(self)
 
     def start(self) -> None:
         self._stop.clear()
@@ -414,3 +454,18 @@ class Watchdog:
               f"  report: {join(url, 'report.md')}", file=sys.stderr, flush=True)
         return report.culprits
 
+
+
+def start_watchdog(cfg: ReliabilityConfig, run_dir: str, events: EventLog, rank: int,
+                   world_size: int, *, namespace: str | None, on_exit: Callable[[], None],
+                   evict, fence) -> Watchdog | NoWatchdog:
+    """This rank's watchdog, started (see :class:`Watchdog` for ``on_exit``, ``evict`` and
+    ``fence``); its heartbeats go to the store under ``namespace`` (None: the attempt's)."""
+    if not cfg.watchdog:
+        return NoWatchdog()
+    store = open_store("watchdog", timedelta(seconds=30), namespace)
+    watchdog = Watchdog(cfg, store, run_dir, events, rank, world_size,
+                        int(os.environ.get("LOCAL_WORLD_SIZE", 0)), on_exit=on_exit,
+                        evict=evict, fence=fence)
+    watchdog.start()
+    return watchdog

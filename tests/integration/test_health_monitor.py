@@ -3,6 +3,8 @@
 import socket
 import time
 
+import pytest
+
 from conftest import events, llmtrain_start, wait_for_event
 from nvml_states import healthy_gpu, write_script
 
@@ -11,14 +13,20 @@ from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
 
-def test_gpu_turning_bad_mid_run_stops_its_rank_with_exclude(tmp_path):
+@pytest.mark.parametrize("checkpoints", ["on", "off"])
+def test_gpu_turning_bad_mid_run_stops_its_rank_with_exclude(tmp_path, checkpoints):
+    """The failed GPU's rank votes to stop, and every rank stops at the same step, saved
+    there first when checkpoints are on; with them off too (the vote is the run
+    control's, not the checkpoints'), and no rank waits for the watchdog."""
     run = tmp_path / "run"
     script = tmp_path / "gpus.json"
     gpus = [healthy_gpu(0), healthy_gpu(1)]
     write_script(script, {"gpus": gpus})
     proc = llmtrain_start(run, "--training.steps", "400", "--checkpoint.interval_steps", "1000",
                           "--health.script", str(script), "--health.interval_s", "0.3",
-                          "--metrics.log_every", "5", nproc=2)
+                          "--metrics.log_every", "5",
+                          "--checkpoint.enable", "true" if checkpoints == "on" else "false",
+                          nproc=2)
     try:
         wait_for_event(run, "step", proc, where=lambda e: e["step"] >= 20)
         gpus[1]["ecc"]["volatile"]["dram"] = 2  # rank 1's GPU (local rank 1) fails
@@ -43,9 +51,16 @@ def test_gpu_turning_bad_mid_run_stops_its_rank_with_exclude(tmp_path):
     record = excluded_hosts(str(run))[socket.gethostname()]
     assert "ecc_volatile" in record["reason"] and record["rank"] == 1
 
-    # the checkpoint policy had its chance: the stop step was saved and committed
+    # every rank stopped at the step the vote decided: rank 0 ended its run there
     stop_step = events(run, "stop_vote")[0]["step"]
     assert 20 <= stop_step < 400
+    (end,) = events(run, "run_end")
+    assert end["rank"] == 0 and end["steps"] == stop_step, (end, stop_step)
+    assert not events(run, "hang")
+    if checkpoints == "off":
+        assert not (run / "checkpoints").exists()
+        return
+    # the checkpoint policy had its chance: the stop step was saved and committed
     assert stop_step in [c.step for c in storage.list_checkpoints(str(run / "checkpoints"))
                          if c.committed]
     assert not storage.verify(storage.step_dir(str(run / "checkpoints"), stop_step), checksums=True)

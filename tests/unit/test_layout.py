@@ -20,8 +20,9 @@ from conftest import ROOT
 PACKAGE = ROOT / "llmtrain"
 LAYERS = [
     {"config", "configs", "events", "exit_codes", "fsio", "fault_points",  # foundations
-     "stop_request"},
-    {"model", "data", "distributed", "checkpoint", "metrics", "reliability", "recovery"},  # components
+     "stop_request", "state_registry"},
+    {"model", "optim", "sharded_model", "data", "distributed", "checkpoint", "metrics", "reliability",  # components
+     "recovery", "control"},
     {"trainer"},
     {"launch"},
     {"report", "chaos"},  # tools behind extras

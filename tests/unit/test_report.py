@@ -8,7 +8,10 @@ import fsspec
 import pytest
 from matplotlib.image import imread
 
-from llmtrain.report.html import write_report
+from llmtrain.chaos.runner import measured_ettr
+from llmtrain.events import read_events
+from llmtrain.metrics.goodput import account
+from llmtrain.report.html import Run, write_report
 
 T0 = 1_714_000_000.0
 HANG = ("rank 2 never reached gloo:all_reduce #812 (no progress for 60 s after step 45 "
@@ -158,6 +161,25 @@ def test_report_of_a_run_with_a_hang_restart_and_straggler(tmp_path):
         assert png.stat().st_size > 10_000, name
         height, width = imread(png).shape[:2]
         assert width >= 900 and height >= 250, (name, width, height)
+
+
+def test_the_report_and_the_chaos_verdict_state_one_ettr(tmp_path):
+    """Both account the whole log, past the trainer's last goodput event (taken before the
+    ranks' shutdown and the launchers' exit): a chaos run's report said 93.4% while its
+    verdict, which read that event, said 0.938."""
+    log = two_attempts_with_a_hang()
+    log.emit("goodput", **account(log.records, now=log.t).as_dict())
+    log.span("other", "shutdown", 3.0)
+    log.emit("node_exit", rank=None, at=log.t + 2.0, host="node-a", torchrun_exit=0,
+             exit_code=0)
+    run_dir = str(tmp_path / "run")
+    log.write(run_dir)
+    events = read_events(run_dir)
+    ettr = measured_ettr(events, recover_s=[20.0], checkpoint_every=20)["ettr"]
+    (trainers,) = [e["ettr"] for e in events if e["event"] == "goodput"]
+    assert ettr == Run(run_dir, events).goodput.ettr < trainers
+    page = Path(write_report(run_dir)).read_text(encoding="utf-8")
+    assert f"<th>ETTR</th><td>{ettr:.1%} (" in page
 
 
 def test_any_fsspec_run_dir_and_figures_without_data_are_skipped(tmp_path):

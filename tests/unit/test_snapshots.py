@@ -1,5 +1,6 @@
 """In-memory snapshots and their replicas, between two real gloo processes: a replica
-restores bit for bit, and one corrupted in memory is caught by its checksum and never used."""
+restores bit for bit, one corrupted in memory is caught by its checksum and never used, and
+a replication that fails says so in the event log."""
 
 import json
 import os
@@ -94,6 +95,50 @@ def test_a_replica_restores_bitwise_and_a_corrupted_one_is_refused(tmp_path):
     assert r0["stale_finished"] and r0["after_stale"] == [2, 3]
     (corrupt,) = read_events(str(tmp_path), "snapshot_corrupt")
     assert corrupt["rank"] == 1 and corrupt["step"] == 3 and corrupt["when"] == "before restore"
+    # rank 1's thread, left behind by stop(), fails once rank 0's sockets close: said, as
+    # stale (expected after a recovery, and not counted as a failure by the metrics)
+    (stale,) = read_events(str(tmp_path), "snapshot_replication_failed")
+    assert stale["rank"] == 1 and stale["step"] == 4 and stale["stale"] is True, stale
+
+
+def _failing_worker(rank: int, run_dir: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 2), rank=rank,
+                            world_size=2)
+    events = EventLog(run_dir, rank)
+    snaps = Snapshots(Schedule(1), rank, buddy=1 - rank, ward=1 - rank, events=events)
+    snaps.start(dist.new_group(backend="gloo"), None, 0)
+    model, optimizer = _model_and_optimizer(seed=rank)
+    assert snaps.take(1, state_tensors(model, optimizer, []), {})
+    assert snaps.wait_idle(30)  # one exchange that works
+    dist.barrier()
+    if rank == 1:  # the buddy goes away (its process ends) without taking step 2
+        snaps.stop(30)
+        events.close()
+        return
+    # rank 0's thread sends its sizes and waits for rank 1's until rank 1's sockets close
+    assert snaps.take(2, state_tensors(model, optimizer, []), {})
+    finished = snaps.wait_idle(60)
+    events.close()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"finished": finished, "replicas": snaps.holdings()["replicas"]}, f)
+    # gloo, its peer gone, at times aborts the interpreter's exit ("terminate called
+    # without an active exception"): everything this test checks is written by now
+    os._exit(0)
+
+
+def test_a_replication_that_fails_says_why(tmp_path):
+    """The exchange with the buddy raises (its process is gone): the thread ends, and the
+    rank's event log says which exchange failed and with what error."""
+    out = str(tmp_path / "result")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_failing_worker, args=(str(tmp_path), out), nprocs=2)
+    r0 = json.load(open(f"{out}.0"))
+    assert r0["finished"] and r0["replicas"] == [1]
+    (failed,) = read_events(str(tmp_path), "snapshot_replication_failed")
+    assert {k: failed[k] for k in ("rank", "buddy", "ward", "step", "stale")} == {
+        "rank": 0, "buddy": 1, "ward": 1, "step": 2, "stale": False}
+    name, _, message = failed["error"].partition(": ")
+    assert name.isidentifier() and message and len(failed["error"]) <= 500, failed
 
 
 def test_a_layout_that_does_not_match_is_refused():

@@ -12,9 +12,11 @@ from torch.distributed.fsdp import fully_shard
 
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.state import TrainState
+from llmtrain.state_registry import RngState, SchedulerState, StateRegistry
 
 
 class _Position:  # the data sampler's part of the state
+    name, per_rank = "data", False
     consumed = 0
 
     def state_dict(self) -> dict:
@@ -22,6 +24,14 @@ class _Position:  # the data sampler's part of the state
 
     def load_state_dict(self, state: dict) -> None:
         self.consumed = state["consumed"]
+
+
+def _train_state(model, optimizer, scheduler) -> TrainState:
+    registry = StateRegistry()
+    registry.bind(model, optimizer, SchedulerState(scheduler))
+    registry.register(_Position())
+    registry.register(RngState(torch.device("cpu")))
+    return TrainState(registry, 0)
 
 
 @pytest.fixture
@@ -55,7 +65,7 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     fully_shard(model, mesh=group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
-    state = TrainState(model, optimizer, scheduler, _Position(), 0, torch.device("cpu"))
+    state = _train_state(model, optimizer, scheduler)
     _step(model, optimizer, scheduler)
     first = state.state_dict(1)
     for step in (2, 3):
@@ -91,12 +101,12 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
     fully_shard(model, mesh=group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    state = TrainState(model, optimizer, scheduler, _Position(), 0, torch.device("cpu"))
+    state = _train_state(model, optimizer, scheduler)
     _step(model, optimizer, scheduler)
-    manager = CheckpointManager(CheckpointConfig(mode="sync", save_on_signal=False),
-                                str(tmp_path / "ckpt"), manifest_base={},
-                                events=EventLog(str(tmp_path / "run"), 0),
-                                device=torch.device("cpu"))
+    manager = CheckpointManager(CheckpointConfig(mode="sync"), str(tmp_path / "ckpt"),
+                                manifest_base={}, events=EventLog(str(tmp_path / "run"), 0),
+                                device=torch.device("cpu"), control_group=dist.group.WORLD,
+                                timeout_s=30.0)
     manager.save(1, state)
     saved = [t.detach().clone() for t in state_module._live_objects(model, optimizer)]
     _step(model, optimizer, scheduler)
@@ -126,7 +136,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
 
     monkeypatch.setattr(state_module, "read_in_place", watched)
     _step(model, optimizer, scheduler)
-    assert state.load(url) == (1, True, False)  # step, its RNG, not planned: in place
+    assert state.load(url) == (1, [], False)  # step, nothing missing, not planned: in place
     assert collecting == [False] and gc.isenabled()
     assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved))
     manager.close()

@@ -1,4 +1,5 @@
-"""The RNG states a rank saves in a checkpoint and restores from it (on a GPU: its own)."""
+"""The RNG states a rank saves in a checkpoint and restores from it (on a GPU: its own):
+the registry's ``rng`` item."""
 
 import io
 import random
@@ -6,7 +7,7 @@ import random
 import torch
 
 from llmtrain.checkpoint.shards import stored_object
-from llmtrain.checkpoint.state import _own_gpu_rng, _rng_state, _set_rng_state
+from llmtrain.state_registry import RngState, _own_gpu_rng
 
 CUDA1 = torch.device("cuda", 1)
 
@@ -14,7 +15,7 @@ CUDA1 = torch.device("cuda", 1)
 def _saved(device) -> dict:
     """The state as a checkpoint holds it: torch.save'd, decoded as a load decodes it."""
     buf = io.BytesIO()
-    torch.save(_rng_state(device), buf)
+    torch.save(RngState(device).state_dict(), buf)
     return stored_object(buf.getvalue())
 
 
@@ -33,8 +34,8 @@ def test_a_rank_restores_its_own_gpus_rng_also_from_an_old_checkpoints_list(monk
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: 1 / 0)
     gpus = [torch.tensor([i], dtype=torch.uint8) for i in range(4)]
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    _set_rng_state({**state, "cuda": gpus}, CUDA1)  # written before: every visible GPU's
-    _set_rng_state({**state, "cuda": gpus[1]}, CUDA1)
+    RngState(CUDA1).load_state_dict({**state, "cuda": gpus})  # older: every visible GPU's
+    RngState(CUDA1).load_state_dict({**state, "cuda": gpus[1]})
     assert restored == [([1], CUDA1), ([1], CUDA1)]
     assert _own_gpu_rng(gpus, 2) is gpus[2] and _own_gpu_rng(gpus[3], 2) is gpus[3]
 
@@ -43,5 +44,5 @@ def test_cpu_state_round_trips_as_plain_values(monkeypatch):
     monkeypatch.setattr(torch, "load", lambda *a, **k: 1 / 0)  # decoded without torch.load
     saved = _saved(torch.device("cpu"))
     expected = torch.rand(3), random.random()
-    _set_rng_state(saved, torch.device("cpu"))
+    RngState(torch.device("cpu")).load_state_dict(saved)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]

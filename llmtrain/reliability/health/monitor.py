@@ -9,7 +9,8 @@ import threading
 from dataclasses import asdict, replace
 from typing import Callable
 
-from llmtrain.reliability.health.checks import Backend, Finding, HealthChecker
+from llmtrain.config import HealthConfig
+from llmtrain.reliability.health.checks import Backend, Finding, HealthChecker, open_backend
 
 
 class HealthMonitor:
@@ -66,6 +67,14 @@ class HealthMonitor:
             self._thread.join(timeout=5)
 
 
+class NoHealthMonitor:
+    """``health.monitor = false``: nothing is watched, nothing ever fails."""
+    fatal = None
+
+    def close(self) -> None:
+        pass
+
+
 def _while_training(f: Finding) -> Finding:
     """Another process on the GPU keeps a node out of a job (the gate) but does not stop
     one that runs: it may be a tool or this job's own helper (a checkpoint process), and
@@ -89,3 +98,17 @@ def rank_gpu(backend: Backend | None, device) -> int | None:
                 return i
     local = int(os.environ.get("LOCAL_RANK", 0))
     return local if local < backend.nvml.nvmlDeviceGetCount() else None
+
+
+def start_monitor(cfg: HealthConfig, device, *, host: str, local_rank: int, events,
+                  on_pass: Callable[[list, dict], None]) -> HealthMonitor | NoHealthMonitor:
+    """Watches this rank's GPU (and, on local rank 0, the node) while training."""
+    if not cfg.monitor:
+        return NoHealthMonitor()
+    backend = open_backend(cfg)
+    gpu = rank_gpu(backend, device)
+    monitor = HealthMonitor(HealthChecker(cfg, backend, host=host), [] if gpu is None else [gpu],
+                            interval_s=cfg.interval_s, node_checks=local_rank == 0,
+                            events=events, on_pass=on_pass)
+    monitor.start()
+    return monitor

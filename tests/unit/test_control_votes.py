@@ -1,17 +1,19 @@
 """The ranks' agreement on saves by time, signals, failed GPUs and stop requests: two gloo
-processes, one small all-reduce about every ``checkpoint.vote_interval_s``, not every step."""
+processes, one small all-reduce about every ``control.vote_interval_s``, not every step,
+with no checkpoint manager at all."""
 
 import json
 import signal
 import time
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llmtrain.checkpoint.manager import CheckpointManager
-from llmtrain.config import CheckpointConfig
+from llmtrain.config import ControlConfig
+from llmtrain.control import RunControl
+from llmtrain.distributed.process_group import side_group
 from llmtrain.events import EventLog
+from llmtrain.reliability.health.monitor import NoHealthMonitor
 
 STEPS, SIGNAL_AT = 80, 30
 
@@ -19,22 +21,22 @@ STEPS, SIGNAL_AT = 80, 30
 def _worker(rank: int, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 2), rank=rank,
                             world_size=2)
-    cfg = CheckpointConfig(interval_steps=0, mode="sync", save_on_signal=False,
-                           vote_interval_s=0.1)
-    manager = CheckpointManager(cfg, f"{out}.ckpt", manifest_base={},
-                                events=EventLog(f"{out}.run", rank), device=torch.device("cpu"))
+    control = RunControl(ControlConfig(save_on_signal=False, vote_interval_s=0.1),
+                         side_group(30.0), run_dir=f"{out}.run", rank=rank, host="localhost",
+                         events=EventLog(f"{out}.run", rank), health=NoHealthMonitor())
     cast, stopped = [], None
     for step in range(1, STEPS + 1):
         time.sleep(0.01 * (1 + rank))  # rank 1's steps take twice as long as rank 0's
         if rank == 1 and step == SIGNAL_AT:
-            manager.signal = signal.SIGTERM  # as its handler sets it
-        due, stop = manager.due(step)
-        if manager.cast and manager.cast[0] == step:
+            control.signal = signal.SIGTERM  # as its handler sets it
+        verdict = control.vote(step, time_due=False)
+        if control.cast and control.cast[0] == step:
             cast.append(step)
-        if stop:
+        if verdict.stop:
             stopped = step
             break
-    manager.close()
+    control.close(timeout_s=5.0)
+    assert control.exit_code == 75  # RETRYABLE: stopped by a signal
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"cast": cast, "stopped": stopped}, f)
     dist.destroy_process_group()

@@ -1,0 +1,197 @@
+"""What a run tells people while it trains: the console (rank 0), the Prometheus endpoint
+(every rank, when on) and the goodput account, behind one interface for the loop."""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.config import JobConfig
+from llmtrain.distributed.process_group import WorldInfo
+from llmtrain.events import EventLog, EventTail
+from llmtrain.metrics import goodput
+from llmtrain.metrics.console import ConsoleReporter, StepReport
+from llmtrain.metrics.goodput import GoodputLedger, IntervalAdvice, launch_time
+from llmtrain.metrics.prometheus import Exporter
+from llmtrain.model import count_params, flops_per_token
+
+# Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
+# The first name found in the device's wins: the PCIe and NVL H100s are slower.
+_PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12,
+                    "A100": 312e12, "B200": 2250e12}
+
+
+def peak_flops(cfg: JobConfig, device: torch.device) -> float | None:
+    if cfg.metrics.peak_tflops:
+        return cfg.metrics.peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
+    return peak * 2 if peak and cfg.parallelism.fp8 != "none" else peak
+
+
+def memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class _NoExporter:
+    """``metrics.prometheus = false``: every figure goes nowhere."""
+
+    def health(self, findings: list, readings: dict) -> None:
+        pass
+
+    def step_done(self, step: int, seconds: float) -> None:
+        pass
+
+    def stragglers(self, slowdowns: dict[int, float]) -> None:
+        pass
+
+    def set(self, name: str, value: float, **labels) -> None:
+        pass
+
+    def goodput(self, b, advice) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Reporter:
+    def __init__(self, cfg: JobConfig, world: WorldInfo, events: EventLog,
+                 ledger: GoodputLedger):
+        self.cfg, self.world, self.events, self.ledger = cfg, world, events, ledger
+        self.is_rank0 = world.rank == 0
+        self.console = ConsoleReporter(cfg.metrics, cfg.training.steps)
+        self.exporter = _NoExporter()
+        if cfg.metrics.prometheus:
+            self.exporter = Exporter(cfg.metrics, cfg.training.run_dir, rank=world.rank,
+                                     local_rank=world.local_rank, host=world.host,
+                                     world_size=world.world_size)
+            self.exporter.start()
+            events.listeners.append(self.exporter.observe)
+        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.goodput_at = 0.0
+        # the last reported step and when it ended; the first and last losses reported
+        self.last_step, self.last_time = 0, time.perf_counter()
+        self.first_loss = self.loss = math.nan
+        # What the goodput accounting reads, followed incrementally (rank 0 only uses it).
+        self.ledger_tail = EventTail(cfg.training.run_dir, keep=goodput.INPUTS)
+        self.ledger_events: list[dict] = []
+
+    def run_start(self, device: torch.device, micro_batches: int) -> None:
+        if not self.is_rank0:
+            return
+        cfg, params = self.cfg, count_params(self.cfg.model)
+        self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
+                         params=params, device=str(device))
+        self.console.line(
+            f"llmtrain: {cfg.model.name} model, {params / 1e6:.1f}M params, "
+            f"{self.world.world_size} rank(s) on {device.type} ({dist.get_backend()}), "
+            f"{micro_batches} micro-batch(es) per step, run dir {cfg.training.run_dir}")
+
+    def run_end(self, s) -> None:
+        """Rank 0: the run's end (``s``: the trainer's Summary) as an event, its goodput,
+        and a line."""
+        if not self.is_rank0:
+            return
+        if not s.tokens:
+            self.console.line(f"nothing to do: the run is already at step {s.steps} of "
+                              f"{self.cfg.training.steps}")
+            return
+        self.events.emit("run_end", **asdict(s))
+        self.account(final=True)
+        ended = "done, stopped on request" if s.stopped else "done"
+        self.console.line(
+            f"{ended}: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
+            f"({s.tokens_per_s:,.0f} tok/s); loss {s.first_loss:.3f} -> {s.final_loss:.3f}; "
+            f"peak memory {s.memory_gb:.2f} GB per rank")
+
+    def line(self, text: str | None) -> None:
+        if self.is_rank0 and text:
+            self.console.line(text)
+
+    def health_pass(self, findings: list, readings: dict) -> None:
+        self.exporter.health(findings, readings)
+
+    def step_timed(self, step: int, seconds: float, slowdowns: dict[int, float]) -> None:
+        self.exporter.step_done(step, seconds)
+        if self.is_rank0:
+            self.exporter.stragglers(slowdowns)
+
+    def startup_done(self, watchdog, step: int) -> None:
+        """The start-up timeline, once the first step is done: where a restart's time goes;
+        after a restart, rank 0 also logs the recovery's parts."""
+        phases = dict(self.ledger.timeline)
+        since_launch = time.time() - launch_time()
+        self.events.emit("startup", phases=phases, since_launch_s=since_launch,
+                         pid=os.getpid(), host=self.world.host)
+        for name, seconds in phases.items():
+            self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)
+        if not self.is_rank0:
+            return
+        parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
+        self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s after launch")
+        watchdog.beat(step, "events", long=True)  # reading the log may take long
+        self.ledger_events += self.ledger_tail.read()
+        restart = goodput.recovery(self.ledger_events, time.time())
+        if restart:
+            self.events.emit("recovery", **restart)
+            self.console.line(f"recovered in {restart['total_s']:.1f}s from the failure: " +
+                              ", ".join(f"{k} {v:.2f}s" for k, v in restart["parts_s"].items()))
+
+    def resume_at(self, step: int) -> None:
+        """Steps are timed from ``step``, now (a start, a rollback, a warm restore)."""
+        self.last_step, self.last_time = step, time.perf_counter()
+
+    def step(self, step: int, loss: float, *, lr: float, grad_norm: torch.Tensor | None,
+             device: torch.device, watchdog) -> IntervalAdvice | None:
+        """The step's loss and time since the last report; on rank 0 also its line,
+        event and figures, and, at most every ``metrics.goodput_every_s``, the goodput so
+        far and the checkpoint interval it suggests."""
+        now = time.perf_counter()
+        step_time = (now - self.last_time) / (step - self.last_step)
+        self.last_step, self.last_time, self.loss = step, now, loss
+        self.first_loss = loss if math.isnan(self.first_loss) else self.first_loss
+        if not self.is_rank0:
+            return None
+        self.ledger.steps_done(step)
+        tokens_per_s = self.tokens_per_step / step_time
+        peak = peak_flops(self.cfg, device)
+        r = StepReport(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
+                       lr=lr, grad_norm=None if grad_norm is None else grad_norm.item(),
+                       mfu=(self.flops_per_token * tokens_per_s / self.world.world_size / peak
+                            if peak else None), memory_gb=memory_gb(device))
+        self.events.emit("step", **asdict(r))
+        self.console.step(r)
+        if time.monotonic() - self.goodput_at < self.cfg.metrics.goodput_every_s:
+            return None
+        watchdog.beat(step, "events", long=True)  # reading the log may take long
+        return self.account()
+
+    def account(self, final: bool = False) -> IntervalAdvice | None:
+        """Where the run's time went so far, across restarts, read back from the event
+        log; the interval it suggests. ``final``: also as the run's goodput event."""
+        self.goodput_at = time.monotonic()
+        self.ledger_events += self.ledger_tail.read()
+        b = goodput.account(self.ledger_events, now=time.time())
+        advice = goodput.advise(b, self.cfg.metrics.assumed_mtbf_s)
+        self.exporter.goodput(b, advice)
+        if final:
+            self.events.emit("goodput", **b.as_dict(),
+                             optimal_interval_s=advice and advice.optimal_interval_s,
+                             expected_ettr=advice and advice.expected_ettr,
+                             mtbf_s=advice and advice.mtbf_s)
+        return advice
+
+    def close(self) -> None:
+        self.exporter.close()

@@ -1,0 +1,302 @@
+"""Warm recovery, as the training loop sees it: snapshots while training, and on a failed
+collective, a new generation of the group with the state restored from memory.
+
+The loop asks three things: ``maybe_snapshot(step)`` after each step, ``recover(error)``
+when a collective fails (the restored step, or None: the cold path takes over), and
+``leave()`` when this rank's GPU failed. :class:`NoWarmRecovery` answers them when the warm
+path is off (or cannot work: no store outside the workers), so the loop has one shape.
+
+What a snapshot holds is the run's state registry (:mod:`llmtrain.state_registry`): this
+rank's model and optimizer shards as bytes, and every registered item in the header, the
+same items a checkpoint holds. A spare restores a lost rank's from its buddy's replica.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from llmtrain import fault_points
+from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
+                                           shares_cores, state_tensors)
+from llmtrain.config import JobConfig
+from llmtrain.distributed.process_group import WorldInfo, resolve_device, side_group
+from llmtrain.events import EventLog
+from llmtrain.exit_codes import FatalError
+from llmtrain.metrics.goodput import GoodputLedger
+from llmtrain.recovery.fence import Fence
+from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
+                                    publish_endpoints, round_of)
+from llmtrain.state_registry import StateRegistry
+
+# Noted on an error the warm path already reported as a ``failure`` event.
+REPORTED = "llmtrain: reported as a failure event; the warm path could not recover from it"
+
+
+class Job(Protocol):
+    """What a recovery asks of the trainer."""
+    registry: StateRegistry
+
+    def leave_group(self, deadline: float) -> None:
+        """Ends this generation: waits (bounded) for checkpoint work, abandons its groups."""
+
+    def rejoin(self, store: dist.Store) -> dist.ProcessGroup:
+        """Forms the next generation on ``store``; returns its control group."""
+
+
+def _plain(x):
+    """JSON for a snapshot's header: bytes as {"b64": ...}, tuples as lists."""
+    if isinstance(x, bytes):
+        return {"b64": base64.b64encode(x).decode()}
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _unplain(x):
+    if isinstance(x, dict):
+        return base64.b64decode(x["b64"]) if x.keys() == {"b64"} else {
+            k: _unplain(v) for k, v in x.items()}
+    return [_unplain(v) for v in x] if isinstance(x, list) else x
+
+
+def take_snapshot(snapshots: Snapshots, step: int, registry: StateRegistry) -> bool:
+    """The registry at ``step`` into this rank's next snapshot: the sharded tensors as
+    bytes, every item in the header (False: skipped, the last still being replicated)."""
+    return snapshots.take(step, state_tensors(registry.model, registry.optimizer, []),
+                          {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
+
+
+def restore_snapshot(snap: Snapshot, registry: StateRegistry) -> None:
+    """The registry as ``snap`` (verified) holds it: a spare takes the lost rank's own
+    items (its RNGs) with its shards."""
+    header = snap.restore_into(state_tensors(registry.model, registry.optimizer, []))
+    registry.load({**_unplain(header["shared"]), **_unplain(header["own"])})
+
+
+def membership(round_id: str, gen: int) -> str:
+    """The fence's name for the job's membership in generation ``gen``."""
+    return f"{round_id}/g{gen}"
+
+
+class NoWarmRecovery:
+    """The warm path off: every failure goes cold (a restart under torchrun)."""
+    fence = None  # nobody can replace this rank: the watchdog need not ask
+    evict = None  # a hang's ranks are not evicted for spares
+    namespace = None  # the watchdog's keys: the torchrun attempt's
+
+    def __init__(self, round_id: str):
+        self.round_id = round_id
+
+    def membership(self) -> str:
+        return membership(self.round_id, 0)
+
+    def start(self, step: int, control: dist.ProcessGroup) -> None:
+        pass
+
+    def maybe_snapshot(self, step: int) -> None:
+        pass
+
+    def forget_snapshots(self) -> None:
+        pass
+
+    def group_formed(self) -> None:
+        pass
+
+    def recover(self, error: BaseException, step: int) -> int | None:
+        return None
+
+    def leave(self) -> bool:
+        return False
+
+    def give_up(self) -> None:
+        pass
+
+    def first_step_done(self) -> str | None:
+        return None
+
+    def close(self, timeout_s: float) -> None:
+        pass
+
+
+class WarmRecovery:
+    """This rank's part in warm recoveries: its snapshots, its buddy's replica of them,
+    and the agreement with the other survivors (:mod:`llmtrain.recovery.warm`)."""
+
+    def __init__(self, cfg: JobConfig, path: WarmPath, job: Job, *, world: WorldInfo,
+                 events: EventLog, ledger: GoodputLedger, fence: Fence):
+        w, c = cfg.warm, cfg.checkpoint
+        self.cfg, self.path, self.job, self.world = w, path, job, world
+        self.events, self.ledger, self.fence = events, ledger, fence
+        self.round_id = self.namespace = path.round_id  # the watchdog's keys outlive generations
+        self.evictions = outside_store(timedelta(seconds=30))  # the watchdog thread's
+        self.timeout_s = cfg.reliability.collective_timeout_s
+        # never further apart than checkpoints: warm must not redo more than cold
+        most = (min(w.snapshot_max_every, c.interval_steps)
+                if c.enable and c.interval_steps else w.snapshot_max_every)
+        self.snapshots = Snapshots(
+            Schedule(w.snapshot_every, w.snapshot_budget, most), world.rank,
+            buddy=path.buddy, ward=path.ward, events=events,
+            shares_cores=shares_cores(resolve_device(cfg.parallelism, world.local_rank),
+                                      path.local_world_size))
+        self.replication: dist.ProcessGroup | None = None  # the generation's, once formed
+        self.recovered: dict | None = None  # the last recovery, until its first step is done
+
+    def membership(self) -> str:
+        return membership(self.round_id, self.path.gen)
+
+    def evict(self, ranks: list[int]) -> dict[int, list[str]]:
+        """Has a hang's stuck ranks leave, for spares to replace (the watchdog asks)."""
+        return evict(self.evictions, ranks, wait_s=self.cfg.evict_wait_s)
+
+    def spare_store(self, step: int) -> dist.Store:
+        """A spare's way in (to restore ``step``): once every member of the generation
+        has come, its store."""
+        fault_points.point("spare_assigned", step)
+        self.path.assemble(time.monotonic() + self.cfg.budget_s)
+        return self.path.group_store()
+
+    def group_formed(self) -> None:
+        """A generation's groups are forming: the replication's is one of them."""
+        self.replication = side_group(self.timeout_s)
+
+    def start(self, step: int, control: dist.ProcessGroup) -> None:
+        """Replicates snapshots from ``step`` on, every group of the generation formed."""
+        self.snapshots.start(self.replication, control, step)
+        publish_endpoints(self.path.store, self.world.rank)
+
+    def maybe_snapshot(self, step: int) -> None:
+        if self.snapshots.due(step):
+            take_snapshot(self.snapshots, step, self.job.registry)
+
+    def forget_snapshots(self) -> None:
+        """The state went back (a rollback): snapshots of the abandoned steps are never
+        restored."""
+        self.snapshots.forget_own()
+
+    def leave(self) -> bool:
+        """This rank leaves on purpose (its GPU failed), unsaved: the survivors go on."""
+        self.path.leave()
+        return True
+
+    def give_up(self) -> None:
+        self.path.give_up()
+
+    def recover(self, error: BaseException, step: int) -> int | None:
+        """A collective failed: with the other survivors, re-forms the group with warm
+        spares in the lost ranks' places and restores every rank's state from memory.
+        Returns the restored step; None when the cold path must take over (logged)."""
+        if isinstance(error, FatalError):  # diverged: a restart would do the same
+            return None
+        detected, interval = time.time(), self.snapshots.schedule.interval
+        deadline = time.monotonic() + self.cfg.budget_s
+        self.events.emit("failure", step=step, error=f"{type(error).__name__}: {error}"[:500],
+                         path="warm")
+        error.add_note(REPORTED)
+        plan = None
+        try:
+            # an exchange with the lost peer may never end: it is left behind, not awaited
+            self.snapshots.stop(self.cfg.settle_s)
+            plan = self.path.agree(self.snapshots.holdings(), deadline)
+            if self.world.rank not in plan.lost:  # the spares may name it first
+                self.fence.expect(membership(self.round_id, plan.gen))
+            agreed = time.time()
+            self.job.leave_group(deadline)
+            self.path.enter(plan.gen)
+            self.path.assemble(deadline)
+            control = self.job.rejoin(self.path.group_store())
+            formed = time.time()
+            self.restore(plan)
+        except (ColdPath, SnapshotError, TimeoutError, RuntimeError) as e:
+            self.events.emit("warm_recovery_failed", step=step,
+                             reason=f"{type(e).__name__}: {e}"[:500])
+            if plan is not None:  # a plan was made and failed
+                self.path.give_up()
+            return None
+        self.start(plan.step, control)
+        restored = time.time()
+        self.ledger.record("restart", "warm", detected, restored)
+        self.ledger.restart_at(plan.step)
+        if self.world.rank == min(set(range(self.world.world_size)) - set(plan.lost)):
+            # reported once the first step after it is done: the whole cost of the fault
+            self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
+                              "spares": plan.spares, "failed_at": step,
+                              "snapshot_interval": interval, "marks": {
+                                  "failure_detected": detected, "agreed": agreed,
+                                  "group_formed": formed, "restored": restored}}
+        return plan.step
+
+    def join_as_spare(self, plan: Plan) -> int:
+        """A spare's start, once its groups are formed: the lost rank's state from its
+        buddy's replica. Returns the step it restored."""
+        self.restore(plan)
+        return plan.step
+
+    def restore(self, plan: Plan) -> None:
+        """Every rank's state at ``plan.step`` from memory: survivors from their own
+        snapshot, a spare from its buddy's replica; all verified by checksum first, and all
+        ranks agree that each did, or none goes on (SnapshotError: the cold path)."""
+        ok, snap, rank = torch.ones(1), None, self.world.rank
+        try:
+            for lost, source in plan.sources.items():
+                if source == rank:
+                    self.snapshots.send_replica(plan.step, int(lost), self.replication)
+            if str(rank) in plan.sources:
+                snap = Snapshots.receive(plan.sources[str(rank)], self.replication)
+            else:
+                snap = self.snapshots.own.at(plan.step)
+                snap.verify()
+        except SnapshotError as e:
+            self.events.emit("snapshot_corrupt", rank=rank, step=plan.step, error=str(e),
+                             when="restore")
+            ok.zero_()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.replication)
+        if not ok.item():
+            raise SnapshotError(f"a snapshot of step {plan.step} failed its check "
+                                f"(see the snapshot_corrupt events)")
+        restore_snapshot(snap, self.job.registry)
+
+    def first_step_done(self) -> str | None:
+        """After a recovery's first step: its event, and the line that says it."""
+        if self.recovered is None:
+            return None
+        rec, self.recovered = self.recovered, None
+        marks = {**rec.pop("marks"), "first_step": time.time()}
+        names = list(marks)
+        parts = {f"{a}->{b}": marks[b] - marks[a] for a, b in zip(names, names[1:])}
+        total = marks["first_step"] - marks["failure_detected"]
+        self.events.emit("warm_recovery", **rec, marks=marks, parts_s=parts, total_s=total)
+        return (f"warm recovery: rank(s) {rec['lost']} replaced by spare(s), the state of "
+                f"step {rec['step']} restored from memory; training again {total:.2f}s "
+                f"after the failure")
+
+    def close(self, timeout_s: float) -> None:
+        self.snapshots.stop(timeout=timeout_s)
+
+
+def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist.Store | None,
+                  plan: dict | None, events: EventLog, ledger: GoodputLedger,
+                  fence: Fence) -> WarmRecovery | NoWarmRecovery:
+    """This rank's recovery: warm when on and a store outside the workers exists to meet
+    in (a spare's ``plan`` names its place), else cold only, said once in an event."""
+    store = outside_store(timedelta(seconds=cfg.warm.budget_s)) if cfg.warm.enable else None
+    if store is None:
+        if cfg.warm.enable:
+            events.emit("warm_path_off", rank=world.rank,
+                        reason="no rendezvous store outside the workers "
+                               "(run under llmtrain launch)")
+        return NoWarmRecovery(round_of(job_store) if fence.store is not None else "")
+    if plan is not None:
+        path = WarmPath(cfg.warm, store, plan["round_id"], world.rank, world.world_size,
+                        plan["local_world_size"], gen=plan["gen"])
+    else:
+        path = WarmPath(cfg.warm, store, round_of(job_store), world.rank, world.world_size,
+                        int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return WarmRecovery(cfg, path, job, world=world, events=events, ledger=ledger,
+                        fence=fence)

@@ -1,0 +1,49 @@
+"""The model one generation of the process group trains, with its optimizer and schedule.
+
+Built on meta and sharded before any storage exists, so no rank ever holds the whole
+model; each rank then draws only its shards, the same weights at any world size. Built at
+start, and again by the survivors of a lost rank in each new generation (warm path).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Callable, NamedTuple
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmtrain.checkpoint import hf
+from llmtrain.config import JobConfig
+from llmtrain.distributed.parallelize import fp8_all_gather, parallelize
+from llmtrain.model import Transformer
+from llmtrain.optim import build_optimizer, lr_schedule
+
+
+class ShardedModel(NamedTuple):
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    fp8_scales: bool  # FP8 weights gathered in FP8: their scales are precomputed each step
+
+
+def build(cfg: JobConfig, mesh: DeviceMesh, device: torch.device,
+          span: Callable[[str], AbstractContextManager], *, init_from: str = "") -> ShardedModel:
+    """``span(name)`` times each part; ``init_from``: a Hugging Face directory whose
+    weights start the run (each rank reads its shards' rows only)."""
+    t = cfg.training
+    with span("model_meta"), torch.device("meta"):
+        torch.manual_seed(t.seed)
+        model = Transformer(cfg.model)
+    with span("shard"):
+        model = parallelize(model, mesh, cfg.parallelism)
+        fp8_scales = fp8_all_gather(cfg.parallelism, device.type, mesh.shape[-1])
+    with span("materialize"):
+        model.to_empty(device=device)
+        model.init_weights(t.seed)
+        if init_from:
+            hf.load(model, init_from, cfg.model)
+    with span("optimizer"):
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = lr_schedule(optimizer, cfg.optim, t.steps)
+    return ShardedModel(model, optimizer, scheduler, fp8_scales)

@@ -1,0 +1,24 @@
+"""The launcher's preflight refuses a config that some world size the job may run at
+cannot train at, before torchrun starts."""
+
+import pytest
+
+from llmtrain.config import ConfigError, load_config
+from llmtrain.launch.node import LaunchConfig, preflight
+
+
+def test_a_size_between_min_and_max_that_cannot_train_is_refused_with_the_fix():
+    # 2 to 4 nodes of 2 ranks: 16 sequences divide among 2, 4 and 8 ranks, not 6
+    cfg = load_config("debug_cpu", [("training.global_batch_size", 16),
+                                    ("training.micro_batch_size", 1)])
+    lc = LaunchConfig(nnodes="1:4", nproc_per_node=2)
+    assert lc.world_sizes == [2, 4, 6, 8]
+    for world in (2, 8):
+        cfg.validate(world)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, lc)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "cannot train at [6] (at 6: training.global_batch_size=16" in message
+    assert "set training.global_batch_size=24" in message
+    assert "node counts it fits: [1, 2, 4]" in message
