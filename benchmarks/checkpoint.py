@@ -269,8 +269,7 @@ def main() -> None:
     cfg.checkpoint.keep_last = 10**6  # no retention work inside the timed saves
     sync_mgr = CheckpointManager(dataclasses.replace(cfg.checkpoint, mode="sync"), mgr.url,
                                  manifest_base=mgr.manifest_base, events=trainer.events,
-                                 device=device, control_group=trainer.control_group,
-                                 timeout_s=cfg.reliability.collective_timeout_s)
+                                 device=device, control_group=trainer.control_group)
     say = print if rank == 0 else (lambda *a, **k: None)
     params = count_params(cfg.model)
     say(f"checkpoint benchmark: {cfg.model.name} ({cfg.model.dim} dim x {cfg.model.n_layers} "
@@ -429,7 +428,7 @@ def main() -> None:
                 trainer.step = step
                 if step % log_every == 0:
                     global_mean(loss)
-                trainer.checkpoint(step)
+                trainer.save_or_stop(step)
             global_mean(loss)
             mgr.wait()  # the segment's last write is paid here, not in the next segment
         return ranks.timed(run) / seg_steps

@@ -10,8 +10,9 @@
 
   "On" is the trainer as built: ``step_done`` every step, the EventLog listener, the
   watchdog's straggler gauges and the health monitor's pass at log steps, the goodput
-  gauges, and the HTTP server answering scrapes. "Off" sets ``trainer.exporter`` to None
-  and detaches the listener and the health hook, as ``--metrics.prometheus false`` would;
+  gauges, and the HTTP server answering scrapes. "Off" gives the reporter a NoExporter
+  and detaches the listener (the health hook goes through the reporter), as
+  ``--metrics.prometheus false`` would;
   only the idle server thread stays up. The goodput pass over the event log (every
   ``metrics.goodput_every_s`` at log steps, plus the final one each segment's ``run()``
   ends with) runs in both modes, since the trainer does it with or without the exporter.
@@ -60,6 +61,7 @@ from prometheus_client import generate_latest
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.events import EventTail, read_events
 from llmtrain.metrics import goodput
+from llmtrain.metrics.reporting import NoExporter
 from llmtrain.trainer import Trainer
 
 # A separate process, so that its HTTP client never holds the trainer's GIL. Commands on
@@ -125,18 +127,17 @@ class Scraper:
 
 
 def exporter_switch(trainer: Trainer):
-    """A function turning the trainer's exporter on or off, as --metrics.prometheus would."""
-    exporter = trainer.exporter
-    health = trainer.health
+    """A function turning the trainer's exporter on or off, as --metrics.prometheus would
+    (the health monitor's passes reach the exporter through the reporter)."""
+    reporter = trainer.reporter
+    exporter, off = reporter.exporter, NoExporter()
 
     def switch(on: bool) -> None:
-        trainer.exporter = exporter if on else None
+        reporter.exporter = exporter if on else off
         if on and exporter.observe not in trainer.events.listeners:
             trainer.events.listeners.append(exporter.observe)
         if not on and exporter.observe in trainer.events.listeners:
             trainer.events.listeners.remove(exporter.observe)
-        if health is not None:
-            health.on_pass = exporter.health if on else None
     return switch
 
 
@@ -185,7 +186,7 @@ def measure(segments: int, steps: int, scrape_every: float, fetches: int,
          "--metrics.prometheus", "true", "--metrics.address", "127.0.0.1",
          "--metrics.port", "0"]))
     trainer = Trainer(cfg)
-    exporter = trainer.exporter
+    exporter = trainer.reporter.exporter
     switch = exporter_switch(trainer)
     scraper = Scraper(f"http://127.0.0.1:{exporter.port}/metrics", scrape_every)
     times: dict[str, list[float]] = {"on": [], "off": []}
@@ -213,8 +214,7 @@ def measure(segments: int, steps: int, scrape_every: float, fetches: int,
         render_ms = median_ms(lambda: generate_latest(exporter.registry), fetches)
 
         def goodput_pass() -> None:  # the periodic (non-final) pass: emits no event
-            trainer.goodput_at = 0.0
-            trainer.account_goodput()
+            trainer.reporter.account()
         goodput_ms = median_ms(goodput_pass, 20)
         step_event = read_events(run_dir, "step")[-1]
         step_done_us = median_ms(lambda: exporter.step_done(trainer.step, 0.1), 2000) * 1e3

@@ -39,7 +39,6 @@ from llmtrain.checkpoint.state import TrainState
 from dataclasses import asdict
 
 from llmtrain.config import CheckpointConfig, ConfigError, JobConfig
-from llmtrain.distributed.process_group import side_group
 from llmtrain.events import EventLog
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
@@ -63,13 +62,11 @@ def describe(error: BaseException) -> str:
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
                  events: EventLog, device: torch.device, control_group: dist.ProcessGroup,
-                 timeout_s: float, fence: Callable[[str], None] = storage.no_fence):
-        """``control_group``: the training thread's gloo group for agreements;
-        ``timeout_s``: the bound of the I/O group's collectives."""
+                 fence: Callable[[str], None] = storage.no_fence):
+        """``control_group``: the training thread's gloo group for agreements."""
         self.cfg, self.url, self.events = cfg, url, events
         self.fence = fence  # asked before each file is written (llmtrain.recovery.fence)
         self.manifest_base = manifest_base
-        self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.bind_groups(control_group)
@@ -87,8 +84,11 @@ class CheckpointManager:
     def bind_groups(self, control_group: dist.ProcessGroup) -> None:
         """Its own gloo group for DCP's I/O, and the training thread's for agreements:
         bound at start, and again in each new generation of the job's groups after a
-        warm recovery."""
-        self.io_group = side_group(self.timeout_s)
+        warm recovery. The I/O group keeps gloo's 30-minute timeout, not the job's
+        collective timeout: its collectives end a background write, and the fastest
+        writer waits there for the slowest (minutes on an object store at scale); a
+        failed run's close does not wait for them (``close``'s bound)."""
+        self.io_group = dist.new_group(backend="gloo")
         self.control_group = control_group
 
     def _emit0(self, event: str, **fields) -> None:
@@ -426,7 +426,7 @@ def checkpoints_for(cfg: JobConfig, world_size: int, *, events: EventLog, device
         return NoCheckpoints()
     return CheckpointManager(
         cfg.checkpoint, cfg.checkpoint_url, events=events, device=device,
-        control_group=control_group, timeout_s=cfg.reliability.collective_timeout_s,
+        control_group=control_group,
         manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
                        "model_config": asdict(cfg.model),
                        "mesh": list(cfg.mesh_shape(world_size))},

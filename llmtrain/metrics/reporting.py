@@ -43,7 +43,7 @@ def memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-class _NoExporter:
+class NoExporter:
     """``metrics.prometheus = false``: every figure goes nowhere."""
 
     def health(self, findings: list, readings: dict) -> None:
@@ -71,7 +71,7 @@ class Reporter:
         self.cfg, self.world, self.events, self.ledger = cfg, world, events, ledger
         self.is_rank0 = world.rank == 0
         self.console = ConsoleReporter(cfg.metrics, cfg.training.steps)
-        self.exporter = _NoExporter()
+        self.exporter = NoExporter()
         if cfg.metrics.prometheus:
             self.exporter = Exporter(cfg.metrics, cfg.training.run_dir, rank=world.rank,
                                      local_rank=world.local_rank, host=world.host,

@@ -105,8 +105,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
     _step(model, optimizer, scheduler)
     manager = CheckpointManager(CheckpointConfig(mode="sync"), str(tmp_path / "ckpt"),
                                 manifest_base={}, events=EventLog(str(tmp_path / "run"), 0),
-                                device=torch.device("cpu"), control_group=dist.group.WORLD,
-                                timeout_s=30.0)
+                                device=torch.device("cpu"), control_group=dist.group.WORLD)
     manager.save(1, state)
     saved = [t.detach().clone() for t in state_module._live_objects(model, optimizer)]
     _step(model, optimizer, scheduler)
