@@ -106,10 +106,10 @@ class RunControl:
         if by_vote and not self.voted_stop and not by_signal:
             self.stopped_by_peer = True
         if by_signal:
-            self._emit0("preempted", step=step, signal=self.signal or "on another rank")
+            self.events.emit_once("preempted", step=step, signal=self.signal or "on another rank")
         if by_request:
             self.finishing = True
-            self._emit0("stop_requested", step=step, **(request or {}))
+            self.events.emit_once("stop_requested", step=step, **(request or {}))
         if by_vote and self.voted_stop:
             self.events.emit("stop_vote", step=step)
         self.voted_stop = self.voted_stop or unhealthy
@@ -126,10 +126,6 @@ class RunControl:
         pace = (now - cast[1]) / (step - cast[0])
         return max(1, int(self.cfg.vote_interval_s / pace)) if pace > 0 else 1
 
-    def _emit0(self, event: str, **fields) -> None:
-        """Events every rank would report alike are written once, by rank 0."""
-        if self.rank == 0:
-            self.events.emit(event, **fields)
 
     # -- how this rank's run ends ----------------------------------------------------
 

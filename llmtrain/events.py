@@ -72,6 +72,11 @@ class EventLog:
             for listener in self.listeners:
                 listener(record)
 
+    def emit_once(self, event: str, **fields: Any) -> None:
+        """An event every rank would report alike, written once: by rank 0."""
+        if self.rank == 0:
+            self.emit(event, **fields)
+
     def _open(self) -> _Appender | _Uploader:
         fs, path = fsspec.core.url_to_fs(self.dir)
         if is_local(fs):

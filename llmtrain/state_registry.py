@@ -51,6 +51,9 @@ class StateRegistry:
             self.register(item)
 
     def register(self, item: Stateful) -> None:
+        if not isinstance(item, Stateful):
+            raise TypeError(f"{item!r} is no training state item: it needs name, per_rank, "
+                            f"state_dict() and load_state_dict()")
         if item.name in self.items or item.name in ("model", "optim", "step", "trainer"):
             raise ValueError(f"a training state item named {item.name!r} is registered "
                              f"already (or the name is reserved)")

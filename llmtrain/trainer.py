@@ -109,7 +109,7 @@ class Trainer:
             self.guard = IntegrityGuard(self.integrity, checkpoints=self.checkpoints,
                                         recovery=self.recovery, control=self.control,
                                         reporter=self.reporter, watchdog=self.watchdog,
-                                        ledger=self.ledger, events=self.events, rank=rank)
+                                        ledger=self.ledger, events=self.events)
         self.step = self._first_state(plan)
         self.recovery.start(self.step, self.control_group)
         self.reporter.run_start(self.device, cfg.accumulation_steps(self.world.world_size))
@@ -302,8 +302,7 @@ class Trainer:
         """A step of ``integrity.skip_steps`` (or one a rollback learned): its batch is
         consumed, the schedule moves on, nothing is trained; as a judged-bad step does."""
         self.scheduler.step()
-        if self.world.rank == 0:
-            self.events.emit("step_skipped", step=step, reason="skip_steps")
+        self.events.emit_once("step_skipped", step=step, reason="skip_steps")
         return torch.full((), math.nan, device=self.device)  # NCCL reduces GPU tensors only
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:

@@ -91,10 +91,6 @@ class CheckpointManager:
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = control_group
 
-    def _emit0(self, event: str, **fields) -> None:
-        """Events every rank would report alike are written once, by rank 0."""
-        if self.rank == 0:
-            self.events.emit(event, **fields)
 
     # -- when -------------------------------------------------------------------------
 
@@ -136,13 +132,13 @@ class CheckpointManager:
         such checkpoint whatever comes after it)."""
         if self.writing():
             if self.cfg.if_busy == "skip" and not final:
-                self._emit0("checkpoint_skipped", step=step, reason="previous still writing")
+                self.events.emit_once("checkpoint_skipped", step=step, reason="previous still writing")
                 return
             waited = time.perf_counter()
             self.wait()
-            self._emit0("checkpoint_wait", step=step, seconds=time.perf_counter() - waited)
+            self.events.emit_once("checkpoint_wait", step=step, seconds=time.perf_counter() - waited)
         if self._committed(step):
-            self._emit0("checkpoint_skipped", step=step, reason="committed already (a "
+            self.events.emit_once("checkpoint_skipped", step=step, reason="committed already (a "
                         "warm recovery went back to a step before it)")
             return
         self.last_save_time = time.monotonic()
@@ -170,7 +166,7 @@ class CheckpointManager:
             self._failed(step, e)
             return
         blocked = time.perf_counter() - start
-        self._emit0("checkpoint_staged", step=step, blocking_s=blocked)
+        self.events.emit_once("checkpoint_staged", step=step, blocking_s=blocked)
         # ``inflight`` completes only after the bookkeeping of ``_done``, so that waiting
         # for it means the save is recorded and retention has run.
         self.inflight = Future()
@@ -303,7 +299,7 @@ class CheckpointManager:
                 self._quarantine(step, problems)
                 continue
             loaded_step, missing, _ = loads[self.rank]
-            self._emit0("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
+            self.events.emit_once("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
                         missing_items=missing, rng_restored="rng" not in missing,
                         checked_in_load=checksums and in_place,
                         planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
@@ -340,7 +336,7 @@ class CheckpointManager:
             raise self._unreadable(step, errors) from e
         errors = [error for _, error in gathered if error]
         if errors:
-            self._emit0("checkpoint_unreadable", step=step, errors=errors[:20])
+            self.events.emit_once("checkpoint_unreadable", step=step, errors=errors[:20])
             raise self._unreadable(step, errors)
         return [result for result, _ in gathered]
 

@@ -13,11 +13,10 @@ MAX_ROLLBACKS = 3
 
 class IntegrityGuard:
     def __init__(self, integrity: Integrity, *, checkpoints, recovery, control, reporter,
-                 watchdog, ledger, events, rank: int):
+                 watchdog, ledger, events):
         self.integrity, self.checkpoints, self.recovery = integrity, checkpoints, recovery
         self.control, self.reporter, self.watchdog, self.ledger = control, reporter, watchdog, ledger
-        self.events, self.rank = events, rank
-        self.enabled = integrity.cfg.enable
+        self.events = events
         self.checked_step = -1  # the last step whose state was checked
         self.rollbacks: list[int] = []  # steps rolled back from, since the run got past them
 
@@ -29,7 +28,7 @@ class IntegrityGuard:
     def review(self, step: int, model, grad_norm, state, *, save: bool = False) -> int | None:
         """Reads the verdicts and, when due (always before a save), checks the state;
         rolls back when the policy says so. Returns the step rolled back to, else None."""
-        if save and not self.enabled:
+        if save and not self.integrity.cfg.enable:
             return None
         bad = self.integrity.read()
         if bad and self.integrity.review(bad, step):
@@ -78,9 +77,8 @@ class IntegrityGuard:
         self.watchdog.beat(step, "resume", long=True)
         with self.ledger.span("checkpoint_load", "rollback"):
             to = self.checkpoints.resume(state)
-        if self.rank == 0:
-            self.events.emit("rollback", step=step, to_step=to or None, reason=reason,
-                             skip=skipped)
+        self.events.emit_once("rollback", step=step, to_step=to or None, reason=reason,
+                              skip=skipped)
         self.reporter.line(f"integrity: {reason}; " + (
             f"rolled back to the checkpoint of step {to}" if to else
             "no checkpoint to roll back to") + (f", skipping step(s) {skipped}" if skipped else ""))

@@ -212,7 +212,7 @@ class Integrity:
         """Records ``bad`` as events and applies the policy: True when the run must roll
         back; raises TrainingDiverged when it must stop."""
         for b in bad:
-            self._emit0("step_skipped" if not b.applied else "loss_spike", step=b.step,
+            self.events.emit_once("step_skipped" if not b.applied else "loss_spike", step=b.step,
                         reason=b.reason, loss=_number(b.loss), grad_norm=_number(b.grad_norm),
                         ranks=b.ranks,
                         samples=[(b.step - 1) * self.batch, b.step * self.batch])
@@ -240,7 +240,7 @@ class Integrity:
         step's. Recorded as an event, so a restart skips them too."""
         steps = list(range(max(1, bad_step - self.cfg.rollback_skip + 1), bad_step + 1))
         self.skips.update(steps)
-        self._emit0("integrity_skip", steps=steps)
+        self.events.emit_once("integrity_skip", steps=steps)
         return steps
 
     # -- the state, before every save and every sdc_every steps -----------------------
@@ -273,13 +273,13 @@ class Integrity:
                 check.split.append(group)
         if step in self.replayed and check.ok:
             check.diverged, distances = self._farthest_from_replay(self.replayed.pop(step), shards)
-            self._emit0("replica_diverged", step=step, ranks=check.diverged, how="replay",
+            self.events.emit_once("replica_diverged", step=step, ranks=check.diverged, how="replay",
                         distances=distances)
         elif check.split:
             self.replayed[step] = self._differing(bits, shards, check.split)
         check.suspects = sorted(set(check.suspects))
         if not check.ok:
-            self._emit0("state_check_failed", step=step, nonfinite_ranks=check.nonfinite_ranks,
+            self.events.emit_once("state_check_failed", step=step, nonfinite_ranks=check.nonfinite_ranks,
                         split=check.split, suspects=check.suspects)
         return check
 
@@ -330,9 +330,6 @@ class Integrity:
         counts = Counter(r for pair in pairs for r in pair)
         named = sorted(r for r, n in counts.items() if n >= 2) if self.world >= 3 else []
         if pairs:
-            self._emit0("recompute_mismatch", step=step, pairs=pairs, ranks=named)
+            self.events.emit_once("recompute_mismatch", step=step, pairs=pairs, ranks=named)
         return named
 
-    def _emit0(self, event: str, **fields) -> None:
-        if self.rank == 0:
-            self.events.emit(event, **fields)

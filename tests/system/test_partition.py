@@ -48,6 +48,9 @@ def test_a_partitioned_rank_that_comes_back_is_fenced_out_of_the_checkpoints(clu
                               where=lambda e: e["ts"] > cut)
     hang = [e for e in events(c.run, "hang") if e["ts"] > cut][0]
     assert 1 in hang["culprits"], hang
+    # each rank says its start-up at its first step: the spare's may come after rank 0's
+    wait_for_event(c.run, "startup", c.nodes["node1"], timeout=60,
+                   where=lambda e: e["ts"] > cut and e["host"] == "node3")
     assert {e["host"] for e in events(c.run, "startup") if e["ts"] > cut} == {"node1", "node3"}
     committed = wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"], timeout=120,
                                where=lambda e: e["ts"] > recovery["ts"] and e["step"] == 20)
