@@ -137,9 +137,9 @@ class CheckpointManager:
             waited = time.perf_counter()
             self.wait()
             self.events.emit_once("checkpoint_wait", step=step, seconds=time.perf_counter() - waited)
-        if self._committed(step):
-            self.events.emit_once("checkpoint_skipped", step=step, reason="committed already (a "
-                        "warm recovery went back to a step before it)")
+        why_not = self._committed(step)
+        if why_not:
+            self.events.emit_once("checkpoint_skipped", step=step, reason=why_not)
             return
         self.last_save_time = time.monotonic()
         start = time.perf_counter()
@@ -180,21 +180,26 @@ class CheckpointManager:
         if final:
             self.wait()
 
-    def _committed(self, step: int) -> bool:
-        """Whether a committed checkpoint of ``step`` exists: saving again would write over
-        it (the same state: training is deterministic), and a write failing midway would
-        lose it. Rank 0 reads the manifest, and every rank learns its answer (one small
-        all-reduce a save), so all skip the collective save together."""
-        found = 0
+    def _committed(self, step: int) -> str | None:
+        """Why ``step`` must not be saved (None: it may): a committed checkpoint of it
+        exists, or its manifest could not be read. Saving again would clear the step's
+        directory first (the same state: training is deterministic), and a write failing
+        midway would lose it; only a verified absence (no manifest, or bytes that are no
+        manifest) says there is nothing to lose. Rank 0 reads the manifest, and every rank
+        learns its answer (one small all-reduce a save), so all skip the save together."""
+        found, error = 0, ""
         if self.rank == 0:
             try:
                 manifest = storage.read_manifest(storage.step_dir(self.url, step))
                 found = int(manifest is not None and not manifest.get("unreadable"))
-            except OSError:  # says nothing of the checkpoint: the save tries as before
-                pass
+            except OSError as e:  # says nothing of the checkpoint: it may be committed
+                found, error = 2, describe(e)
         flag = torch.tensor([found])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
-        return bool(flag.item())
+        return {0: None, 1: "committed already (a warm recovery went back to a step before "
+                            "it)",
+                2: f"its manifest could not be read ({error or 'on rank 0'}): a committed "
+                   f"checkpoint may be there, and saving would clear it"}[int(flag.item())]
 
     def _done(self, future: Future, step: int, start: float, blocked: float) -> None:
         """Runs when the background write ends, in DCP's callback, where an exception

@@ -166,9 +166,11 @@ class Integrity:
 
     def state_dict(self) -> dict:
         """Plain values: the window's losses (None for a skipped step's), the count of
-        judged steps and the steps to skip."""
+        judged steps, the bad steps the window holds (``max_bad_steps`` counts them) and
+        the steps to skip."""
         return {"history": [None if math.isnan(x) else x for x in self.history.tolist()],
-                "judged": self.judged, "skips": sorted(self.skips)}
+                "judged": self.judged, "bad_steps": list(self.bad_steps),
+                "skips": sorted(self.skips)}
 
     def load_state_dict(self, state: dict) -> None:
         """The window of an earlier step: verdicts judged since then are dropped, to be
@@ -178,6 +180,7 @@ class Integrity:
         if same_window:
             self.history.copy_(torch.tensor(history, dtype=self.history.dtype))
         self.judged, self.pending = state["judged"] if same_window else 0, []
+        self.bad_steps = list(state["bad_steps"])
         self.skips |= set(state["skips"])
 
     def _spike(self, loss: torch.Tensor) -> torch.Tensor:

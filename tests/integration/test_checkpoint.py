@@ -274,19 +274,23 @@ def test_a_load_in_place_and_a_planned_load_restore_the_same_state(tmp_path):
 
 # A world of one in this process: the state of step 2 is saved and committed, training
 # goes on, then returns to step 2 (as a warm recovery to an older snapshot does) and
-# saves step 2 again, with every shard write failing.
+# saves step 2 again, with every shard write failing; with a fault-injecting mount under
+# the checkpoints (argv[2]), reading step 2's manifest fails with EIO too.
 RESAVE = """
 import errno, sys
+from pathlib import Path
+from llmtrain.chaos.mount import FaultMount
 from llmtrain.checkpoint import storage
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.events import read_events
 from llmtrain.trainer import Trainer
 
-run = sys.argv[1]
+run, mount = sys.argv[1], FaultMount(Path(sys.argv[2])) if len(sys.argv) > 2 else None
 cfg = load_config("debug_cpu", parse_overrides([
     "--training.run_dir", run, "--training.steps", "10", "--checkpoint.enable", "true",
     "--checkpoint.mode", "sync", "--checkpoint.interval_steps", "0",
-    "--checkpoint.resume", "false", "--metrics.progress", "plain"]))
+    "--checkpoint.resume", "false", "--metrics.progress", "plain",
+    *(["--checkpoint.url", str(mount.mount / "ckpt")] if mount else [])]))
 trainer = Trainer(cfg)
 trainer.train_step(trainer.data.next_step())
 trainer.checkpoints.save(2, trainer.state)
@@ -297,7 +301,16 @@ trainer.train_step(trainer.data.next_step())
 def fail(*args, **kwargs):
     raise OSError(errno.EIO, "Input/output error")
 storage.CommitWriter.write_data = fail
+if mount:
+    mount.set_rules([{"ops": ["open", "read"], "path": "*/step-00000002/MANIFEST.json",
+                      "errno": "EIO"}])
 trainer.checkpoints.save(2, trainer.state)
+if mount:
+    assert mount.fired("open") or mount.fired("read"), "the manifest was never read"
+    mount.clear()
+    (skipped,) = read_events(run, "checkpoint_skipped")
+    assert "could not be read" in skipped["reason"], skipped
+    assert "Input/output error" in skipped["reason"], skipped
 assert storage.read_manifest(url) == manifest, "the committed checkpoint was touched"
 assert storage.verify(url, checksums=True) == [], "the committed checkpoint was damaged"
 assert [e["step"] for e in read_events(run, "checkpoint_skipped")] == [2]
@@ -313,4 +326,15 @@ def test_a_step_saved_again_never_writes_over_its_committed_checkpoint(tmp_path)
     a write failing then would lose it. The save is skipped instead."""
     proc = subprocess.run([sys.executable, "-c", RESAVE, str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_manifest_that_cannot_be_read_is_no_licence_to_save_over_it(tmp_path, faultfs):
+    """The same re-save, with step 2's manifest unreadable (EIO from a real FUSE mount):
+    an error says nothing of the checkpoint, so the save is skipped, naming the error,
+    and the committed checkpoint survives the failing writes. (Before, the error read as
+    "not committed", and the save cleared step 2 before its writes failed.)"""
+    proc = subprocess.run([sys.executable, "-c", RESAVE, str(tmp_path / "run"),
+                           str(faultfs.base)], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
