@@ -445,7 +445,15 @@ def _read_preset(preset: str) -> dict[str, Any]:
         raise ConfigError(f"config {preset!r} is not valid TOML: {e}") from None
 
 
+# Keys that moved to another section: a config written before says where they are now.
+_MOVED = {"checkpoint.save_on_signal": "control.save_on_signal",
+          "checkpoint.vote_interval_s": "control.vote_interval_s"}
+
+
 def _unknown(key: str, valid: list[str]) -> ConfigError:
+    if key in _MOVED:
+        return ConfigError(f"config key {key!r} moved to {_MOVED[key]!r} (the run control "
+                           f"decides signals and stops, with checkpoints on or off): rename it")
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ConfigError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")

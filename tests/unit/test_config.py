@@ -32,6 +32,7 @@ def test_overrides_in_both_forms_and_types():
 @pytest.mark.parametrize("args, words", [
     (["--optim.lrr", "1"], ["'optim.lrr'", "did you mean 'optim.lr'"]),
     (["--nosuch.field", "1"], ["'nosuch.field'", "valid keys"]),
+    (["--checkpoint.vote_interval_s", "2"], ["moved to 'control.vote_interval_s'"]),
     (["--training.steps", "ten"], ["'training.steps'", "an integer", "'ten'"]),
     (["--optim.lr", "nan"], ["'optim.lr'", "finite number"]),
     (["--model.tie_embeddings", "maybe"], ["'model.tie_embeddings'", "true or false"]),
