@@ -106,7 +106,8 @@ class RunControl:
         if by_vote and not self.voted_stop and not by_signal:
             self.stopped_by_peer = True
         if by_signal:
-            self.events.emit_once("preempted", step=step, signal=self.signal or "on another rank")
+            self.events.emit_once("preempted", step=step,
+                                  signal=self.signal or "on another rank")
         if by_request:
             self.finishing = True
             self.events.emit_once("stop_requested", step=step, **(request or {}))

@@ -217,7 +217,7 @@ class Trainer:
 
     def after_first_steps(self, step: int, first_step: int, seconds: float) -> None:
         self.reporter.line(self.recovery.first_step_done())
-        self.reporter.step_timed(step, seconds, self.watchdog.slowdowns)
+        self.reporter.step_timed(step, seconds)
         if step == first_step + 1:
             self.reporter.startup_done(self.watchdog, step)
             self.checkpoints.prepare(self.state, step)  # the optimizer's state exists now

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from concurrent import futures
+from dataclasses import asdict
 from concurrent.futures import Future
 from typing import Callable
 
@@ -36,8 +37,6 @@ from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.shards import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
-from dataclasses import asdict
-
 from llmtrain.config import CheckpointConfig, ConfigError, JobConfig
 from llmtrain.events import EventLog
 
@@ -91,7 +90,6 @@ class CheckpointManager:
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = control_group
 
-
     # -- when -------------------------------------------------------------------------
 
     def due(self, step: int, *, by_time: bool = False, final: bool = False) -> bool:
@@ -132,11 +130,13 @@ class CheckpointManager:
         such checkpoint whatever comes after it)."""
         if self.writing():
             if self.cfg.if_busy == "skip" and not final:
-                self.events.emit_once("checkpoint_skipped", step=step, reason="previous still writing")
+                self.events.emit_once("checkpoint_skipped", step=step,
+                                      reason="previous still writing")
                 return
             waited = time.perf_counter()
             self.wait()
-            self.events.emit_once("checkpoint_wait", step=step, seconds=time.perf_counter() - waited)
+            self.events.emit_once("checkpoint_wait", step=step,
+                                  seconds=time.perf_counter() - waited)
         why_not = self._committed(step)
         if why_not:
             self.events.emit_once("checkpoint_skipped", step=step, reason=why_not)
@@ -304,10 +304,11 @@ class CheckpointManager:
                 self._quarantine(step, problems)
                 continue
             loaded_step, missing, _ = loads[self.rank]
-            self.events.emit_once("checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
-                        missing_items=missing, rng_restored="rng" not in missing,
-                        checked_in_load=checksums and in_place,
-                        planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
+            self.events.emit_once(
+                "checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
+                missing_items=missing, rng_restored="rng" not in missing,
+                checked_in_load=checksums and in_place,
+                planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
             return loaded_step
         if overwritten:  # starting from step 0 needs the state as it was built
             raise CheckpointUnreadable(
@@ -379,7 +380,6 @@ class CheckpointManager:
 
 class NoCheckpoints:
     """``checkpoint.enable = false``: nothing is ever due, saved or resumed."""
-    interval_seconds = 0.0
 
     def due(self, step: int, *, by_time: bool = False, final: bool = False) -> bool:
         return False
@@ -416,7 +416,6 @@ class NoCheckpoints:
 
     def close(self, timeout_s: float | None = None) -> None:
         pass
-
 
 
 def checkpoints_for(cfg: JobConfig, world_size: int, *, events: EventLog, device: torch.device,

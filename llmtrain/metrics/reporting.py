@@ -84,11 +84,13 @@ class Reporter:
         # the last reported step and when it ended; the first and last losses reported
         self.last_step, self.last_time = 0, time.perf_counter()
         self.first_loss = self.loss = math.nan
+        self.peak_flops: float | None = None  # of this rank's device, once it is known
         # What the goodput accounting reads, followed incrementally (rank 0 only uses it).
         self.ledger_tail = EventTail(cfg.training.run_dir, keep=goodput.INPUTS)
         self.ledger_events: list[dict] = []
 
     def run_start(self, device: torch.device, micro_batches: int) -> None:
+        self.peak_flops = peak_flops(self.cfg, device)
         if not self.is_rank0:
             return
         cfg, params = self.cfg, count_params(self.cfg.model)
@@ -123,10 +125,8 @@ class Reporter:
     def health_pass(self, findings: list, readings: dict) -> None:
         self.exporter.health(findings, readings)
 
-    def step_timed(self, step: int, seconds: float, slowdowns: dict[int, float]) -> None:
+    def step_timed(self, step: int, seconds: float) -> None:
         self.exporter.step_done(step, seconds)
-        if self.is_rank0:
-            self.exporter.stragglers(slowdowns)
 
     def startup_done(self, watchdog, step: int) -> None:
         """The start-up timeline, once the first step is done: where a restart's time goes;
@@ -166,13 +166,14 @@ class Reporter:
             return None
         self.ledger.steps_done(step)
         tokens_per_s = self.tokens_per_step / step_time
-        peak = peak_flops(self.cfg, device)
+        peak = self.peak_flops
         r = StepReport(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
                        lr=lr, grad_norm=None if grad_norm is None else grad_norm.item(),
                        mfu=(self.flops_per_token * tokens_per_s / self.world.world_size / peak
                             if peak else None), memory_gb=memory_gb(device))
         self.events.emit("step", **asdict(r))
         self.console.step(r)
+        self.exporter.stragglers(watchdog.slowdowns)
         if time.monotonic() - self.goodput_at < self.cfg.metrics.goodput_every_s:
             return None
         watchdog.beat(step, "events", long=True)  # reading the log may take long

@@ -135,7 +135,6 @@ class WarmRecovery:
         self.cfg, self.path, self.job, self.world = w, path, job, world
         self.events, self.ledger, self.fence = events, ledger, fence
         self.round_id = self.namespace = path.round_id  # the watchdog's keys outlive generations
-        self.evictions = outside_store(timedelta(seconds=30))  # the watchdog thread's
         self.timeout_s = cfg.reliability.collective_timeout_s
         # never further apart than checkpoints: warm must not redo more than cold
         most = (min(w.snapshot_max_every, c.interval_steps)
@@ -151,9 +150,11 @@ class WarmRecovery:
     def membership(self) -> str:
         return membership(self.round_id, self.path.gen)
 
-    def evict(self, ranks: list[int]) -> dict[int, list[str]]:
-        """Has a hang's stuck ranks leave, for spares to replace (the watchdog asks)."""
-        return evict(self.evictions, ranks, wait_s=self.cfg.evict_wait_s)
+    def evict(self, ranks: list[int], via: dist.Store) -> dict[int, list[str]]:
+        """Has a hang's stuck ranks leave, for spares to replace: the watchdog asks,
+        through ``via``, its own connection to the rendezvous store (no other is opened)."""
+        return evict(outside_store(timedelta(seconds=30), via), ranks,
+                     wait_s=self.cfg.evict_wait_s)
 
     def spare_store(self, step: int) -> dist.Store:
         """A spare's way in (to restore ``step``): once every member of the generation

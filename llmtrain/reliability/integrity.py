@@ -215,10 +215,10 @@ class Integrity:
         """Records ``bad`` as events and applies the policy: True when the run must roll
         back; raises TrainingDiverged when it must stop."""
         for b in bad:
-            self.events.emit_once("step_skipped" if not b.applied else "loss_spike", step=b.step,
-                        reason=b.reason, loss=_number(b.loss), grad_norm=_number(b.grad_norm),
-                        ranks=b.ranks,
-                        samples=[(b.step - 1) * self.batch, b.step * self.batch])
+            self.events.emit_once(
+                "step_skipped" if not b.applied else "loss_spike", step=b.step,
+                reason=b.reason, loss=_number(b.loss), grad_norm=_number(b.grad_norm),
+                ranks=b.ranks, samples=[(b.step - 1) * self.batch, b.step * self.batch])
         skipped = [b for b in bad if not b.applied]
         window = self.cfg.spike_window
         self.bad_steps = [s for s in self.bad_steps if s > step - window]
@@ -276,14 +276,15 @@ class Integrity:
                 check.split.append(group)
         if step in self.replayed and check.ok:
             check.diverged, distances = self._farthest_from_replay(self.replayed.pop(step), shards)
-            self.events.emit_once("replica_diverged", step=step, ranks=check.diverged, how="replay",
-                        distances=distances)
+            self.events.emit_once("replica_diverged", step=step, ranks=check.diverged,
+                                  how="replay", distances=distances)
         elif check.split:
             self.replayed[step] = self._differing(bits, shards, check.split)
         check.suspects = sorted(set(check.suspects))
         if not check.ok:
-            self.events.emit_once("state_check_failed", step=step, nonfinite_ranks=check.nonfinite_ranks,
-                        split=check.split, suspects=check.suspects)
+            self.events.emit_once("state_check_failed", step=step,
+                                  nonfinite_ranks=check.nonfinite_ranks, split=check.split,
+                                  suspects=check.suspects)
         return check
 
     def _differing(self, bits: torch.Tensor, shards: list[torch.Tensor],

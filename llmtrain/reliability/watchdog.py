@@ -153,11 +153,12 @@ class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
                  events: EventLog, rank: int, world_size: int, local_world_size: int = 0,
                  on_exit: Callable[[], None] = lambda: None,
-                 evict: Callable[[list[int]], dict[int, list[str]]] | None = None,
+                 evict: Callable[[list[int], dist.Store], dict[int, list[str]]] | None = None,
                  fence: "Fence | None" = None):
         """``local_world_size``: ranks per node, whose heartbeats a node leader reduces
         (0: the world is one node). ``on_exit``: called before this rank leaves for a cold
-        restart. ``evict(ranks)``: has stuck ranks leave for the warm path to replace them,
+        restart. ``evict(ranks, via)``: has stuck ranks leave for the warm path to replace them
+        (``via``: this thread's connection to the store, so none other is opened),
         returning those cut off from the store with their connection ends (None: every
         hang goes cold). ``fence``: asked at every tick whether this rank was replaced
         (then the process ends)."""
@@ -412,7 +413,7 @@ class Watchdog:
         # Every live rank has dumped and waits for the verdict: nobody needs the event any
         # more, and a spare that starts watching must not find it.
         self.store.delete_key("event")
-        unreachable = self.evict(stuck)
+        unreachable = self.evict(stuck, self.store.underlying_store)
         self.events.emit("evicted", id=event["id"], ranks=stuck, unreachable=list(unreachable))
         return {"evicted": stuck, "cut": [e for ends in unreachable.values() for e in ends]}
 
