@@ -103,6 +103,20 @@ def makedirs(path: str, fs: fsspec.AbstractFileSystem | None = None) -> None:
         set_mode(d, DIR_MODE)
 
 
+def sync_dir(url: str) -> None:
+    """Makes the names in a local directory durable (a new entry, a rename): without it a
+    crash can lose a file whose data was fsync'ed. Other storage has no directory to sync
+    (object stores), or syncs it with the operation (NFS)."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not is_local(fs):
+        return
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def write_atomic(url: str, data: bytes) -> None:
     """Writes ``data`` so that readers see either the old file or all of the new one."""
     fs, path = fsspec.core.url_to_fs(url)
@@ -115,11 +129,7 @@ def write_atomic(url: str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        sync_dir(os.path.dirname(path))
         return
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     if protocols & OBJECT_STORES:

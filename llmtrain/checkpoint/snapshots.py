@@ -12,9 +12,10 @@ node with cores to spare, every few where the replication competes with training
 
 A snapshot is one flat byte buffer (this rank's model and optimizer shards) plus a small
 JSON header (the step, every other item of the run's state registry, the buffer's layout
-and checksum, :mod:`llmtrain.checkpoint.checksum`). Nothing is
-pickled: a replica from a peer is data, never code. Buffers are reused: two slots of our
-own, two of our ward's (the rank whose buddy we are). The copy runs on the training thread (a memcpy); the checksum and the exchange with
+and a checksum of the bytes and the rest of the header, :mod:`llmtrain.checkpoint.checksum`).
+Nothing is pickled: a replica from a peer is data, never code. Buffers are reused: two
+slots of our own, two of our ward's (the rank whose buddy we are). The copy runs on the
+training thread (a memcpy); the checksum and the exchange with
 the buddy run on a thread of their own, over a gloo group used for nothing else. A snapshot
 due while the previous one is still being sent is skipped, so the training thread never
 waits for the network.
@@ -91,8 +92,15 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _sum(buffer: torch.Tensor) -> str:
-    return checksum.label(checksum.of(memoryview(buffer.numpy())))
+def _sum(buffer: torch.Tensor, header: dict) -> str:
+    """The snapshot's checksum: its bytes and its header (the step, the data position,
+    the schedule, the RNG: a flipped bit there restores the wrong state as surely as one
+    in the tensors), all but the sum itself."""
+    hasher = checksum.new()
+    hasher.update(memoryview(buffer.numpy()))
+    hasher.update(json.dumps({k: v for k, v in header.items() if k != "sum"},
+                             sort_keys=True).encode())
+    return checksum.label(hasher.hexdigest())
 
 
 @dataclass
@@ -103,7 +111,7 @@ class Snapshot:
     buffer: torch.Tensor
 
     def verify(self) -> None:
-        if _sum(self.buffer[:self.header["nbytes"]]) != self.header["sum"]:
+        if _sum(self.buffer[:self.header["nbytes"]], self.header) != self.header["sum"]:
             raise SnapshotError(f"rank {self.header['rank']}'s snapshot of step {self.step} "
                                 f"fails its checksum: the memory holding it was corrupted")
 
@@ -323,7 +331,7 @@ class Snapshots:
         snap = Snapshot(step, header, buffer)
         self.own.add(snap)
         if self.buddy is None:
-            snap.header["sum"] = _sum(buffer[:nbytes])
+            snap.header["sum"] = _sum(buffer[:nbytes], snap.header)
             self.replicated = time.perf_counter()  # nothing goes on beside training
             return True
         with self._wake:
@@ -399,7 +407,7 @@ class Snapshots:
         JSON header and the bytes; returns the ward's (None once the thread is stale)."""
         fault_points.point("replicate", snap.step)
         nbytes = snap.header["nbytes"]
-        snap.header["sum"] = _sum(snap.buffer[:nbytes])
+        snap.header["sum"] = _sum(snap.buffer[:nbytes], snap.header)
         head = json.dumps(snap.header).encode()
         sizes_out = torch.tensor([len(head), nbytes], dtype=torch.int64)
         sizes_in = torch.empty(2, dtype=torch.int64)

@@ -56,7 +56,7 @@ from torch.futures import Future
 
 from llmtrain import fault_points
 from llmtrain.checkpoint import checksum, shards
-from llmtrain.fsio import FILE_MODE, is_local, join, makedirs, set_mode, write_atomic
+from llmtrain.fsio import FILE_MODE, is_local, join, makedirs, set_mode, sync_dir, write_atomic
 
 MANIFEST = "MANIFEST.json"
 REJECTED = "REJECTED.json"
@@ -222,6 +222,7 @@ class CommitWriter(FsspecWriter):
                     "bytes": sum(f["size"] for f in files.values()),
                     "committed_at": time.time()}
         write_atomic(join(self.url, MANIFEST), json.dumps(manifest, indent=1).encode())
+        sync_dir(posixpath.dirname(self.url.rstrip("/")))  # the step directory's own name
 
 
 @dataclass
@@ -397,6 +398,7 @@ def quarantine(url: str, problems: list[str]) -> str:
     suffix = f".rejected-{int(time.time())}"
     fs, path = fsspec.core.url_to_fs(url)
     fs.mv(path, path.rstrip("/") + suffix, recursive=True)
+    sync_dir(posixpath.dirname(url.rstrip("/")))
     return url.rstrip("/") + suffix
 
 

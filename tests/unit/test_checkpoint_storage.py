@@ -159,3 +159,24 @@ def test_retention_keeps_the_newest_checkpoint_that_passed_integrity_checks():
                              manifest={"integrity_checked": True})
     later = [info(s) for s in (200, 300, 400)]
     assert {c.step for c in retention_victims([checked, *later], 2, 0)} == {200}
+
+
+def test_a_commit_makes_the_step_directory_name_durable(tmp_path, monkeypatch):
+    """The manifest's rename is fsync'ed in the step directory, and the step directory's
+    own entry in the checkpoint root too: without the root's fsync a crash can lose a
+    whole committed checkpoint whose every file was synced."""
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    synced, fsync = [], os.fsync
+
+    def recording(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+    monkeypatch.setattr(os, "fsync", recording)
+    root = tmp_path / "ckpts"
+    dcp.save({"w": torch.zeros(16)}, no_dist=True,
+             storage_writer=storage.CommitWriter(storage.step_dir(str(root), 1), {"step": 1}))
+    assert str(root) in synced, synced
+    assert synced.index(str(root)) > synced.index(storage.step_dir(str(root), 1))

@@ -200,3 +200,16 @@ def test_ranks_agree_on_the_snapshot_steps_and_the_costliest_rank_sets_them(tmp_
     wanted = [max(a, b) for a, b in zip(r0["proposals"], r1["proposals"])]
     assert gaps[1:] == wanted[:len(gaps) - 1], (gaps, r0, r1)
     assert max(r1["proposals"]) > max(r0["proposals"][:2])  # it measured its own cost
+
+
+def test_a_header_changed_in_memory_fails_the_checksum():
+    """The header (step, data position, schedule, RNG) is inside the checksum: a flipped
+    bit in it would restore the wrong state as surely as one in the tensors."""
+    snaps = Snapshots(Schedule(1), 0, buddy=None, ward=None, events=None)
+    model, optimizer = _model_and_optimizer(seed=0)
+    snaps.take(1, state_tensors(model, optimizer, []), {"data": {"position": 64}})
+    snap = snaps.own.at(1)
+    snap.verify()
+    snap.header["data"]["position"] = 65
+    with pytest.raises(SnapshotError, match="checksum"):
+        snap.verify()
