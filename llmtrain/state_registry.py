@@ -20,6 +20,7 @@ import random
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @runtime_checkable
@@ -58,6 +59,18 @@ class StateRegistry:
             raise ValueError(f"a training state item named {item.name!r} is registered "
                              f"already (or the name is reserved)")
         self.items[item.name] = item
+
+    def tensors(self) -> list[torch.Tensor]:
+        """This rank's share of every tensor a checkpoint saves: the parameters, then each
+        parameter's optimizer state (its moments: two thirds of the state) by key, in
+        parameter order, the same on every rank."""
+        out = [local_shard(p.detach()) for p in self.model.parameters()]
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                out += [local_shard(state[k]) for k in sorted(state)
+                        if isinstance(state[k], torch.Tensor)]
+        return out
 
     def shared(self) -> dict:
         """Every item that is the same on all ranks: {name: its state}."""
@@ -120,6 +133,11 @@ class RngState:
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(_as_tensor(_own_gpu_rng(state["cuda"], self.device.index)),
                                      self.device)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _as_bytes(generator_state: torch.Tensor) -> bytes:

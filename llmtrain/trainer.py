@@ -205,7 +205,7 @@ class Trainer:
         t = self.cfg.training
         log = step % self.cfg.metrics.log_every == 0 or step in (first_step + 1, t.steps)
         if log or self.integrity.check_due(step):
-            back_to = self.guard.review(step, self.model, self.grad_norm, self.state)
+            back_to = self.guard.review(step, self.grad_norm, self.state)
             if back_to is not None:
                 return self.went_back(back_to)  # rolled back: on from the checkpoint's step
         if self.control.sdc_named:
@@ -246,7 +246,7 @@ class Trainer:
         final = verdict.stop or step == self.cfg.training.steps
         if not self.checkpoints.due(step, by_time=verdict.save_by_time, final=final):
             return verdict.stop
-        back_to = self.guard.review(step, self.model, self.grad_norm, self.state, save=True)
+        back_to = self.guard.review(step, self.grad_norm, self.state, save=True)
         if back_to is not None:
             return self.went_back(back_to)
         # a sync save, and one that waits for the previous save's write (13 GB of a 1B

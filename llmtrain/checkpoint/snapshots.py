@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from llmtrain import fault_points
 from llmtrain.checkpoint import checksum
 from llmtrain.events import EventLog
+from llmtrain.state_registry import local_shard
 
 _ALIGN = 64
 
@@ -52,20 +52,16 @@ class SnapshotError(RuntimeError):
     """A snapshot that cannot be used: missing, or failing its checksum."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   extra: list[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's share of the training state, in an order every rebuild repeats:
     parameters, then each parameter's optimizer state by key, then ``extra``. Missing
     optimizer state (a freshly built optimizer) is created, zeroed, to be copied into."""
-    tensors = [_local(p.data) for p in model.parameters()]
+    tensors = [local_shard(p.data) for p in model.parameters()]
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer_state(optimizer, p)
-            tensors += [_local(state[k]) for k in sorted(state)]
+            tensors += [local_shard(state[k]) for k in sorted(state)]
     return tensors + extra
 
 

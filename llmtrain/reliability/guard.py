@@ -25,7 +25,7 @@ class IntegrityGuard:
         self.checked_step = step
         return step
 
-    def review(self, step: int, model, grad_norm, state, *, save: bool = False) -> int | None:
+    def review(self, step: int, grad_norm, state, *, save: bool = False) -> int | None:
         """Reads the verdicts and, when due (always before a save), checks the state;
         rolls back when the policy says so. Returns the step rolled back to, else None."""
         if save and not self.integrity.cfg.enable:
@@ -37,7 +37,7 @@ class IntegrityGuard:
         if not (save or self.integrity.check_due(step)) or self.checked_step == step:
             return None
         self.checked_step = step
-        check = self.integrity.check_state(step, model, grad_norm)
+        check = self.integrity.check_state(step, state.registry.tensors(), grad_norm)
         if check.diverged:
             self.reporter.line(f"integrity: rank(s) {check.diverged} held a corrupted replica "
                                f"at step {step} (the replay after the rollback says so)")

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from llmtrain.config import IntegrityConfig, JobConfig, step_ranges
 from llmtrain.events import EventLog, read_events
@@ -252,11 +251,11 @@ class Integrity:
         every = self.cfg.sdc_every
         return self.cfg.enable and (bool(every) and step % every == 0 or step in self.replayed)
 
-    def check_state(self, step: int, model: torch.nn.Module,
+    def check_state(self, step: int, shards: list[torch.Tensor],
                     grad_norm: torch.Tensor | None) -> StateCheck:
-        """Fingerprints every rank's parameter shards and compares replicas (one all-reduce
-        of ``3 * world_size`` integers and a host read)."""
-        shards = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        """Fingerprints every rank's ``shards`` (every tensor a save would write: the
+        parameters and the optimizer's state, :meth:`StateRegistry.tensors`) and compares
+        replicas (one all-reduce of ``3 * world_size`` integers and a host read)."""
         bits, nonfinite = fingerprint(shards)
         norm = torch.zeros((), device=self.device) if grad_norm is None else grad_norm.detach()
         table = torch.zeros(self.world, 3, dtype=torch.int64, device=self.device)

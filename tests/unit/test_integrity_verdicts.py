@@ -10,6 +10,7 @@ import torch.distributed as dist
 from llmtrain.config import ConfigError, IntegrityConfig, step_ranges
 from llmtrain.events import read_events, EventLog
 from llmtrain.reliability.integrity import Integrity, TrainingDiverged, fingerprint
+from llmtrain.state_registry import StateRegistry
 
 
 @pytest.fixture
@@ -82,14 +83,26 @@ def test_fingerprints_see_one_flipped_bit_in_any_order():
     assert fingerprint([a, b])[1].item() == 1
 
 
-def test_a_non_finite_parameter_fails_the_state_check(integrity):
+def test_a_non_finite_value_anywhere_in_the_saved_state_fails_the_check(integrity):
+    """The check before a save covers every tensor the save writes: a NaN in Adam's second
+    moment (a third of the state) is as bad as one in a weight, and would otherwise be
+    committed as checked, for every rollback to return to."""
     it = integrity()
     model = torch.nn.Linear(4, 4)
-    assert it.check_state(1, model, torch.tensor(1.0)).ok
+    optimizer = torch.optim.AdamW(model.parameters())
+    registry = StateRegistry()
+    registry.bind(model, optimizer)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    assert len(registry.tensors()) == 2 + 2 * 3  # weight, bias; each: step, exp_avg, exp_avg_sq
+    assert it.check_state(1, registry.tensors(), torch.tensor(1.0)).ok
+    optimizer.state[model.weight]["exp_avg_sq"][0, 0] = math.nan
+    check = it.check_state(2, registry.tensors(), torch.tensor(1.0))
+    assert not check.ok and check.nonfinite_ranks == [0]
+    optimizer.state[model.weight]["exp_avg_sq"][0, 0] = 0.0
     with torch.no_grad():
         model.weight[0, 0] = math.inf
-    check = it.check_state(2, model, torch.tensor(1.0))
-    assert not check.ok and check.nonfinite_ranks == [0]
+    assert it.check_state(3, registry.tensors(), torch.tensor(1.0)).nonfinite_ranks == [0]
 
 
 def test_skip_steps_are_parsed_or_refused_by_name():
