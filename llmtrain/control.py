@@ -7,8 +7,9 @@ about every ``control.vote_interval_s``, not every step: at thousands of ranks a
 all-reduce takes a sizable share of a second. Each vote runs in the background until the
 next is due, where it is decided identically on every rank, so a signal or a failed GPU
 is acted on within two intervals. A vote also carries each rank's count of steps in the
-interval (from its own step time), and the largest is the next interval, the same for
-all. This works with checkpointing on or off: a save by time is one of the flags.
+interval (from the time of its steps that trained: skipped ones say nothing of the pace),
+and the largest is the next interval, the same for all; it at most doubles from one vote
+to the next, so the interval stays within a few ``vote_interval_s`` when the pace changes. This works with checkpointing on or off: a save by time is one of the flags.
 
 The outcome is the exit code the launcher acts on: EXCLUDE_NODE for the rank whose
 hardware failed, RETRYABLE for ranks stopped early (a signal, a peer's failure, a named
@@ -71,6 +72,8 @@ class RunControl:
         self.every = 1  # steps between votes, agreed by the last one
         self.cast: tuple[int, float] | None = None  # the step and time the last was cast
         self.voted_stop = False  # this rank has voted to stop
+        self._worked = (0, 0.0)  # steps that trained since the last cast, and their time
+        self._last_call: float | None = None
 
     def _on_signal(self, signum, frame) -> None:
         self.signal = signum
@@ -85,9 +88,11 @@ class RunControl:
             self.exclude_node(fatal.sentence(), step, findings=[asdict(fatal)])
         return fatal is not None
 
-    def vote(self, step: int, *, time_due: bool) -> Verdict:
+    def vote(self, step: int, *, time_due: bool, idle: bool = False) -> Verdict:
         """Decides the vote cast one interval ago (if due at ``step``) and casts the next:
-        ``time_due``: this rank's clock says a save by time is due."""
+        ``time_due``: this rank's clock says a save by time is due; ``idle``: the step
+        trained nothing (a skipped batch), so its time says nothing of the pace."""
+        self._time_step(idle)
         if self.cast is not None and self.cast[0] < step < self.cast[0] + self.every:
             return Verdict()  # (a rollback that went back before the vote decides it)
         by_time = by_signal = by_vote = by_request = False
@@ -117,15 +122,29 @@ class RunControl:
         self.preempted = self.preempted or (stop and not self.finishing)
         return Verdict(save_by_time=by_time, stop=stop)
 
+    def _time_step(self, idle: bool) -> None:
+        """Adds the step just ended (the time since the last call) to the pace, unless it
+        was idle: a run of skipped ~1 ms steps must not stretch the interval to thousands
+        of steps that then take seconds each, past any preemption grace."""
+        now = time.monotonic()
+        if not idle and self._last_call is not None:
+            self._worked = (self._worked[0] + 1, self._worked[1] + now - self._last_call)
+        self._last_call = now
+
     def _steps_per_vote(self, step: int) -> int:
-        """This rank's proposal: the steps in ``vote_interval_s`` at the pace since the
-        last vote it cast (1 until it has one, or when the interval is 0)."""
-        now, cast = time.monotonic(), self.cast
-        self.cast = (step, now)
-        if not self.cfg.vote_interval_s or cast is None or step <= cast[0]:
+        """This rank's proposal: the steps in ``vote_interval_s`` at the pace of the steps
+        that trained since the last vote it cast; at most twice the interval in force (a
+        fast stretch cannot stretch it at once), unchanged when none trained, and 1 until
+        there is a pace (or when the interval is 0)."""
+        (count, seconds), self._worked = self._worked, (0, 0.0)
+        first, self.cast = self.cast is None, (step, time.monotonic())
+        if not self.cfg.vote_interval_s or first:
             return 1
-        pace = (now - cast[1]) / (step - cast[0])
-        return max(1, int(self.cfg.vote_interval_s / pace)) if pace > 0 else 1
+        if not count:
+            return self.every
+        pace = seconds / count
+        ideal = int(self.cfg.vote_interval_s / pace) if pace > 0 else 2 * self.every
+        return max(1, min(ideal, 2 * self.every))
 
 
     # -- how this rank's run ends ----------------------------------------------------

@@ -180,7 +180,7 @@ class Trainer:
                     break
             except (RuntimeError, OSError) as e:
                 # a rank cut off from the job while it re-formed says no more (Fenced)
-                self.fence.check("a report of its failure")
+                self.fence.stop_if_superseded("a report of its failure")
                 restored = self.recovery.recover(e, self.step)
                 if restored is None:
                     raise
@@ -242,7 +242,8 @@ class Trainer:
         state that failed its check); True when the run must stop now."""
         if self.control.unhealthy(step) and self.recovery.leave():
             return True  # leave now, unsaved: the survivors go on warm with a spare
-        verdict = self.control.vote(step, time_due=self.checkpoints.time_due(step))
+        verdict = self.control.vote(step, time_due=self.checkpoints.time_due(step),
+                                    idle=step in self.integrity.skips)
         final = verdict.stop or step == self.cfg.training.steps
         if not self.checkpoints.due(step, by_time=verdict.save_by_time, final=final):
             return verdict.stop

@@ -292,12 +292,13 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
             events.emit("warm_path_off", rank=world.rank,
                         reason="no rendezvous store outside the workers "
                                "(run under llmtrain launch)")
-        return NoWarmRecovery(round_of(job_store) if fence.store is not None else "")
+        return NoWarmRecovery(round_of(job_store, fence.store) if fence.store is not None
+                              else "")
     if plan is not None:
         path = WarmPath(cfg.warm, store, plan["round_id"], world.rank, world.world_size,
                         plan["local_world_size"], gen=plan["gen"])
     else:
-        path = WarmPath(cfg.warm, store, round_of(job_store), world.rank, world.world_size,
-                        int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        path = WarmPath(cfg.warm, store, round_of(job_store, fence.store), world.rank,
+                        world.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return WarmRecovery(cfg, path, job, world=world, events=events, ledger=ledger,
                         fence=fence)

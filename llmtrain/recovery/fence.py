@@ -9,13 +9,20 @@ replays the same step commits them, and the late writer overwrites its files), a
 events would read as the job's.
 
 The job's membership has one name at a time, its token (``<round>/g<generation>``: the
-torchrun round, and the warm generation within it), kept in the rendezvous store outside
-the workers. Every member writes it before its group forms, so no member trains before
-the token names its membership; a new membership only ever follows the last one. Before a
-rank creates a file in the checkpoint's storage or commits one, it reads the token: a
-token other than its own, or a store it cannot reach within ``reliability.fence_timeout_s``
-(it cannot prove it is a member), refuses the write. The refused rank writes one
-``fenced`` event, naming what it was refused and why, and no event after it.
+torchrun round, numbered by the store as it forms, and the warm generation within it),
+kept in the rendezvous store outside the workers. Every member names it before its group
+forms, so no member trains before the token names its membership. A token only ever moves
+forward, by compare-and-set from the one it replaces: a member that comes late (a warm
+spare that outlasted its budget while a new round formed) finds a newer token there and is
+refused, instead of rolling the job back to its own and fencing every current member out.
+
+Before a rank creates, commits or deletes a file in the checkpoint's storage, it reads the
+token. Another token there proves the job went on without it: the write is refused, and
+every later one; the rank writes one ``fenced`` event, naming what it was refused and why,
+and no event after it. A store it cannot reach within ``reliability.fence_timeout_s``
+proves nothing either way: that write is refused (the rank cannot show it is a member),
+said once per outage, and the next one asks again, so a store that comes back (a restart,
+a stalled host) costs at most the saves it missed, never the rest of the run.
 
 Without a store outside the workers (a plain ``torchrun --standalone`` job) nothing
 outlives a round to compare against, and nothing is fenced: such a job has no way to go
@@ -27,6 +34,7 @@ from __future__ import annotations
 import socket
 import threading
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -36,19 +44,39 @@ from llmtrain.recovery.warm import outside_store
 KEY = "fence/token"
 
 
+def order(token: str) -> tuple[int, int]:
+    """Where a membership stands in the job's history: (the round's number, the
+    generation); see :func:`llmtrain.recovery.warm.round_of`."""
+    round_id, _, gen = token.rpartition("/g")
+    return int(round_id.partition("-")[0]), int(gen)
+
+
 class Fenced(RuntimeError):
     """This rank is no longer a member of the job: its write was refused."""
 
 
 class Fence:
     """One rank's fence; ``store``: its own client of the job's namespace in the store
-    outside the workers, with ``timeout_s`` as its timeout (None: no such store)."""
+    outside the workers, with ``timeout_s`` as its timeout (None: no such store);
+    ``connect``: how to open another (by default as ``store`` was,
+    :func:`llmtrain.recovery.warm.outside_store`).
 
-    def __init__(self, store: dist.Store | None, events: EventLog, timeout_s: float):
+    Every request to the store is bounded by ``timeout_s`` here, on a thread of its own:
+    a TCPStore client waits with no timeout of its own for the answer of a store that
+    stalls with its connection up (a stopped process, a host that hangs): only ``get``'s
+    wait for a key is bounded, and even its cancellation then waits. A client that did
+    not answer in time is dropped (its thread left to end when the store does answer),
+    and the next request opens a new one."""
+
+    def __init__(self, store: dist.Store | None, events: EventLog, timeout_s: float,
+                 connect: Callable[[], dist.Store | None] | None = None):
         self.store, self.events, self.timeout_s = store, events, timeout_s
+        self.connect = connect or (lambda: outside_store(timedelta(seconds=timeout_s)))
         self.token = ""
         self.expected: str | None = None  # the membership a warm recovery is joining
-        self.refused: str | None = None
+        self.refused: str | None = None  # why this rank is no longer a member, for good
+        self.outage = False  # the store did not answer the last request
+        self._wedged = False  # the client did not answer in time: open another
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -66,10 +94,19 @@ class Fence:
 
     def join(self, token: str) -> None:
         """This rank is a member of ``token``'s membership; called by every member before
-        its group forms."""
+        its group forms. Raises Fenced when the store already names a newer one."""
         self.token, self.expected = token, None
-        if self.store is not None:
-            self.store.set(KEY, token)
+        if self.store is None:
+            return
+        current = self._ask(lambda store: store.compare_set(KEY, "", token)).decode()
+        while current != token:
+            if order(current) > order(token):
+                with self._lock:
+                    self._refuse("joining the job", f"the job re-formed as {current} before "
+                                 f"this rank joined {token}: it came too late")
+                raise Fenced(f"joining {token} refused: {self.refused}")
+            seen = current
+            current = self._ask(lambda store: store.compare_set(KEY, seen, token)).decode()
 
     def expect(self, token: str) -> None:
         """This rank agreed to join ``token``'s membership (a warm recovery): a peer that
@@ -77,16 +114,33 @@ class Fence:
         self.expected = token
 
     def check(self, what: str) -> None:
-        """Raises Fenced unless the store still names this rank's membership."""
+        """Raises Fenced unless the store names this rank's membership now."""
         if self.store is None:
             return
         with self._lock:
             if self.refused is None:
-                self.refused = self._verdict()
-                if self.refused is not None:
-                    self.events.emit("fenced", what=what, reason=self.refused,
-                                     mine=self.token, host=socket.gethostname())
-                    self.events.silence()
+                try:
+                    current = self._ask(lambda store: store.get(KEY)).decode()
+                except (RuntimeError, OSError) as e:  # DistError, TimeoutError
+                    self._unreachable(what, e)
+                    raise Fenced(f"{what} refused: the rendezvous store could not be reached "
+                                 f"within reliability.fence_timeout_s={self.timeout_s} to "
+                                 f"prove membership ({type(e).__name__})") from e
+                self.outage = False
+                other = self._other(current)
+                if other is not None:
+                    self._refuse(what, other)
+        if self.refused is not None:
+            raise Fenced(f"{what} refused: {self.refused}")
+
+    def stop_if_superseded(self, what: str) -> None:
+        """Raises Fenced once the store names another membership (proof this rank was
+        replaced); a store it cannot reach is no such proof, and lets it go on."""
+        reason = self.superseded()
+        if reason is not None:
+            with self._lock:
+                if self.refused is None:
+                    self._refuse(what, reason)
         if self.refused is not None:
             raise Fenced(f"{what} refused: {self.refused}")
 
@@ -100,19 +154,52 @@ class Fence:
             return None
         with self._lock:
             try:
-                current = self.store.get(KEY).decode()
-            except (dist.DistError, RuntimeError):
+                current = self._ask(lambda store: store.get(KEY)).decode()
+            except (RuntimeError, OSError):
                 return None
             return None if current == self.expected else self._other(current)
 
-    def _verdict(self) -> str | None:
-        try:
-            current = self.store.get(KEY).decode()
-        except (dist.DistError, RuntimeError) as e:
-            return (f"the rendezvous store could not be reached within reliability."
-                    f"fence_timeout_s={self.timeout_s} ({type(e).__name__}): membership "
-                    f"unproven")
-        return self._other(current)
+    def _ask(self, request: Callable[[dist.Store], bytes]) -> bytes:
+        """``request(store)``'s answer within ``timeout_s``; else TimeoutError, or the
+        store's error, and the client is dropped for a new one."""
+        answer: dict = {}
+        wedged = self._wedged
+
+        def run() -> None:
+            try:
+                answer["store"] = self.connect() if wedged else self.store
+                if answer["store"] is None:
+                    raise RuntimeError("no rendezvous store to connect to again")
+                answer["value"] = request(answer["store"])
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                answer["error"] = e
+        thread = threading.Thread(target=run, name="llmtrain-fence", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            self._wedged = True
+            raise TimeoutError(f"the rendezvous store did not answer within "
+                               f"{self.timeout_s} s")
+        if "error" in answer:
+            self._wedged = True
+            raise answer["error"]
+        self.store, self._wedged = answer["store"], False
+        return answer["value"]
+
+    def _refuse(self, what: str, reason: str) -> None:
+        """For good: this rank is no longer a member (the lock held)."""
+        self.refused = reason
+        self.events.emit("fenced", what=what, reason=reason, mine=self.token,
+                         host=socket.gethostname())
+        self.events.silence()
+
+    def _unreachable(self, what: str, error: Exception) -> None:
+        """Said once an outage (the lock held); the events go on: a member may be talking."""
+        if not self.outage:
+            self.outage = True
+            self.events.emit("fence_unreachable", what=what, mine=self.token,
+                             timeout_s=self.timeout_s,
+                             error=f"{type(error).__name__}: {error}"[:300])
 
     def _other(self, current: str) -> str | None:
         if current != self.token:

@@ -221,9 +221,13 @@ def publish_endpoints(store: dist.Store, rank: int) -> None:
     store.set(f"endpoints/{rank}", json.dumps(endpoints()))
 
 
-def round_of(job_store: dist.Store) -> str:
-    """This torchrun round's name, agreed through the round's own store."""
-    return job_store.compare_set("warm/round", "", uuid.uuid4().hex).decode()
+def round_of(job_store: dist.Store, outside: dist.Store | None) -> str:
+    """This torchrun round's name, agreed through the round's own store:
+    ``<number>-<id>``, numbered by the store ``outside`` the workers (its counter only
+    grows, and every rank of a later round draws after this round formed), so rounds
+    order as they came (:func:`llmtrain.recovery.fence.order`); 0 without one."""
+    number = outside.add("rounds", 1) if outside is not None else 0
+    return job_store.compare_set("warm/round", "", f"{number}-{uuid.uuid4().hex[:12]}").decode()
 
 
 class WarmPath:

@@ -267,13 +267,14 @@ class Watchdog:
                       file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
-        if self.fence is not None and self.fence.superseded():
+        if self.fence is not None:
             # a rank that was cut off and replaced, back on the network: it may not beat,
             # declare or answer in the job that went on without it (one fenced event, then
             # the process ends; its agent sees the rank replaced)
-            with contextlib.suppress(RuntimeError):  # Fenced, as it says
-                self.fence.check("the watchdog's heartbeats and reports")
-            os._exit(1)
+            try:
+                self.fence.stop_if_superseded("the watchdog's heartbeats and reports")
+            except RuntimeError:  # Fenced
+                os._exit(1)
         long = self.limit is not None
         if long != self._counted_long:  # how many ranks are in a long phase, for the others
             self.store.add("long_phases", 1 if long else -1)

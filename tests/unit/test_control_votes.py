@@ -54,3 +54,37 @@ def test_ranks_vote_about_every_interval_and_act_on_a_signal_at_the_same_step(tm
     assert max(gaps) >= 4, gaps  # every step before: 1s only
     assert len(r0["cast"]) < SIGNAL_AT / 2, r0
     assert SIGNAL_AT < r0["stopped"] <= SIGNAL_AT + 2 * max(gaps) + 1, (r0, gaps)
+
+
+def _pace_worker(rank: int, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 1), rank=0,
+                            world_size=1)
+    control = RunControl(ControlConfig(save_on_signal=False, vote_interval_s=0.05),
+                         side_group(30.0), run_dir=f"{out}.run", rank=0, host="localhost",
+                         events=EventLog(f"{out}.run", 0), health=NoHealthMonitor())
+    cast, step = [], 0
+    for phase, steps, sleep in (("train", 20, 0.005), ("skip", 2000, 0.0),
+                                ("train", 60, 0.005)):
+        for _ in range(steps):
+            step += 1
+            time.sleep(sleep)
+            control.vote(step, time_due=False, idle=phase == "skip")
+            if control.cast and control.cast[0] == step:
+                cast.append(step)
+    control.close(timeout_s=5.0)
+    with open(out, "w") as f:
+        json.dump(cast, f)
+    dist.destroy_process_group()
+
+
+def test_a_run_of_skipped_steps_does_not_stretch_the_vote_interval(tmp_path):
+    """2000 skipped steps of microseconds between steps of at least 5 ms: the interval
+    stays what 0.05 s of 5 ms steps allows (10 steps at most, fewer if the steps are
+    slower), where it grew to thousands of steps, each as slow as the training ones once
+    they resumed: a SIGTERM heard minutes late."""
+    out = str(tmp_path / "cast")
+    mp.spawn(_pace_worker, args=(out,), nprocs=1)
+    cast = json.load(open(out))
+    gaps = [b - a for a, b in zip(cast, cast[1:])]
+    assert max(gaps) <= 10, gaps
+    assert cast[-1] > 2000 + 60 - 10, cast[-5:]  # votes went on through the training again

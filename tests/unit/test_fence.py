@@ -1,7 +1,14 @@
-"""The fence against a real store: a member writes, a rank of a past membership or one
-that cannot reach the store is refused, says so once, and writes no event after."""
+"""The fence against a real store: a member writes; a rank of a past membership is refused
+for good, says so once and writes no event after; one that cannot reach the store is
+refused while it cannot, and goes on once the store answers; a late member cannot roll the
+membership back."""
 
+import os
 import pickle
+import signal
+import subprocess
+import sys
+import threading
 from datetime import timedelta
 
 import pytest
@@ -26,10 +33,10 @@ def server():
 def test_a_member_writes_and_a_rank_of_a_past_membership_is_refused(server, tmp_path):
     events = EventLog(str(tmp_path), rank=1)
     old = Fence(client(server), events, 2.0)
-    old.join("round-a/g0")
+    old.join("1-a/g0")
     old.check("shard 1")  # still the job's membership: no error
-    Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0).join("round-a/g1")
-    with pytest.raises(Fenced, match="re-formed as round-a/g1 without this rank"):
+    Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0).join("1-a/g1")
+    with pytest.raises(Fenced, match="re-formed as 1-a/g1 without this rank"):
         old.check("checkpoint file step-00000020/__1_0.distcp")
     with pytest.raises(Fenced):  # refused for good, even if the store said otherwise now
         old.check("the commit")
@@ -37,7 +44,7 @@ def test_a_member_writes_and_a_rank_of_a_past_membership_is_refused(server, tmp_
     fenced = read_events(str(tmp_path), "fenced")
     assert len(fenced) == 1
     assert fenced[0]["what"] == "checkpoint file step-00000020/__1_0.distcp"
-    assert fenced[0]["mine"] == "round-a/g0"
+    assert fenced[0]["mine"] == "1-a/g0"
     assert read_events(str(tmp_path), "step") == []
 
 
@@ -46,21 +53,21 @@ def test_a_survivor_is_not_superseded_by_the_membership_it_agreed_to_join(server
     survivor's watchdog must not take that for the job going on without it (a CI run caught
     a survivor fencing itself so). Another membership still supersedes it."""
     survivor = Fence(client(server), EventLog(str(tmp_path), rank=1), 2.0)
-    survivor.join("round-a/g0")
+    survivor.join("1-a/g0")
     spare = Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0)
-    survivor.expect("round-a/g1")
-    spare.join("round-a/g1")
+    survivor.expect("1-a/g1")
+    spare.join("1-a/g1")
     assert survivor.superseded() is None
-    survivor.join("round-a/g1")
-    spare.join("round-a/g2")  # a recovery without it
-    assert "re-formed as round-a/g2 without this rank" in survivor.superseded()
+    survivor.join("1-a/g1")
+    spare.join("1-a/g2")  # a recovery without it
+    assert "re-formed as 1-a/g2 without this rank" in survivor.superseded()
 
 
 def test_a_rank_that_cannot_reach_the_store_cannot_prove_it_is_a_member(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            use_libuv=True)
     fence = Fence(client(server, timeout_s=0.5), EventLog(str(tmp_path), rank=0), 0.5)
-    fence.join("round-a/g0")
+    fence.join("1-a/g0")
     del server  # the store goes away (the partition test cuts the link instead)
     with pytest.raises(Fenced, match="could not be reached within reliability.fence_timeout_s"):
         fence.check("checkpoint file __0_0.distcp")
@@ -68,7 +75,7 @@ def test_a_rank_that_cannot_reach_the_store_cannot_prove_it_is_a_member(tmp_path
 
 def test_without_a_store_outside_the_workers_nothing_is_fenced(tmp_path):
     fence = Fence(None, EventLog(str(tmp_path), rank=0), 1.0)
-    fence.join("round-a/g0")
+    fence.join("1-a/g0")
     fence.check("checkpoint file __0_0.distcp")
 
 
@@ -77,12 +84,12 @@ def test_a_fence_sent_to_a_writer_process_connects_again_and_still_refuses(
     """checkpoint.mode=async_process pickles the checkpoint writer, its fence with it."""
     monkeypatch.setenv("LLMTRAIN_RDZV_ENDPOINT", f"127.0.0.1:{server.port}")
     fence = Fence(outside_store(timedelta(seconds=2)), EventLog(str(tmp_path), rank=1), 2.0)
-    fence.join("round-a/g0")
+    fence.join("1-a/g0")
     sent = pickle.loads(pickle.dumps(fence.check)).__self__
     sent.check("checkpoint file __1_0.distcp")
     Fence(outside_store(timedelta(seconds=2)), EventLog(str(tmp_path), rank=0),
-          2.0).join("round-b/g0")
-    with pytest.raises(Fenced, match="re-formed as round-b/g0"):
+          2.0).join("2-b/g0")
+    with pytest.raises(Fenced, match="re-formed as 2-b/g0"):
         sent.check("checkpoint file __1_1.distcp")
 
 
@@ -90,15 +97,89 @@ def test_a_rank_learns_it_was_superseded_only_from_a_store_that_answers(server, 
     """The watchdog's question at every tick: an unreachable store proves nothing (a
     glitch must not end a member), another membership in it does."""
     old = Fence(client(server), EventLog(str(tmp_path), rank=1), 2.0)
-    old.join("round-a/g0")
+    old.join("1-a/g0")
     assert old.superseded() is None
-    Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0).join("round-a/g1")
-    assert "re-formed as round-a/g1 without this rank" in old.superseded()
+    Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0).join("1-a/g1")
+    assert "re-formed as 1-a/g1 without this rank" in old.superseded()
     lone = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                          use_libuv=True)
     cut_off = Fence(client(lone, timeout_s=0.5), EventLog(str(tmp_path), rank=2), 0.5)
-    cut_off.join("round-b/g0")
-    Fence(client(lone), EventLog(str(tmp_path), rank=0), 2.0).join("round-b/g1")
+    cut_off.join("2-b/g0")
+    Fence(client(lone), EventLog(str(tmp_path), rank=0), 2.0).join("2-b/g1")
     assert cut_off.superseded()
     del lone  # the store goes away (a partition, from this side)
     assert cut_off.superseded() is None
+
+
+def test_a_late_member_cannot_roll_the_membership_back(server, tmp_path):
+    """A warm spare that outlasted its budget joins generation 1 of round 1 after round 2
+    formed: the store keeps round 2's token (a compare-and-set from the predecessor, never
+    a plain set) and the late one is refused, where its set fenced out every current
+    member."""
+    current = Fence(client(server), EventLog(str(tmp_path), rank=0), 2.0)
+    current.join("1-a/g0")
+    current.join("1-a/g1")  # generations move forward within a round
+    current.join("2-b/g0")  # and a later round's first one past any of them
+    late = Fence(client(server), EventLog(str(tmp_path), rank=1), 2.0)
+    with pytest.raises(Fenced, match="re-formed as 2-b/g0 before this rank joined 1-a/g1"):
+        late.join("1-a/g1")
+    current.check("checkpoint file __0_0.distcp")  # still the job's membership
+    assert server.get("fence/token") == b"2-b/g0"
+    (fenced,) = read_events(str(tmp_path), "fenced")
+    assert fenced["rank"] == 1 and fenced["what"] == "joining the job"
+
+
+STORE = """
+import time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+print(store.port, flush=True)
+time.sleep(300)
+"""
+
+
+def _within(seconds: float, call):
+    """``call()``'s outcome (its value or its exception), or "hung" after ``seconds``."""
+    out = ["hung"]
+
+    def run():
+        try:
+            out[0] = call()
+        except Exception as e:  # noqa: BLE001
+            out[0] = e
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return out[0]
+
+
+def test_a_store_that_stalls_refuses_writes_only_while_it_does(tmp_path):
+    """The store's process stops (SIGSTOP: its connections stay up, nothing answers) and
+    continues. Meanwhile a write is refused within the fence timeout (a TCPStore request
+    alone waited for ever), said once, and the rank's events go on; once the store answers
+    again, writes go on (the refusal was latched for the rest of the run before: every
+    later save failed, and rank 0's events stopped)."""
+    server = subprocess.Popen([sys.executable, "-c", STORE], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False,  # noqa: E731
+                                        use_libuv=True, timeout=timedelta(seconds=0.5))
+        events = EventLog(str(tmp_path), rank=0)
+        fence = Fence(connect(), events, 0.5, connect=connect)
+        fence.join("1-a/g0")
+        os.kill(server.pid, signal.SIGSTOP)
+        for _ in range(2):
+            refused = _within(10, lambda: fence.check("checkpoint file __0_0.distcp"))
+            assert isinstance(refused, Fenced) and "could not be reached" in str(refused)
+        assert fence.superseded() is None  # no proof of anything: the watchdog goes on
+        events.emit("step", step=7)
+        os.kill(server.pid, signal.SIGCONT)
+        assert _within(10, lambda: fence.check("checkpoint file __0_1.distcp")) is None
+        (unreachable,) = read_events(str(tmp_path), "fence_unreachable")
+        assert unreachable["what"] == "checkpoint file __0_0.distcp"
+        assert read_events(str(tmp_path), "step") and not read_events(str(tmp_path), "fenced")
+        Fence(connect(), EventLog(str(tmp_path), rank=1), 2.0).join("1-a/g1")
+        with pytest.raises(Fenced, match="re-formed as 1-a/g1"):  # a proof still counts
+            fence.check("checkpoint file __0_2.distcp")
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
