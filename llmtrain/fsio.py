@@ -141,6 +141,31 @@ def write_atomic(url: str, data: bytes) -> None:
     fs.mv(tmp, path)
 
 
+def create_atomic(url: str, data: bytes) -> None:
+    """Writes ``data`` as a new file, whole, or raises FileExistsError when ``url`` exists:
+    a commit that must not land over another's (a stale writer's manifest, late, over the
+    one the job's membership now committed). Local and NFS/FUSE mounts: a hard link of the
+    fsync'ed temporary file (``link(2)`` never replaces its target); object stores: a
+    conditional put (S3's ``If-None-Match``, where the store honours it); elsewhere fsspec's
+    check, then write."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if not is_local(fs):
+        fs.pipe_file(path, data, mode="create")
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    makedirs(os.path.dirname(path))
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
+        set_mode(f.fileno(), FILE_MODE)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+    sync_dir(os.path.dirname(path))
+
+
 def probe_writable(url: str, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """Creates the directory ``url`` if needed and writes, then removes, a small file
     ``name`` in it: raises whatever the storage raises when it cannot take files."""

@@ -64,7 +64,7 @@ class CheckpointManager:
                  fence: Callable[[str], None] = storage.no_fence):
         """``control_group``: the training thread's gloo group for agreements."""
         self.cfg, self.url, self.events = cfg, url, events
-        self.fence = fence  # asked before each file is written (llmtrain.recovery.fence)
+        self.fence = fence  # asked before each file is written or removed (recovery.fence)
         self.manifest_base = manifest_base
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -254,7 +254,7 @@ class CheckpointManager:
             # said first: a removal a kill cuts short (manifest gone, files left) is what
             # retention decided, and the next one finishes it as an incomplete checkpoint
             self.events.emit("checkpoint_removed", step=c.step, committed=c.committed)
-            storage.remove(c.url)
+            storage.remove(c.url, self.fence)
 
     # -- resume -----------------------------------------------------------------------
 
@@ -358,7 +358,7 @@ class CheckpointManager:
         if self.rank != 0:
             return
         try:
-            moved = storage.quarantine(storage.step_dir(self.url, step), problems)
+            moved = storage.quarantine(storage.step_dir(self.url, step), problems, self.fence)
         except Exception as e:  # noqa: BLE001
             moved = f"not moved ({type(e).__name__}: {e})"
         self.events.emit("checkpoint_rejected", step=step, problems=problems[:20],

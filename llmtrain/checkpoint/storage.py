@@ -17,9 +17,12 @@ Layout of one checkpoint, ``<checkpoint url>/step-00000100/``::
 
 The commit protocol: each rank hashes its shards *while writing them* (no read-back), item
 by item, and hands the sums to the coordinator inside DCP's own gather of write results;
-after DCP has written ``.metadata``, the coordinator writes ``MANIFEST.json`` with
-:func:`llmtrain.fsio.write_atomic` (see there for what each storage kind guarantees). A
-directory without a manifest is incomplete and never loaded.
+after DCP has written ``.metadata``, the coordinator creates ``MANIFEST.json`` with
+:func:`llmtrain.fsio.create_atomic`: whole or not at all, and never over a manifest that is
+there already (see :mod:`llmtrain.fsio` for what each storage kind guarantees). A directory
+without a manifest is incomplete and never loaded. Creating, committing, removing and
+quarantining are each fenced (:mod:`llmtrain.recovery.fence`): a rank cut off from the job
+does none of them.
 
 Security rule: a restart at the saved world size reads ITEMS.json and decodes the
 non-tensor items with an unpickler that builds plain values only
@@ -56,7 +59,8 @@ from torch.futures import Future
 
 from llmtrain import fault_points
 from llmtrain.checkpoint import checksum, shards
-from llmtrain.fsio import FILE_MODE, is_local, join, makedirs, set_mode, sync_dir, write_atomic
+from llmtrain.fsio import (FILE_MODE, create_atomic, is_local, join, makedirs, set_mode, sync_dir,
+                           write_atomic)
 
 MANIFEST = "MANIFEST.json"
 REJECTED = "REJECTED.json"
@@ -221,7 +225,9 @@ class CommitWriter(FsspecWriter):
         manifest = {**self.manifest, "files": dict(sorted(files.items())),
                     "bytes": sum(f["size"] for f in files.values()),
                     "committed_at": time.time()}
-        write_atomic(join(self.url, MANIFEST), json.dumps(manifest, indent=1).encode())
+        # create-if-absent: a writer that passed the fence and then stalled cannot land its
+        # manifest over the one a newer membership committed meanwhile (FileExistsError)
+        create_atomic(join(self.url, MANIFEST), json.dumps(manifest, indent=1).encode())
         sync_dir(posixpath.dirname(self.url.rstrip("/")))  # the step directory's own name
 
 
@@ -389,11 +395,14 @@ def tensor_index(url: str) -> dict[str, str]:
     return out
 
 
-def quarantine(url: str, problems: list[str]) -> str:
+def quarantine(url: str, problems: list[str], fence: Callable[[str], None] = no_fence) -> str:
     """Moves a committed checkpoint that failed verification aside, to
     ``step-N.rejected-<unix time>`` with its reasons in REJECTED.json: it can no longer be
     resumed from or count towards retention, and nothing of it is deleted, so a person can
-    look at it (and move it back if the mismatch was the verifier's). Returns its new URL."""
+    look at it (and move it back if the mismatch was the verifier's). Returns its new URL.
+    ``fence``: asked first, as before any write (a rank cut off from the job may not move
+    the job's checkpoints)."""
+    fence(f"quarantining {url}")
     write_atomic(join(url, REJECTED), json.dumps({"problems": problems}).encode())
     suffix = f".rejected-{int(time.time())}"
     fs, path = fsspec.core.url_to_fs(url)
@@ -402,8 +411,11 @@ def quarantine(url: str, problems: list[str]) -> str:
     return url.rstrip("/") + suffix
 
 
-def remove(url: str) -> None:
-    """Deletes a checkpoint, manifest first: interrupted, it leaves an incomplete one."""
+def remove(url: str, fence: Callable[[str], None] = no_fence) -> None:
+    """Deletes a checkpoint, manifest first: interrupted, it leaves an incomplete one.
+    ``fence``: asked first (a returning old coordinator may not run retention from a stale
+    listing)."""
+    fence(f"removing {url}")
     fs, path = fsspec.core.url_to_fs(url)
     if fs.exists(posixpath.join(path, MANIFEST)):
         fs.rm_file(posixpath.join(path, MANIFEST))

@@ -180,3 +180,55 @@ def test_a_commit_makes_the_step_directory_name_durable(tmp_path, monkeypatch):
              storage_writer=storage.CommitWriter(storage.step_dir(str(root), 1), {"step": 1}))
     assert str(root) in synced, synced
     assert synced.index(str(root)) > synced.index(storage.step_dir(str(root), 1))
+
+
+def test_a_stale_commit_cannot_land_over_a_newer_one(tmp_path):
+    """A coordinator passes the fence, then stalls before its manifest (an NFS hard mount,
+    S3 retries); meanwhile the job's new membership saves the same step and commits it.
+    The stale manifest, late, is refused (create-if-absent), where it replaced the new one
+    and named sums of files that are no longer there."""
+    import threading
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    url = storage.step_dir(str(tmp_path / "ckpts"), 4)
+    at_commit, release = threading.Event(), threading.Event()
+
+    def stalls_at_commit(what: str) -> None:
+        if what.startswith("the commit"):
+            at_commit.set()
+            release.wait(60)
+    outcome = []
+
+    def stale_save():
+        try:
+            dcp.save({"w": torch.ones(64)}, no_dist=True, storage_writer=storage.CommitWriter(
+                url, {"step": 4}, fence=stalls_at_commit))
+            outcome.append("committed")
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException
+            outcome.append(repr(e))
+    stale = threading.Thread(target=stale_save)
+    stale.start()
+    assert at_commit.wait(60)
+    dcp.save({"w": torch.zeros(64)}, no_dist=True,
+             storage_writer=storage.CommitWriter(url, {"step": 4}))
+    release.set()
+    stale.join(60)
+    assert "FileExistsError" in outcome[0], outcome
+    assert storage.verify(url, checksums=True) == []  # the new membership's, whole
+
+
+def test_removal_and_quarantine_are_fenced(tmp_path):
+    """A rank cut off from the job (a returning old coordinator) may not run retention
+    or move checkpoints aside: the fence refuses before anything is touched."""
+    root = str(tmp_path / "ckpts")
+    fake_checkpoint(root, 5, FILES)
+
+    def refused(what: str) -> None:
+        raise RuntimeError(f"{what} refused: the job re-formed without this rank")
+    with pytest.raises(RuntimeError, match="removing .*step-00000005 refused"):
+        storage.remove(storage.step_dir(root, 5), refused)
+    with pytest.raises(RuntimeError, match="quarantining .*step-00000005 refused"):
+        storage.quarantine(storage.step_dir(root, 5), ["x"], refused)
+    assert [(c.step, c.committed) for c in storage.list_checkpoints(root)] == [(5, True)]
+    assert storage.verify(storage.step_dir(root, 5), checksums=True) == []
