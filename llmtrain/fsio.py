@@ -145,7 +145,8 @@ def create_atomic(url: str, data: bytes) -> None:
     """Writes ``data`` as a new file, whole, or raises FileExistsError when ``url`` exists:
     a commit that must not land over another's (a stale writer's manifest, late, over the
     one the job's membership now committed). Local and NFS/FUSE mounts: a hard link of the
-    fsync'ed temporary file (``link(2)`` never replaces its target); object stores: a
+    fsync'ed temporary file (``link(2)`` never replaces its target; where the mount has no hard
+links, a check, then the rename); object stores: a
     conditional put (S3's ``If-None-Match``, where the store honours it); elsewhere fsspec's
     check, then write."""
     fs, path = fsspec.core.url_to_fs(url)
@@ -161,7 +162,15 @@ def create_atomic(url: str, data: bytes) -> None:
         os.fsync(f.fileno())
     try:
         os.link(tmp, path)
-    finally:
+    except FileExistsError:
+        os.unlink(tmp)
+        raise
+    except OSError:  # no hard links here (some FUSE mounts): a narrow window stays open
+        if os.path.lexists(path):
+            os.unlink(tmp)
+            raise FileExistsError(errno.EEXIST, "exists already", path) from None
+        os.rename(tmp, path)
+    else:
         os.unlink(tmp)
     sync_dir(os.path.dirname(path))
 

@@ -128,16 +128,14 @@ class CheckpointManager:
         """Stages ``state`` and starts writing it; ``final`` waits for the commit.
         ``checked``: the state passed the integrity checks (retention keeps the newest
         such checkpoint whatever comes after it)."""
-        if self.writing():
-            if self.cfg.if_busy == "skip" and not final:
-                self.events.emit_once("checkpoint_skipped", step=step,
-                                      reason="previous still writing")
-                return
+        busy = self.writing()
+        if busy and (self.cfg.if_busy == "wait" or final):
             waited = time.perf_counter()
             self.wait()
             self.events.emit_once("checkpoint_wait", step=step,
                                   seconds=time.perf_counter() - waited)
-        why_not = self._committed(step)
+            busy = False
+        why_not = self._why_not(step, busy)
         if why_not:
             self.events.emit_once("checkpoint_skipped", step=step, reason=why_not)
             return
@@ -180,13 +178,16 @@ class CheckpointManager:
         if final:
             self.wait()
 
-    def _committed(self, step: int) -> str | None:
-        """Why ``step`` must not be saved (None: it may): a committed checkpoint of it
-        exists, or its manifest could not be read. Saving again would clear the step's
-        directory first (the same state: training is deterministic), and a write failing
-        midway would lose it; only a verified absence (no manifest, or bytes that are no
-        manifest) says there is nothing to lose. Rank 0 reads the manifest, and every rank
-        learns its answer (one small all-reduce a save), so all skip the save together."""
+    def _why_not(self, step: int, busy: bool) -> str | None:
+        """Why ``step`` must not be saved (None: it may), decided by all ranks together
+        (one small all-reduce a save), for a save some ranks enter and others skip would
+        leave each waiting for the other: a rank's previous write still in flight
+        (``if_busy = "skip"``: rank 0's ends last, after its manifest read and retention,
+        seconds on an object store), a committed checkpoint of it, or a manifest that
+        could not be read. Saving again would clear the step's directory first (the same
+        state: training is deterministic), and a write failing midway would lose it; only
+        a verified absence (no manifest, or bytes that are no manifest) says there is
+        nothing to lose. Rank 0 reads the manifest."""
         found, error = 0, ""
         if self.rank == 0:
             try:
@@ -194,12 +195,14 @@ class CheckpointManager:
                 found = int(manifest is not None and not manifest.get("unreadable"))
             except OSError as e:  # says nothing of the checkpoint: it may be committed
                 found, error = 2, describe(e)
-        flag = torch.tensor([found])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        flags = torch.tensor([int(busy), found])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
+        if flags[0]:
+            return "previous still writing" + ("" if busy else " on another rank")
         return {0: None, 1: "committed already (a warm recovery went back to a step before "
                             "it)",
                 2: f"its manifest could not be read ({error or 'on rank 0'}): a committed "
-                   f"checkpoint may be there, and saving would clear it"}[int(flag.item())]
+                   f"checkpoint may be there, and saving would clear it"}[int(flags[1])]
 
     def _done(self, future: Future, step: int, start: float, blocked: float) -> None:
         """Runs when the background write ends, in DCP's callback, where an exception

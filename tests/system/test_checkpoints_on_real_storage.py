@@ -129,6 +129,26 @@ def test_slow_storage_does_not_stall_training(faultfs, tmp_path):
     assert max(step_times) < 1.5  # no step sat through a 2 s write
 
 
+def test_skip_if_busy_is_decided_by_every_rank_together(faultfs, tmp_path):
+    """Rank 0's write ends seconds after rank 1's: after the commit it reads the manifest
+    and lists every checkpoint for retention, and each manifest read takes 1.5 s on this
+    mount (an object store at scale). A save due in that window is skipped by both ranks
+    (an agreement), where rank 0 skipped alone, rank 1 waited in the save's all-reduce and
+    rank 0 in the next step's collectives: a deadlock the watchdog then called a hang."""
+    ckpt = faultfs.mount / "ckpt"
+    faultfs.set_rules([{"ops": ["open"], "path": "/ckpt/*/MANIFEST.json", "delay": 1.5}])
+    run = tmp_path / "run"
+    check(llmtrain(run, "--training.steps", "16", "--checkpoint.url", str(ckpt),
+                   "--checkpoint.interval_steps", "2", "--checkpoint.if_busy", "skip",
+                   nproc=2))
+    assert events(run, "hang") == [] and events(run, "failure") == []
+    skipped = [e["step"] for e in events(run, "checkpoint_skipped")
+               if e["reason"].startswith("previous still writing")]
+    committed = [e["step"] for e in events(run, "checkpoint_committed")]
+    assert skipped and committed[-1] == 16, (skipped, committed)
+    assert not set(skipped) & set(committed)
+
+
 def test_a_shard_held_open_on_nfs_delays_removal_but_never_leaves_it_committed(nfs_mount):
     """NFS's silly rename: a file deleted while its client holds it open lives on under a
     hidden name, so its directory cannot be removed yet. Removing the checkpoint fails
