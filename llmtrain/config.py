@@ -131,6 +131,10 @@ class CheckpointConfig:
     verify_checksums: bool = _f(True, doc="check every file's checksums before resuming "
                                           "(sizes always)")
     resume: bool = _f(True, doc="resume from the newest checkpoint that verifies")
+    read_retries: int = _f(2, ge=0, doc="tries again (after 1 s, 2 s, ...) to read a "
+                                        "checkpoint that fails with a read error (EIO, a "
+                                        "timeout) before resuming from the previous one; "
+                                        "the unreadable one stays committed")
     writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")
     reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when loading")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "

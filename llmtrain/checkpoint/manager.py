@@ -49,6 +49,11 @@ class CheckpointUnreadable(RuntimeError):
     the attempt fails (retryable) and the checkpoint stays committed."""
 
 
+class ReadFailed(CheckpointUnreadable):
+    """A read failed on some rank, every rank still there and told: they can go on
+    together (read again, or pass the checkpoint over)."""
+
+
 def describe(error: BaseException) -> str:
     """One line per failed rank ("rank 1: OSError: [Errno 28] No space left on device"),
     instead of DCP's tracebacks of every rank."""
@@ -79,6 +84,7 @@ class CheckpointManager:
         self.last_save_time = time.monotonic()
         # By time; with auto_interval, from the measured costs (see adopt_interval).
         self.interval_seconds = cfg.interval_seconds
+        self.passed_over: set[int] = set()  # unreadable steps retention has reported
 
     def bind_groups(self, control_group: dist.ProcessGroup) -> None:
         """Its own gloo group for DCP's I/O, and the training thread's for agreements:
@@ -252,8 +258,16 @@ class CheckpointManager:
             self.inflight.result(timeout)
 
     def apply_retention(self) -> None:
-        for c in storage.retention_victims(storage.list_checkpoints(self.url),
-                                           self.cfg.keep_last, self.cfg.keep_every):
+        """Removes what :func:`storage.retention_victims` retires; a checkpoint whose
+        manifest cannot be read is left in place, said once a process."""
+        listing = storage.list_checkpoints(self.url)
+        for c in listing:
+            if c.error and c.step not in self.passed_over:
+                self.passed_over.add(c.step)
+                self.events.emit("checkpoint_passed_over", step=c.step, tries=1, by="retention",
+                                 reason=f"its manifest could not be read ({c.error}); left "
+                                        f"in place")
+        for c in storage.retention_victims(listing, self.cfg.keep_last, self.cfg.keep_every):
             # said first: a removal a kill cuts short (manifest gone, files left) is what
             # retention decided, and the next one finishes it as an incomplete checkpoint
             self.events.emit("checkpoint_removed", step=c.step, committed=c.committed)
@@ -269,55 +283,91 @@ class CheckpointManager:
         rank loads in place, each checks the sum of every item it reads, so the data is
         read once; otherwise the shares are checked whole first. Only a verified mismatch
         (a size, a sum, a missing file) demotes a checkpoint: it is quarantined with its
-        reasons and the previous one is tried. Any other failure, on any rank (a read
-        error, a timeout, a peer lost mid-load), raises CheckpointUnreadable: the attempt
-        ends, retryable, and the checkpoint stays committed for the next one.
+        reasons and the previous one is tried. A read error on any rank (EIO, a timeout)
+        is no verdict: the checkpoint is read again ``checkpoint.read_retries`` times, then
+        passed over for the previous one (an event says so) and left committed; a
+        checkpoint whose manifest cannot be read is passed over at once. A peer lost
+        mid-load raises CheckpointUnreadable: the attempt ends, retryable.
         """
-        listing = self._agree(lambda: [c.step for c in storage.list_checkpoints(self.url)
-                                       if c.committed] if self.rank == 0 else None)
-        checksums = self.cfg.verify_checksums
-        overwritten = False  # a damaged checkpoint was read into the live state
-        for step in reversed(listing[0]):
-            url = storage.step_dir(self.url, step)
-            part = (self.rank, self.world)
-            problems = self._problems(lambda: storage.verify(url, checksums=checksums,
-                                                             part=part, items=False), step)
-            if not problems:
-                in_place = all(self._agree(lambda: state.fits_in_place(url, checked=checksums),
-                                           step))
-                if checksums and not in_place:  # the items, before DCP reads parts of them
-                    problems = self._problems(lambda: storage.verify(
-                        url, checksums=True, part=part, whole=False), step)
-            if problems:
-                self._quarantine(step, problems)
-                continue
-            start = time.perf_counter()
-
-            def load():
-                fault_points.point("resume", step)
+        committed, unreadable = self._agree(self._listing)[0]
+        for step, error in unreadable:
+            self.events.emit_once("checkpoint_passed_over", step=step, tries=1, by="resume",
+                                  reason=f"its manifest could not be read ({error})")
+        self.overwritten = False  # a damaged or unreadable checkpoint was partly loaded
+        for step in reversed(committed):
+            for attempt in range(self.cfg.read_retries + 1):
                 try:
-                    return state.load(url, threads=self.cfg.reader_threads,
-                                      check=checksums and in_place)
-                except DamagedCheckpoint as e:
-                    return e.problems
-            loads = self._agree(load, step, "load failed")
-            problems = [p for got in loads if isinstance(got, list) for p in got]
-            if problems:
-                overwritten = True
-                self._quarantine(step, problems)
-                continue
-            loaded_step, missing, _ = loads[self.rank]
-            self.events.emit_once(
-                "checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
-                missing_items=missing, rng_restored="rng" not in missing,
-                checked_in_load=checksums and in_place,
-                planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
-            return loaded_step
-        if overwritten:  # starting from step 0 needs the state as it was built
+                    loaded = self._resume_from(step, state)
+                except ReadFailed as e:
+                    if attempt < self.cfg.read_retries:
+                        time.sleep(2 ** attempt)
+                        continue
+                    self.events.emit_once("checkpoint_passed_over", step=step,
+                                          tries=attempt + 1, by="resume",
+                                          reason=str(e)[:1000])
+                    loaded = None
+                break
+            if loaded is not None:
+                return loaded
+        if self.overwritten:  # starting from step 0 needs the state as it was built
             raise CheckpointUnreadable(
-                f"every checkpoint under {self.url} was damaged (quarantined), one of them "
-                f"found so only once read into the live state: the next attempt starts fresh")
+                f"no checkpoint under {self.url} could be loaded, and one was partly read "
+                f"into the live state (damaged ones are quarantined, unreadable ones left "
+                f"committed): the next attempt starts again")
         return 0
+
+    def _listing(self):
+        """Rank 0's: the committed steps, and (step, error) of each checkpoint whose
+        manifest could not be read."""
+        if self.rank != 0:
+            return None
+        listing = storage.list_checkpoints(self.url)
+        return ([c.step for c in listing if c.committed],
+                [(c.step, c.error) for c in listing if c.error])
+
+    def _resume_from(self, step: int, state: TrainState) -> int | None:
+        """Verifies and loads the checkpoint of ``step``; returns its step, or None when it
+        was damaged (quarantined). Raises ReadFailed on a read error on any rank."""
+        url = storage.step_dir(self.url, step)
+        checksums = self.cfg.verify_checksums
+        part = (self.rank, self.world)
+        problems = self._problems(lambda: storage.verify(url, checksums=checksums,
+                                                         part=part, items=False), step)
+        if not problems:
+            in_place = all(self._agree(lambda: state.fits_in_place(url, checked=checksums),
+                                       step))
+            if checksums and not in_place:  # the items, before DCP reads parts of them
+                problems = self._problems(lambda: storage.verify(
+                    url, checksums=True, part=part, whole=False), step)
+        if problems:
+            self._quarantine(step, problems)
+            return None
+        start = time.perf_counter()
+
+        def load():
+            fault_points.point("resume", step)
+            try:
+                return state.load(url, threads=self.cfg.reader_threads,
+                                  check=checksums and in_place)
+            except DamagedCheckpoint as e:
+                return e.problems
+        try:
+            loads = self._agree(load, step, "load failed")
+        except ReadFailed:
+            self.overwritten = True
+            raise
+        problems = [p for got in loads if isinstance(got, list) for p in got]
+        if problems:
+            self.overwritten = True
+            self._quarantine(step, problems)
+            return None
+        loaded_step, missing, _ = loads[self.rank]
+        self.events.emit_once(
+            "checkpoint_loaded", step=loaded_step, seconds=time.perf_counter() - start,
+            missing_items=missing, rng_restored="rng" not in missing,
+            checked_in_load=checksums and in_place,
+            planned_ranks=[r for r, (*_, planned) in enumerate(loads) if planned])
+        return loaded_step
 
     def _problems(self, verify, step: int) -> list[str]:
         """Every rank's findings of ``verify()``, agreed."""
@@ -346,14 +396,15 @@ class CheckpointManager:
         errors = [error for _, error in gathered if error]
         if errors:
             self.events.emit_once("checkpoint_unreadable", step=step, errors=errors[:20])
-            raise self._unreadable(step, errors)
+            raise self._unreadable(step, errors, ReadFailed)
         return [result for result, _ in gathered]
 
-    def _unreadable(self, step: int | None, errors: list[str]) -> CheckpointUnreadable:
+    def _unreadable(self, step: int | None, errors: list[str],
+                    kind: type[CheckpointUnreadable] = CheckpointUnreadable
+                    ) -> CheckpointUnreadable:
         what = "the checkpoints" if step is None else f"the checkpoint of step {step}"
-        return CheckpointUnreadable(
-            f"could not read {what} under {self.url} ({'; '.join(errors)[:1000]}); it stays "
-            f"committed and the next attempt tries again")
+        return kind(f"could not read {what} under {self.url} ({'; '.join(errors)[:1000]}); "
+                    f"it stays committed")
 
     def _quarantine(self, step: int, problems: list[str]) -> None:
         """Rank 0 moves the checkpoint aside; if the move fails, it stays where it is

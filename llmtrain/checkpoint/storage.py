@@ -237,6 +237,7 @@ class CheckpointInfo:
     url: str
     committed: bool
     manifest: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # its manifest could not be read: committed or not, unknown
 
     @property
     def bytes(self) -> int:
@@ -262,7 +263,10 @@ def read_manifest(url: str) -> dict[str, Any] | None:
 
 
 def list_checkpoints(root: str) -> list[CheckpointInfo]:
-    """Every ``step-N`` directory under ``root``, oldest first."""
+    """Every ``step-N`` directory under ``root``, oldest first. One whose manifest cannot be
+    read (EIO, a permission, an object moved to an archive tier) is listed with its
+    ``error``, neither committed nor incomplete: it blocks nothing newer, and nothing
+    deletes it."""
     fs, path = fsspec.core.url_to_fs(root)
     if not fs.exists(path):
         return []
@@ -271,9 +275,13 @@ def list_checkpoints(root: str) -> list[CheckpointInfo]:
         match = _STEP_DIR.match(posixpath.basename(entry.rstrip("/")))
         if match:
             url = join(root, posixpath.basename(entry.rstrip("/")))
-            manifest = read_manifest(url)
+            try:
+                manifest, error = read_manifest(url), None
+            except OSError as e:
+                manifest, error = None, f"{type(e).__name__}: {e}"[:500]
             out.append(CheckpointInfo(step=int(match.group(1)), url=url,
-                                      committed=manifest is not None, manifest=manifest or {}))
+                                      committed=manifest is not None, manifest=manifest or {},
+                                      error=error))
     return sorted(out, key=lambda c: c.step)
 
 
@@ -282,7 +290,9 @@ def retention_victims(ckpts: list[CheckpointInfo], keep_last: int,
     """What retention deletes: committed checkpoints beyond the newest ``keep_last`` that
     are not a multiple of ``keep_every``, and incomplete ones older than the newest
     committed (newer ones may still be being written). The newest committed always stays,
-    and so does the newest whose state passed the integrity checks.
+    and so does the newest whose state passed the integrity checks, and any whose manifest
+    could not be read (it may be committed: only a person, or a later pass that reads it,
+    decides).
     """
     committed = [c for c in ckpts if c.committed]
     if not committed:
@@ -293,7 +303,8 @@ def retention_victims(ckpts: list[CheckpointInfo], keep_last: int,
     if keep_every:
         keep |= {c.step for c in committed if c.step % keep_every == 0}
     newest = committed[-1].step
-    return [c for c in ckpts if c.step not in keep and (c.committed or c.step < newest)]
+    return [c for c in ckpts if c.step not in keep and c.error is None
+            and (c.committed or c.step < newest)]
 
 
 def items_sha256(digests: list[bytes]) -> str:

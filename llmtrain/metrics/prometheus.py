@@ -50,6 +50,12 @@ _DEFS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "llmtrain_checkpoint_retention_failures_total": (
         "counter", "retention passes that failed in the run (old checkpoints left)", ()),
     "llmtrain_checkpoint_load_seconds": ("gauge", "time the last resume took", ()),
+    "llmtrain_checkpoint_passed_over_total": (
+        "counter", "checkpoints a resume (for an older one) or a retention pass could not "
+        "read and passed over, left in place", ()),
+    "llmtrain_fence_unreachable_total": (
+        "counter", "outages of the rendezvous store seen by this rank's fence (its "
+        "checkpoint writes refused meanwhile)", ()),
     "llmtrain_heartbeat_timestamp_seconds": ("gauge", "unix time of this rank's last beat", ()),
     "llmtrain_hangs_total": ("counter", "hangs diagnosed in the run", ()),
     "llmtrain_desyncs_total": ("counter", "collective mismatches diagnosed in the run", ()),
@@ -110,11 +116,12 @@ class Exporter:
         # ones and retention's (rank 0 applies it); on every rank those any rank may count
         # (a warm recovery is counted by the lowest survivor, whichever rank that is)
         zeroed = ("llmtrain_snapshot_replication_failures_total",
-                  "llmtrain_warm_recoveries_total")
+                  "llmtrain_warm_recoveries_total", "llmtrain_fence_unreachable_total")
         if rank == 0:
             zeroed += ("llmtrain_hangs_total", "llmtrain_desyncs_total",
                        "llmtrain_checkpoint_failures_total",
-                       "llmtrain_checkpoint_retention_failures_total")
+                       "llmtrain_checkpoint_retention_failures_total",
+                       "llmtrain_checkpoint_passed_over_total")
         for name in zeroed:
             self.series(name)
         self.set("llmtrain_world_size", world_size)
@@ -169,7 +176,8 @@ class Exporter:
                                              ("hang", "collective_error"))
             # (not snapshot replication failures: each process replicates afresh)
             if mine and e["event"] in ("hang", "collective_error", "checkpoint_failed",
-                                       "checkpoint_retention_failed", "checkpoint_committed"):
+                                       "checkpoint_retention_failed", "checkpoint_committed",
+                                       "checkpoint_passed_over", "fence_unreachable"):
                 self.observe(e)
         sizes = [e["world_size"] for e in events if e["event"] == "attempt_start"]
         self.set("llmtrain_membership_changes", sum(a != b for a, b in zip(sizes, sizes[1:])))
@@ -240,6 +248,10 @@ class Exporter:
             self.series("llmtrain_checkpoint_failures_total").inc()
         elif kind == "checkpoint_retention_failed":
             self.series("llmtrain_checkpoint_retention_failures_total").inc()
+        elif kind == "checkpoint_passed_over":
+            self.series("llmtrain_checkpoint_passed_over_total").inc()
+        elif kind == "fence_unreachable":
+            self.series("llmtrain_fence_unreachable_total").inc()
         elif kind == "snapshot_replication_failed":
             if not e.get("stale"):  # a thread a recovery left behind is expected to fail
                 self.series("llmtrain_snapshot_replication_failures_total").inc()

@@ -63,28 +63,58 @@ def test_enospc_and_eio_fail_saves_but_lose_nothing(faultfs, tmp_path):
     assert {r["errno"] for r in faultfs.fired()} == {"ENOSPC", "EIO"}
 
 
-def test_an_eio_in_one_ranks_verify_ends_the_attempt_and_costs_no_checkpoint(faultfs, tmp_path):
-    """The rank that verifies checkpoint 12's second shard gets EIO reading it. Before, it
-    raised while the other rank waited in the agreement (a hang until the watchdog); now
-    both end the attempt at once, retryable, and the checkpoint stays committed: with the
-    storage healthy again, the next attempt resumes from it."""
+def test_a_checkpoint_that_stays_unreadable_is_passed_over_and_kept(faultfs, tmp_path):
+    """Every read of checkpoint 12's second shard fails with EIO (a bad sector, an object
+    gone to an archive tier). Both ranks learn it at once (before, the failing rank raised
+    while the other waited in the agreement: a hang), read it twice more, then resume from
+    checkpoint 6, where every attempt failed on 12 before and the job looped through its
+    restarts. Checkpoint 12 is neither quarantined nor saved over: the run's step 12 is
+    skipped as committed already, and with the storage healthy it loads again."""
     ckpt = faultfs.mount / "ckpt"
     run = tmp_path / "run"
     on_faultfs = ("--checkpoint.url", str(ckpt), *CKPT)
     check(llmtrain(run, "--training.steps", "12", *on_faultfs, nproc=2))
     faultfs.set_rules([{"ops": ["read"], "path": "/ckpt/step-00000012/__1_0.distcp",
                         "errno": "EIO"}])
-    started = time.monotonic()
-    proc = llmtrain(run, "--training.steps", "14", *on_faultfs, nproc=2,
-                    timeout=120)  # a hang would last the watchdog's default 300 s
-    assert proc.returncode != 0 and time.monotonic() - started < 60
-    assert {r["errno"] for r in faultfs.fired()} == {"EIO"}
-    (unreadable,) = events(run, "checkpoint_unreadable")
-    assert unreadable["step"] == 12 and "Input/output error" in unreadable["errors"][0]
-    assert events(run, "checkpoint_rejected") == [] and committed_steps(str(ckpt)) == [6, 12]
-    faultfs.set_rules([])
     check(llmtrain(run, "--training.steps", "14", *on_faultfs, nproc=2))
+    assert {r["errno"] for r in faultfs.fired()} == {"EIO"}
+    unreadable = events(run, "checkpoint_unreadable")
+    assert [e["step"] for e in unreadable] == [12] * 3, unreadable
+    assert "Input/output error" in unreadable[0]["errors"][0]
+    (passed,) = events(run, "checkpoint_passed_over")
+    assert passed["step"] == 12 and passed["tries"] == 3
+    assert [e["step"] for e in events(run, "checkpoint_loaded")] == [6]
+    assert events(run, "checkpoint_rejected") == [] and committed_steps(str(ckpt)) == [6, 12, 14]
+    assert any(e["step"] == 12 and "committed already" in e["reason"]
+               for e in events(run, "checkpoint_skipped"))
+    faultfs.set_rules([])
+    assert storage.verify(storage.step_dir(str(ckpt), 12), checksums=True) == []
+
+
+def test_an_unreadable_old_manifest_blocks_neither_resume_nor_retention(faultfs, tmp_path):
+    """Old checkpoint 6 (kept by keep_every) cannot be opened any more: EIO on its manifest
+    for good. Listing it raised, so every resume failed (CheckpointUnreadable) and every
+    retention pass too, although 12 was intact. Now the resume loads 12, says it passed 6
+    over, and retention runs on around it: 6 is never deleted, the others come and go."""
+    ckpt = faultfs.mount / "ckpt"
+    run = tmp_path / "run"
+    on_faultfs = ("--checkpoint.url", str(ckpt), "--checkpoint.interval_steps", "3",
+                  "--checkpoint.keep_last", "1", "--checkpoint.keep_every", "6")
+    check(llmtrain(run, "--training.steps", "12", *on_faultfs, nproc=2))
+    assert committed_steps(str(ckpt)) == [6, 12]
+    faultfs.set_rules([{"ops": ["open"], "path": "/ckpt/step-00000006/MANIFEST.json",
+                        "errno": "EIO"}])
+    check(llmtrain(run, "--training.steps", "18", *on_faultfs, nproc=2))
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [12]
+    assert {(e["step"], e["by"]) for e in events(run, "checkpoint_passed_over")} == {
+        (6, "resume"), (6, "retention")}
+    assert events(run, "checkpoint_retention_failed") == []
+    assert 15 in {e["step"] for e in events(run, "checkpoint_removed")}
+    listing = storage.list_checkpoints(str(ckpt))
+    assert [(c.step, c.committed, bool(c.error)) for c in listing] == [
+        (6, False, True), (12, True, False), (18, True, False)]
+    faultfs.set_rules([])
+    assert committed_steps(str(ckpt)) == [6, 12, 18]
 
 
 def test_waits_on_storage_longer_than_the_hang_timeout_are_not_hangs(faultfs, tmp_path):

@@ -232,3 +232,11 @@ def test_removal_and_quarantine_are_fenced(tmp_path):
         storage.quarantine(storage.step_dir(root, 5), ["x"], refused)
     assert [(c.step, c.committed) for c in storage.list_checkpoints(root)] == [(5, True)]
     assert storage.verify(storage.step_dir(root, 5), checksums=True) == []
+
+
+def test_retention_never_deletes_a_checkpoint_whose_manifest_it_could_not_read():
+    """Committed or not is unknown: it stays, and blocks nothing around it."""
+    unreadable = CheckpointInfo(step=100, url="x/100", committed=False,
+                                error="OSError: [Errno 5] Input/output error")
+    ckpts = [unreadable] + [info(s) for s in (200, 300, 400)]
+    assert {c.step for c in retention_victims(ckpts, keep_last=1, keep_every=0)} == {200, 300}

@@ -10,6 +10,8 @@ FAILURES = {  # event -> the counter it increments
     "checkpoint_failed": "llmtrain_checkpoint_failures_total",
     "checkpoint_retention_failed": "llmtrain_checkpoint_retention_failures_total",
     "snapshot_replication_failed": "llmtrain_snapshot_replication_failures_total",
+    "checkpoint_passed_over": "llmtrain_checkpoint_passed_over_total",
+    "fence_unreachable": "llmtrain_fence_unreachable_total",
 }
 
 
@@ -43,6 +45,12 @@ def test_failure_events_increment_their_counters(tmp_path):
     e.observe({"ts": 4.0, "event": "snapshot_replication_failed", "rank": 0, "buddy": 1,
                "ward": 1, "step": 22, "stale": True,
                "error": "RuntimeError: Connection closed by peer"})
+    e.observe({"ts": 5.0, "event": "checkpoint_passed_over", "rank": 0, "step": 12,
+               "tries": 3, "reason": "OSError: [Errno 5] Input/output error"})
+    e.observe({"ts": 6.0, "event": "fence_unreachable", "rank": 0, "what": "the commit",
+               "mine": "1-a/g0", "timeout_s": 10.0, "error": "TimeoutError: no answer"})
+    assert value(e, "llmtrain_checkpoint_passed_over_total") == 1
+    assert value(e, "llmtrain_fence_unreachable_total") == 1
     assert value(e, "llmtrain_checkpoint_failures_total") == 1
     assert value(e, "llmtrain_checkpoint_retention_failures_total") == 2
     assert value(e, "llmtrain_snapshot_replication_failures_total") == 1
@@ -56,6 +64,7 @@ def test_every_rank_counts_its_replication_failures_from_0(tmp_path):
     e = exporter(tmp_path, 1)
     assert value(e, "llmtrain_snapshot_replication_failures_total") == 0
     assert value(e, "llmtrain_warm_recoveries_total") == 0
+    assert value(e, "llmtrain_fence_unreachable_total") == 0
     assert value(e, "llmtrain_checkpoint_retention_failures_total") is None
 
 
@@ -71,5 +80,11 @@ def test_a_restarted_rank_carries_its_retention_failures_not_its_replication_one
     e = exporter(tmp_path, 0)
     e._replay_history()
     assert value(e, "llmtrain_checkpoint_retention_failures_total") == 1
+    e.observe({"ts": 5.0, "event": "checkpoint_passed_over", "rank": 0, "step": 12,
+               "tries": 3, "reason": "OSError: [Errno 5] Input/output error"})
+    e.observe({"ts": 6.0, "event": "fence_unreachable", "rank": 0, "what": "the commit",
+               "mine": "1-a/g0", "timeout_s": 10.0, "error": "TimeoutError: no answer"})
+    assert value(e, "llmtrain_checkpoint_passed_over_total") == 1
+    assert value(e, "llmtrain_fence_unreachable_total") == 1
     assert value(e, "llmtrain_checkpoint_failures_total") == 1
     assert value(e, "llmtrain_snapshot_replication_failures_total") == 0
