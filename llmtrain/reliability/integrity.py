@@ -165,20 +165,27 @@ class Integrity:
 
     def state_dict(self) -> dict:
         """Plain values: the window's losses (None for a skipped step's), the count of
-        judged steps, the bad steps the window holds (``max_bad_steps`` counts them) and
-        the steps to skip."""
+        judged steps, the verdicts judged but not read yet (a snapshot between log steps
+        holds some: restored without them, a bad step before it would never be reviewed,
+        its rollback missed and ``max_bad_steps`` miscounted), the bad steps the window
+        holds and the steps to skip. Reading the verdicts costs a host sync."""
+        rows = torch.stack([row for _, row in self.pending]).cpu().tolist() if self.pending else []
         return {"history": [None if math.isnan(x) else x for x in self.history.tolist()],
                 "judged": self.judged, "bad_steps": list(self.bad_steps),
+                "pending": [[step, [_number(x) for x in row]]
+                            for (step, _), row in zip(self.pending, rows)],
                 "skips": sorted(self.skips)}
 
     def load_state_dict(self, state: dict) -> None:
-        """The window of an earlier step: verdicts judged since then are dropped, to be
-        judged again."""
+        """The window and verdicts of an earlier step: those judged since then are
+        dropped, to be judged again."""
         history = [math.nan if x is None else x for x in state["history"]]
         same_window = len(history) == len(self.history)  # else its size changed: anew
         if same_window:
             self.history.copy_(torch.tensor(history, dtype=self.history.dtype))
-        self.judged, self.pending = state["judged"] if same_window else 0, []
+        self.judged = state["judged"] if same_window else 0
+        self.pending = [(step, torch.tensor([float(x) for x in row], device=self.device))
+                        for step, row in state.get("pending", [])]
         self.bad_steps = list(state["bad_steps"])
         self.skips |= set(state["skips"])
 

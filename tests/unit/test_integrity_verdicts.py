@@ -1,6 +1,7 @@
 """The integrity component on one rank: step verdicts on the device, the policy on the
 host, state fingerprints. (Faults in real multi-rank runs: tests/integration.)"""
 
+import json
 import math
 
 import pytest
@@ -71,6 +72,28 @@ def test_the_policy_skips_rolls_back_or_stops(integrity, tmp_path):
     judge(stop, 1, math.nan)
     with pytest.raises(TrainingDiverged, match="non-finite loss on rank"):
         stop.review(stop.read(), 1)
+
+
+def test_a_restored_state_keeps_the_verdicts_not_read_yet(integrity):
+    """A snapshot between log steps: step 3's verdict (NaN) is judged but not read when the
+    state is taken. Restored, it is read and reviewed as it would have been (a rollback,
+    counted towards max_bad_steps); restored without it, the rollback was missed, and a
+    rank that had read it before failing counted one bad step more than the others."""
+    it = integrity(spike_z=0, on_nonfinite="rollback", max_bad_steps=2, spike_window=8)
+    judge(it, 1, 3.0)
+    judge(it, 2, math.nan)
+    assert it.review(it.read(), 2) is True
+    judge(it, 3, math.nan)
+    state = json.loads(json.dumps(it.state_dict()))  # as a snapshot's header carries it
+    judge(it, 4, 3.0)
+    it.read()  # this rank went on past the snapshot before the failure
+    it.load_state_dict(state)
+    assert [(b.step, b.reason) for b in it.read()] == [(3, "nonfinite")]
+    restored = integrity(spike_z=0, on_nonfinite="rollback", max_bad_steps=3, spike_window=8)
+    restored.load_state_dict(state)  # a spare, from its buddy's replica
+    bad = restored.read()
+    assert [(b.step, b.ranks) for b in bad] == [(3, [0])]
+    assert restored.review(bad, 3) is True and restored.bad_steps == [2, 3]
 
 
 def test_fingerprints_see_one_flipped_bit_in_any_order():
