@@ -29,6 +29,13 @@ preempt             a node's launcher gets SIGTERM, as Slurm sends it before tak
                     cold from that save (no step lost); the requeue brings the node back
                     as a spare (a waiting spare may have taken its place in the restart)
 enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / EIO
+unreadable_         an old committed checkpoint's manifest fails every read (EIO):
+checkpoint          retention must leave it and go on; then the storage heals
+slow_retention      every manifest read takes 1.5 s: rank 0's write ends seconds after
+                    the others', and the saves due meanwhile are skipped by all ranks
+                    together (``if_busy = skip``)
+store_stall         the rendezvous store's process is stopped for three fence timeouts:
+                    saves meanwhile are refused, none after, and nobody restarts
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
 truncated_shard     a shard of the newest committed checkpoint is cut short, then every
                     rank is killed so that the restart must notice and fall back
@@ -90,6 +97,7 @@ from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 from llmtrain.stop_request import request_stop
 
 MIXES = Path(__file__).parent / "mixes"
+FENCE_TIMEOUT_S = 2.0  # the job's: a store stall three times as long refuses its saves
 
 
 @dataclass(frozen=True)
@@ -226,11 +234,12 @@ class Chaos:
             # 128-token sequences: steps as long as the fault schedule's timing assumes
             "--config", "debug_cpu", "--data.seq_len", "128", "--training.steps", str(cfg.steps),
             "--checkpoint.interval_steps", str(cfg.checkpoint_every),
-            "--checkpoint.keep_last", "4", "--metrics.log_every", "5",
+            "--checkpoint.keep_last", "4", "--checkpoint.keep_every", str(5 * cfg.checkpoint_every),
+            "--checkpoint.if_busy", "skip", "--metrics.log_every", "5",
             "--metrics.address", "127.0.0.1", "--metrics.port", "0",
             "--reliability.straggler_window_s", "4",
             "--health.interval_s", "1", "--health.link_window_s", "5",
-            "--reliability.faults", "env",
+            "--reliability.faults", "env", "--reliability.fence_timeout_s", str(FENCE_TIMEOUT_S),
             "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5",
             "--warm.enable", str(cfg.warm).lower())
 
@@ -641,6 +650,100 @@ class Chaos:
     @fault_kind("eio", keeps_ranks=True)
     def _eio(self) -> Verdict:
         return self._storage_error("eio", "EIO")
+
+    @fault_kind("unreadable_checkpoint", keeps_ranks=True)
+    def _unreadable_checkpoint(self) -> Verdict:
+        """An old committed checkpoint's manifest fails every read (EIO: a bad sector, an
+        object gone to an archive tier): retention must pass it over and leave it, and go
+        on retiring the others; then the storage heals."""
+        since = time.time()
+        committed = self._wait(lambda: [c for c in storage.list_checkpoints(str(self.mount.root))
+                                        if c.committed][:-1] or None,
+                               "two committed checkpoints", 180)
+        oldest = committed[0].step
+        name = Path(storage.step_dir("", oldest)).name
+        v = self._verdict("unreadable_checkpoint", f"step {oldest} (its manifest)")
+        self.mount.set_rules([{"ops": ["open"], "path": f"/{name}/{storage.MANIFEST}",
+                               "errno": "EIO", "name": "unreadable_checkpoint"}])
+        try:
+            seen = self._wait(lambda: [e for e in self._events("checkpoint_passed_over", since)
+                                       if e["step"] == oldest][:1], "checkpoint_passed_over",
+                              180)[0]
+            after = self._wait(lambda: self._latest("checkpoint_committed", seen["ts"]),
+                               "the next commit", 180)
+            time.sleep(1)  # its retention pass
+        finally:
+            self.mount.clear()
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.diagnosis = f"step {seen['step']} passed over by {seen['by']}: {seen['reason'][:80]}"
+        failed = self._events("checkpoint_retention_failed", v.injected_at)
+        kept = [c.step for c in storage.list_checkpoints(str(self.mount.root))]
+        v.correct = not failed and oldest in kept
+        v.action = (f"left in place; retention went on (next commit at step {after['step']})"
+                    + (f"; {len(failed)} retention pass(es) failed" if failed else ""))
+        v.recover_s, v.steps_lost = 0.0, 0
+        return v
+
+    @fault_kind("slow_retention", keeps_ranks=True)
+    def _slow_retention(self) -> Verdict:
+        """Every manifest read takes 1.5 s (an object store at scale): rank 0's write ends
+        seconds after the others', after its retention pass, and saves fall due meanwhile.
+        With ``if_busy = skip`` every rank must skip them together (one skipping alone
+        deadlocks the job), and training must not stall."""
+        v = self._verdict("slow_retention", "checkpoint manifests (reads 1.5 s slower)")
+        self.mount.set_rules([{"ops": ["open"], "path": f"/*/{storage.MANIFEST}",
+                               "delay": 1.5, "name": "slow_retention"}])
+        try:
+            seen = self._wait(lambda: [e for e in self._events("checkpoint_skipped", v.injected_at)
+                                       if e["reason"].startswith("previous still writing")][:1],
+                              "a save skipped while the previous one still writes", 180)[0]
+        finally:
+            self.mount.clear()
+        after = self._wait(lambda: self._latest("checkpoint_committed", seen["ts"]),
+                           "the next commit", 180)
+        v.at_step = seen["step"]
+        v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+        v.diagnosis = f"save of step {seen['step']} skipped by all ranks: {seen['reason']}"
+        trouble = [e["event"] for e in self._events(None, v.injected_at)
+                   if e["event"] in ("hang", "failure", "collective_error")]
+        v.correct = not trouble
+        v.action = (f"skipped, training went on; next commit at step {after['step']}"
+                    + (f"; then {', '.join(trouble)}" if trouble else ""))
+        v.recover_s, v.steps_lost = 0.0, 0
+        return v
+
+    @fault_kind("store_stall", keeps_ranks=True)
+    def _store_stall(self) -> Verdict:
+        """The rendezvous store's process stops (SIGSTOP: its connections stay up, nothing
+        answers) for longer than the fence's timeout, then goes on. Saves meanwhile are
+        refused (the ranks cannot prove they are members); once it answers, saves commit
+        again and nobody was fenced for good, nor restarted."""
+        stall_s = 3 * FENCE_TIMEOUT_S
+        v = self._verdict("store_stall", f"the rendezvous store, {stall_s:.0f} s")
+        os.kill(self.cluster.store.pid, signal.SIGSTOP)
+        try:
+            with contextlib.suppress(TimeoutError):  # (then a verdict of "not detected")
+                seen = None
+                seen = self._wait(lambda: self._latest("fence_unreachable", v.injected_at),
+                                  "fence_unreachable", stall_s)
+            time.sleep(max(0.0, v.injected_at + stall_s - time.time()))
+        finally:
+            os.kill(self.cluster.store.pid, signal.SIGCONT)
+        resumed = time.time()
+        after = self._wait(lambda: self._latest("checkpoint_committed", resumed),
+                           "a commit after the stall", 180)
+        if seen:
+            v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+            v.at_step = self._latest("step", seen["ts"] - 5)["step"]
+            v.diagnosis = f"rank {seen['rank']}: {seen['what']} refused ({seen['error'][:60]})"
+        trouble = [e["event"] for e in self._events(None, v.injected_at)
+                   if e["event"] in ("fenced", "hang", "failure", "attempt_start")]
+        v.correct = bool(seen) and not trouble
+        v.action = (f"writes refused while it lasted; commit at step {after['step']} "
+                    f"{after['ts'] - resumed:.1f}s after" + (f"; {', '.join(trouble)}"
+                                                             if trouble else ""))
+        v.recover_s, v.steps_lost = after["ts"] - resumed, 0
+        return v
 
     @fault_kind("gpu_bad")
     def _gpu_bad(self) -> Verdict:

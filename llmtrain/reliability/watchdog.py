@@ -174,6 +174,7 @@ class Watchdog:
         self.recent_steps: deque[float] = deque(maxlen=_RECENT_STEPS)
         self.recent_gaps: deque[float] = deque(maxlen=_RECENT_STEPS)  # between beats
         self._counted_long = False  # whether this rank counts in the store's long_phases
+        self._store_out = False  # a tick failed: the store may have been out
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._responding = threading.Lock()  # one response per process, whoever starts it
@@ -263,10 +264,12 @@ class Watchdog:
             try:
                 self._tick()
             except Exception as e:  # the store itself may be gone; keep watching
+                self._store_out = True
                 print(f"llmtrain watchdog (rank {self.rank}): {type(e).__name__}: {e}",
                       file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
+        began = time.monotonic()
         if self.fence is not None:
             # a rank that was cut off and replaced, back on the network: it may not beat,
             # declare or answer in the job that went on without it (one fenced event, then
@@ -283,6 +286,12 @@ class Watchdog:
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress, "long": long,
              "at": positions(flight_recorder()["entries"], time.time_ns()) if self.quiet else None})
+        if self._store_out or time.monotonic() - began > self.cfg.heartbeat_interval_s:
+            # The store did not answer for a while (it stalled or restarted): every peer's
+            # watchdog waited on it as this one did, so their beats are old through no fault
+            # of theirs. Their silence counts from now, as from a new generation's start.
+            self.plane.since_ns = max(self.plane.since_ns, time.time_ns())
+            self._store_out = False
         if self.plane.leader:
             self.plane.summarize()
         if self.store.check(["event"]):
