@@ -252,7 +252,8 @@ class Trainer:
             return self.went_back(back_to)
         # a sync save, and one that waits for the previous save's write (13 GB of a 1B
         # model's state took longer than the 5 s learned timeout on an H100), cannot beat
-        waits = self.cfg.checkpoint.mode == "sync" or self.checkpoints.writing()
+        waits = self.cfg.checkpoint.mode == "sync" or (
+            self.checkpoints.writing() and self.cfg.checkpoint.if_busy == "wait")
         self.watchdog.beat(step, "checkpoint", long=final or waits)
         self.ledger.steps_done(step)
         with self.ledger.span("checkpoint_stall", f"save step {step}"):

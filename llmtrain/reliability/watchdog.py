@@ -23,7 +23,8 @@ group (which may be the thing that is stuck):
   once it has shown its pace, ``hang_timeout_step_factor`` times its slowest recent step,
   kept within [``hang_timeout_floor_s``, ``hang_timeout_s``]; a rank in a declared long
   phase (start-up, resume, a blocking save, rank 0 reading the event log) counts itself in
-  the store's ``long_phases``, and ranks waiting for it wait ``phase_timeout_s``;
+  the store's ``long_phases`` (one count per membership of the job), and ranks waiting for
+  it wait ``phase_timeout_s``;
 - the first rank to declare one claims the event in the store and becomes its leader;
   every rank seeing the event dumps its flight-recorder entries and Python stacks to
   ``<run dir>/diagnostics/<event>/rank-N.json``; the leader waits for the dumps (up to
@@ -174,6 +175,7 @@ class Watchdog:
         self.recent_steps: deque[float] = deque(maxlen=_RECENT_STEPS)
         self.recent_gaps: deque[float] = deque(maxlen=_RECENT_STEPS)  # between beats
         self._counted_long = False  # whether this rank counts in the store's long_phases
+        self._long_counted_in = ""  # the key it counts in (_long_key)
         self._store_out = False  # a tick failed: the store may have been out
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,7 +250,7 @@ class Watchdog:
         try:  # the rendezvous store outlives the round: leave it no per-rank keys
             self.plane.close()
             if self._counted_long:
-                self.store.add("long_phases", -1)
+                self.store.add(self._long_counted_in, -1)
         except Exception:  # the store may be gone at the end; nothing is lost
             pass
 
@@ -278,9 +280,11 @@ class Watchdog:
                 self.fence.stop_if_superseded("the watchdog's heartbeats and reports")
             except RuntimeError:  # Fenced
                 os._exit(1)
-        long = self.limit is not None
+        long, key = self.limit is not None, self._long_key()
+        if key != self._long_counted_in:  # a new membership counts afresh
+            self._counted_long, self._long_counted_in = False, key
         if long != self._counted_long:  # how many ranks are in a long phase, for the others
-            self.store.add("long_phases", 1 if long else -1)
+            self.store.add(key, 1 if long else -1)
             self._counted_long = long
         self.plane.publish(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
@@ -336,7 +340,14 @@ class Watchdog:
         limit). One counter in the store, read only once the learned timeout has passed."""
         if age > max(self.cfg.phase_timeout_s, self.cfg.hang_timeout_s):
             return False
-        return self.store.add("long_phases", 0) > 0
+        return self.store.add(self._long_key(), 0) > 0
+
+    def _long_key(self) -> str:
+        """The store's count of ranks in a long phase, one per membership of the job: a
+        rank lost while in one (killed in a save, cut off by a partition) leaves its count
+        behind in its membership's key, where no later membership reads it (one count for
+        the whole round excused every later hang until phase_timeout_s)."""
+        return "long_phases" if self.fence is None else f"long_phases/{self.fence.token}"
 
     # -- stragglers: who arrives late at collectives ----------------------------------
 
