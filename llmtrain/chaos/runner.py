@@ -831,20 +831,33 @@ class Chaos:
     def _finish(self) -> dict:
         """Lets the job run to its end (its last step, or the step a stop request ended
         it at), then judges it."""
+        def ended() -> dict | None:
+            end = self._latest("run_end")
+            return end if end and (end["steps"] == self.cfg.steps or end["stopped"]) else None
+        # every node's launcher exits once the job has ended, a waiting spare released;
+        # one that has not a minute after is killed and named in the verdict
+        with contextlib.suppress(TimeoutError):  # (then the verdict says it did not finish)
+            self._wait(lambda: ended() or all(p.poll() is not None
+                                              for p in self.cluster.nodes.values()),
+                       "the job's end", 1800)
+        deadline, killed = time.time() + 60, []
         for name, proc in self.cluster.nodes.items():
             try:
-                proc.wait(timeout=1800)
+                proc.wait(timeout=max(0.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 self.cluster.kill(name)
-        end = self._latest("run_end")
-        finished = end is not None and (end["steps"] == self.cfg.steps or end["stopped"])
-        result = {"finished": finished, "steps": end and end["steps"],
+                killed.append(name)
+        end = ended()
+        finished = end is not None
+        last = self._latest("run_end")
+        result = {"finished": finished, "steps": last and last["steps"],
                   "faults": len(self.verdicts),
                   "kinds": sorted({v.kind for v in self.verdicts}),
                   "detected": sum(v.detected for v in self.verdicts),
                   "correct": sum(v.correct for v in self.verdicts),
                   "committed_checkpoints_lost": self._lost_checkpoints()}
         result["left_out"] = self.left_out
+        result["nodes_killed_after_the_end"] = killed
         recoveries = [v.recover_s for v in self.verdicts if v.recover_s]
         result.update(measured_ettr(self._events(), recoveries, self.cfg.checkpoint_every))
         if self.cfg.reference and finished:
