@@ -963,6 +963,9 @@ def table(result: dict) -> str:
                f"committed checkpoints lost: {len(result['committed_checkpoints_lost'])}"]
     for kind, why in result.get("left_out", {}).items():
         summary.append(f"left out: {kind} ({why})")
+    if result.get("nodes_killed_after_the_end"):
+        summary.append(f"launchers still running a minute after the job ended, killed: "
+                       f"{', '.join(result['nodes_killed_after_the_end'])} (see their logs)")
     if "bitwise_equal_to_reference" in result:
         summary.append(f"final weights bitwise equal to a fault-free run: "
                        f"{result['bitwise_equal_to_reference']}")

@@ -14,6 +14,9 @@ from llmtrain.events import read_events
 
 pytestmark = pytest.mark.slow
 
+STORAGE_KINDS = ("unreadable_checkpoint", "slow_retention", "store_stall")
+RANK_KINDS = tuple(k for k in KINDS if k not in STORAGE_KINDS)
+
 
 def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     """Every rank-level fault hits rank 0, the hardest rank to lose: it hosts its round's
@@ -24,25 +27,25 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     the last one, cost half the steps they did at 20. The schedule runs by the clock (a
     fault waits for a spare to start, ~4 s here) while training runs on: the fifteen kinds
     took until step 240-265 in four runs at half a second's quiet time, and until 270+ in
-    two at a second; the eighteen (with the store and storage faults) ran out of room at
-    370 once, so 520 steps (faults until 490). A kind the schedule had no room for fails
-    the test. Once every kind has run, chaos stops the job (llmtrain
+    two at a second, so 400 steps (faults until 370) leave room. A kind the schedule had
+    no room for fails the test. (The store and storage faults have a short soak of their
+    own, below: with them the eighteen kinds ran out of room even at 490.) Once every kind has run, chaos stops the job (llmtrain
     stop), and the reference trains as many steps on the same LR schedule.
     The job runs with the warm path, as chaos does by default."""
     work = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
-                           "--steps", "520", "--checkpoint-every", "10", "--interval", "0.5",
+                           "--steps", "400", "--checkpoint-every", "10",
+                           "--faults", ",".join(RANK_KINDS), "--interval", "0.5",
                            "--seed", "1", "--rank", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
     verdict = json.loads((work / "verdict.json").read_text())
     table = proc.stdout[-6000:]
     # nodes in network namespaces where the machine allows: always in CI, which runs as root
     assert not (IN_CI and verdict["left_out"]), verdict["left_out"]
-    assert sorted(verdict["kinds"]) == sorted(set(KINDS) - set(verdict["left_out"])), table
+    assert sorted(verdict["kinds"]) == sorted(set(RANK_KINDS) - set(verdict["left_out"])), table
     for v in verdict["verdicts"]:
         assert v["detected"] and v["correct"], (v, table)
     assert verdict["finished"], table
-    assert verdict["nodes_killed_after_the_end"] == [], table
     assert verdict["committed_checkpoints_lost"] == [], table
     assert verdict["bitwise_equal_to_reference"] is True, table
     assert 0 < verdict["ettr"] < 1 and 0 < verdict["ettr_predicted"] < 1
@@ -82,3 +85,30 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     assert hang["rank"] == 1, hang  # rank 1 led the report
     dump_timeout_s = ReliabilityConfig().dump_timeout_s  # chaos runs with the default
     assert hang["reported_after_s"] - hang["detected_after_s"] < dump_timeout_s / 2, hang
+
+
+def test_storage_and_store_faults_cost_no_checkpoint_and_no_restart(tmp_path, faultfs):
+    """The faults of the commit protocol's storage and its store, against one running job:
+    an old checkpoint whose manifest fails every read (retention passes it over, leaves it,
+    and goes on), manifest reads 1.5 s slow (the saves due while rank 0 still applies
+    retention are skipped by every rank together, where one skipping alone deadlocked the
+    job), and the rendezvous store stopped for three fence timeouts (saves refused while it
+    lasts, committed again after, nobody fenced for good, no watchdog taking the silence
+    for a hang: before, one did, and the job went through a needless recovery). Each must
+    be detected and handled, the job must finish bitwise equal to a fault-free run, and no
+    committed checkpoint may be lost."""
+    work = tmp_path / "chaos"
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
+                           "--steps", "200", "--checkpoint-every", "10", "--interval", "0.5",
+                           "--seed", "1", "--faults", ",".join(STORAGE_KINDS)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    verdict = json.loads((work / "verdict.json").read_text())
+    table = proc.stdout[-4000:]
+    assert sorted(verdict["kinds"]) == sorted(STORAGE_KINDS), table
+    for v in verdict["verdicts"]:
+        assert v["detected"] and v["correct"] and v["path"] == "", (v, table)
+    assert verdict["finished"], table
+    assert verdict["committed_checkpoints_lost"] == [], table
+    assert verdict["bitwise_equal_to_reference"] is True, table
+    assert read_events(str(work / "run"), "fenced") == []
+    assert proc.returncode == 0, table
