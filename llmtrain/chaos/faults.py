@@ -25,6 +25,9 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            its shard as step 5 starts (silent corruption)
     badmath@loss:rank=1,step=5             from step 5 on, every loss rank 1 computes is
                                            off by one part in 2**20 (faulty arithmetic)
+    eio@retention:step=2                   rank 0's retention pass after the commit of
+                                           step 2 fails with EIO (a storage error where no
+                                           faultfs mount can make one)
     bitflip@replica:rank=0                 rank 0 flips a bit of the peer's snapshot replica
                                            it is about to hand to a warm spare
     kill@spare_assigned                    a warm spare dies as soon as it is assigned a
@@ -55,6 +58,7 @@ they did.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -67,9 +71,9 @@ from torch.distributed.tensor import DTensor
 from llmtrain.config import ConfigError
 
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
-           "badmath")
+           "badmath", "eio")
 POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica", "replicate",
-          "spare_assigned")
+          "spare_assigned", "retention")
 
 
 class FaultSpecError(ConfigError):
@@ -190,6 +194,8 @@ class Injector:
             return target * (1 + 2.0 ** -20)
         if fault.action == "bitflip":
             _flip_bit(target, fault.bit)
+        elif fault.action == "eio":
+            raise OSError(errno.EIO, f"Input/output error (injected at {fault.point})")
         elif fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "sigstop":

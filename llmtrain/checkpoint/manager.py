@@ -228,6 +228,7 @@ class CheckpointManager:
                          total_s=time.perf_counter() - start, bytes=manifest.get("bytes"),
                          staging_s=self.stager and self.stager.copy_s)
         try:
+            fault_points.point("retention", step)
             self.apply_retention()
         except Exception as e:  # noqa: BLE001 - a disk filling up must be seen
             self.events.emit("checkpoint_retention_failed", step=step, error=describe(e))

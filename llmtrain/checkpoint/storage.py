@@ -255,11 +255,12 @@ def read_manifest(url: str) -> dict[str, Any] | None:
     says nothing about the checkpoint."""
     fs, path = fsspec.core.url_to_fs(join(url, MANIFEST))
     try:
-        return json.loads(fs.cat_file(path))
+        manifest = json.loads(fs.cat_file(path))
     except FileNotFoundError:
         return None
     except ValueError:
         return {"unreadable": True}
+    return manifest if isinstance(manifest, dict) else {"unreadable": True}
 
 
 def list_checkpoints(root: str) -> list[CheckpointInfo]:

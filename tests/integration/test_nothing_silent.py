@@ -20,7 +20,7 @@ cfg = load_config("debug_cpu", parse_overrides([
     "--training.run_dir", run, "--training.steps", "10", "--checkpoint.mode", "async_thread",
     "--checkpoint.interval_steps", "0", "--checkpoint.resume", "false",
     "--checkpoint.keep_last", "1", "--metrics.progress", "plain",
-    "--reliability.faults", "hang@checkpoint_write:rank=0,step=3"]))
+    "--reliability.faults", "eio@retention:step=2;hang@checkpoint_write:rank=0,step=3"]))
 t = Trainer(cfg)
 
 
@@ -33,9 +33,7 @@ def save_next(wait=True):
 
 
 save_next()
-# an old checkpoint whose manifest cannot be read: retention's listing fails on it
-os.makedirs(os.path.join(run, "checkpoints", "step-00000000", "MANIFEST.json"))
-save_next()  # committed; its retention pass fails, in DCP's completion callback
+save_next()  # committed; its retention pass fails (EIO), in DCP's completion callback
 save_next(wait=False)  # its write hangs
 started = time.monotonic()
 t.close(failed=True, timeout_s=2.0)
@@ -54,7 +52,7 @@ def test_a_failed_retention_is_an_event_and_a_failed_close_is_bounded(tmp_path):
                           text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "closed in" in proc.stdout, proc.stderr[-3000:]
     (failed,) = events(run, "checkpoint_retention_failed")
-    assert failed["step"] == 2 and "IsADirectoryError" in failed["error"], failed
+    assert failed["step"] == 2 and "Input/output error" in failed["error"], failed
     assert [e["step"] for e in events(run, "checkpoint_committed")] == [1, 2]
     assert float(proc.stdout.split("closed in")[1]) < 10  # the write hangs for an hour
     (abandoned,) = events(run, "checkpoint_abandoned")

@@ -95,6 +95,9 @@ def test_a_read_error_is_no_verdict_on_the_manifest(root, monkeypatch):
     with fsspec.open(join(url, storage.MANIFEST), "wb") as f:
         f.write(b"{not json")
     assert "unreadable" in storage.verify(url, checksums=False)[0]
+    with fsspec.open(join(url, storage.MANIFEST), "wb") as f:
+        f.write(b"[]")  # JSON, but no manifest: retention's listing read it as one
+    assert storage.read_manifest(url) == {"unreadable": True}
 
 
 def info(step: int, committed: bool = True) -> CheckpointInfo:
