@@ -828,6 +828,20 @@ class Chaos:
 
     # -- the end ----------------------------------------------------------------------------
 
+    def _pool_state(self) -> dict:
+        """The spare pool's counters and each registered spare's slot, as the store has
+        them."""
+        with contextlib.suppress(Exception):
+            pool = self.spares
+            registered = pool.add("spares/registered", 0)
+            return {"registered": registered, "claimed": pool.add("spares/claimed", 0),
+                    "left": pool.add("spares/left", 0),
+                    "slots": {n: [pool.get(f"spares/{n}/state").decode()
+                                  if pool.check([f"spares/{n}/state"]) else "",
+                                  pool.check([f"spares/{n}/plan"])]
+                              for n in range(1, registered + 1)}}
+        return {}
+
     def _finish(self) -> dict:
         """Lets the job run to its end (its last step, or the step a stop request ended
         it at), then judges it."""
@@ -840,13 +854,13 @@ class Chaos:
             self._wait(lambda: ended() or all(p.poll() is not None
                                               for p in self.cluster.nodes.values()),
                        "the job's end", 1800)
-        deadline, killed = time.time() + 60, []
+        deadline, killed = time.time() + 60, {}
         for name, proc in self.cluster.nodes.items():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # what the pool held, for the verdict
+                killed[name] = self._pool_state()
                 self.cluster.kill(name)
-                killed.append(name)
         end = ended()
         finished = end is not None
         last = self._latest("run_end")
@@ -965,7 +979,8 @@ def table(result: dict) -> str:
         summary.append(f"left out: {kind} ({why})")
     if result.get("nodes_killed_after_the_end"):
         summary.append(f"launchers still running a minute after the job ended, killed: "
-                       f"{', '.join(result['nodes_killed_after_the_end'])} (see their logs)")
+                       f"{', '.join(result['nodes_killed_after_the_end'])} (see their logs; "
+                       f"the verdict has the spare pool as it was)")
     if "bitwise_equal_to_reference" in result:
         summary.append(f"final weights bitwise equal to a fault-free run: "
                        f"{result['bitwise_equal_to_reference']}")
