@@ -117,18 +117,23 @@ def sync_dir(url: str) -> None:
         os.close(dir_fd)
 
 
+def _synced_temp(path: str, data: bytes) -> str:
+    """``data`` in a new temporary file beside local ``path``, fsync'ed; returns its name."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    makedirs(os.path.dirname(path))
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
+        set_mode(f.fileno(), FILE_MODE)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
 def write_atomic(url: str, data: bytes) -> None:
     """Writes ``data`` so that readers see either the old file or all of the new one."""
     fs, path = fsspec.core.url_to_fs(url)
     if is_local(fs):
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        makedirs(os.path.dirname(path))
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
-            set_mode(f.fileno(), FILE_MODE)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(_synced_temp(path, data), path)
         sync_dir(os.path.dirname(path))
         return
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
@@ -145,21 +150,14 @@ def create_atomic(url: str, data: bytes) -> None:
     """Writes ``data`` as a new file, whole, or raises FileExistsError when ``url`` exists:
     a commit that must not land over another's (a stale writer's manifest, late, over the
     one the job's membership now committed). Local and NFS/FUSE mounts: a hard link of the
-    fsync'ed temporary file (``link(2)`` never replaces its target; where the mount has no hard
-links, a check, then the rename); object stores: a
-    conditional put (S3's ``If-None-Match``, where the store honours it); elsewhere fsspec's
-    check, then write."""
+    fsync'ed temporary file (``link(2)`` never replaces its target; where the mount has no
+    hard links, a check, then the rename); object stores: a conditional put (S3's
+    ``If-None-Match``, where the store honours it); elsewhere fsspec's check, then write."""
     fs, path = fsspec.core.url_to_fs(url)
     if not is_local(fs):
         fs.pipe_file(path, data, mode="create")
         return
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    makedirs(os.path.dirname(path))
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as f:
-        set_mode(f.fileno(), FILE_MODE)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _synced_temp(path, data)
     try:
         os.link(tmp, path)
     except FileExistsError:
