@@ -25,9 +25,9 @@ from llmtrain.config import JobConfig
 from llmtrain.control import RunControl
 from llmtrain.data.sampler import training_batches
 from llmtrain.distributed.parallelize import precompute_fp8_scales
-from llmtrain.distributed.process_group import (WorldInfo, abandon, build_mesh, connect_store,
-                                                global_mean, init_process_group, shutdown,
-                                                side_group)
+from llmtrain.distributed.failure import abandon, shutdown
+from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
+                                                global_mean, init_process_group, side_group)
 from llmtrain.events import EventLog
 from llmtrain.fsio import require_writable
 from llmtrain.metrics.goodput import GoodputLedger

@@ -28,6 +28,10 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
     eio@retention:step=2                   rank 0's retention pass after the commit of
                                            step 2 fails with EIO (a storage error where no
                                            faultfs mount can make one)
+    eio@data_read:rank=1,step=12           rank 1's read of step 12's batch fails with EIO
+    error@loss:rank=1,step=12              rank 1's step 12 raises a RuntimeError of its own
+                                           (not a collective's: the warm path must replace
+                                           rank 1, not its waiting peers)
     bitflip@replica:rank=0                 rank 0 flips a bit of the peer's snapshot replica
                                            it is about to hand to a warm spare
     kill@spare_assigned                    a warm spare dies as soon as it is assigned a
@@ -42,12 +46,13 @@ Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 its snapshot of ``step`` with its buddy), ``spare_assigned`` (a warm spare given a lost
 rank's place; ``step`` is the snapshot it will restore), ``checkpoint_write`` (inside a
 rank's DCP shard write, in the background writer), ``resume`` (a verified checkpoint about
-to be loaded; ``step`` is the checkpoint's), ``prepare_shard`` (``llmtrain data prepare``
-about to write a shard; ``step`` counts the shards of its process, from 1). Keys: ``rank``
-and ``step`` (default: any), and ``restart``: the TorchElastic restart count the fault
-fires on (default 0, the first attempt), so a restarted job does not meet the same fault
-again. ``slow`` also takes ``factor`` and, unlike the others, strikes at every step from
-``step`` on.
+to be loaded; ``step`` is the checkpoint's), ``data_read`` (a rank reading its batch of
+``step``, on the data reader's thread when it prefetches), ``prepare_shard`` (``llmtrain
+data prepare`` about to write a shard; ``step`` counts the shards of its process, from 1).
+Keys: ``rank`` and ``step`` (default: any), and ``restart``: the TorchElastic restart
+count the fault fires on (default 0, the first attempt), so a restarted job does not meet
+the same fault again. ``slow`` also takes ``factor`` and, unlike the others, strikes at
+every step from ``step`` on.
 
 Faults can also arrive while the job runs (chaos runs, ``reliability.faults = "env"``):
 lines appended to the file named by ``$LLMTRAIN_FAULTS_FILE`` are armed at the next fault
@@ -71,9 +76,9 @@ from torch.distributed.tensor import DTensor
 from llmtrain.config import ConfigError
 
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
-           "badmath", "eio")
+           "badmath", "eio", "error")
 POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica", "replicate",
-          "spare_assigned", "retention")
+          "spare_assigned", "retention", "data_read")
 
 
 class FaultSpecError(ConfigError):
@@ -196,6 +201,8 @@ class Injector:
             _flip_bit(target, fault.bit)
         elif fault.action == "eio":
             raise OSError(errno.EIO, f"Input/output error (injected at {fault.point})")
+        elif fault.action == "error":
+            raise RuntimeError(f"an error of this rank's own (injected at {fault.point})")
         elif fault.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "sigstop":

@@ -36,6 +36,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -451,19 +452,32 @@ class Snapshots:
             dist.send(replica.buffer[:replica.header["nbytes"]], to, group=group)
 
     @staticmethod
-    def receive(source: int, group) -> Snapshot:
-        """The counterpart of :meth:`send_replica` on the replacement rank."""
+    def receive(source: int, group, timeout_s: float) -> Snapshot:
+        """The counterpart of :meth:`send_replica` on the replacement rank; SnapshotError
+        when ``source`` has not sent it all within ``timeout_s`` (its buddy failed, or
+        hangs: the spare gives up within its recovery budget, not the group's timeout)."""
+        deadline = time.monotonic() + timeout_s
+
+        def recv(tensor: torch.Tensor) -> None:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise RuntimeError("no time left")
+                dist.irecv(tensor, source, group=group).wait(timedelta(seconds=left))
+            except RuntimeError as e:
+                raise SnapshotError(f"the replica from rank {source} did not come within "
+                                    f"{timeout_s:.1f}s ({e})") from None
         sizes = torch.empty(2, dtype=torch.int64)
-        dist.recv(sizes, source, group=group)
+        recv(sizes)
         head_len, nbytes = (int(x) for x in sizes)
         if not head_len:
             raise SnapshotError(f"the replica rank {source} holds failed its checksum (see "
                                 f"its snapshot_corrupt event)")
         head = torch.empty(head_len, dtype=torch.uint8)
-        dist.recv(head, source, group=group)
+        recv(head)
         header = json.loads(bytes(head.numpy()))
         buffer = torch.empty(nbytes, dtype=torch.uint8)
-        dist.recv(buffer, source, group=group)
+        recv(buffer)
         snap = Snapshot(header["step"], header, buffer)
         snap.verify()
         return snap

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from llmtrain import fault_points
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import TokenDataset, check_vocab, shard_urls
 
@@ -219,6 +220,7 @@ class BatchIterator:
         return self._micro_batches(indices[:self.micro_batch_size])[0]
 
     def _step_at(self, consumed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        fault_points.point("data_read", consumed // self.sampler.global_batch_size + 1)
         return self._micro_batches(self.sampler.slice_indices(consumed, self.sampler.dp_rank))
 
     def _micro_batches(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

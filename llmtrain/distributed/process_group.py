@@ -207,18 +207,3 @@ def side_group(timeout_s: float) -> dist.ProcessGroup:
     replication), bounded by the job's collective timeout, not gloo's 30-minute default:
     a peer lost mid-exchange must not hold a survivor past its recovery budget."""
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def abandon() -> None:
-    """Leaves process groups a lost peer broke (the warm path). On NCCL the communicators
-    are aborted first: destroying them would wait for collectives the dead peer never
-    finishes. gloo has no abort in torch 2.13; a dead peer's closed sockets have already
-    failed our pending operations, so destroying is enough."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()  # every group, the default included
-    shutdown()

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 
 from llmtrain.config import ConfigError, JobConfig
+from llmtrain.distributed.nccl_env import warm_worker_env
 from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
@@ -173,13 +174,9 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
         events.emit("spare_released", host=host)
         events.close()
         return ExitCode.CLEAN  # the job finished without needing this spare
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host,
-           "LLMTRAIN_RDZV_ID": lc.rdzv_id}
-    if not lc.rdzv_endpoint.endswith(":0"):  # port 0: the agent picks one we cannot know
-        env["LLMTRAIN_RDZV_ENDPOINT"] = lc.rdzv_endpoint  # the watchdogs meet there
+    env = worker_env(cfg, lc, host)
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
     warm = cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env
-    env["LLMTRAIN_WARM_BUDGET_S"] = str(cfg.warm.budget_s)
     proc = subprocess.Popen(torchrun_command(lc, train_args, warm), env=env)
     forward_signals(proc)
     rc = _wait_agent(proc, run_dir, cfg.training.steps, started)
@@ -187,6 +184,19 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
     events.close()
     return code
+
+
+def worker_env(cfg: JobConfig, lc: LaunchConfig, host: str) -> dict[str, str]:
+    """The environment of this node's workers (torchrun's agent passes it on) or of its
+    warm spare. With the warm path on, the process-group settings it needs are set where
+    the user has not set them (:func:`llmtrain.distributed.failure.warm_worker_env`)."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host,
+           "LLMTRAIN_RDZV_ID": lc.rdzv_id, "LLMTRAIN_WARM_BUDGET_S": str(cfg.warm.budget_s)}
+    if not lc.rdzv_endpoint.endswith(":0"):  # port 0: the agent picks one we cannot know
+        env["LLMTRAIN_RDZV_ENDPOINT"] = lc.rdzv_endpoint  # the watchdogs meet there
+    if cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env:
+        warm_worker_env(env)
+    return env
 
 
 def forward_signals(proc: subprocess.Popen) -> list[int]:
@@ -335,8 +345,7 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     # in a session of its own, as torchrun's workers are: an eviction kills its children too
     spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
                              stdin=subprocess.PIPE, text=True, start_new_session=True,
-                             env={**os.environ, "LLMTRAIN_HOST": host, "LLMTRAIN_RDZV_ID":
-                                  lc.rdzv_id, "LLMTRAIN_RDZV_ENDPOINT": lc.rdzv_endpoint})
+                             env=worker_env(cfg, lc, host))
     signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
     number = join_pool(pool)
     ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))

@@ -13,7 +13,8 @@ import torch
 
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import ShardError
-from llmtrain.distributed.process_group import abandon, node_name
+from llmtrain.distributed.failure import abandon
+from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.model import Transformer

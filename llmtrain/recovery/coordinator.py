@@ -26,6 +26,8 @@ from llmtrain import fault_points
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
                                            shares_cores, state_tensors)
 from llmtrain.config import JobConfig
+from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, backend_for,
+                                          broke_a_collective, nccl_problems)
 from llmtrain.distributed.process_group import WorldInfo, resolve_device, side_group
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import FatalError
@@ -146,6 +148,7 @@ class WarmRecovery:
                                       path.local_world_size))
         self.replication: dist.ProcessGroup | None = None  # the generation's, once formed
         self.recovered: dict | None = None  # the last recovery, until its first step is done
+        self.watch: FailureWatch | None = None  # this generation's, on NCCL
 
     def membership(self) -> str:
         return membership(self.round_id, self.path.gen)
@@ -168,9 +171,13 @@ class WarmRecovery:
         self.replication = side_group(self.timeout_s)
 
     def start(self, step: int, control: dist.ProcessGroup) -> None:
-        """Replicates snapshots from ``step`` on, every group of the generation formed."""
+        """Replicates snapshots from ``step`` on, every group of the generation formed;
+        on NCCL, watches for the generation's failure (see FailureWatch)."""
         self.snapshots.start(self.replication, control, step)
         publish_endpoints(self.path.store, self.world.rank)
+        if dist.get_backend() == "nccl":
+            budget = timedelta(seconds=self.cfg.budget_s)
+            self.watch = FailureWatch(lambda: outside_store(budget), self.path.failed_key())
 
     def maybe_snapshot(self, step: int) -> None:
         if self.snapshots.due(step):
@@ -192,28 +199,35 @@ class WarmRecovery:
     def recover(self, error: BaseException, step: int) -> int | None:
         """A collective failed: with the other survivors, re-forms the group with warm
         spares in the lost ranks' places and restores every rank's state from memory.
-        Returns the restored step; None when the cold path must take over (logged)."""
+        Returns the restored step; None when the cold path must take over (logged), or
+        when the failure was this rank's own: then it leaves, for a spare to replace it."""
         if isinstance(error, FatalError):  # diverged: a restart would do the same
             return None
         detected, interval = time.time(), self.snapshots.schedule.interval
         deadline = time.monotonic() + self.cfg.budget_s
+        local = not broke_a_collective(error)
         self.events.emit("failure", step=step, error=f"{type(error).__name__}: {error}"[:500],
-                         path="warm")
+                         path="warm", cause="local" if local else "peer")
         error.add_note(REPORTED)
+        if self.watch is not None:
+            self.watch.disarm()  # this generation's groups are left below, by this thread
+        if local:
+            self.leave_locally(deadline)
+            return None
         plan = None
         try:
             # an exchange with the lost peer may never end: it is left behind, not awaited
             self.snapshots.stop(self.cfg.settle_s)
-            plan = self.path.agree(self.snapshots.holdings(), deadline)
+            plan = self.path.agree(self.snapshots.holdings(), deadline,
+                                   leave=lambda: self.job.leave_group(deadline))
             if self.world.rank not in plan.lost:  # the spares may name it first
                 self.fence.expect(membership(self.round_id, plan.gen))
             agreed = time.time()
-            self.job.leave_group(deadline)
             self.path.enter(plan.gen)
             self.path.assemble(deadline)
             control = self.job.rejoin(self.path.group_store())
             formed = time.time()
-            self.restore(plan)
+            self.restore(plan, deadline)
         except (ColdPath, SnapshotError, TimeoutError, RuntimeError) as e:
             self.events.emit("warm_recovery_failed", step=step,
                              reason=f"{type(e).__name__}: {e}"[:500])
@@ -233,13 +247,23 @@ class WarmRecovery:
                                   "group_formed": formed, "restored": restored}}
         return plan.step
 
+    def leave_locally(self, deadline: float) -> None:
+        """This rank's own step failed (out of memory, an I/O error, a CUDA fault), not a
+        collective: it must not report as a survivor, or its peers, blocked in the
+        collective it never joined, would be counted lost in its stead. It says it is gone
+        and leaves its groups at once (its peers' collectives then fail, and they replace
+        it with a spare); the error ends the process."""
+        self.snapshots.stop(0.0)
+        self.path.leave()
+        self.job.leave_group(min(deadline, time.monotonic() + self.cfg.settle_s))
+
     def join_as_spare(self, plan: Plan) -> int:
         """A spare's start, once its groups are formed: the lost rank's state from its
         buddy's replica. Returns the step it restored."""
-        self.restore(plan)
+        self.restore(plan, time.monotonic() + self.cfg.budget_s)
         return plan.step
 
-    def restore(self, plan: Plan) -> None:
+    def restore(self, plan: Plan, deadline: float) -> None:
         """Every rank's state at ``plan.step`` from memory: survivors from their own
         snapshot, a spare from its buddy's replica; all verified by checksum first, and all
         ranks agree that each did, or none goes on (SnapshotError: the cold path)."""
@@ -249,7 +273,8 @@ class WarmRecovery:
                 if source == rank:
                     self.snapshots.send_replica(plan.step, int(lost), self.replication)
             if str(rank) in plan.sources:
-                snap = Snapshots.receive(plan.sources[str(rank)], self.replication)
+                snap = Snapshots.receive(plan.sources[str(rank)], self.replication,
+                                         timeout_s=max(0.0, deadline - time.monotonic()))
             else:
                 snap = self.snapshots.own.at(plan.step)
                 snap.verify()
@@ -294,6 +319,12 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
                                "(run under llmtrain launch)")
         return NoWarmRecovery(round_of(job_store, fence.store) if fence.store is not None
                               else "")
+    if backend_for(cfg.parallelism) == "nccl" and world.rank == 0:
+        problems = nccl_problems()
+        if problems or not NCCL_WARM_PROVEN:
+            events.emit("warm_path_unproven", backend="nccl", problems=problems,
+                        reason="the warm path has not run on NCCL with two or more ranks; "
+                               "a failure it cannot handle goes cold")
     if plan is not None:
         path = WarmPath(cfg.warm, store, plan["round_id"], world.rank, world.world_size,
                         plan["local_world_size"], gen=plan["gen"])

@@ -7,13 +7,23 @@ and each torchrun round has its own namespace, in which each generation of the g
 start, +1 per warm recovery) has its own keys and its own process-group prefix.
 
 When a rank sees a collective fail, it reports what it can restore from (its own snapshot
-steps, its ward's replica steps) and waits ``warm.settle_s`` for the others' reports; the
-ranks that did not report are lost (a rank that leaves on purpose, or whose agent saw it
-die, says so, and nobody waits for it). The lowest reporting rank proposes a plan, the
-first proposal stored wins, and its proposer claims a warm spare for each lost rank. The
-plan is refused, and every survivor takes the cold path (exit RETRYABLE, torchrun restarts
-the job from the durable checkpoint), when a lost rank's buddy is lost too, when no step
-is held by every survivor and by every lost rank's buddy, or when no spare is waiting.
+steps, its ward's replica steps), then leaves the broken group at once, so that a rank
+blocked on it fails and reports too. Each report costs a rank O(1) store requests whatever
+the world size: a tally (``seen/<rank>``, whichever comes first of its report and a mark
+that it is gone, from the rank as it leaves or its agent when it died), and one line
+appended to the generation's report log. The first reporter decides: it waits in the store
+(no polling) until the tally is complete, at most ``warm.settle_s``; reads the log in one
+request; and stores the plan, under one key every survivor waits for. The ranks that
+neither reported nor are gone are lost. The decider claims a warm spare for each lost
+rank. The first report also sets the generation's ``failed`` key: on NCCL each rank's
+:class:`llmtrain.distributed.failure.FailureWatch` then aborts its communicators, so ranks
+blocked behind healthy peers report before the plan closes. The plan is refused, and every
+survivor takes the cold path (exit RETRYABLE, torchrun restarts the job from the durable
+checkpoint), when a lost rank's buddy is lost too, when no step is held by every survivor
+and by every lost rank's buddy, or when no spare is waiting. A rank whose own step failed
+(:func:`llmtrain.distributed.failure.broke_a_collective` says no) does not report: it is
+marked gone and replaced, never a healthy peer that was waiting for it.
+``benchmarks/agreement.py`` measures the agreement at 256-16K simulated ranks.
 
 A spare leaves the pool when the job ends, or when a cold restart's round waits for a node
 it lacks (the warm path could not replace one): then it joins that round as a node. Each
@@ -35,6 +45,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
@@ -137,13 +148,25 @@ def _where(store: dist.Store, rank: int) -> str | None:
 def mark_gone(store: dist.Store, rank: int, prefix: str | None = None) -> None:
     """Tells the survivors of ``rank``'s generation (``prefix``; default: its current one)
     that it will not report, once however many say so (the rank as it leaves, its agent
-    when the process is gone)."""
+    when the process is gone), and wakes that generation's blocked ranks
+    (:class:`llmtrain.distributed.failure.FailureWatch`)."""
     prefix = prefix or _where(store, rank)
     if prefix is None:
         return
-    token = uuid.uuid4().hex
-    if store.compare_set(f"{prefix}gone/{rank}", "", token).decode() == token:
+    store.set(f"{prefix}failed", "1")
+    if _count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
         store.add(f"{prefix}gone", 1)
+
+
+def _count_in(store: dist.Store, prefix: str, rank: int, token: str) -> bool:
+    """Counts ``rank`` once in its generation's tally, by whichever comes first: its
+    report or a mark that it is gone (False: the other came first). Whoever completes the
+    tally sets ``all_in``, which the decider waits for in the store: nobody polls."""
+    if store.compare_set(f"{prefix}seen/{rank}", "", token).decode() != token:
+        return False
+    if store.add(f"{prefix}accounted", 1) == int(store.get(f"{prefix}size")):
+        store.set(f"{prefix}all_in", "1")
+    return True
 
 
 def agreements(store: dist.Store) -> tuple[int, int]:
@@ -242,7 +265,12 @@ class WarmPath:
     def enter(self, gen: int) -> None:
         """This rank is in generation ``gen`` now; its agent learns where to say it died."""
         self.gen = gen
+        self.store.set(self._key("size"), str(self.world_size))
         self.store.set(f"where/{self.rank}", self._key(""))
+
+    def failed_key(self) -> str:
+        """The key set when this generation fails (what a FailureWatch waits for)."""
+        return self._key("failed")
 
     def leave(self) -> None:
         """This rank leaves on purpose (its GPU failed): the survivors need not wait
@@ -264,31 +292,49 @@ class WarmPath:
         """Where this generation's process groups meet."""
         return dist.PrefixStore(self._key("pg"), self.store)
 
-    def agree(self, holdings: dict, deadline: float) -> Plan:
-        """Reports ``holdings``, learns who else is alive, and returns the plan every
-        survivor follows; ColdPath when there is none."""
+    def agree(self, holdings: dict, deadline: float,
+              leave: Callable[[], None] = lambda: None) -> Plan:
+        """Reports ``holdings``, leaves the broken group (``leave``: a rank blocked on this
+        one then fails too, and reports in time), and returns the plan every survivor
+        follows; ColdPath when there is none."""
         self.store.add("agreeing", 1)  # agents of dead workers: someone is left to agree
         try:
-            return self._agree(holdings, deadline)
+            decides = self.report(holdings)
+            leave()
+            if decides:
+                self.decide()
+            return self._plan(deadline)
         finally:  # decided: replaced/<rank> or cold is set (or this rank gave up)
             self.store.add("agreed", 1)
 
-    def _agree(self, holdings: dict, deadline: float) -> Plan:
-        self.store.set(self._key(f"report/{self.rank}"), json.dumps(holdings))
-        count = self._key("reported")
-        gone = self._key("gone")
-        settle = time.monotonic() + self.cfg.settle_s
-        seen = self.store.add(count, 1)
-        while seen + self.store.add(gone, 0) < self.world_size and time.monotonic() < settle:
-            time.sleep(0.01)
-            seen = self.store.add(count, 0)
-        reports = {r: json.loads(self.store.get(self._key(f"report/{r}")))
-                   for r in range(self.world_size) if self.store.check([self._key(f"report/{r}")])}
-        if min(reports) == self.rank:
-            proposal = self._propose(reports)
-            stored = self.store.compare_set(self._key("plan"), "", proposal).decode()
-            if stored == proposal:
-                self._claim_spares(stored)
+    def report(self, holdings: dict) -> bool:
+        """This rank's report, in O(1) store requests whatever the world size; True for
+        the first reporter, which decides. Its report also wakes the generation's blocked
+        ranks (``failed``)."""
+        if not _count_in(self.store, self._key(""), self.rank, "report"):
+            raise ColdPath(f"rank {self.rank} was counted as lost before it reported")
+        self.store.append(self._key("reports"),
+                          json.dumps({"rank": self.rank, **holdings}) + "\n")
+        first = self.store.add(self._key("reporters"), 1) == 1
+        if first:
+            self.store.set(self._key("failed"), "1")
+        return first
+
+    def decide(self) -> None:
+        """The decider's part: waits (in the store) until every rank has reported or is
+        gone, at most ``warm.settle_s``; reads all reports in one request; stores the plan
+        and claims the spares. The ranks that did not report are lost."""
+        with contextlib.suppress(dist.DistStoreError):  # settled: who is in, is in
+            self.store.wait([self._key("all_in")], timedelta(seconds=self.cfg.settle_s))
+        reports = {}
+        for line in self.store.get(self._key("reports")).decode().splitlines():
+            report = json.loads(line)
+            reports.setdefault(report.pop("rank"), report)
+        proposal = self._propose(reports)
+        if self.store.compare_set(self._key("plan"), "", proposal).decode() == proposal:
+            self._claim_spares(proposal)
+
+    def _plan(self, deadline: float) -> Plan:
         plan_text = self._wait(self._key("spares"), deadline)
         if plan_text.startswith("cold:"):
             raise ColdPath(plan_text[5:])
@@ -302,14 +348,14 @@ class WarmPath:
         form its group; ColdPath when one has not by ``deadline`` (a claimed spare that died
         or is too slow), so that no rank waits in the group's creation for its much longer
         timeout (``reliability.init_timeout_s``)."""
-        count = self._key("arrived")
-        seen = self.store.add(count, 1)
-        while seen < self.world_size:
-            if time.monotonic() > deadline:
-                raise ColdPath(f"{self.world_size - seen} member(s) of generation {self.gen} "
-                               f"did not come within warm.budget_s={self.cfg.budget_s}")
-            time.sleep(0.01)
-            seen = self.store.add(count, 0)
+        if self.store.add(self._key("arrived"), 1) == self.world_size:
+            self.store.set(self._key("assembled"), "1")
+        try:
+            self._wait(self._key("assembled"), deadline)
+        except ColdPath:
+            missing = self.world_size - self.store.add(self._key("arrived"), 0)
+            raise ColdPath(f"{missing} member(s) of generation {self.gen} did not come within "
+                           f"warm.budget_s={self.cfg.budget_s}") from None
 
     def _propose(self, reports: dict[int, dict]) -> str:
         lost = [r for r in range(self.world_size) if r not in reports]

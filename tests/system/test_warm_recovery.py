@@ -192,3 +192,35 @@ def test_a_replication_thread_that_never_returns_is_left_behind(cluster, referen
     got = final_weights(c.run, STEPS)
     for name in reference:
         assert torch.equal(reference[name], got[name]), name
+
+
+def test_a_rank_whose_own_step_fails_is_replaced_never_its_waiting_peer(cluster, reference):
+    """An EIO reading node2's batch at step 12, then a RuntimeError in node1's own step 30
+    (not a collective's): each time the rank that failed leaves and a spare takes its
+    place, while its healthy peer, blocked in the step's collective, keeps its process.
+    Nobody restarts, and the weights are those of a run that never failed."""
+    c = cluster("2:2", TRAIN)
+    c.start("node1", "--reliability.faults", "error@loss:step=30")
+    c.start("node2", "--reliability.faults", "eio@data_read:step=12")
+    c.start("spare1", spare=True)
+    c.start("spare2", spare=True)
+    wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 5,
+                   timeout=180)
+    first, second = (next(e["rank"] for e in events(c.run, "startup") if e["host"] == host)
+                     for host in ("node2", "node1"))
+    for name in c.nodes:
+        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    failures = {e["rank"]: e for e in events(c.run, "failure") if e.get("cause") == "local"}
+    assert set(failures) == {first, second}, failures
+    assert "Input/output error" in failures[first]["error"]
+    assert "of this rank's own" in failures[second]["error"]
+    peers = [e for e in events(c.run, "failure") if e.get("cause") == "peer"]
+    # the healthy ones, one each time (an event names the last step done)
+    assert {e["step"] for e in peers} == {11, 29}, peers
+    recoveries = sorted(events(c.run, "warm_recovery"), key=lambda e: e["gen"])
+    assert [r["lost"] for r in recoveries] == [[first], [second]], recoveries
+    assert not events(c.run, "warm_recovery_failed")
+    assert len(events(c.run, "attempt_start")) == 1  # nobody restarted
+    got = final_weights(c.run, STEPS)
+    for name in reference:
+        assert torch.equal(reference[name], got[name]), name

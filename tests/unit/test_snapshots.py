@@ -43,7 +43,7 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
     if rank == 1:
         snaps.send_replica(3, 0, group)
     else:
-        replica = Snapshots.receive(1, group)
+        replica = Snapshots.receive(1, group, timeout_s=30)
         fresh_model, fresh_opt = _model_and_optimizer(seed=99)
         header = replica.restore_into(state_tensors(fresh_model, fresh_opt, []))
         result["marker"] = header["marker"]
@@ -55,10 +55,19 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
         snaps.send_replica(3, 0, group)
     else:
         try:
-            Snapshots.receive(1, group)
+            Snapshots.receive(1, group, timeout_s=30)
             result["corrupt_caught"] = False
         except SnapshotError as e:
             result["corrupt_caught"] = "failed its checksum" in str(e)
+    # a buddy that sends nothing (it failed, or hangs): the replacement gives up in time
+    silent = dist.new_group(backend="gloo")
+    if rank == 0:
+        began = time.monotonic()
+        try:
+            Snapshots.receive(1, silent, timeout_s=0.5)
+        except SnapshotError as e:
+            result["silent"] = [time.monotonic() - began, "did not come within" in str(e)]
+    dist.barrier()
     # a thread that stop() left behind mid-exchange keeps nothing it receives later:
     # rank 0's thread waits for rank 1's sizes when it is stopped; rank 1 then sends them
     late = dist.new_group(backend="gloo")
@@ -84,7 +93,7 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_replica_restores_bitwise_and_a_corrupted_one_is_refused(tmp_path):
+def test_a_replica_restores_bitwise_and_a_corrupted_or_missing_one_is_refused(tmp_path):
     out = str(tmp_path / "result")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(str(tmp_path), out), nprocs=2)
@@ -92,6 +101,8 @@ def test_a_replica_restores_bitwise_and_a_corrupted_one_is_refused(tmp_path):
     assert r0["holdings"] == {"own": [2, 3], "ward": 1, "replicas": [2, 3]}
     assert r0["marker"] == 3 and r0["equal"]
     assert r0["corrupt_caught"]
+    waited, said = r0["silent"]  # given up within its budget, not the group's 30 minutes
+    assert said and 0.4 < waited < 10, r0["silent"]
     assert r0["stale_finished"] and r0["after_stale"] == [2, 3]
     (corrupt,) = read_events(str(tmp_path), "snapshot_corrupt")
     assert corrupt["rank"] == 1 and corrupt["step"] == 3 and corrupt["when"] == "before restore"

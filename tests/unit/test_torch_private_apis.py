@@ -167,7 +167,7 @@ def test_elastic_agent_hooks_for_the_warm_path():
 
 
 def test_abort_every_process_group():
-    """distributed/process_group.py ``abandon`` aborts a broken NCCL job's groups with
+    """distributed/failure.py ``abort_groups`` aborts a broken NCCL job's groups with
     the private ``distributed_c10d._abort_process_group`` (None: every group)."""
     import inspect
 
