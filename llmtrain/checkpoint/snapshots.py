@@ -15,10 +15,10 @@ JSON header (the step, every other item of the run's state registry, the buffer'
 and a checksum of the bytes and the rest of the header, :mod:`llmtrain.checkpoint.checksum`).
 Nothing is pickled: a replica from a peer is data, never code. Buffers are reused: two
 slots of our own, two of our ward's (the rank whose buddy we are). The copy runs on the
-training thread (a memcpy); the checksum and the exchange with
-the buddy run on a thread of their own, over a gloo group used for nothing else. A snapshot
-due while the previous one is still being sent is skipped, so the training thread never
-waits for the network.
+training thread (a memcpy; from a GPU, into pinned memory on a side stream); the checksum
+and the exchange with the buddy run on a thread of their own, over a gloo group used for
+nothing else. A snapshot due while the previous one is still being sent is skipped, so
+the training thread never waits for the network.
 
 Each generation of the job has its own replication thread. A peer that dies in the middle
 of a transfer can leave gloo waiting until the group's timeout (it has no abort), so a
@@ -29,6 +29,7 @@ nothing it finishes later is kept.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -223,16 +224,29 @@ class _Recent:
         return statistics.median(self.values) if self.values else 0.0
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream snapshots copy on, one per device, apart from training's."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 @dataclass
 class _Slots:
     """Two reusable snapshot slots; the older one is overwritten."""
     held: list[Snapshot] = field(default_factory=list)
 
-    def reuse(self, nbytes: int) -> torch.Tensor:
-        if len(self.held) < 2:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        old = self.held.pop(0)
-        return old.buffer if old.buffer.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8)
+    def reuse(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        """A buffer of at least ``nbytes``: the older slot's when it fits. ``pinned``
+        (page-locked) for copies from a GPU, which then run at the link's speed."""
+        if len(self.held) == 2:
+            old = self.held.pop(0)
+            if old.buffer.numel() >= nbytes and old.buffer.is_pinned() == pinned:
+                return old.buffer
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def add(self, snap: Snapshot) -> None:
         self.held.append(snap)
@@ -303,7 +317,7 @@ class Snapshots:
         """Copies ``tensors`` into a free slot as the snapshot of ``step``; False (skipped)
         while the previous one is still being sent to the buddy."""
         if tensors and tensors[0].is_cuda:  # the copy's time, not the queued steps'
-            torch.cuda.synchronize(tensors[0].device)
+            torch.cuda.current_stream(tensors[0].device).synchronize()
         replicated = self.replicated if self._idle.is_set() else None
         started = time.perf_counter()
         taken = self._copy(step, tensors, header)
@@ -317,12 +331,18 @@ class Snapshots:
             self.skipped += 1
             return False
         offsets, nbytes = _offsets(tensors)
-        buffer = self.own.reuse(nbytes)
-        with torch.no_grad():
+        cuda = bool(tensors) and tensors[0].is_cuda
+        buffer = self.own.reuse(nbytes, pinned=cuda)
+        # from a GPU: into pinned memory on a side stream, the copies queued at once and
+        # waited for together (the training stream was synchronized above)
+        stream = _side_stream(tensors[0].device) if cuda else None
+        with torch.no_grad(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             for t, off in zip(tensors, offsets):
                 if t.numel():
                     buffer[off:off + t.numel() * t.element_size()].copy_(
-                        t.detach().reshape(-1).view(torch.uint8))
+                        t.detach().reshape(-1).view(torch.uint8), non_blocking=cuda)
+        if cuda:
+            stream.synchronize()
         header = {**header, "step": step, "rank": self.rank, "layout": _layout(tensors),
                   "nbytes": nbytes, "sum": None}
         snap = Snapshot(step, header, buffer)

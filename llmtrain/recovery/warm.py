@@ -154,17 +154,18 @@ def mark_gone(store: dist.Store, rank: int, prefix: str | None = None) -> None:
     if prefix is None:
         return
     store.set(f"{prefix}failed", "1")
-    if _count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
+    if _count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}",
+                 int(store.get(f"{prefix}size"))):
         store.add(f"{prefix}gone", 1)
 
 
-def _count_in(store: dist.Store, prefix: str, rank: int, token: str) -> bool:
+def _count_in(store: dist.Store, prefix: str, rank: int, token: str, world_size: int) -> bool:
     """Counts ``rank`` once in its generation's tally, by whichever comes first: its
     report or a mark that it is gone (False: the other came first). Whoever completes the
     tally sets ``all_in``, which the decider waits for in the store: nobody polls."""
     if store.compare_set(f"{prefix}seen/{rank}", "", token).decode() != token:
         return False
-    if store.add(f"{prefix}accounted", 1) == int(store.get(f"{prefix}size")):
+    if store.add(f"{prefix}accounted", 1) == world_size:
         store.set(f"{prefix}all_in", "1")
     return True
 
@@ -311,7 +312,7 @@ class WarmPath:
         """This rank's report, in O(1) store requests whatever the world size; True for
         the first reporter, which decides. Its report also wakes the generation's blocked
         ranks (``failed``)."""
-        if not _count_in(self.store, self._key(""), self.rank, "report"):
+        if not _count_in(self.store, self._key(""), self.rank, "report", self.world_size):
             raise ColdPath(f"rank {self.rank} was counted as lost before it reported")
         self.store.append(self._key("reports"),
                           json.dumps({"rank": self.rank, **holdings}) + "\n")
