@@ -39,6 +39,7 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/watchdog.py
 	$(BIN)/python benchmarks/store_scale.py
 	$(BIN)/python benchmarks/control_plane.py
+	$(BIN)/python benchmarks/agreement.py
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/sampler.py

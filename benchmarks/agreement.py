@@ -14,7 +14,10 @@ Per size it measures:
   the report log, the plan and the spare's claim);
 - the store's total requests and bytes for the whole agreement;
 - time from the failure (the barrier) to the plan stored, and to every survivor holding
-  it; whether the plan names the lost rank and the spare.
+  it; whether the plan names the lost rank and the spare;
+- the baseline, measured in the same run up to ``--baseline-up-to`` ranks: the pattern
+  this agreement replaced, in which every survivor read every other's report (O(n^2)
+  requests in all), and the ratio of the store requests to it.
 
 ``warm.settle_s`` is set far above the times measured, so a plan comes from a complete
 tally, never from the settle time running out. The simulated ranks share this machine's
@@ -22,7 +25,7 @@ cores with the store server, so the times are those of 2 cores doing the work of
 thousands of hosts: an upper bound.
 
     python benchmarks/agreement.py [--sizes 256,...,16384] [--block 8] [--procs 2]
-        [--threads 16]
+        [--threads 16] [--baseline-up-to 1024]
 
 About 2 minutes on 2 CPU cores; progress goes to stderr. Prints a table, then one JSON
 line of the figures and the growth exponents.
@@ -83,7 +86,8 @@ def lost_rank(n: int) -> int:
     return n // 2 + 1
 
 
-def lane(ranks: list[int], n: int, block: int, port: int, sync, shared, results) -> None:
+def lane(ranks: list[int], n: int, block: int, port: int, sync, shared, results,
+         naive: bool) -> None:
     """One thread's simulated ranks: connect and enter generation 0, then, after the
     barrier, the failure: each reports (the lost one's agent marks it gone instead); the
     decider decides on a thread of its own; then each waits for the plan."""
@@ -118,10 +122,34 @@ def lane(ranks: list[int], n: int, block: int, port: int, sync, shared, results)
             decider.join()
         out["requests"] = sum(p.store.requests for p in paths.values())
         out["bytes"] = sum(p.store.bytes for p in paths.values())
+        if naive:
+            out["naive"] = all_read_all(paths, n, sync)
         results.put(out)
     except Exception as e:  # the parent fails the point with it
         sync.abort()
         results.put(f"{type(e).__name__}: {e}")
+
+
+def all_read_all(paths: dict[int, WarmPath], n: int, sync) -> dict:
+    """The baseline: the pattern this agreement replaced, in which every survivor stored
+    its report under a key of its own and then read every other survivor's (a check and
+    a get each; its polling of a count at 100 Hz meanwhile is left out, to its favour).
+    Returns this lane's requests, bytes and finish time."""
+    survivors = [r for r in range(n) if r != lost_rank(n)]
+    before = {r: p.store.snapshot() for r, p in paths.items()}
+    sync.wait()  # the failure, again
+    for r, p in paths.items():
+        if r != lost_rank(n):
+            p.store.set(f"naive/report/{r}", json.dumps({"own": [10], "replicas": [10]}))
+    sync.wait()  # every report stored: the wait for them is not this baseline's cost
+    for r, p in paths.items():
+        if r != lost_rank(n):
+            for other in survivors:
+                if p.store.check([f"naive/report/{other}"]):
+                    p.store.get(f"naive/report/{other}")
+    after = {r: p.store.snapshot() for r, p in paths.items()}
+    return {"requests": sum(after[r][0] - before[r][0] for r in paths),
+            "bytes": sum(after[r][1] - before[r][1] for r in paths), "done": time.time()}
 
 
 def decide(path: WarmPath, deadline: float, shared, out: dict) -> None:
@@ -136,9 +164,9 @@ def decide(path: WarmPath, deadline: float, shared, out: dict) -> None:
 
 
 def worker(n: int, block: int, port: int, slices: list[list[int]], sync, shared,
-           results) -> None:
-    threads = [threading.Thread(target=lane, args=(s, n, block, port, sync, shared, results))
-               for s in slices]
+           results, naive: bool) -> None:
+    threads = [threading.Thread(target=lane, args=(s, n, block, port, sync, shared, results,
+                                                   naive)) for s in slices]
     for t in threads:
         t.start()
     for t in threads:
@@ -158,16 +186,21 @@ def run_point(n: int, args) -> dict:
     sync = ctx.Barrier(lanes + 1, timeout=600)
     shared = {"planned": ctx.Value("d", 0.0)}
     results = ctx.Queue()
+    naive = n <= args.baseline_up_to
     workers = [ctx.Process(target=worker, args=(
         n, args.block, port,
         [list(range(p * args.threads + t, n, lanes)) for t in range(args.threads)],
-        sync, shared, results)) for p in range(args.procs)]
+        sync, shared, results, naive)) for p in range(args.procs)]
     try:
         for w in workers:
             w.start()
         sync.wait()  # connected
         failed_at = time.time()
         sync.wait()  # the failure
+        if naive:
+            sync.wait()  # the baseline's failure
+            sync.wait()  # its reports stored
+            naive_from = time.time()
         outs = [results.get(timeout=900) for _ in range(lanes)]
         stored = json.loads(pool.get("round/g0/spares"))
     finally:
@@ -181,7 +214,12 @@ def run_point(n: int, args) -> dict:
     plans = [p for o in outs for p in o["plans"]]
     right = (len(plans) == n - 1 and all(p == [[lost], {str(lost): 1}] for p in plans)
              and stored["lost"] == [lost])
-    return {"plain_requests": plain["requests"], "plain_bytes": plain["bytes"],
+    baseline = {}
+    if naive:
+        baseline = {"baseline_requests": sum(o["naive"]["requests"] for o in outs),
+                    "baseline_bytes": sum(o["naive"]["bytes"] for o in outs),
+                    "baseline_read_s": max(o["naive"]["done"] for o in outs) - naive_from}
+    return {**baseline, "plain_requests": plain["requests"], "plain_bytes": plain["bytes"],
             "decider_requests": decider["requests"], "decider_bytes": decider["bytes"],
             "store_requests": sum(o["requests"] for o in outs),
             "store_bytes": sum(o["bytes"] for o in outs),
@@ -195,6 +233,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=8, help="ranks per node")
     parser.add_argument("--procs", type=int, default=2, help="client worker processes")
     parser.add_argument("--threads", type=int, default=16, help="threads per worker process")
+    parser.add_argument("--baseline-up-to", type=int, default=1024,
+                        help="the largest size the all-read-all baseline runs at (it grows "
+                             "as the square of the ranks)")
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     if sizes[0] < 4 * args.block:
@@ -217,10 +258,23 @@ def main() -> None:
               f"{r['decider_requests']:>11}{r['decider_bytes']:>9} | {r['store_requests']:>10}"
               f"{r['store_bytes'] / 1e6:>9.2f} | {r['plan_s']:>7.3f}{r['all_s']:>7.3f} | "
               f"{str(r['plan_right']):>5}")
+    base = {n: r for n, r in rows.items() if "baseline_requests" in r}
+    if base:
+        print("\nbaseline, every survivor reads every report (the pattern replaced):")
+        print(f"{'ranks':>6} | {'store req':>10}{'store MB':>9}{'read s':>8} | "
+              f"{'req ratio':>9}{'MB ratio':>9}")
+        for n, r in base.items():
+            print(f"{n:>6} | {r['baseline_requests']:>10}{r['baseline_bytes'] / 1e6:>9.2f}"
+                  f"{r['baseline_read_s']:>8.2f} | "
+                  f"{r['baseline_requests'] / r['store_requests']:>9.1f}"
+                  f"{r['baseline_bytes'] / r['store_bytes']:>9.1f}")
     fitted = ["plain_requests", "decider_requests", "decider_bytes", "store_requests",
               "store_bytes", "plan_s", "all_s"]
     exponents = {k: round(fit({n: r[k] for n, r in rows.items()})[1], 3) for k in fitted
                  if len(rows) >= 2}
+    if len(base) >= 2:
+        exponents["baseline_requests"] = round(
+            fit({n: r["baseline_requests"] for n, r in base.items()})[1], 3)
     print("growth exponent k of cost ~ a*n^k (least squares on log-log, "
           f"{sizes[0]}-{sizes[-1]} ranks): " +
           ", ".join(f"{k} {v:.2f}" for k, v in exponents.items()))
@@ -228,6 +282,9 @@ def main() -> None:
     for n, r in rows.items():
         for key, v in r.items():
             figures[f"{key}_{n}"] = round(v, 6) if isinstance(v, float) else v
+        if "baseline_requests" in r:
+            figures[f"requests_vs_baseline_{n}"] = round(
+                r["store_requests"] / r["baseline_requests"], 6)
     figures.update(block=args.block, procs=args.procs, threads=args.threads)
     print(json.dumps(figures))
 

@@ -30,7 +30,7 @@ Per size it measures:
 
 Then fits ``cost ~ a * n^k`` per figure over the sizes. The simulated ranks share this
 machine's cores, so a round of all ranks' heartbeats takes seconds at 16K: the simulated
-heartbeat interval (hence the staleness threshold, three intervals) and the hang timeout
+heartbeat interval (hence the staleness threshold, one and a half intervals) and the hang timeout
 are scaled up (``--interval-s``) so that healthy ranks stay fresh between rounds.
 
 c10d looks up every client socket's peer name, which stalls where the resolver is slow,
@@ -145,7 +145,8 @@ class Lane:
                 p.summarize()
         self.sync.wait()
         if 0 in self.planes:
-            found = verdict(self.planes[0].world(), self.args.interval_s * 6, FACTOR, FLOOR_S)
+            found = verdict(self.planes[0].world(), self.args.interval_s * 6, FACTOR, FLOOR_S,
+                            self.planes[0].stale_s)
             if found and f"rank {self.silenced} " in found[1]:
                 self.shared["detected"].value = time.time()
         self.sync.wait()
@@ -179,7 +180,8 @@ class Lane:
         beat = lambda p: (p.publish(heartbeat(time.time())), p.store.check(["event"]))  # noqa: E731
         self._alone("plain", 1, beat)
         self._alone("leader", block, lambda p: p.summarize())
-        self._alone("rank0", 0, lambda p: verdict(p.world(), a.interval_s * 6, FACTOR, FLOOR_S))
+        self._alone("rank0", 0, lambda p: verdict(p.world(), a.interval_s * 6, FACTOR, FLOOR_S,
+                                                          p.stale_s))
         # detection: the silenced rank's last heartbeat is already past the hang timeout
         if self.silenced in self.planes:
             self.planes[self.silenced].publish(heartbeat(time.time() - a.interval_s * 6 - 1))

@@ -170,22 +170,43 @@ def not_arrived(world: World, factor: float, floor_s: float) -> tuple[str, list[
     return None
 
 
+def awaited(world: World, stale_s: float, factor: float) -> tuple[str, list[int]] | None:
+    """(reason, ranks named) when ranks have waited inside a collective longer than
+    ``stale_s`` (and ``factor`` times its usual duration) while other ranks send no
+    heartbeat: those are stopped (SIGSTOP, a process frozen whole), since a rank's watchdog
+    thread beats even while its training thread waits or computes. Named as soon as that
+    is seen, not after the hang timeout: their peers wait for them and cannot go on."""
+    silent = {r: s for r, s in world.silent.items() if s[0] > stale_s}
+    if not factor or not silent:
+        return None
+    for (pg, seq, call, inside), waiting in sorted(world.at.items(), key=lambda kv: kv[0][:2]):
+        if not inside or waiting.wait_s <= max(stale_s, factor * (waiting.usual_s or 0.0)):
+            continue
+        ranks = sorted(silent)
+        longest = max(s[0] for s in silent.values())
+        return (f"rank(s) {ranks} sent no heartbeat for up to {longest:.1f} s while rank(s) "
+                f"{waiting.named()} waited {waiting.wait_s:.1f} s in {call.split()[0]} #{seq} "
+                f"on {pg}: stopped or frozen"), ranks
+    return None
+
+
 def silence(rank: int, seconds: float, step: int, phase: str) -> str:
     return (f"rank {rank} sent no heartbeat for {seconds:.0f} s (last at step {step}, "
             f"{phase}): stopped or dead")
 
 
-def verdict(world: World, timeout_s: float, factor: float,
-            floor_s: float) -> tuple[str, str] | None:
+def verdict(world: World, timeout_s: float, factor: float, floor_s: float,
+            stale_s: float) -> tuple[str, str] | None:
     """(kind, reason) of what rank 0 sees in ``world``: a rank silent for ``timeout_s`` (a
-    hang), a desync (a collective error), a rank that has not arrived (a hang); or None."""
+    hang), a desync (a collective error), a silent rank others wait for, a rank that has
+    not arrived (hangs); or None."""
     for r, (silent, step, phase) in sorted(world.silent.items()):
         if silent > timeout_s:
             return "hang", silence(r, silent, step, phase)
     desync = desync_in(world)
     if desync:
         return "collective_error", desync
-    late = not_arrived(world, factor, floor_s)
+    late = awaited(world, stale_s, factor) or not_arrived(world, factor, floor_s)
     return ("hang", late[0]) if late else None
 
 
@@ -216,7 +237,11 @@ class ControlPlane:
         self.block = local_world_size if 0 < local_world_size < world_size else world_size
         self.leaders = range(0, world_size, self.block)
         self.leader = rank % self.block == 0
-        self.stale_s = 3 * heartbeat_interval_s  # a beating rank refreshes well within it
+        # A beating rank refreshes within one interval (and the time a tick takes): past
+        # one and a half, its watchdog thread has stopped, or is starved for half an
+        # interval. Silence alone names a rank only past the hang timeout; silence while
+        # others wait for it in a collective, at once (:func:`awaited`).
+        self.stale_s = 1.5 * heartbeat_interval_s
         self.since_ns = 0  # arrivals before this (an older generation of the groups) are past
 
     def _members(self, leader: int) -> range:

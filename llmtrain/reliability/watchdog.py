@@ -257,12 +257,14 @@ class Watchdog:
     # -- the thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Ticks every heartbeat interval, and four times as often while quiet."""
+        """Ticks every heartbeat interval, on time (a peer's silence is judged against
+        it), and four times as often while quiet."""
+        interval = self.cfg.heartbeat_interval_s
         next_tick = 0.0
-        while not self._stop.wait(self.cfg.heartbeat_interval_s / 4):
+        while not self._stop.wait(max(0.0, min(interval / 4, next_tick - time.monotonic()))):
             if time.monotonic() < next_tick and not self.quiet:
                 continue
-            next_tick = time.monotonic() + self.cfg.heartbeat_interval_s
+            next_tick = time.monotonic() + interval
             try:
                 self._tick()
             except Exception as e:  # the store itself may be gone; keep watching
@@ -333,7 +335,7 @@ class Watchdog:
         if self.rank != 0:
             return None
         return verdict(self.plane.world(), self.timeout, self.cfg.not_arrived_factor,
-                       self.cfg.not_arrived_floor_s)
+                       self.cfg.not_arrived_floor_s, self.plane.stale_s)
 
     def _peer_in_long_phase(self, age: float) -> bool:
         """Waiting for a rank in a declared long phase is no hang (until that phase's own
@@ -439,11 +441,12 @@ class Watchdog:
         return {"evicted": stuck, "cut": [e for ends in unreachable.values() for e in ends]}
 
     def _silent_ranks(self) -> set[int]:
-        """Ranks whose heartbeat stopped: none for three beat intervals (the watchdog
-        thread beats even while its main thread waits in a collective, so only a stopped
-        or dead process falls that far behind). Not the hang timeout: a rank stopped just
-        after its last progress is only about one timeout silent when the hang is seen."""
-        limit = min(self.timeout, 3 * self.cfg.heartbeat_interval_s)
+        """Ranks whose heartbeat stopped (none for the control plane's ``stale_s``: the
+        watchdog thread beats even while its main thread waits in a collective, so only a
+        stopped or dead process falls that far behind). Not the hang timeout: a rank
+        stopped just after its last progress is only about one timeout silent when the
+        hang is seen."""
+        limit = min(self.timeout, self.plane.stale_s)
         fresh = {r for r, beat in self.plane.beats(range(self.world_size)).items()
                  if time.time() - beat["wall"] <= limit}
         return set(range(self.world_size)) - fresh

@@ -6,8 +6,8 @@ import time
 
 import torch.distributed as dist
 
-from llmtrain.reliability.heartbeats import (LISTED, ControlPlane, desync_in, not_arrived,
-                                             positions)
+from llmtrain.reliability.heartbeats import (LISTED, ControlPlane, awaited, desync_in,
+                                             not_arrived, positions, verdict)
 
 ALL_REDUCE, ALL_GATHER = "gloo:all_reduce sizes=[[16]]", "gloo:all_gather sizes=[[16]]"
 
@@ -69,6 +69,31 @@ def test_a_quiet_rank_behind_is_named_once_the_others_wait_past_the_usual_durati
     assert judged(wait=100, behind={}) is None  # rank 2 not quiet: it is making progress
     # behind in another group only: nothing keeps #7 of default_pg from finishing
     assert judged(wait=100, behind={"tp": [3, ALL_GATHER, False, 0.0, 0.1]}) is None
+
+
+def test_a_silent_rank_its_peers_wait_for_is_named_before_the_hang_timeout():
+    """Rank 2 (a node of its own) is frozen: its last heartbeat says it was computing, and
+    its node's summary is its own, stale too. Ranks 0, 1 and 3 wait inside #7. Once its
+    heartbeat is one and a half intervals old and they have waited that long, rank 0 names
+    it, though the hang timeout is 300 s; not before, nor with nobody waiting for it."""
+    ps = planes(4, block=1)
+
+    def judged(silent_s: float, wait: float, inside: bool = True):
+        at = {"default_pg": [7, ALL_REDUCE, inside, wait if inside else 0.0, 0.1]}
+        frozen_at = time.time() - silent_s
+        ps[2].publish(beat(None, wall=frozen_at))
+        ps[2].store.set("node/2", json.dumps({"wall": frozen_at, "silent": [], "at": []}))
+        return world_of(ps[:2] + ps[3:], {0: beat(at), 1: beat(at), 2: beat(at)})
+
+    world = judged(silent_s=1.7, wait=1.8)
+    assert world.stale == [2] and 1.6 < world.silent[2][0] < 2.5
+    reason, ranks = awaited(world, ps[0].stale_s, 10.0)
+    assert ranks == [2] and "waited 1.8 s" in reason, reason
+    assert verdict(world, 300.0, 10.0, 3.0, ps[0].stale_s) == ("hang", reason)
+    assert awaited(judged(silent_s=1.2, wait=1.8), ps[0].stale_s, 10.0) is None  # beats
+    assert awaited(judged(silent_s=1.7, wait=1.2), ps[0].stale_s, 10.0) is None  # not yet
+    assert awaited(judged(silent_s=5, wait=0, inside=False), ps[0].stale_s, 10.0) is None
+    assert awaited(judged(silent_s=5, wait=1.8), ps[0].stale_s, 20.0) is None  # 20 x 0.1
 
 
 def test_summaries_stay_bounded_and_a_stale_leader_is_read_around():
