@@ -3,20 +3,21 @@ failure of the node.
 
 Stock torchrun answers any worker's death by stopping every other worker on the node and
 re-forming the rendezvous, which makes every other node's agent restart its workers too:
-the survivors a warm recovery keeps alive would be killed. With ``warm.enable``, ``llmtrain
-launch`` runs torchrun through this module instead. When a worker dies, the agent waits
-(up to ``warm.budget_s``) for the warm path's verdict in the rendezvous store: the rank
-was replaced by a spare (the agent forgets the worker and keeps the others running), or
-the job goes cold (the agent does what torchrun always does). When no survivor has begun
-to agree within a few seconds, nobody is left to recover warm (every rank died at once)
-and the agent goes cold without waiting out the budget; a worker that exited RETRYABLE
-(a preemption's save) sends it cold at once. After a warm recovery, an agent whose workers
-were all replaced has nothing left to supervise and ends, and no agent waits in torchrun's
-exit barrier, which a lost node's agent never reaches; an agent that ends so leaves the
-rendezvous open for the job's later rounds. A worker a hang's report named as stuck is
-killed by its agent when the watchdog asks (:func:`llmtrain.recovery.warm.evict`), so
-that its peers' collectives fail and the warm path replaces it like any dead worker.
-Everything else is torchrun.
+the survivors a warm recovery keeps alive would be killed. With ``warm.enable``,
+``llmtrain launch`` runs torchrun through this module instead. When a worker dies, the
+agent says at once (on SIGCHLD) that its rank is gone, so the survivors need not wait for
+its report, then waits (up to ``warm.budget_s``) for the warm path's verdict in the
+rendezvous store: the rank was replaced by a spare (the agent forgets the worker and keeps
+the others running), or the job goes cold (the agent does what torchrun always does). When
+no survivor has begun to agree within a few seconds, nobody is left to recover warm (every
+rank died at once) and the agent goes cold without waiting out the budget; a worker that
+exited RETRYABLE (a preemption's save) sends it cold at once. After a warm recovery, an
+agent whose workers were all replaced has nothing left to supervise and ends, and no agent
+waits in torchrun's exit barrier, which a lost node's agent never reaches; an agent that
+ends so leaves the rendezvous open for the job's later rounds. A worker a hang's report
+named as stuck is killed by its agent when the watchdog asks
+(:func:`llmtrain.recovery.warm.evict`), so that its peers' collectives fail and the warm
+path replaces it like any dead worker. Everything else is torchrun.
 
     python -m llmtrain.launch.agent <torchrun arguments>
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -60,7 +62,24 @@ class WarmAgent(LocalElasticAgent):
         self._evictions = EvictionWatch(self._warm_store, [
             w.global_rank for w in worker_group.workers]) if self._warm_store is not None \
             else None
+        self._ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self._said_gone: set[int] = set()
+        if self._warm_store is not None:
+            signal.signal(signal.SIGCHLD, self._child_exited)
         return started
+
+    def _child_exited(self, _signum, _frame) -> None:
+        """A worker ended (SIGCHLD): one that failed is marked gone at once, so that the
+        survivors' agreement need not wait ``warm.settle_s`` for its report, nor until the
+        agent's next look (``--monitor-interval``). A clean exit, or a RETRYABLE one (an
+        agreed stop), is no loss."""
+        handlers = getattr(getattr(self, "_pcontext", None), "subprocess_handlers", None) or {}
+        for local_rank, handler in handlers.items():
+            code = handler.proc.poll()
+            if code in (None, 0, ExitCode.RETRYABLE) or local_rank in self._said_gone:
+                continue
+            self._said_gone.add(local_rank)
+            mark_gone(self._warm_store, self._ranks[local_rank])
 
     def _count(self, key: str) -> int:
         return self._warm_store.add(key, 0) if self._warm_store is not None else 0

@@ -67,7 +67,8 @@ from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
 from llmtrain.recovery import sockets
-from llmtrain.reliability.heartbeats import ControlPlane, positions, silence, verdict
+from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, positions, silence,
+                                             verdict)
 
 if TYPE_CHECKING:
     from llmtrain.recovery.fence import Fence
@@ -332,10 +333,25 @@ class Watchdog:
                 silent = time.time() - beat["wall"]
                 if silent > self.timeout:
                     return "hang", silence(r, silent, beat["step"], beat["phase"])
+                if silent > self.plane.stale_s and self.quiet:  # while this rank waits?
+                    found = awaited(self._waiting_for({r: (silent, beat["step"],
+                                                           beat["phase"])}),
+                                    self.plane.stale_s, self.cfg.not_arrived_factor)
+                    if found:
+                        return "hang", found[0]
         if self.rank != 0:
             return None
         return verdict(self.plane.world(), self.timeout, self.cfg.not_arrived_factor,
                        self.cfg.not_arrived_floor_s, self.plane.stale_s)
+
+    def _waiting_for(self, silent: dict[int, tuple[float, int, str]]) -> World:
+        """This rank's own view, as rank 0 judges the job's: where it waits, and who is
+        silent."""
+        world = World(silent=silent)
+        for pg, (seq, call, inside, wait_s, usual_s) in positions(
+                flight_recorder()["entries"], time.time_ns()).items():
+            world.at[pg, seq, call, inside].add(1, [self.rank], wait_s, usual_s)
+        return world
 
     def _peer_in_long_phase(self, age: float) -> bool:
         """Waiting for a rank in a declared long phase is no hang (until that phase's own
