@@ -35,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from llmtrain.exit_codes import ExitCode
-from llmtrain.recovery.warm import EvictionWatch, agreements, mark_gone, outside_store
+from llmtrain.recovery.warm import EvictionWatch, agreements, mark_gone, outside_store, owner
 
 # Survivors of a dead peer enter the agreement at their next collective, which fails as
 # soon as the peer's connections close: far sooner than this on any job.
@@ -79,7 +79,7 @@ class WarmAgent(LocalElasticAgent):
             if code in (None, 0, ExitCode.RETRYABLE) or local_rank in self._said_gone:
                 continue
             self._said_gone.add(local_rank)
-            mark_gone(self._warm_store, self._ranks[local_rank])
+            mark_gone(self._warm_store, self._ranks[local_rank], holder=owner(handler.proc.pid))
 
     def _count(self, key: str) -> int:
         return self._warm_store.add(key, 0) if self._warm_store is not None else 0
@@ -136,7 +136,9 @@ class WarmAgent(LocalElasticAgent):
         if local_rank in self._replaced:
             return True
         rank = worker_group.workers[local_rank].global_rank
-        mark_gone(self._warm_store, rank)  # the survivors need not wait for its report
+        # the survivors need not wait for its report (unless a spare took its rank since)
+        pid = self._pcontext.subprocess_handlers[local_rank].proc.pid
+        mark_gone(self._warm_store, rank, holder=owner(pid))
         start = time.monotonic()
         while time.monotonic() < start + self._warm_budget:
             if self._count(f"replaced/{rank}") > self._seen[local_rank]:

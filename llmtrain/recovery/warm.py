@@ -52,7 +52,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.distributed.process_group import rendezvous_store
+from llmtrain.distributed.process_group import node_name, rendezvous_store
 from llmtrain.recovery.sockets import endpoints
 
 
@@ -145,14 +145,26 @@ def _where(store: dist.Store, rank: int) -> str | None:
     return store.get(key).decode() if store.check([key]) else None
 
 
-def mark_gone(store: dist.Store, rank: int, prefix: str | None = None) -> None:
+def owner(pid: int | None = None) -> str:
+    """Which process holds a rank: this node's name and the process id."""
+    return f"{node_name()}:{pid or os.getpid()}"
+
+
+def mark_gone(store: dist.Store, rank: int, prefix: str | None = None,
+              holder: str | None = None) -> None:
     """Tells the survivors of ``rank``'s generation (``prefix``; default: its current one)
     that it will not report, once however many say so (the rank as it leaves, its agent
     when the process is gone), and wakes that generation's blocked ranks
-    (:class:`llmtrain.distributed.failure.FailureWatch`)."""
+    (:class:`llmtrain.distributed.failure.FailureWatch`). With ``holder`` (an agent's dead
+    worker, see :func:`owner`), only if that process holds the rank there: a spare may
+    have taken it in a new generation meanwhile, and must not be counted gone."""
     prefix = prefix or _where(store, rank)
     if prefix is None:
         return
+    if holder is not None:
+        key = f"{prefix}owner/{rank}"
+        if not store.check([key]) or store.get(key).decode() != holder:
+            return
     store.set(f"{prefix}failed", "1")
     if _count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}",
                  int(store.get(f"{prefix}size"))):
@@ -267,6 +279,7 @@ class WarmPath:
         """This rank is in generation ``gen`` now; its agent learns where to say it died."""
         self.gen = gen
         self.store.set(self._key("size"), str(self.world_size))
+        self.store.set(self._key(f"owner/{self.rank}"), owner())
         self.store.set(f"where/{self.rank}", self._key(""))
 
     def failed_key(self) -> str:

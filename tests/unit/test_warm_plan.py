@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.recovery.warm import (ColdPath, WarmPath, agreements, assignment, buddy_of,
-                                    join_pool, leave_pool, mark_gone, spares_waiting)
+                                    join_pool, leave_pool, mark_gone, owner, spares_waiting)
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
@@ -145,3 +145,19 @@ def test_a_spare_is_claimed_or_withdrawn_never_both():
     assert assignment(store, first) is None
     assert not leave_pool(store, second)  # claimed: its plan is what it gets
     assert spares_waiting(store) == 0
+
+
+def test_a_dead_workers_late_gone_mark_does_not_count_the_spare_that_took_its_rank():
+    """An agent sees its worker (rank 1) dead only after a spare took rank 1 in the next
+    generation: its mark names the dead process, so the spare is not counted gone there
+    (it was, and the spare could not report in the next recovery: that went cold)."""
+    store = dist.HashStore()
+    cfg = WarmConfig(enable=True)
+    WarmPath(cfg, store, "round", 1, 2, 1)  # the worker, in generation 0
+    dead = owner()  # (this process stands for it)
+    WarmPath(cfg, store, "round", 1, 2, 1, gen=1)  # the spare holds rank 1 now
+    store.set("round/g1/owner/1", "spare-host:4242")
+    mark_gone(store, 1, holder=dead)  # the agent's late mark
+    assert store.add("round/g1/gone", 0) == 0 and not store.check(["round/g1/seen/1"])
+    mark_gone(store, 1, holder="spare-host:4242")  # the spare's own agent, when it dies
+    assert store.add("round/g1/gone", 0) == 1
