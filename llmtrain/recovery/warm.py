@@ -166,20 +166,22 @@ def mark_gone(store: dist.Store, rank: int, prefix: str | None = None,
         if not store.check([key]) or store.get(key).decode() != holder:
             return
     store.set(f"{prefix}failed", "1")
-    if _count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}",
-                 int(store.get(f"{prefix}size"))):
+    if _claim(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
+        _tally(store, prefix, int(store.get(f"{prefix}size")))
         store.add(f"{prefix}gone", 1)
 
 
-def _count_in(store: dist.Store, prefix: str, rank: int, token: str, world_size: int) -> bool:
-    """Counts ``rank`` once in its generation's tally, by whichever comes first: its
-    report or a mark that it is gone (False: the other came first). Whoever completes the
-    tally sets ``all_in``, which the decider waits for in the store: nobody polls."""
-    if store.compare_set(f"{prefix}seen/{rank}", "", token).decode() != token:
-        return False
+def _claim(store: dist.Store, prefix: str, rank: int, token: str) -> bool:
+    """Whether ``rank`` is counted in its generation by this call: by whichever comes
+    first, its report or a mark that it is gone (False: the other came first)."""
+    return store.compare_set(f"{prefix}seen/{rank}", "", token).decode() == token
+
+
+def _tally(store: dist.Store, prefix: str, world_size: int) -> None:
+    """Counts one more rank in (after its report is stored); whoever completes the tally
+    sets ``all_in``, which the decider waits for in the store: nobody polls."""
     if store.add(f"{prefix}accounted", 1) == world_size:
         store.set(f"{prefix}all_in", "1")
-    return True
 
 
 def agreements(store: dist.Store) -> tuple[int, int]:
@@ -325,21 +327,21 @@ class WarmPath:
         """This rank's report, in O(1) store requests whatever the world size; True for
         the first reporter, which decides. Its report also wakes the generation's blocked
         ranks (``failed``)."""
-        if not _count_in(self.store, self._key(""), self.rank, "report", self.world_size):
+        if not _claim(self.store, self._key(""), self.rank, "report"):
             raise ColdPath(f"rank {self.rank} was counted as lost before it reported")
         self.store.append(self._key("reports"),
                           json.dumps({"rank": self.rank, **holdings}) + "\n")
+        _tally(self.store, self._key(""), self.world_size)
         first = self.store.add(self._key("reporters"), 1) == 1
         if first:
             self.store.set(self._key("failed"), "1")
         return first
 
     def decide(self) -> None:
-        """The decider's part: waits (in the store) until every rank has reported or is
-        gone, at most ``warm.settle_s``; reads all reports in one request; stores the plan
-        and claims the spares. The ranks that did not report are lost."""
-        with contextlib.suppress(dist.DistStoreError):  # settled: who is in, is in
-            self.store.wait([self._key("all_in")], timedelta(seconds=self.cfg.settle_s))
+        """The decider's part: waits until every rank has reported or is gone, or the
+        reports have settled; reads all reports in one request; stores the plan and claims
+        the spares. The ranks that did not report are lost."""
+        self._settle()
         reports = {}
         for line in self.store.get(self._key("reports")).decode().splitlines():
             report = json.loads(line)
@@ -347,6 +349,22 @@ class WarmPath:
         proposal = self._propose(reports)
         if self.store.compare_set(self._key("plan"), "", proposal).decode() == proposal:
             self._claim_spares(proposal)
+
+    def _settle(self) -> None:
+        """Waits in the store for ``all_in``, half of ``warm.settle_s`` at a time: done
+        when it is set, or once ``settle_s`` has passed and the last half brought no
+        report. Reports that still come in (thousands of ranks failing over a second)
+        keep it open: a healthy rank that reports late is not counted lost."""
+        began, half = time.monotonic(), self.cfg.settle_s / 2
+        tally = self.store.add(self._key("accounted"), 0)
+        while True:
+            try:
+                self.store.wait([self._key("all_in")], timedelta(seconds=half))
+                return
+            except dist.DistStoreError:  # the half's timeout
+                before, tally = tally, self.store.add(self._key("accounted"), 0)
+                if tally == before and time.monotonic() - began >= self.cfg.settle_s:
+                    return
 
     def _plan(self, deadline: float) -> Plan:
         plan_text = self._wait(self._key("spares"), deadline)

@@ -161,3 +161,27 @@ def test_a_dead_workers_late_gone_mark_does_not_count_the_spare_that_took_its_ra
     assert store.add("round/g1/gone", 0) == 0 and not store.check(["round/g1/seen/1"])
     mark_gone(store, 1, holder="spare-host:4242")  # the spare's own agent, when it dies
     assert store.add("round/g1/gone", 0) == 1
+
+
+def test_reports_still_coming_in_keep_the_agreement_open_past_the_settle_time():
+    """Five survivors report 0.2 s apart (at scale, thousands fail over a second), one
+    rank is lost. With warm.settle_s = 0.5 the last reports come after it: the agreement
+    stays open while they come, counts none of them lost, then closes about half a settle
+    time after the last one."""
+    store = dist.HashStore()
+    store.add("spares/registered", 1)
+    cfg = WarmConfig(enable=True, settle_s=0.5, budget_s=10)
+    paths = {r: WarmPath(cfg, store, "round", r, 6, 1) for r in range(5)}
+    out = {}
+
+    def one(rank):
+        time.sleep(0.2 * rank)
+        out[rank] = paths[rank].agree(held([4], [4], (rank - 1) % 6), time.monotonic() + 10)
+    threads = [threading.Thread(target=one, args=(r,)) for r in paths]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[r].lost for r in paths] == [[5]] * 5, out
+    assert time.monotonic() - start < 0.8 + 0.5 + 1.0
