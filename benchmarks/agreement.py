@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from control_plane import Counted  # noqa: E402
-from store_scale import fit, in_private_netns, raise_fd_limit, serve, stop_all  # noqa: E402
+from store_scale import (fit, in_private_netns, lane_slices, raise_fd_limit,  # noqa: E402
+                         start_server, stop_all)
 
 from llmtrain.config import WarmConfig  # noqa: E402
 from llmtrain.recovery.warm import WarmPath, mark_gone, ward_of  # noqa: E402
@@ -175,11 +176,7 @@ def worker(n: int, block: int, port: int, slices: list[list[int]], sync, shared,
 
 def run_point(n: int, args) -> dict:
     ctx = mp.get_context("fork")
-    port_in, port_out = ctx.Pipe(duplex=False)
-    stop = ctx.Event()
-    server = ctx.Process(target=serve, args=(port_out, stop))
-    server.start()
-    port = port_in.recv()
+    server, port, stop = start_server(ctx)
     pool = dist.TCPStore(HOST, port, is_master=False, timeout=STORE_TIMEOUT, use_libuv=True)
     pool.add("spares/registered", 1)  # one warm spare waits
     lanes = args.procs * args.threads
@@ -187,10 +184,9 @@ def run_point(n: int, args) -> dict:
     shared = {"planned": ctx.Value("d", 0.0)}
     results = ctx.Queue()
     naive = n <= args.baseline_up_to
-    workers = [ctx.Process(target=worker, args=(
-        n, args.block, port,
-        [list(range(p * args.threads + t, n, lanes)) for t in range(args.threads)],
-        sync, shared, results, naive)) for p in range(args.procs)]
+    workers = [ctx.Process(target=worker, args=(n, args.block, port, slices, sync, shared,
+                                                results, naive))
+               for slices in lane_slices(n, args.procs, args.threads)]
     try:
         for w in workers:
             w.start()

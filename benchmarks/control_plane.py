@@ -58,7 +58,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from store_scale import fit, in_private_netns, raise_fd_limit, serve, stop_all  # noqa: E402
+from store_scale import (fit, in_private_netns, lane_slices, raise_fd_limit,  # noqa: E402
+                         start_server, stop_all)
 
 from llmtrain.reliability.heartbeats import ControlPlane, verdict  # noqa: E402
 
@@ -227,18 +228,13 @@ def worker(n: int, args, port: int, slices: list[list[int]], sync, shared, resul
 
 def run_point(n: int, args) -> dict:
     ctx = mp.get_context("fork")
-    port_in, port_out = ctx.Pipe(duplex=False)
-    stop = ctx.Event()
-    server = ctx.Process(target=serve, args=(port_out, stop))
-    server.start()
-    port = port_in.recv()
+    server, port, stop = start_server(ctx)
     lanes = args.procs * args.threads
     sync = ctx.Barrier(lanes + 1, timeout=600)
     shared = {"detected": ctx.Value("d", 0.0), "silenced": ctx.Value("d", 0.0)}
     results = ctx.Queue()
-    workers = [ctx.Process(target=worker, args=(
-        n, args, port, [list(range(p * args.threads + t, n, lanes)) for t in range(args.threads)],
-        sync, shared, results)) for p in range(args.procs)]
+    workers = [ctx.Process(target=worker, args=(n, args, port, slices, sync, shared, results))
+               for slices in lane_slices(n, args.procs, args.threads)]
     try:
         for w in workers:
             w.start()

@@ -132,6 +132,23 @@ def serve(port_out, stop) -> None:
     stop.wait()
 
 
+def start_server(ctx):
+    """A fresh store server process (``serve``): (the process, its port, the event that
+    stops it)."""
+    port_in, port_out = ctx.Pipe(duplex=False)
+    stop = ctx.Event()
+    server = ctx.Process(target=serve, args=(port_out, stop))
+    server.start()
+    return server, port_in.recv(), stop
+
+
+def lane_slices(n: int, procs: int, threads: int) -> list[list[list[int]]]:
+    """Ranks 0..n-1 dealt over ``procs`` processes of ``threads`` lanes, round robin."""
+    lanes = procs * threads
+    return [[list(range(p * threads + t, n, lanes)) for t in range(threads)]
+            for p in range(procs)]
+
+
 def worker(pattern: str, n: int, port: int, slices: list[list[int]], ready, go, results) -> None:
     """Simulated ranks on threads; each thread reports its finish time, or its error."""
     def run(ranks: list[int]) -> None:
@@ -155,16 +172,10 @@ def worker(pattern: str, n: int, port: int, slices: list[list[int]], ready, go, 
 def run_point(pattern: str, n: int, procs: int, threads: int, limit_s: float) -> float:
     """Seconds from the common start until the last of ``n`` simulated ranks is done."""
     ctx = mp.get_context("fork")  # no re-import of torch per process
-    port_in, port_out = ctx.Pipe(duplex=False)
-    stop, go = ctx.Event(), ctx.Event()
-    ready, results = ctx.Queue(), ctx.Queue()
-    server = ctx.Process(target=serve, args=(port_out, stop))
-    server.start()
-    port = port_in.recv()
-    lanes = procs * threads
-    workers = [ctx.Process(target=worker, args=(
-        pattern, n, port, [list(range(p * threads + t, n, lanes)) for t in range(threads)],
-        ready, go, results)) for p in range(procs)]
+    server, port, stop = start_server(ctx)
+    go, ready, results = ctx.Event(), ctx.Queue(), ctx.Queue()
+    workers = [ctx.Process(target=worker, args=(pattern, n, port, slices, ready, go, results))
+               for slices in lane_slices(n, procs, threads)]
     ends = []
     try:
         for w in workers:
@@ -174,7 +185,7 @@ def run_point(pattern: str, n: int, procs: int, threads: int, limit_s: float) ->
         start = time.monotonic()
         go.set()
         deadline = start + limit_s
-        for _ in range(lanes):
+        for _ in range(procs * threads):
             try:
                 end = results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:

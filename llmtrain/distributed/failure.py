@@ -40,7 +40,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from llmtrain.config import ParallelismConfig
 from llmtrain.distributed.nccl_env import env_problems
 
 # NCCL releases nvidia-resiliency-ext's in-process restart refuses (first, last,
@@ -54,13 +53,6 @@ NCCL_WARM_PROVEN = False
 # transport source files ("[.../gloo/transport/tcp/pair.cc:553] Connection closed by
 # peer", "... unbound_buffer.cc:78] Timed out waiting ...").
 _COLLECTIVE_MARKS = ("/gloo/", "Connection closed by peer", "Connection reset by peer")
-
-
-def backend_for(p: ParallelismConfig) -> str:
-    """The backend a run will use, without touching a device."""
-    if p.backend != "auto":
-        return p.backend
-    return "nccl" if p.device != "cpu" and torch.cuda.is_available() else "gloo"
 
 
 def nccl_version() -> tuple[int, int, int] | None:

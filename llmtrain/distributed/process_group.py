@@ -74,8 +74,19 @@ def _standalone_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
+def device_type(p: ParallelismConfig) -> str:
+    """The kind of device a run uses: CUDA when asked for, or present under ``auto``."""
+    return "cuda" if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()) \
+        else "cpu"
+
+
+def backend_for(p: ParallelismConfig, device: str) -> str:
+    """The process group's backend: the config's, else NCCL on CUDA and gloo on CPU."""
+    return p.backend if p.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+
+
 def resolve_device(p: ParallelismConfig, local_rank: int) -> torch.device:
-    if p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available()):
+    if device_type(p) == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("parallelism.device='cuda' but no CUDA device is visible; "
                                "use parallelism.device='cpu' or 'auto'")
@@ -170,9 +181,8 @@ def init_process_group(p: ParallelismConfig, r: ReliabilityConfig, world: WorldI
     """Joins the job's default process group; returns this rank's device."""
     device = resolve_device(p, world.local_rank)
     make_deterministic(p, device.type)
-    backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(
-        backend=backend, store=store, rank=world.rank, world_size=world.world_size,
+        backend=backend_for(p, device.type), store=store, rank=world.rank, world_size=world.world_size,
         timeout=timedelta(seconds=r.init_timeout_s),
         device_id=device if device.type == "cuda" else None)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=r.collective_timeout_s))

@@ -26,9 +26,10 @@ from llmtrain import fault_points
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
                                            shares_cores, state_tensors)
 from llmtrain.config import JobConfig
-from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, backend_for,
-                                          broke_a_collective, nccl_problems)
-from llmtrain.distributed.process_group import WorldInfo, resolve_device, side_group
+from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, broke_a_collective,
+                                          nccl_problems)
+from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_type,
+                                                resolve_device, side_group)
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import FatalError
 from llmtrain.metrics.goodput import GoodputLedger
@@ -319,7 +320,8 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
                                "(run under llmtrain launch)")
         return NoWarmRecovery(round_of(job_store, fence.store) if fence.store is not None
                               else "")
-    if backend_for(cfg.parallelism) == "nccl" and world.rank == 0:
+    p = cfg.parallelism
+    if backend_for(p, device_type(p)) == "nccl" and world.rank == 0:
         problems = nccl_problems()
         if problems or not NCCL_WARM_PROVEN:
             events.emit("warm_path_unproven", backend="nccl", problems=problems,

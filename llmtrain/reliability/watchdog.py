@@ -68,7 +68,7 @@ from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
 from llmtrain.recovery import sockets
 from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, positions, silence,
-                                             verdict)
+                                             summarize, verdict)
 
 if TYPE_CHECKING:
     from llmtrain.recovery.fence import Fence
@@ -334,9 +334,8 @@ class Watchdog:
                 if silent > self.timeout:
                     return "hang", silence(r, silent, beat["step"], beat["phase"])
                 if silent > self.plane.stale_s and self.quiet:  # while this rank waits?
-                    found = awaited(self._waiting_for({r: (silent, beat["step"],
-                                                           beat["phase"])}),
-                                    self.plane.stale_s, self.cfg.not_arrived_factor)
+                    found = awaited(self._seen_with(r, beat), self.plane.stale_s,
+                                    self.cfg.not_arrived_factor)
                     if found:
                         return "hang", found[0]
         if self.rank != 0:
@@ -344,13 +343,15 @@ class Watchdog:
         return verdict(self.plane.world(), self.timeout, self.cfg.not_arrived_factor,
                        self.cfg.not_arrived_floor_s, self.plane.stale_s)
 
-    def _waiting_for(self, silent: dict[int, tuple[float, int, str]]) -> World:
-        """This rank's own view, as rank 0 judges the job's: where it waits, and who is
-        silent."""
-        world = World(silent=silent)
-        for pg, (seq, call, inside, wait_s, usual_s) in positions(
-                flight_recorder()["entries"], time.time_ns()).items():
-            world.at[pg, seq, call, inside].add(1, [self.rank], wait_s, usual_s)
+    def _seen_with(self, rank: int, beat: dict) -> World:
+        """``rank``'s silence and where this rank waits (from its flight recorder),
+        summarized as rank 0 summarizes the job's."""
+        now = time.time()
+        own = {"wall": now, "step": self.step, "phase": self.phase,
+               "at": positions(flight_recorder()["entries"], time.time_ns())}
+        world = World()
+        world.add(summarize({rank: {**beat, "at": None}, self.rank: own}, now,
+                            self.plane.stale_s), now)
         return world
 
     def _peer_in_long_phase(self, age: float) -> bool:
