@@ -12,7 +12,8 @@ A warm recovery needs three things that default settings deny it:
    its healthy peers, still blocked in the collective and silent, would be counted lost.
 
 **NCCL.** This was read from torch 2.13's ``ProcessGroupNCCL`` and its docs; it has never
-run with two ranks. One GPU checks the abort, in ``tests/gpu``. The worker settings it
+run on a GPU. ``tests/gpu`` holds a one-GPU check of the abort, not yet run; two or more
+ranks are checked by nothing but the gloo tests of the same code. The worker settings it
 needs, and why, are in :mod:`llmtrain.distributed.nccl_env`; :func:`nccl_problems` names
 what defeats it on this job.
 
