@@ -68,7 +68,7 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) 
 def one_recovery(workdir: Path, warm: bool, fault: str) -> dict:
     run = workdir / "run"
     cluster = LocalCluster(workdir, run, "2:2",
-                           TRAIN + (("--warm.enable", "true") if warm else ()))
+                           TRAIN + ("--warm.enable", str(warm).lower()))
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
 
     def start(name: str, spare: bool = False) -> None:

@@ -31,6 +31,7 @@ import torchx.specs as specs
 from torchx.specs import macros
 
 ROLE = "node"
+STORE_ROLE = "store"
 
 
 def train(
@@ -45,6 +46,7 @@ def train(
     config: str = "debug_cpu",
     rdzv_port: int = 29500,
     rdzv_endpoint: str = "",
+    rdzv_bind: str = "0.0.0.0",
     host: str = "{hostname}",
     image: str = "llmtrain:0.1.0",
     name: str = "llmtrain",
@@ -55,15 +57,23 @@ def train(
     env: Optional[Dict[str, str]] = None,
     mounts: Optional[List[str]] = None,
 ) -> specs.AppDef:
-    """An llmtrain training job: ``nodes + spares`` replicas of ``llmtrain launch``.
+    """An llmtrain training job: ``nodes + spares`` replicas of ``llmtrain launch``, and
+    with two or more replicas a ``store`` role that serves their rendezvous store.
 
     Each replica is one node. It checks the config and data (a bad config exits 78 before
     anything starts), runs the node health gate (a failing node records itself in the run
     dir's ``excluded_hosts.json`` and exits 76 without joining), then runs torchrun with
     c10d rendezvous ``--nnodes min_nodes:nodes``: the first ``nodes`` replicas to arrive
-    train, the ``spares`` wait in the rendezvous and take the place of a node that fails,
-    and torchrun restarts every worker from the newest checkpoint up to ``max_restarts``
-    times.
+    train; the ``spares`` wait warm outside the rendezvous and take the place of a lost
+    rank in about a second (the warm path), or, where the warm path cannot, join a cold
+    restart, in which torchrun restarts every worker from the newest checkpoint (up to
+    ``max_restarts`` times).
+
+    The rendezvous store runs as a role of its own (``llmtrain rdzv-store``, one small
+    replica, the app's first role so that every scheduler's rank-0 host names it): losing
+    any node leaves it up, which the warm path needs. It ends by itself once every node's
+    launcher has ended. ``rdzv_endpoint`` names a store you run instead; a single replica
+    has none (its agent hosts the store on a free port, and one node cannot recover warm).
 
     Exit codes of a replica (the scheduler sees them; ``torchx run`` itself exits 1 when
     any replica failed): 0 training finished; 75 retryable (requeue); 76 this node is
@@ -85,19 +95,15 @@ def train(
       allocation use ``slurm/llmtrain.sbatch``.
     * ``kubernetes``: a Volcano job, one task (pod) per replica; the first ``min_nodes``
       tasks are required for the gang to start and the spares are optional
-      (``minAvailable`` 0). Replicas find the rendezvous through the first replica's DNS
-      name (``VC_NODE_0_HOSTS``, Volcano's svc plugin). The pods run the role's command,
+      (``minAvailable`` 0). Replicas find the rendezvous through the store's DNS name
+      (``VC_STORE_0_HOSTS``, Volcano's svc plugin). The pods run the role's command,
       not the image's entry script (``llmtrain launch`` runs the gate itself).
       torchx 0.7 has no Kueue scheduler; take the ``--dryrun`` request as a start.
-
-    The rendezvous store lives in the first replica's torchrun agent unless
-    ``rdzv_endpoint`` names a store of its own (``llmtrain rdzv-store``): then losing any
-    replica, the first one included, leaves the rendezvous up.
 
     Args:
         args: overrides for ``llmtrain train`` (``--section.field VALUE``), after ``--``
         nodes: nodes that train (torchrun's ``--nnodes`` maximum)
-        spares: extra replicas that wait in the rendezvous and replace a failed node
+        spares: extra replicas that wait warm outside the rendezvous and replace a lost node
         min_nodes: the job may shrink to this many nodes when no spare is left
             (0: ``nodes``, a fixed size)
         nproc_per_node: ranks per node (0: one per GPU of the resource, 1 without GPUs)
@@ -106,10 +112,13 @@ def train(
         run_dir: the run dir (``--training.run_dir``): shared storage every node can
             reach, any fsspec URL; checkpoints, events and exclusions live there
         config: the preset (debug_cpu, llama3_8b, ...) or a TOML file in the image
-        rdzv_port: the port of the rendezvous store on the first replica's host (ignored
+        rdzv_port: the port of the rendezvous store on the store role's host (ignored
             with a single replica, which picks a free port)
-        rdzv_endpoint: HOST:PORT of an external ``llmtrain rdzv-store`` (empty: the first
-            replica's agent hosts the store)
+        rdzv_endpoint: HOST:PORT of an ``llmtrain rdzv-store`` you run (empty: the store
+            role serves one)
+        rdzv_bind: the address the store role listens on: every interface of its host by
+            default (a pod or node address cannot be named for every scheduler); the store
+            has no authentication, so keep its port inside the cluster network
         host: each node's name in events and exclusion records; ``{hostname}`` is the
             machine's hostname, ``{replica_id}`` the replica's index
         image: the container image (docker/Dockerfile); unused by local_cwd
@@ -131,20 +140,22 @@ def train(
     resource = specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h)
     nproc = nproc_per_node or max(resource.gpu, 1)
     replicas = nodes + spares
+    store_role = not rdzv_endpoint and replicas > 1
     if rdzv_endpoint:
         endpoint = shlex.quote(rdzv_endpoint)
     elif replicas == 1:
         endpoint = "localhost:0"  # one agent: a free port, as torchx's dist.ddp does
     else:
-        # The first replica's host, from the variable each scheduler sets (macros.rank0_env:
-        # TORCHX_RANK0_HOST on local_cwd, the het group 0 node on Slurm, the first pod's
-        # DNS name on Kubernetes); "$$" keeps the "$" from torchx's macro substitution.
+        # The store role's host, from the variable each scheduler sets for the app's first
+        # role (macros.rank0_env: TORCHX_RANK0_HOST on local_cwd, the het group 0 node on
+        # Slurm, the store pod's DNS name on Kubernetes); "$$" keeps the "$" from torchx's
+        # macro substitution.
         endpoint = f"$${{{macros.rank0_env}:=localhost}}:{rdzv_port}"
     cmd = ["exec", "llmtrain", "launch",
            "--nnodes", f"{min_nodes}:{nodes}",
            "--nproc-per-node", str(nproc),
            "--rdzv-endpoint", endpoint,
-           *(["--external-store"] if rdzv_endpoint else []),
+           *(["--external-store"] if rdzv_endpoint or store_role else []),
            "--rdzv-id", macros.app_id,
            "--host", _host_word(host),
            "--max-restarts", str(max_restarts),
@@ -157,9 +168,22 @@ def train(
            # of the replica's network; `-- --metrics.address ADDR` narrows it.
            "--metrics.address", "0.0.0.0",
            *(shlex.quote(a) for a in (args[1:] if args[:1] == ("--",) else args))]
+    roles = [specs.Role(
+        name=STORE_ROLE,
+        image=image,
+        entrypoint="bash",
+        args=["-c", f"exec llmtrain rdzv-store --bind {shlex.quote(rdzv_bind)} "
+                    f"--port {rdzv_port} --exit-when-unused"],
+        num_replicas=1,
+        max_retries=max_retries,
+        resource=specs.Resource(cpu=1, gpu=0, memMB=2048),
+        env={"PYTHONUNBUFFERED": "1", **(env or {})},
+        port_map={"c10d": rdzv_port},
+        mounts=specs.parse_mounts(mounts) if mounts else [],
+    )] if store_role else []
     return specs.AppDef(
         name=name,
-        roles=[specs.Role(
+        roles=roles + [specs.Role(
             name=ROLE,
             image=image,
             entrypoint="bash",
@@ -169,7 +193,6 @@ def train(
             max_retries=max_retries,
             resource=resource,
             env={"PYTHONUNBUFFERED": "1", **(env or {})},
-            port_map={"c10d": rdzv_port},
             mounts=specs.parse_mounts(mounts) if mounts else [],
         )],
     )

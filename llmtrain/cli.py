@@ -14,7 +14,8 @@ import signal
 import socket
 import sys
 
-from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
+from llmtrain.config import (ConfigError, load_config, parse_overrides, preset_names,
+                             reference_markdown)
 from llmtrain.exit_codes import ExitCode, FatalError
 
 
@@ -45,6 +46,9 @@ def cmd_spare(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.reference:
+        print(reference_markdown())
+        return ExitCode.CLEAN
     cfg = _config(args, rest)
     cfg.validate(args.world_size)
     from llmtrain.model import count_params, flops_per_token
@@ -133,8 +137,7 @@ def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_rdzv_store(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.launch.store import serve_store
-    serve_store(args.bind, args.port)
-    return ExitCode.CLEAN
+    return serve_store(args.bind, args.port, args.exit_when_unused, args.lease_timeout_s)
 
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
@@ -245,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(func=func)
     sub.choices["config"].add_argument("--world-size", type=int, default=1,
                                        help="check batch and mesh fit this many ranks")
+    sub.choices["config"].add_argument("--reference", action="store_true",
+                                       help="print every field as Markdown (docs/config.md)")
     hp = sub.choices["health"]
     hp.add_argument("--gate", action="store_true",
                     help="preflight: a fatal finding excludes this node from the run (exit 76)")
@@ -257,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="address to listen on (default: this host only); on a cluster, "
                             "the address the nodes reach this host at")
     store.add_argument("--port", type=int, default=29400)
+    store.add_argument("--exit-when-unused", action="store_true",
+                       help="end once every `llmtrain launch` that used it has ended (a "
+                            "store run as one task of the job, as the torchx component does)")
+    store.add_argument("--lease-timeout-s", type=float, default=30.0,
+                       help="a launcher silent this long counts as ended (its node died)")
     store.set_defaults(func=cmd_rdzv_store)
     ch = sub.add_parser("chaos", help="inject the fault matrix into a running job; verdicts")
     ch.add_argument("--workdir", default="runs/chaos", help="a new directory for the run")

@@ -36,18 +36,23 @@ def _f(default: Any, *, choices: tuple | None = None, ge: float | None = None,
 class ModelConfig:
     """Shape of the Llama-3-style decoder."""
     name: str = _f("debug", doc="label used in logs")
-    dim: int = _f(256, ge=8)
-    n_layers: int = _f(4, ge=1)
-    n_heads: int = _f(8, ge=1)
+    dim: int = _f(256, ge=8, doc="hidden size (width of the residual stream)")
+    n_layers: int = _f(4, ge=1, doc="transformer blocks")
+    n_heads: int = _f(8, ge=1, doc="attention heads; must divide dim into an even head size")
     n_kv_heads: int = _f(4, ge=1, doc="grouped-query attention: must divide n_heads")
-    vocab_size: int = _f(256, ge=2)
-    ffn_dim_multiplier: float = _f(1.0, gt=0)
+    vocab_size: int = _f(256, ge=2,
+                         doc="token ids the embedding holds; at least the tokenizer's vocabulary")
+    ffn_dim_multiplier: float = _f(1.0, gt=0,
+                                   doc="scales the SwiGLU hidden size (Llama 3's 8/3 x dim rule)")
     multiple_of: int = _f(64, ge=1, doc="SwiGLU hidden size is rounded up to this")
-    norm_eps: float = _f(1e-5, gt=0)
-    rope_theta: float = _f(500000.0, gt=0)
-    max_seq_len: int = _f(2048, ge=1)
-    tie_embeddings: bool = _f(False)
-    init_std: float = _f(0.02, gt=0)
+    norm_eps: float = _f(1e-5, gt=0, doc="RMSNorm epsilon")
+    rope_theta: float = _f(500000.0, gt=0, doc="rotary embedding base")
+    max_seq_len: int = _f(2048, ge=1,
+                          doc="longest sequence the rotary tables cover; data.seq_len <= this")
+    tie_embeddings: bool = _f(False, doc="share the input embedding with the output projection")
+    init_std: float = _f(0.02, gt=0,
+                         doc="standard deviation of the weight init (the residual "
+                             "projections': this / sqrt(2 n_layers))")
 
 
 @dataclass
@@ -57,7 +62,7 @@ class DataConfig:
                      doc="embedded: the Python stdlib sources, byte-tokenized into the run dir; "
                          "tokens: pre-tokenized shards under data.path")
     path: str = _f("", doc="fsspec URL of a directory of *.bin token shards (source=tokens)")
-    seq_len: int = _f(256, ge=1)
+    seq_len: int = _f(256, ge=1, doc="tokens per training sequence")
     seed: int = _f(0, ge=0, doc="seeds the per-epoch sample order")
     prefetch: int = _f(2, ge=0, doc="steps of batches a background thread reads ahead; 0: "
                                     "read each step's batch when it starts")
@@ -68,17 +73,25 @@ class DataConfig:
 @dataclass
 class ParallelismConfig:
     """Devices, process groups and how the model is sharded."""
-    device: str = _f("auto", choices=("auto", "cpu", "cuda"))
+    device: str = _f("auto", choices=("auto", "cpu", "cuda"),
+                     doc="auto: CUDA when a GPU is visible, else CPU")
     backend: str = _f("auto", choices=("auto", "gloo", "nccl"),
                       doc="auto: nccl on cuda, gloo on cpu")
     dp_replicate: int = _f(1, ge=1, doc="replica groups (HSDP); 1 is plain FSDP")
     dp_shard: int = _f(-1, ge=-1, doc="ranks each parameter is sharded over; -1: the rest")
-    param_dtype: str = _f("bfloat16", choices=("bfloat16", "float32"))
-    reduce_dtype: str = _f("float32", choices=("float32", "bfloat16"))
-    reshard_after_forward: bool = _f(True)
+    param_dtype: str = _f("bfloat16", choices=("bfloat16", "float32"),
+                          doc="dtype of the gathered parameters in forward/backward (the sharded "
+                              "master copy stays float32)")
+    reduce_dtype: str = _f("float32", choices=("float32", "bfloat16"),
+                           doc="dtype of the gradient reduce-scatter")
+    reshard_after_forward: bool = _f(True,
+                                     doc="free gathered parameters after each block's forward "
+                                         "(less memory, one more all-gather)")
     fp8: str = _f("none", choices=("none", "tensorwise", "rowwise", "rowwise_with_gw_hp"),
                   doc="torchao float8 training recipe")
-    activation_checkpoint: str = _f("none", choices=("none", "full", "selective"))
+    activation_checkpoint: str = _f("none", choices=("none", "full", "selective"),
+                                    doc="recompute activations in backward: every block (full) or "
+                                        "the cheap ops only (selective)")
     compile: bool = _f(False, doc="torch.compile each transformer block")
     deterministic: bool = _f(False, doc="CUDA: deterministic kernels (cuBLAS, cuDNN, "
                              "torch.use_deterministic_algorithms) and NCCL pinned to "
@@ -92,16 +105,16 @@ class ParallelismConfig:
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup and cosine decay."""
-    lr: float = _f(3e-4, gt=0)
-    min_lr_ratio: float = _f(0.1, ge=0, le=1)
-    warmup_steps: int = _f(100, ge=0)
+    lr: float = _f(3e-4, gt=0, doc="peak learning rate, reached after warmup_steps")
+    min_lr_ratio: float = _f(0.1, ge=0, le=1, doc="the cosine decay ends at lr x this")
+    warmup_steps: int = _f(100, ge=0, doc="steps of linear warmup from 0 to lr")
     decay_steps: int = _f(0, ge=0, doc="the step the cosine decay ends at; 0: training.steps "
                                        "(set it to keep a schedule when the run's length "
                                        "changes)")
-    weight_decay: float = _f(0.1, ge=0)
-    beta1: float = _f(0.9, ge=0, lt=1)
-    beta2: float = _f(0.95, ge=0, lt=1)
-    eps: float = _f(1e-8, gt=0)
+    weight_decay: float = _f(0.1, ge=0, doc="AdamW decoupled weight decay")
+    beta1: float = _f(0.9, ge=0, lt=1, doc="AdamW first-moment decay")
+    beta2: float = _f(0.95, ge=0, lt=1, doc="AdamW second-moment decay")
+    eps: float = _f(1e-8, gt=0, doc="AdamW epsilon")
     max_grad_norm: float = _f(1.0, ge=0, doc="0 disables clipping")
 
 
@@ -109,7 +122,7 @@ class OptimConfig:
 class TrainingConfig:
     """The run: where it lives, how long, and its batch."""
     run_dir: str = _f("runs/debug_cpu", doc="fsspec URL of the run's directory")
-    steps: int = _f(300, ge=1)
+    steps: int = _f(300, ge=1, doc="optimizer steps the run trains for")
     global_batch_size: int = _f(32, ge=1, doc="sequences per optimizer step, at any world size")
     micro_batch_size: int = _f(8, ge=1, doc="sequences per rank per forward pass")
     seed: int = _f(0, ge=0, doc="seeds weight init and every RNG")
@@ -118,7 +131,7 @@ class TrainingConfig:
 @dataclass
 class CheckpointConfig:
     """When and where checkpoints go, how many stay, and how a run resumes."""
-    enable: bool = _f(True)
+    enable: bool = _f(True, doc="save checkpoints (and resume from them)")
     url: str = _f("", doc="fsspec URL of the checkpoint directory; empty: <run_dir>/checkpoints")
     interval_steps: int = _f(100, ge=0, doc="save every N steps; 0: not by steps")
     interval_seconds: float = _f(0.0, ge=0, doc="save every T seconds; 0: not by time")
@@ -179,7 +192,10 @@ class ReliabilityConfig:
                                              "floor_s, hang_timeout_s]; 0: always "
                                              "hang_timeout_s")
     hang_timeout_floor_s: float = _f(5.0, gt=0, doc="the learned hang timeout's least value")
-    heartbeat_interval_s: float = _f(1.0, gt=0)
+    heartbeat_interval_s: float = _f(1.0, gt=0,
+                                     doc="seconds between a rank's heartbeats to the store; a "
+                                         "frozen rank is named 1.5 of them after its peers wait "
+                                         "for it")
     dump_timeout_s: float = _f(10.0, gt=0, doc="how long the report waits for ranks' dumps")
     flight_recorder_entries: int = _f(2000, ge=0, doc="collectives each rank remembers")
     desync_debug: bool = _f(False, doc="check every collective's op, shape and dtype "
@@ -214,7 +230,9 @@ class IntegrityConfig:
     spike_z: float = _f(8.0, ge=0, doc="a loss this many robust deviations (MAD) above "
                                        "the window's median is a spike; 0: off")
     spike_window: int = _f(64, ge=4, doc="steps the spike statistic and max_bad_steps look at")
-    on_spike: str = _f("skip", choices=("skip", "rollback", "stop", "warn"))
+    on_spike: str = _f("skip", choices=("skip", "rollback", "stop", "warn"),
+                       doc="a loss spike is never applied; then: go on, roll back, stop, or (warn) "
+                           "apply it and only log it")
     max_bad_steps: int = _f(8, ge=1, doc="this many skipped steps within spike_window: the "
                                          "run has diverged and stops (exit 78)")
     rollback_skip: int = _f(1, ge=1, doc="batches skipped after a rollback, ending with "
@@ -236,9 +254,11 @@ class IntegrityConfig:
 class WarmConfig:
     """The warm path: survivors of a lost rank keep their processes and re-form the group
     with a warm spare, restoring state from in-memory snapshots (llmtrain/recovery/)."""
-    enable: bool = _f(False, doc="recover from a lost rank in memory, with a warm spare; "
-                                 "needs the rendezvous store outside the workers "
-                                 "(llmtrain launch --external-store)")
+    enable: bool = _f(True, doc="recover from a lost rank in memory, with a warm spare; "
+                                "needs the rendezvous store outside the workers "
+                                "(llmtrain launch --external-store). Without one, or on "
+                                "NCCL settings that defeat it, the run goes cold and says "
+                                "why once")
     snapshot_every: int = _f(1, ge=1, doc="steps between in-memory snapshots at the least "
                                           "(each also replicated to a buddy rank on the "
                                           "next node)")
@@ -275,7 +295,7 @@ class HealthConfig:
     xid_warn: str = _f("63,92,94", doc="XIDs that only warn")
     xid_window_s: float = _f(3600.0, gt=0, doc="how far back the kernel log counts")
     max_aggregate_uce: int = _f(0, ge=0, doc="lifetime uncorrectable ECC errors before a warning")
-    max_temperature_c: float = _f(87.0, gt=0)
+    max_temperature_c: float = _f(87.0, gt=0, doc="GPU temperature above which the check warns")
     nvlink_error_threshold: int = _f(100, ge=0, doc="replay/recovery/CRC errors before a warning")
     pcie_degraded: str = _f("warn", choices=("warn", "fatal"), doc="a link below its max width")
     stray_processes: str = _f("fatal", choices=("warn", "fatal"),
@@ -411,6 +431,35 @@ class JobConfig:
         step_ranges("integrity.skip_steps", self.integrity.skip_steps)
         self.mesh_shape(world_size)
         self.accumulation_steps(world_size)
+
+
+def reference_markdown() -> str:
+    """Every field of every section as a Markdown reference (``docs/config.md``): the
+    dataclasses are the one source, so the reference cannot drift from them."""
+    out = ["# Configuration reference", "",
+           "Generated from the `Config` dataclasses in `llmtrain/config.py` by "
+           "`llmtrain config --reference > docs/config.md`; a test fails when this page is "
+           "stale. Set a field in a TOML file's `[section]` table (`--config my_run.toml`) "
+           "or on the command line as `--section.field VALUE`. `llmtrain config` prints "
+           "the resolved values.", ""]
+    for name, section in SECTIONS.items():
+        out += [f"## {name}", "", " ".join((section.__doc__ or "").split()), "",
+                "| field | type | default | allowed | what it does |",
+                "| --- | --- | --- | --- | --- |"]
+        for f in dataclasses.fields(section):
+            md = f.metadata
+            allowed = [" / ".join(f"`{c}`" for c in md["choices"])] if md.get("choices") else []
+            allowed += [f"{word} {md[op]:g}" for op, word in
+                        (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
+                        if md.get(op) is not None]
+            default = json.dumps(f.default)
+            doc = md.get("doc", "")
+            for char, escaped in (("|", "\\|"), ("*", "\\*"), ("<", "&lt;"), (">", "&gt;")):
+                doc = doc.replace(char, escaped)
+            out.append(f"| `{name}.{f.name}` | {f.type} | `{default}` | "
+                       f"{', '.join(allowed) or 'any'} | {doc} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def step_ranges(field_name: str, text: str) -> set[int]:

@@ -144,6 +144,18 @@ def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False
 
 
 def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
+    """Runs this node until the job ends for it; returns its exit code. With an external
+    store, holds a lease on it meanwhile (:mod:`llmtrain.launch.store`)."""
+    from llmtrain.launch.store import Lease  # imports torch: not at the CLI's start
+    lease = Lease(lc.rdzv_endpoint) if lc.external_store else None
+    try:
+        return _launch(cfg, lc, train_args)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     host = lc.host or socket.gethostname()
     run_dir = cfg.training.run_dir
     preflight(cfg, lc)
@@ -152,6 +164,12 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
         return gate
     started = time.time()
     events = EventLog(run_dir, rank=None)
+    off = warm_off_reason(cfg, lc, worker_env(cfg, lc, host))
+    if off:  # said once, here; the workers then go cold without saying it again
+        print(f"llmtrain launch: warm recovery is off: {off}", file=sys.stderr, flush=True)
+        events.emit("warm_path_off", host=host, reason=off)
+        cfg.warm.enable = False
+        train_args = [*train_args, "--warm.enable", "false"]
     vacancy = False  # a cold restart's round lacks a node, and this one holds its place
     if lc.standby and cfg.warm.enable and lc.external_store:
         events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id, spare="warm")
@@ -184,6 +202,27 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
     events.close()
     return code
+
+
+def warm_off_reason(cfg: JobConfig, lc: LaunchConfig, env: dict[str, str]) -> str:
+    """Why the warm path, on by default, cannot work for this node's workers, with what to
+    change (empty when it can, or when the user turned it off)."""
+    if not cfg.warm.enable:
+        return ""
+    if int(lc.nnodes.rpartition(":")[2]) == 1:
+        return ("the job has one node: a lost rank's snapshot has no replica on another "
+                "node to come back from (--warm.enable false silences this)")
+    if not lc.external_store or "LLMTRAIN_RDZV_ENDPOINT" not in env:
+        return ("the rendezvous store lives in torchrun's agents and dies with a node; run "
+                "`llmtrain rdzv-store` on a host that does not train and pass "
+                "--rdzv-endpoint HOST:PORT --external-store (or --warm.enable false)")
+    from llmtrain.distributed.process_group import backend_for, device_type
+    p = cfg.parallelism
+    if backend_for(p, device_type(p)) != "nccl":
+        return ""
+    from llmtrain.distributed.failure import nccl_problems
+    problems = nccl_problems(env)
+    return "; ".join(problems) + " (or --warm.enable false)" if problems else ""
 
 
 def worker_env(cfg: JobConfig, lc: LaunchConfig, host: str) -> dict[str, str]:

@@ -1,12 +1,30 @@
-"""The rendezvous store as a process of its own (``llmtrain rdzv-store``)."""
+"""The rendezvous store as a process of its own (``llmtrain rdzv-store``), and the leases
+that tell a store serving one job when that job is over.
+
+A scheduler that runs the store as one more task of the job (the torchx component) needs
+the store to end by itself, or the job never completes. The store cannot count its
+clients (TCPStore does not say), and the run's own end is not enough: a job whose every
+node failed its gate or its config never ends a run. So each ``llmtrain launch`` holds a
+lease in the store: a counter it bumps every ``LEASE_BEAT_S`` while it lives, and a mark
+when it exits. Once every lease taken is marked or has not moved for ``stale_s`` (its
+node died with it), no launcher needs the store, and ``--exit-when-unused`` ends it.
+"""
 
 from __future__ import annotations
 
 import datetime
 import signal
 import socket
+import sys
+import threading
+import time
 
 import torch.distributed as dist
+
+from llmtrain.config import ConfigError
+
+LEASES = "llmtrain/leases"
+LEASE_BEAT_S = 2.0
 
 
 def store_server(host: str, port: int) -> dist.TCPStore:
@@ -26,10 +44,106 @@ def store_server(host: str, port: int) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=300))
 
 
-def serve_store(host: str, port: int) -> None:
+def serve_store(host: str, port: int, exit_when_unused: bool = False,
+                stale_s: float = 30.0, first_within_s: float = 600.0) -> int:
     """A rendezvous store in its own process, so no training node is a single point of
-    failure for the rendezvous (torchrun agents connect with ``is_host=0``)."""
+    failure for the rendezvous (torchrun agents connect with ``is_host=0``). It serves
+    until SIGTERM/SIGINT, or with ``exit_when_unused`` until every launcher that took a
+    lease has ended (:class:`Leases`), or none came within ``first_within_s`` (every node
+    failed before it could take one): then it exits 1."""
+    if exit_when_unused and stale_s < 2 * LEASE_BEAT_S:
+        raise ConfigError(f"--lease-timeout-s {stale_s:g} is too short: launchers beat every "
+                          f"{LEASE_BEAT_S:g} s, so a live one would count as ended; give at "
+                          f"least {2 * LEASE_BEAT_S:g}")
+    signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     store = store_server(host, port)
     print(f"llmtrain rdzv-store: serving {host}:{store.port}", flush=True)
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    here = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+    leases = Leases(dist.TCPStore(here, store.port, is_master=False, use_libuv=True),
+                    stale_s) if exit_when_unused else None
+    started = time.monotonic()
+    while signal.sigtimedwait(signals, LEASE_BEAT_S) is None:
+        if leases is None:
+            continue
+        if leases.all_ended():
+            print(f"llmtrain rdzv-store: all {leases.taken} launcher(s) ended; exiting",
+                  flush=True)
+            break
+        if not leases.taken and time.monotonic() - started > first_within_s:
+            print(f"llmtrain rdzv-store: no llmtrain launch came within {first_within_s:g} s; "
+                  f"exiting (check the nodes' logs)", file=sys.stderr, flush=True)
+            return 1
     del store
+    return 0
+
+
+class Lease(threading.Thread):
+    """One launcher's lease on the store at ``endpoint`` (HOST:PORT), taken before the
+    launcher does anything else (so that a launcher that fails at once still counts),
+    then beaten on a thread of its own; :meth:`release` marks it ended. A store that
+    cannot be reached only delays the lease: the launcher's own work does not wait on it."""
+
+    def __init__(self, endpoint: str, connect_timeout_s: float = 60.0):
+        super().__init__(name="llmtrain-lease", daemon=True)
+        self.endpoint, self.timeout_s = endpoint, connect_timeout_s
+        self.store: dist.Store | None = None
+        self.key: str | None = None
+        self.stop = threading.Event()
+        self._take()
+        self.start()
+
+    def _take(self) -> None:
+        host, _, port = self.endpoint.rpartition(":")
+        try:
+            self.store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                                       timeout=datetime.timedelta(seconds=self.timeout_s))
+            self.key = f"{LEASES}/{self.store.add(f'{LEASES}/taken', 1)}"
+        except (RuntimeError, ValueError):  # DistError is a RuntimeError
+            self.store = None
+
+    def run(self) -> None:
+        while not self.stop.wait(LEASE_BEAT_S):
+            if self.key is None:
+                self._take()
+                continue
+            try:
+                self.store.add(f"{self.key}/beats", 1)
+            except RuntimeError:
+                pass  # a stalled store: the next beat tries again
+
+    def release(self) -> None:
+        self.stop.set()
+        self.join(timeout=self.timeout_s)
+        if self.key is not None:
+            try:
+                self.store.add(f"{self.key}/ended", 1)
+            except RuntimeError:
+                pass  # the store is gone: nothing is left to tell
+
+
+class Leases:
+    """The leases taken on a store, as the store's own process reads them (two requests a
+    lease at each look): whether every one has ended, by its mark or by ``stale_s``
+    without a beat (measured on this process's clock, so hosts' clocks do not matter)."""
+
+    def __init__(self, store: dist.Store, stale_s: float):
+        self.store, self.stale_s = store, stale_s
+        self.taken = 0
+        self.moved: dict[int, tuple[int, float]] = {}  # lease -> (beats, when they changed)
+
+    def all_ended(self) -> bool:
+        self.taken = int(self.store.add(f"{LEASES}/taken", 0))
+        now = time.monotonic()
+        live = 0
+        for i in range(1, self.taken + 1):
+            if self.store.add(f"{LEASES}/{i}/ended", 0):
+                continue
+            beats = int(self.store.add(f"{LEASES}/{i}/beats", 0))
+            last, since = self.moved.get(i, (-1, now))
+            if beats != last:
+                self.moved[i] = (beats, now)
+            elif now - since >= self.stale_s:
+                continue
+            live += 1
+        return self.taken > 0 and live == 0

@@ -28,7 +28,8 @@ def test_a_partitioned_rank_that_comes_back_is_fenced_out_of_the_checkpoints(clu
     c = cluster("2:2", ("--training.steps", str(STEPS), "--checkpoint.interval_steps", "10",
                         "--checkpoint.keep_last", "10", "--checkpoint.url", str(ckpt),
                         "--metrics.address", "127.0.0.1", "--metrics.port", "0",
-                        "--health.monitor", "false", "--reliability.faults", "env"),
+                        "--health.monitor", "false", "--reliability.faults", "env",
+                        "--warm.enable", "false"),  # the fence under a cold restart
                 env={"LLMTRAIN_FAULTS_FILE": str(faults)}, network=network, max_restarts=3)
     for name in ("node1", "node2"):
         c.start(name)

@@ -69,19 +69,22 @@ def test_torchx_local_cwd_trains_the_debug_model_to_completion(tmp_path):
 
 @pytest.mark.slow
 def test_torchx_two_nodes_and_a_spare_finish_cleanly(tmp_path):
-    """Three replicas on this machine, each its own node; two train, the spare stands by
-    and is released when the run ends, and every replica exits 0."""
+    """Three replicas on this machine, each its own node, and the store role; two train,
+    the spare waits warm (the default: the store role is outside every node), and every
+    replica exits 0, the store once the launchers have ended."""
     run = tmp_path / "run"
     rc, out = torchx_run(tmp_path, "--nodes", "2", "--spares", "1", "--host", "node{replica_id}",
-                         "--rdzv_port", str(free_port()), "--run_dir", str(run),
-                         train=("--training.steps", "20", *TRAIN))
+                         "--rdzv_port", str(free_port()), "--rdzv_bind", "127.0.0.1",
+                         "--run_dir", str(run), train=("--training.steps", "20", *TRAIN))
     # the training itself is right whatever the spare does
     assert_trained(run, 20, out)
     assert [e["world_size"] for e in events(run, "attempt_start")] == [2]
-    assert sorted(e["host"] for e in events(run, "node_launch")) == ["node0", "node1"]
-    assert [e["host"] for e in events(run, "spare_released")] == ["node2"]
+    launches = {e["host"]: e.get("spare") for e in events(run, "node_launch")}
+    assert launches == {"node0": None, "node1": None, "node2": "warm"}, launches
+    assert not events(run, "warm_path_off")
     exits = {e["host"]: e["exit_code"] for e in events(run, "node_exit")}
-    assert rc == 0 and exits == {"node0": 0, "node1": 0}, (exits, out[-6000:])
+    assert exits == {"node0": 0, "node1": 0, "node2": 0}, (exits, out[-6000:])
+    assert rc == 0 and "all 3 launcher(s) ended; exiting" in out, out[-6000:]
 
 
 def dryrun(scheduler: str, *component_args: str, cfg: dict | None = None):
@@ -94,8 +97,11 @@ def test_dryrun_two_nodes_and_a_spare(tmp_path):
     info = dryrun("local_cwd", "--nodes", "2", "--spares", "1", "--max_restarts", "5",
                   "--max_retries", "2", "--host", "node{replica_id}", "--run_dir", "/shared/r",
                   "--", "--training.steps", "7", cfg={"log_dir": str(tmp_path)})
-    (role,) = info._app.roles
+    store, role = info._app.roles
     assert (role.num_replicas, role.min_replicas, role.max_retries) == (3, 2, 2)
+    assert (store.name, store.num_replicas, store.resource.gpu) == ("store", 1, 0)
+    assert store.args[1] == "exec llmtrain rdzv-store --bind 0.0.0.0 --port 29500 " \
+                            "--exit-when-unused"
     replicas = info.request.role_params[role.name]
     assert len(replicas) == 3
 
@@ -111,17 +117,17 @@ def test_dryrun_two_nodes_and_a_spare(tmp_path):
         argv = json.loads(subprocess.run(replica.args, env=env, capture_output=True, text=True,
                                          check=True).stdout)
         assert ("--standby" in argv) == (i >= 2)  # the third replica is the spare
-        argv = [a for a in argv if a != "--standby"]
+        assert "--external-store" in argv  # the warm path's condition
+        argv = [a for a in argv if a not in ("--standby", "--external-store")]
         opts = dict(zip(argv[1::2], argv[2::2]))
         assert argv[0] == "launch"
         assert opts["--nnodes"] == "2:2" and opts["--nproc-per-node"] == "1"
         assert opts["--max-restarts"] == "5"
-        assert opts["--rdzv-endpoint"] == "localhost:29500"  # the first replica's host
+        assert opts["--rdzv-endpoint"] == "localhost:29500"  # the store role's host
         assert opts["--rdzv-id"] == info.request.app_id
         assert opts["--host"] == f"node{i}"
         assert opts["--config"] == "debug_cpu" and opts["--training.run_dir"] == "/shared/r"
         assert argv[-2:] == ["--training.steps", "7"]
-        assert "--external-store" not in argv
 
 
 def test_dryrun_single_node_external_store_and_defaults():
@@ -141,8 +147,8 @@ def test_dryrun_slurm_one_het_group_per_replica_with_gpus():
     info = dryrun("slurm", "--nodes", "2", "--spares", "1", "--gpu", "8", "--max_retries", "2",
                   "--config", "llama3_8b", "--run_dir", "/shared/runs/8b")
     script = info.request.materialize()
-    assert script.count("#SBATCH hetjob") == 2  # three groups
-    assert script.count("--gpus-per-task=8") == 3
+    assert script.count("#SBATCH hetjob") == 3  # the store's group, then three nodes'
+    assert script.count("--gpus-per-task=8") == 3 and "--exit-when-unused" in script
     assert "export TORCHX_MAX_RETRIES=2" in script
     assert script.count("--nproc-per-node 8") == 3  # one rank per GPU
     assert script.count("--metrics.address 0.0.0.0") == 3  # scraped from another host

@@ -17,8 +17,8 @@ from llmtrain.reliability.health.exclusion import excluded_hosts
 
 STEPS = 45
 TRAIN = ("--training.steps", str(STEPS), "--checkpoint.interval_steps", "20",
-         "--metrics.log_every", "5", "--metrics.address", "127.0.0.1", "--metrics.port", "0",
-         "--warm.enable", "true")
+         "--metrics.log_every", "5", "--metrics.address", "127.0.0.1", "--metrics.port", "0")
+# No --warm.enable: the warm path is the default under `llmtrain launch --external-store`.
 
 
 @pytest.fixture(scope="module")

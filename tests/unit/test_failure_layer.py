@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch, broke_a_collective, nccl_problems
 from llmtrain.distributed.nccl_env import WARM_NCCL_ENV
-from llmtrain.launch.node import LaunchConfig, worker_env
+from llmtrain.launch.node import LaunchConfig, warm_off_reason, worker_env
 
 
 def test_a_warm_launch_gives_its_workers_the_nccl_settings(monkeypatch):
@@ -27,16 +27,36 @@ def test_a_warm_launch_gives_its_workers_the_nccl_settings(monkeypatch):
     monkeypatch.delenv("TORCH_NCCL_RETHROW_CUDA_ERRORS", raising=False)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")  # the user's: kept
     lc = LaunchConfig(rdzv_endpoint="127.0.0.1:29999", external_store=True)
-    warm = JobConfig()
-    warm.warm.enable = True
-    env = worker_env(warm, lc, "node1")
+    env = worker_env(JobConfig(), lc, "node1")  # the warm path is on by default
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
     assert env["TORCH_NCCL_RETHROW_CUDA_ERRORS"] == "0"
     assert env["NCCL_NVLS_ENABLE"] == "1"
     assert nccl_problems(env, version=(2, 27, 7)) == []
-    cold = worker_env(JobConfig(), lc, "node1")
+    off = JobConfig()
+    off.warm.enable = False
+    cold = worker_env(off, lc, "node1")
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in cold
     assert set(WARM_NCCL_ENV) - {"NCCL_NVLS_ENABLE"} <= set(env)
+
+
+def test_the_launcher_says_why_the_default_warm_path_cannot_work():
+    """On by default, the warm path needs a store outside the agents, and on NCCL settings
+    that let survivors live; the launcher names what is missing and what to change."""
+    cfg = JobConfig()
+    alone = LaunchConfig(rdzv_endpoint="127.0.0.1:29999", external_store=True)  # 1 node
+    assert "one node" in warm_off_reason(cfg, alone, worker_env(cfg, alone, "node1"))
+    inside = LaunchConfig(nnodes="1:2", rdzv_endpoint="127.0.0.1:29999")
+    reason = warm_off_reason(cfg, inside, worker_env(cfg, inside, "node1"))
+    assert "--external-store" in reason and "--warm.enable false" in reason
+    outside = LaunchConfig(nnodes="2", rdzv_endpoint="127.0.0.1:29999", external_store=True)
+    assert warm_off_reason(cfg, outside, worker_env(cfg, outside, "node1")) == ""  # gloo
+    cfg.parallelism.backend = "nccl"
+    env = worker_env(cfg, outside, "node1")
+    assert warm_off_reason(cfg, outside, env) == ""
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # torchrun's TearDown, set by the user
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in warm_off_reason(cfg, outside, env)
+    cfg.warm.enable = False  # turned off: nothing to say
+    assert warm_off_reason(cfg, inside, worker_env(cfg, inside, "node1")) == ""
 
 
 def test_settings_that_defeat_the_warm_path_on_nccl_are_named():
