@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: train test bench gpu-check clean
+.PHONY: train test bench gpu-check docs clean
 
 $(BIN)/llmtrain: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,5 +45,10 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/data_prepare.py
 
+# docs/config.md from the Config dataclasses, then the site (site/), as the tests check it
+docs: $(BIN)/llmtrain
+	$(BIN)/llmtrain config --reference > docs/config.md
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache site

@@ -55,15 +55,18 @@ def serve_store(host: str, port: int, exit_when_unused: bool = False,
         raise ConfigError(f"--lease-timeout-s {stale_s:g} is too short: launchers beat every "
                           f"{LEASE_BEAT_S:g} s, so a live one would count as ended; give at "
                           f"least {2 * LEASE_BEAT_S:g}")
-    signals = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    # Handlers, not sigtimedwait: in this process (TCPStore's threads running), a SIGCONT
+    # after a SIGSTOP (a stalled store) made sigtimedwait return a garbled SIGINT.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     store = store_server(host, port)
     print(f"llmtrain rdzv-store: serving {host}:{store.port}", flush=True)
     here = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     leases = Leases(dist.TCPStore(here, store.port, is_master=False, use_libuv=True),
                     stale_s) if exit_when_unused else None
     started = time.monotonic()
-    while signal.sigtimedwait(signals, LEASE_BEAT_S) is None:
+    while not stop.wait(LEASE_BEAT_S):
         if leases is None:
             continue
         if leases.all_ended():
@@ -79,47 +82,38 @@ def serve_store(host: str, port: int, exit_when_unused: bool = False,
 
 
 class Lease(threading.Thread):
-    """One launcher's lease on the store at ``endpoint`` (HOST:PORT), taken before the
-    launcher does anything else (so that a launcher that fails at once still counts),
-    then beaten on a thread of its own; :meth:`release` marks it ended. A store that
-    cannot be reached only delays the lease: the launcher's own work does not wait on it."""
+    """One launcher's lease on the store at ``endpoint`` (HOST:PORT): taken, beaten and
+    ended on a thread of its own, with short timeouts, so that a store that is slow, not
+    up yet or stalled never holds the launcher up (a lease it could not end goes stale
+    instead). :meth:`release` gives it ``wait_s`` to say the launcher ended."""
 
-    def __init__(self, endpoint: str, connect_timeout_s: float = 60.0):
+    def __init__(self, endpoint: str, timeout_s: float = 5.0):
         super().__init__(name="llmtrain-lease", daemon=True)
-        self.endpoint, self.timeout_s = endpoint, connect_timeout_s
+        self.endpoint, self.timeout_s = endpoint, timeout_s
         self.store: dist.Store | None = None
         self.key: str | None = None
         self.stop = threading.Event()
-        self._take()
         self.start()
 
-    def _take(self) -> None:
-        host, _, port = self.endpoint.rpartition(":")
-        try:
-            self.store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
-                                       timeout=datetime.timedelta(seconds=self.timeout_s))
-            self.key = f"{LEASES}/{self.store.add(f'{LEASES}/taken', 1)}"
-        except (RuntimeError, ValueError):  # DistError is a RuntimeError
-            self.store = None
-
     def run(self) -> None:
-        while not self.stop.wait(LEASE_BEAT_S):
-            if self.key is None:
-                self._take()
-                continue
+        host, _, port = self.endpoint.rpartition(":")
+        while True:
+            ending = self.stop.is_set()
             try:
-                self.store.add(f"{self.key}/beats", 1)
-            except RuntimeError:
-                pass  # a stalled store: the next beat tries again
+                if self.key is None:
+                    self.store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                                               timeout=datetime.timedelta(seconds=self.timeout_s))
+                    self.key = f"{LEASES}/{self.store.add(f'{LEASES}/taken', 1)}"
+                self.store.add(f"{self.key}/{'ended' if ending else 'beats'}", 1)
+            except (RuntimeError, ValueError):  # DistError is a RuntimeError
+                pass  # not up yet, or stalled: the next beat tries again
+            if ending:
+                return
+            self.stop.wait(LEASE_BEAT_S)
 
-    def release(self) -> None:
+    def release(self, wait_s: float = 2.0) -> None:
         self.stop.set()
-        self.join(timeout=self.timeout_s)
-        if self.key is not None:
-            try:
-                self.store.add(f"{self.key}/ended", 1)
-            except RuntimeError:
-                pass  # the store is gone: nothing is left to tell
+        self.join(timeout=wait_s)
 
 
 class Leases:
