@@ -100,7 +100,7 @@ def final_checkpoint_ok(run: Path, step: int = STEPS) -> None:
 def test_a_training_node_set_down_is_replaced_by_the_spare_and_the_job_completes(
         slurm_cluster, tmp_path):  # noqa: F811
     cluster = slurm_cluster(nodes=4)  # n1: batch host + store; 2 training nodes; 1 spare
-    steps = 200  # about 15 s of training left after step 20 for the fault and the recovery
+    steps = 150  # about 10 s of training left after step 20 for the fault and the recovery
     job = Job(cluster, tmp_path, 4, train_nodes=2, spare_nodes=1,
               train_args=(*TRAIN, "--checkpoint.interval_steps", "20",
                           "--training.steps", str(steps)))

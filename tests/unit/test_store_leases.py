@@ -15,7 +15,7 @@ def test_the_store_ends_once_every_launcher_has_released_or_died():
     port = free_port()
     store = subprocess.Popen([sys.executable, "-m", "llmtrain", "rdzv-store", "--bind",
                               "127.0.0.1", "--port", str(port), "--exit-when-unused",
-                              "--lease-timeout-s", "5"], stdout=subprocess.PIPE, text=True)
+                              "--lease-timeout-s", "4"], stdout=subprocess.PIPE, text=True)
     holder = None
     try:
         assert store.stdout.readline().startswith("llmtrain rdzv-store: serving")
@@ -28,7 +28,7 @@ def test_the_store_ends_once_every_launcher_has_released_or_died():
         mine = Lease(f"127.0.0.1:{port}")
         time.sleep(1)
         mine.release()  # one launcher ended and said so; the other still beats
-        time.sleep(6)  # three beats, more than the lease timeout
+        time.sleep(5)  # more than the lease timeout: the live launcher's beats count
         assert store.poll() is None, "the store ended while a launcher lived"
         holder.send_signal(signal.SIGKILL)  # its node is gone: no release, no more beats
         killed = time.monotonic()
@@ -36,7 +36,7 @@ def test_the_store_ends_once_every_launcher_has_released_or_died():
         assert store.returncode == 0
         assert "all 2 launcher(s) ended" in out
         # the dead lease counts once it has been silent for the timeout, not before
-        assert 5 <= time.monotonic() - killed < 20
+        assert 4 <= time.monotonic() - killed < 20
     finally:
         for p in (holder, store):
             if p is not None and p.poll() is None:
