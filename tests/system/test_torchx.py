@@ -65,6 +65,10 @@ def test_torchx_local_cwd_trains_the_debug_model_to_completion(tmp_path):
     assert launch["nnodes"] == "1:1" and launch["rdzv_id"].startswith("llmtrain-")
     assert [e["exit_code"] for e in events(run, "node_exit")] == [0]
     assert [e["world_size"] for e in events(run, "attempt_start")] == [2]
+    # one node cannot recover warm: its launcher says so once and its workers go cold
+    assert out.count("warm recovery is off: the job has one node") == 1, out[-4000:]
+    (off,) = events(run, "warm_path_off")
+    assert off["rank"] is None and off["host"] == launch["host"]
 
 
 @pytest.mark.slow
