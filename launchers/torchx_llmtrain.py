@@ -168,34 +168,18 @@ def train(
            # of the replica's network; `-- --metrics.address ADDR` narrows it.
            "--metrics.address", "0.0.0.0",
            *(shlex.quote(a) for a in (args[1:] if args[:1] == ("--",) else args))]
-    roles = [specs.Role(
-        name=STORE_ROLE,
-        image=image,
-        entrypoint="bash",
-        args=["-c", f"exec llmtrain rdzv-store --bind {shlex.quote(rdzv_bind)} "
-                    f"--port {rdzv_port} --exit-when-unused"],
-        num_replicas=1,
-        max_retries=max_retries,
-        resource=specs.Resource(cpu=1, gpu=0, memMB=2048),
-        env={"PYTHONUNBUFFERED": "1", **(env or {})},
-        port_map={"c10d": rdzv_port},
-        mounts=specs.parse_mounts(mounts) if mounts else [],
-    )] if store_role else []
-    return specs.AppDef(
-        name=name,
-        roles=roles + [specs.Role(
-            name=ROLE,
-            image=image,
-            entrypoint="bash",
-            args=["-c", " ".join(cmd)],
-            num_replicas=replicas,
-            min_replicas=min_nodes,
-            max_retries=max_retries,
-            resource=resource,
-            env={"PYTHONUNBUFFERED": "1", **(env or {})},
-            mounts=specs.parse_mounts(mounts) if mounts else [],
-        )],
-    )
+    def role(role_name: str, command: str, **kwargs) -> specs.Role:
+        return specs.Role(name=role_name, image=image, entrypoint="bash", args=["-c", command],
+                          max_retries=max_retries, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                          mounts=specs.parse_mounts(mounts) if mounts else [], **kwargs)
+
+    roles = [role(STORE_ROLE, f"exec llmtrain rdzv-store --bind {shlex.quote(rdzv_bind)} "
+                              f"--port {rdzv_port} --exit-when-unused",
+                  num_replicas=1, resource=specs.Resource(cpu=1, gpu=0, memMB=2048),
+                  port_map={"c10d": rdzv_port})] if store_role else []
+    roles.append(role(ROLE, " ".join(cmd), num_replicas=replicas, min_replicas=min_nodes,
+                      resource=resource))
+    return specs.AppDef(name=name, roles=roles)
 
 
 def _host_word(template: str) -> str:

@@ -68,11 +68,17 @@ class LaunchConfig:
     monitor_interval_s: float = 1.0
 
     @property
+    def node_range(self) -> tuple[int, int]:
+        """(MIN, MAX) nodes of ``nnodes``; N is N:N."""
+        lo, _, hi = self.nnodes.partition(":")
+        return int(lo), int(hi or lo)
+
+    @property
     def world_sizes(self) -> list[int]:
         """Every world size the job may run at: a node lost without a spare shrinks it by
         one node, down to MIN."""
-        lo, _, hi = self.nnodes.partition(":")
-        return [n * self.nproc_per_node for n in range(int(lo), int(hi or lo) + 1)]
+        lo, hi = self.node_range
+        return [n * self.nproc_per_node for n in range(lo, hi + 1)]
 
 
 def preflight(cfg: JobConfig, lc: LaunchConfig) -> None:
@@ -209,7 +215,7 @@ def warm_off_reason(cfg: JobConfig, lc: LaunchConfig, env: dict[str, str]) -> st
     change (empty when it can, or when the user turned it off)."""
     if not cfg.warm.enable:
         return ""
-    if int(lc.nnodes.rpartition(":")[2]) == 1:
+    if lc.node_range[1] == 1:
         return ("the job has one node: a lost rank's snapshot has no replica on another "
                 "node to come back from (--warm.enable false silences this)")
     if not lc.external_store or "LLMTRAIN_RDZV_ENDPOINT" not in env:
@@ -316,8 +322,7 @@ class Vacancies:
                                    timeout=datetime.timedelta(seconds=lc.join_timeout_s))
         self.backend = C10dRendezvousBackend(self.store, lc.rdzv_id)
         self.rdzv_id, self.restarts_only = lc.rdzv_id, restarts_only
-        lo, _, hi = lc.nnodes.partition(":")
-        self.min_nodes, self.max_nodes = int(lo), int(hi or lo)
+        self.min_nodes, self.max_nodes = lc.node_range
         self.short_since: float | None = None
         self.refused: str | None = None  # the round whose places other spares took
 

@@ -1,6 +1,7 @@
 """The documentation cannot rot: the site builds with no warning, the configuration
 reference is the code's, the README stays a front page, and every link in it resolves."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -36,7 +37,6 @@ def test_the_config_reference_is_current():
 
 
 def test_every_config_field_is_documented_in_the_reference():
-    import dataclasses
     page = (ROOT / "docs" / "config.md").read_text()
     for name, section in SECTIONS.items():
         for f in dataclasses.fields(section):
@@ -60,8 +60,6 @@ def test_the_readme_is_a_front_page_whose_links_resolve():
 
 def test_the_reference_changes_when_a_field_does(monkeypatch):
     """The freshness check above can fail: a new field shows in the generated page."""
-    import dataclasses
-
     from llmtrain import config
     extended = dataclasses.make_dataclass(
         "WarmConfig", [("new_knob", "int", config._f(1, ge=0, doc="a field just added"))],
