@@ -71,7 +71,8 @@ class Trainer:
         if plan is None:  # a warm spare joins the running attempt; its waiting costs nothing
             self.ledger.launched(world_size=self.world.world_size, host=self.world.host,
                                  entered=entered)
-        self.reporter = Reporter(cfg, self.world, self.events, self.ledger)
+        self.reporter = Reporter(cfg, self.world, self.events, self.ledger,
+                                 spare=plan is not None)
         with self.ledger.span("startup", "data"):  # first: a bad shard fails before a group
             self.data = training_batches(cfg, rank, self.world.world_size)
         if cfg.reliability.watchdog:

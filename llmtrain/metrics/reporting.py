@@ -67,8 +67,9 @@ class NoExporter:
 
 class Reporter:
     def __init__(self, cfg: JobConfig, world: WorldInfo, events: EventLog,
-                 ledger: GoodputLedger):
+                 ledger: GoodputLedger, spare: bool = False):
         self.cfg, self.world, self.events, self.ledger = cfg, world, events, ledger
+        self.spare = spare  # joined a running attempt (a warm spare): it did not restart
         self.is_rank0 = world.rank == 0
         self.console = ConsoleReporter(cfg.metrics, cfg.training.steps)
         self.exporter = NoExporter()
@@ -143,7 +144,9 @@ class Reporter:
         self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s after launch")
         watchdog.beat(step, "events", long=True)  # reading the log may take long
         self.ledger_events += self.ledger_tail.read()
-        restart = goodput.recovery(self.ledger_events, time.time())
+        # A warm spare that took rank 0 must not log the last cold restart again (chaos
+        # read such a stale `recovery` as the warm recovery's outcome).
+        restart = None if self.spare else goodput.recovery(self.ledger_events, time.time())
         if restart:
             self.events.emit("recovery", **restart)
             self.console.line(f"recovered in {restart['total_s']:.1f}s from the failure: " +
