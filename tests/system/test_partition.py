@@ -62,7 +62,9 @@ def test_a_partitioned_rank_that_comes_back_is_fenced_out_of_the_checkpoints(clu
     # the link comes back and the stalled writer wakes up, in a job that moved on
     network.heal(cut_off["host"])
     os.kill(cut_off["pid"], signal.SIGCONT)
-    fenced = wait_for_event(c.run, "fenced", c.nodes["node1"], timeout=60,
+    # the job may finish its last steps first: what must live until the event is the
+    # cut-off node, whose rank writes it
+    fenced = wait_for_event(c.run, "fenced", c.nodes[cut_off["host"]], timeout=60,
                             where=lambda e: e["ts"] > committed["ts"])
     assert fenced["host"] == cut_off["host"] and fenced["rank"] == 1
     assert fenced["what"] == f"checkpoint file {step20}/__1_0.distcp", fenced
