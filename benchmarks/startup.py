@@ -11,6 +11,12 @@
   rest (llmtrain's data and components, both sides' first step), first step after
   launch, and the whole command's wall time. Rank 0's figures, each side's from its
   fastest of ``--repeats`` runs; the two sides alternate.
+- **Restart of a compiled run** (``parallelism.compile``): the time to the first step
+  of a restart on a node that has not compiled the run (its own inductor cache empty),
+  with the run dir's compile cache (llmtrain's) against compiling again, and, for
+  reference, on the node that compiled it (torch's local cache). On CPU the host compiler
+  still builds the C++ kernels either way (torch bundles Triton kernels into its cache
+  entries, not C++ ones), so the CPU ratio understates a GPU's.
 - **Construction**, 1B-class shapes (Llama 3.2 1B: dim 2048, 16 layers, vocab 128256,
   tied) on 2 real gloo ranks: llmtrain's meta -> ``parallelize`` -> ``to_empty`` ->
   ``init_weights`` vs the full model on every rank then ``fully_shard``; the slowest
@@ -21,7 +27,7 @@
   with their preset parallelism (FP8, checkpointing, compile wrappers) the llmtrain way;
   its peak RSS against the whole model's float32 bytes shows no rank allocates the model.
 
-    python benchmarks/startup.py [--world-sizes 1,2,4] [--repeats 2]
+    python benchmarks/startup.py [--world-sizes 1,2,4] [--repeats 2] [--compile-ranks 2]
                                  [--presets llama3_8b:8,llama3_70b:64] [--skip-construct]
 
 Prints tables, then one JSON line of the figures.
@@ -171,10 +177,10 @@ def preset_worker(out: str, preset: str, world: int) -> None:
 
 # ---- the driver ----
 
-def run(cmd: list[str], timeout: float = 600) -> float:
+def run(cmd: list[str], timeout: float = 600, env: dict | None = None) -> float:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, **(env or {})},
+                          cwd=ROOT, timeout=timeout)
     seconds = time.perf_counter() - start
     LOADS.append(os.getloadavg()[0])
     if proc.returncode:
@@ -211,6 +217,22 @@ def llmtrain_start(nproc: int, tmp: Path) -> tuple[dict[str, float], dict[str, f
     return parts(event["phases"], event["since_launch_s"], wall), event["phases"]
 
 
+def compiled_start(nproc: int, run_dir: Path, node_cache: Path, run_dir_cache: bool
+                   ) -> dict[str, float]:
+    """A start of a compiled run on a node whose local inductor cache is ``node_cache``,
+    with llmtrain's run-dir cache or without it; rank 0's parts."""
+    from llmtrain.events import read_events
+    wall = run([*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "llmtrain", "train",
+                "--config", "debug_cpu", "--training.run_dir", str(run_dir),
+                "--training.steps", "1", "--training.micro_batch_size", str(micro_batch(nproc)),
+                "--parallelism.compile", "true",
+                "--parallelism.compile_cache", str(run_dir_cache).lower(),
+                "--checkpoint.enable", "false", "--metrics.prometheus", "false"],
+               env={"TORCHINDUCTOR_CACHE_DIR": str(node_cache)})
+    event = [e for e in read_events(str(run_dir), "startup") if e["rank"] == 0][-1]
+    return parts(event["phases"], event["since_launch_s"], wall)
+
+
 def stock_start(nproc: int, tmp: Path) -> dict[str, float]:
     out = tmp / f"stock-w{nproc}.json"
     wall = run(worker_cmd(nproc, "stock", str(out), str(micro_batch(nproc))))
@@ -235,6 +257,8 @@ def main() -> None:
     parser.add_argument("--presets", default="llama3_8b:8,llama3_70b:64",
                         help="preset:simulated_world_size, comma-separated")
     parser.add_argument("--skip-construct", action="store_true")
+    parser.add_argument("--compile-ranks", type=int, default=2,
+                        help="ranks of the compiled starts (0: skip them)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -267,6 +291,8 @@ def main() -> None:
             figures[f"first_step_s_llmtrain_w{w}"] = round(a["first_step"], 2)
             figures[f"first_step_s_stock_w{w}"] = round(b["first_step"], 2)
 
+        if args.compile_ranks:
+            compiled(tmp, args.compile_ranks, args.repeats, figures)
         if not args.skip_construct:
             construct(tmp, figures)
             presets(tmp, args.presets, figures)
@@ -275,6 +301,35 @@ def main() -> None:
     figures["loadavg_1m_start"] = round(load_start, 2)
     figures["loadavg_1m_max"] = round(max(LOADS), 2)
     print(json.dumps(figures))
+
+
+def compiled(tmp: Path, nproc: int, repeats: int, figures: dict) -> None:
+    """A restart of a compiled run on a node that has not compiled it (where restarts
+    mostly land): with the run dir's compile cache, against compiling again; and, for
+    reference, a restart on the node that compiled (torch's own local cache)."""
+    sides = ("compile again", "run-dir cache", "same node")
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    for i in range(repeats):
+        run_dir = tmp / f"compiled-{i}"
+        first = tmp / f"node-first-{i}"
+        compiled_start(nproc, run_dir, first, True)  # the job's first start fills both
+        for side in sides:  # each on a node cache of its own, the run dir's blob kept
+            node = first if side == "same node" else tmp / f"node-{side}-{i}".replace(" ", "-")
+            results[side].append(compiled_start(nproc, run_dir, node, side == "run-dir cache"))
+    best = {side: fastest(runs) for side, runs in results.items()}
+    print(f"\nrestart of a compiled run, debug model, {nproc} ranks (s; fastest of {repeats})")
+    print(f"{'side':<16}" + "".join(f"{p:>14}" for p in PARTS))
+    for side, r in best.items():
+        print(f"{side:<16}" + "".join(f"{r[p]:>14.2f}" for p in PARTS))
+    base = best["compile again"]
+    for side in ("run-dir cache", "same node"):
+        ratio = best[side]["first_step"] / base["first_step"]
+        print(f"{side + ' / again':<16}{ratio:>14.3f} of the time to the first step")
+        figures[f"compiled_restart_{side.replace(' ', '_').replace('-', '_')}_over_again"] = \
+            round(ratio, 3)
+    for side, r in best.items():
+        figures[f"compiled_first_step_s_{side.replace(' ', '_').replace('-', '_')}"] = \
+            round(r["first_step"], 2)
 
 
 def construct(tmp: Path, figures: dict) -> None:

@@ -24,6 +24,7 @@ from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import JobConfig
 from llmtrain.control import RunControl
 from llmtrain.data.sampler import training_batches
+from llmtrain.distributed.compile_cache import compile_cache_for
 from llmtrain.distributed.parallelize import precompute_fp8_scales
 from llmtrain.distributed.failure import abandon, shutdown
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
@@ -73,6 +74,8 @@ class Trainer:
                                  entered=entered)
         self.reporter = Reporter(cfg, self.world, self.events, self.ledger,
                                  spare=plan is not None)
+        # loads on a thread while the group forms; the first step waits for it
+        self.compile_cache = compile_cache_for(cfg, rank, self.world.local_rank, self.events)
         with self.ledger.span("startup", "data"):  # first: a bad shard fails before a group
             self.data = training_batches(cfg, rank, self.world.world_size)
         if cfg.reliability.watchdog:
@@ -112,6 +115,8 @@ class Trainer:
                                         reporter=self.reporter, watchdog=self.watchdog,
                                         ledger=self.ledger, events=self.events)
         self.step = self._first_state(plan)
+        with self.ledger.span("startup", "compile_cache"):
+            self.compile_cache.ready()
         self.recovery.start(self.step, self.control_group)
         self.reporter.run_start(self.device, cfg.accumulation_steps(self.world.world_size))
 
@@ -221,6 +226,8 @@ class Trainer:
         self.reporter.step_timed(step, seconds)
         if step == first_step + 1:
             self.reporter.startup_done(self.watchdog, step)
+            # after it: saving is not part of the start-up
+            self.reporter.line(self.compile_cache.first_step_done())
             self.checkpoints.prepare(self.state, step)  # the optimizer's state exists now
 
     def went_back(self, step: int) -> bool:

@@ -1,0 +1,37 @@
+"""Compile once per job: the second start of a compiled run, on a "node" whose own inductor
+cache is empty, loads what rank 0 compiled at the first start from the run dir, compiles
+nothing, and trains bitwise as the first did."""
+
+import pytest
+
+from conftest import check, events, llmtrain
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--parallelism.compile", "true", "--training.steps", "2", "--metrics.log_every", "1",
+        "--checkpoint.enable", "false")
+
+
+def start(run, node_cache) -> tuple[list[dict], dict[int, float]]:
+    """One start on a node whose local inductor cache is ``node_cache``: its
+    ``compile_cache`` events, rank by rank, and its losses."""
+    before = len(events(run, "compile_cache")) if (run / "events").exists() else 0
+    check(llmtrain(run, *ARGS, nproc=2, env={"TORCHINDUCTOR_CACHE_DIR": str(node_cache)}))
+    began = events(run, "run_start")[-1]["ts"]
+    losses = {e["step"]: e["loss"] for e in events(run, "step") if e["ts"] >= began}
+    return sorted(events(run, "compile_cache")[before:], key=lambda e: e["rank"]), losses
+
+
+def test_a_restart_on_a_fresh_node_loads_the_runs_compile_cache(tmp_path):
+    run = tmp_path / "run"
+    first, first_losses = start(run, tmp_path / "node-a")
+    assert [e["loaded"] for e in first] == [0, 0]
+    assert all(e["graph_misses"] > 0 for e in first)  # compiled, nothing to hit
+    assert [e["saved"] for e in first] == [True, False]  # rank 0 keeps it
+
+    second, second_losses = start(run, tmp_path / "node-b")
+    for e in second:  # every rank loaded rank 0's blob and compiled nothing anew
+        assert e["loaded"] > 0 and e["ignored"] is None, e
+        assert e["graph_misses"] == e["autograd_misses"] == 0 and e["graph_hits"] > 0, e
+    assert not second[0]["saved"]  # nothing new to keep
+    assert second_losses == first_losses and len(first_losses) == 2
