@@ -79,8 +79,12 @@ def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
         if fmt != "hf":
             raise ConfigError("ckpt export needs --to hf DIR (the one format it writes)")
         given = _config(args, rest).model if args.config or rest else None
-        for name in hf.export(args.url, out, given):
+        written, no_tokenizer = hf.export(args.url, out, given, tokenizer=args.tokenizer)
+        for name in written:
             print(f"{out.rstrip('/')}/{name}")
+        if no_tokenizer:
+            print(f"llmtrain ckpt export: no tokenizer written: {no_tokenizer}",
+                  file=sys.stderr)
         return ExitCode.CLEAN
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
@@ -310,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.add_argument("--sizes-only", action="store_true", help="skip the checksum checks")
     ckpt.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"),
                       help="export: 'hf' and a directory for safetensors + config.json "
-                           "(transformers.LlamaForCausalLM loads it)")
+                           "(transformers.LlamaForCausalLM loads it), and the tokenizer of "
+                           "the corpus the run trained on (AutoTokenizer loads it)")
+    ckpt.add_argument("--tokenizer", default="",
+                      help="export: this tokenizer.json (fsspec URL) instead of the corpus's")
     ckpt.add_argument("--config", default=None,
                       help="export of a checkpoint that does not record its model: the "
                            "run's preset or .toml (model overrides may follow)")

@@ -14,6 +14,7 @@ mount) for that. Export loads the whole model into this process's memory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import posixpath
@@ -81,10 +82,13 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
             "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
-def export(ckpt_url: str, out_url: str, cfg: ModelConfig | None = None) -> list[str]:
+def export(ckpt_url: str, out_url: str, cfg: ModelConfig | None = None,
+           tokenizer: str = "") -> tuple[list[str], str]:
     """Writes the model of the checkpoint at ``ckpt_url`` to ``out_url`` in the Hugging
-    Face Llama format; returns the files written. ``cfg`` is the model's config where the
-    checkpoint's manifest does not record it."""
+    Face Llama format, with the tokenizer of the corpus it was trained on (or
+    ``tokenizer``, a tokenizer.json URL); returns the files written, and why no tokenizer
+    was written when none was. ``cfg`` is the model's config where the checkpoint's
+    manifest does not record it."""
     problems = storage.verify(ckpt_url, checksums=True)  # before DCP unpickles anything
     if problems:
         raise ConfigError(f"checkpoint {ckpt_url} does not verify, so it is not exported: "
@@ -118,7 +122,60 @@ def export(ckpt_url: str, out_url: str, cfg: ModelConfig | None = None) -> list[
         heads = _rope_heads(name, cfg)
         tensors[hf_name(name)] = (to_hf_rows(w, heads) if heads else w).contiguous()
     dtype = next(iter(tensors.values())).dtype
-    return _write(out_url, tensors, hf_config(cfg, dtype))
+    found, why_not = find_tokenizer(manifest, tokenizer)
+    config = hf_config(cfg, dtype)
+    if found is not None:
+        config["eos_token_id"] = found[1].get("eos_id")
+    written = _write(out_url, tensors, config)
+    if found is not None:
+        written += _write_tokenizer(out_url, *found, cfg)
+    return written, why_not
+
+
+def find_tokenizer(manifest: dict, given: str = "") -> tuple[tuple[bytes, dict] | None, str]:
+    """The tokenizer.json a checkpoint's model reads (``given``, else the one its corpus
+    records, checked against the corpus's sha256), and what ``corpus.json`` says of it;
+    else None and why."""
+    from llmtrain.config import DataConfig
+    from llmtrain.data import corpus_manifest
+    if given:  # its end-of-document token found as `data prepare` finds it
+        from llmtrain.data.prepare import Tokenizer
+        tok = Tokenizer(given)
+        return (tok.json.encode("utf-8"), tok.describe(given)), ""
+    data = manifest.get("data")
+    if data is None:
+        return None, ("the checkpoint does not record its data (saved before llmtrain "
+                      "recorded it); pass --tokenizer URL")
+    if data["source"] != "tokens":
+        return None, (f"data.source={data['source']!r}: the model reads bytes (token = byte "
+                      f"value), there is no tokenizer")
+    corpus = corpus_manifest(DataConfig(source="tokens", path=data["path"]))
+    record = (corpus or {}).get("tokenizer")
+    if record is None:
+        return None, (f"{join(data['path'], 'corpus.json')} names no tokenizer (shards not "
+                      f"made by `llmtrain data prepare`); pass --tokenizer URL")
+    urls = ([join(data["path"], record["file"])] if "file" in record else []) + [record["url"]]
+    for url in urls:
+        try:
+            with fsspec.open(url, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            continue
+        if hashlib.sha256(raw).hexdigest() == record["sha256"]:
+            return (raw, record), ""
+    raise ConfigError(f"the tokenizer the corpus {data['path']} was prepared with (sha256 "
+                      f"{record['sha256'][:12]}) is at none of {urls}, or was changed since; "
+                      f"pass --tokenizer URL of that tokenizer.json")
+
+
+def _write_tokenizer(out_url: str, raw: bytes, record: dict, cfg: ModelConfig) -> list[str]:
+    """tokenizer.json as is, and the tokenizer_config.json that lets ``AutoTokenizer``
+    load it as a fast tokenizer with the corpus's end-of-document token."""
+    write_atomic(join(out_url, "tokenizer.json"), raw)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": record.get("eos"),
+              "model_max_length": cfg.max_seq_len, "clean_up_tokenization_spaces": False}
+    write_atomic(join(out_url, "tokenizer_config.json"), json.dumps(config, indent=1).encode())
+    return ["tokenizer.json", "tokenizer_config.json"]
 
 
 def _write(out_url: str, tensors: dict[str, torch.Tensor], config: dict) -> list[str]:

@@ -484,5 +484,7 @@ def checkpoints_for(cfg: JobConfig, world_size: int, *, events: EventLog, device
         control_group=control_group,
         manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
                        "model_config": asdict(cfg.model),
+                       # where the tokens came from: an export ships their tokenizer
+                       "data": {"source": cfg.data.source, "path": cfg.data.path},
                        "mesh": list(cfg.mesh_shape(world_size))},
         fence=fence)

@@ -43,6 +43,7 @@ EMBEDDED_SHARD_TOKENS = 4 * 1024 * 1024
 # Written last into a directory of shards (the embedded corpus, a prepared one): its shard
 # list is the corpus, and nothing is read before it exists.
 CORPUS_MANIFEST = "corpus.json"
+TOKENIZER_FILE = "tokenizer.json"  # a prepared corpus's copy of its tokenizer
 PREPARE_DIR = "_prepare"  # a prepare's progress records (llmtrain.data.prepare)
 EMBEDDED_WAIT_S = 600.0  # how long ranks that do not prepare the corpus wait for it
 # Directories of the stdlib that are not representative library code (or not stdlib).

@@ -28,7 +28,8 @@ import fsspec
 import numpy as np
 
 from llmtrain import fault_points
-from llmtrain.data import CORPUS_MANIFEST, PREPARE_DIR, ShardError, write_shard
+from llmtrain.data import (CORPUS_MANIFEST, PREPARE_DIR, TOKENIZER_FILE, ShardError,
+                           write_shard)
 from llmtrain.fsio import is_local, join, write_atomic
 
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl",
@@ -271,7 +272,11 @@ def prepare(cfg: Config) -> dict:
                 progress.file_done(records[futures[future]])
     ordered = [records[i] for i in range(len(files))]
     shards = [s for r in ordered for s in r["shards"]]
-    manifest = {"format": "llmtrain-corpus-1", "tokenizer": job["tokenizer"],
+    # the corpus keeps its tokenizer: a model exported from it (`ckpt export --to hf`)
+    # ships it, though the tokenizer's own URL may be gone by then
+    write_atomic(join(cfg.out, TOKENIZER_FILE), tok.json.encode("utf-8"))
+    manifest = {"format": "llmtrain-corpus-1",
+                "tokenizer": {**job["tokenizer"], "file": TOKENIZER_FILE},
                 "text_field": cfg.text_field,
                 "tokens": sum(s["tokens"] for s in shards),
                 "documents": sum(r["documents"] for r in ordered),

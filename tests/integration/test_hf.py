@@ -27,7 +27,9 @@ def test_export_to_transformers_and_init_from_it(tmp_path):
                    "2", *SMALL))
     ckpt = storage.step_dir(str(tmp_path / "a" / "checkpoints"), 2)
     out = tmp_path / "hf"
-    assert hf.export(ckpt, str(out)) == ["model.safetensors", "config.json"]
+    written, no_tokenizer = hf.export(ckpt, str(out))
+    assert written == ["model.safetensors", "config.json"]
+    assert "data.source='embedded'" in no_tokenizer and "no tokenizer" in no_tokenizer
 
     cfg = load_config("debug_cpu", [("data.embedded_max_bytes", "100000")])
     ours = Transformer(cfg.model)

@@ -1,12 +1,15 @@
 """Your own data end to end: ``llmtrain data prepare`` with a BPE tokenizer, then a real
-``llmtrain train`` on its shards."""
+``llmtrain train`` on its shards, then its checkpoint exported with that tokenizer."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from bpe import documents, train_bpe
-from conftest import check, llmtrain, step_losses
+from conftest import ROOT, check, llmtrain, step_losses
+from llmtrain.checkpoint import storage
 from llmtrain.data.prepare import Config, prepare
 from llmtrain.exit_codes import ExitCode
 
@@ -23,7 +26,7 @@ def test_prepare_then_train_learns(tmp_path):
     args = ("--data.source", "tokens", "--data.path", str(out), "--data.seq_len", "64",
             "--training.steps", "30", "--training.global_batch_size", "8",
             "--training.micro_batch_size", "8", "--optim.warmup_steps", "5",
-            "--metrics.log_every", "1", "--checkpoint.enable", "false",
+            "--metrics.log_every", "1", "--checkpoint.interval_steps", "30",
             "--metrics.prometheus", "false")
     run = tmp_path / "run"
     proc = llmtrain(run, *args)
@@ -35,3 +38,23 @@ def test_prepare_then_train_learns(tmp_path):
     losses = step_losses(run)
     assert sorted(losses) == list(range(1, 31))
     assert sum(losses[s] for s in range(26, 31)) / 5 < losses[1] - 0.5, losses  # ln 512: 6.2
+
+    # The export ships the corpus's own copy of the tokenizer (the original is gone), and
+    # transformers' AutoTokenizer encodes as the tokenizer that prepared the data did.
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    original = Tokenizer.from_file(str(tokenizer))
+    tokenizer.unlink()
+    hf_dir = tmp_path / "hf"
+    exported = subprocess.run(
+        [sys.executable, "-m", "llmtrain", "ckpt", "export",
+         storage.step_dir(str(run / "checkpoints"), 30), "--to", "hf", str(hf_dir)],
+        capture_output=True, text=True, cwd=ROOT)
+    assert exported.returncode == 0, exported.stderr
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in hf_dir.iterdir()}
+    auto = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    text = documents(1, 2000)[0]
+    assert auto(text)["input_ids"] == original.encode(text).ids
+    eos = json.loads((out / "corpus.json").read_text())["tokenizer"]
+    assert auto.eos_token == eos["eos"] and auto.eos_token_id == eos["eos_id"]
+    assert json.loads((hf_dir / "config.json").read_text())["eos_token_id"] == eos["eos_id"]
