@@ -72,6 +72,13 @@ def _age(seconds: float | None) -> str:
 
 def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.checkpoint import storage
+    if args.action == "convert":
+        from llmtrain.checkpoint.convert import convert
+        if not args.to or rest:
+            raise ConfigError("ckpt convert needs --to raw|dcp|torch DEST, nothing else")
+        convert(args.url, *args.to)
+        print(f"{args.to[1]}: {args.url} as {args.to[0]}, read back and equal")
+        return ExitCode.CLEAN
     if args.action == "export":
         from llmtrain.checkpoint import hf
         _need_extra("hf", "safetensors")
@@ -308,12 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
     report.set_defaults(func=cmd_report)
-    ckpt = sub.add_parser("ckpt", help="list, verify, inspect or export checkpoints")
-    ckpt.add_argument("action", choices=("list", "verify", "inspect", "export"))
+    ckpt = sub.add_parser("ckpt", help="list, verify, inspect, convert or export checkpoints")
+    ckpt.add_argument("action", choices=("list", "verify", "inspect", "convert", "export"))
     ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
     ckpt.add_argument("--sizes-only", action="store_true", help="skip the checksum checks")
     ckpt.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"),
-                      help="export: 'hf' and a directory for safetensors + config.json "
+                      help="convert: 'raw', 'dcp' (a checkpoint any DCP reader loads) or "
+                           "'torch' (one torch.save file), and where; "
+                           "export: 'hf' and a directory for safetensors + config.json "
                            "(transformers.LlamaForCausalLM loads it), and the tokenizer of "
                            "the corpus the run trained on (AutoTokenizer loads it)")
     ckpt.add_argument("--tokenizer", default="",

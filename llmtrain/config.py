@@ -152,6 +152,11 @@ class CheckpointConfig:
                                         "checkpoint that fails with a read error (EIO, a "
                                         "timeout) before resuming from the previous one; "
                                         "the unreadable one stays committed")
+    format: str = _f("raw", choices=("raw", "dcp"),
+                     doc="raw: tensors as bare bytes, each with its checksum (fast; stock DCP "
+                         "readers need llmtrain's ShardReader); dcp: DCP's own torch.save "
+                         "items that any DCP reader (dcp.load, dcp_to_torch_save, torchtitan) "
+                         "loads, checksummed per file in the manifest. llmtrain loads both")
     writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")
     reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when loading")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "

@@ -152,7 +152,8 @@ class CheckpointManager:
                 storage.step_dir(self.url, step),
                 {**self.manifest_base, "step": step, "world_size": self.world,
                  "integrity_checked": checked},
-                thread_count=self.cfg.writer_threads, fence=self.fence)
+                thread_count=self.cfg.writer_threads, fence=self.fence,
+                raw=self.cfg.format == "raw")
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":
                 dcp.save(state_dict, storage_writer=writer, process_group=self.io_group)

@@ -153,11 +153,13 @@ class DamagedCheckpoint(Exception):
         self.problems = problems
 
 
-def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
+def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True) -> Future:
     """Writes this rank's items of ``plan`` to ``thread_count`` files on as many threads.
     ``fs`` is DCP's FileSystem whose streams fsync as the storage needs and have
     ``write_item(view) -> its checksum, labelled``
-    (:class:`llmtrain.checkpoint.storage.CommitWriter`)."""
+    (:class:`llmtrain.checkpoint.storage.CommitWriter`). ``raw`` False writes DCP's own
+    items instead (a tensor as ``torch.save`` of it, no descriptors), which stock DCP
+    readers load; each file's sha256 is then in the manifest only."""
     buckets = [b for b in _split_by_size_and_type(thread_count, plan.items) if b]
     names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
@@ -168,12 +170,17 @@ def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     view, descriptors = data.getbuffer(), []
-                else:
+                elif raw:
                     view, descriptors = tensor_bytes(data), [RAW]
-                descriptors.append(stream.write_item(view))
+                else:
+                    view, descriptors = stock_item(data), []
+                if raw:  # each item hashed on its own, its sum kept beside it
+                    descriptors.append(stream.write_item(view))
+                else:  # the file hashed whole: stock readers refuse unknown descriptors
+                    stream.write(view)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view),
                                            storage_data=_StorageInfo(name, offset, len(view),
-                                                                     descriptors)))
+                                                                     descriptors or None)))
                 offset += len(view)
         return results
 
@@ -182,6 +189,17 @@ def write_shards(fs, root, plan, planner, thread_count: int) -> Future:
     fut: Future = Future()
     fut.set_result([r for results in done for r in results])
     return fut
+
+
+def stock_item(tensor: torch.Tensor) -> memoryview:
+    """A tensor as DCP's stock writer stores it: ``torch.save`` of a CPU copy that owns
+    exactly its elements (a view would drag its whole storage along)."""
+    t = tensor.detach().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    return buffer.getbuffer()
 
 
 def _slab(sizes, offsets, lengths) -> tuple[int, tuple[int, ...]]:

@@ -167,20 +167,21 @@ def no_fence(what: str) -> None:
 
 
 class CommitWriter(FsspecWriter):
-    """An fsspec DCP writer of raw tensor bytes (:mod:`llmtrain.checkpoint.shards`) whose
-    ``finish`` also commits the checkpoint's manifest. ``fence(what)`` raises when this
-    rank may no longer write into the job's storage (:mod:`llmtrain.recovery.fence`); it
-    is asked before every file is created, and before the commit."""
+    """An fsspec DCP writer of raw tensor bytes, or with ``raw`` False of DCP's own items
+    (:mod:`llmtrain.checkpoint.shards`), whose ``finish`` also commits the checkpoint's
+    manifest. ``fence(what)`` raises when this rank may no longer write into the job's
+    storage (:mod:`llmtrain.recovery.fence`); it is asked before every file is created,
+    and before the commit."""
 
     def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1,
-                 fence: Callable[[str], None] = no_fence):
+                 fence: Callable[[str], None] = no_fence, raw: bool = True):
         super().__init__(url, thread_count=thread_count, sync_files=False, overwrite=True)
-        self.fence = fence
+        self.fence, self.raw = fence, raw
         hashing = _HashingFileSystem(fence)
         hashing.fs = self.fs.fs
         self.fs = hashing
         self.url = url
-        self.manifest = manifest
+        self.manifest = {**manifest, "format": "raw" if raw else "dcp"}
 
     def prepare_global_plan(self, plans):
         # A save of this step may have failed here before: start from an empty directory
@@ -196,7 +197,7 @@ class CommitWriter(FsspecWriter):
     def write_data(self, plan, planner):
         fault_points.point("checkpoint_write", step=self.manifest["step"])
         results = shards.write_shards(self.fs, self.path, plan, planner,
-                                      self.thread_count).wait()
+                                      self.thread_count, raw=self.raw).wait()
         # Carry each file's sums to the coordinator inside DCP's gather of the results;
         # ``finish`` takes them out again before DCP's metadata is pickled.
         sums = self.fs.sums

@@ -17,13 +17,14 @@ from conftest import ROOT
 from llmtrain.checkpoint import checksum, shards, storage
 from llmtrain.checkpoint.shards import RAW, ShardReader, load_unsharded
 
-# Three ranks: ranks 0-1 save a 2-way sharded state (the new format, and main's format:
-# DCP's stock FsspecWriter, which CommitWriter wrapped before the raw format), then all
-# three load it 3-way sharded, and rank 0 loads it into a plain nn.Linear without any
-# process group. Shard(1) makes every 3-way shard a non-contiguous part of a saved one.
+# Three ranks: ranks 0-1 save a 2-way sharded state (the raw format, the dcp format, and
+# main's format: DCP's stock FsspecWriter, which CommitWriter wrapped before the raw
+# format), then all three load it 3-way sharded (the dcp and stock ones with DCP's stock
+# reader too), and rank 0 loads it into a plain nn.Linear without any process group.
+# Shard(1) makes every 3-way shard a non-contiguous part of a saved one.
 RESHARD = """
 import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from llmtrain.checkpoint import storage
@@ -40,16 +41,20 @@ def sharded(mesh, zeros):
 mesh2, mesh3 = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [0, 1, 2])
 two = dist.new_group([0, 1])
 for fmt, make in (("new", lambda u: storage.CommitWriter(u, {"step": 1}, thread_count=2)),
+                  ("dcp", lambda u: storage.CommitWriter(u, {"step": 1}, thread_count=2,
+                                                         raw=False)),
                   ("old", FsspecWriter)):
     url = f"{root}/{fmt}"
     if rank < 2:
         dcp.save(sharded(mesh2, False), storage_writer=make(url), process_group=two)
     dist.barrier()
-    got = sharded(mesh3, True)
-    dcp.load(got, storage_reader=ShardReader(url, threads=3))
-    want = sharded(mesh3, False)
-    for k in full:
-        assert torch.equal(got[k].to_local(), want[k].to_local()), (fmt, k, rank)
+    readers = [ShardReader(url, threads=3)] + ([FsspecReader(url)] if fmt != "new" else [])
+    for reader in readers:
+        got = sharded(mesh3, True)
+        dcp.load(got, storage_reader=reader)
+        want = sharded(mesh3, False)
+        for k in full:
+            assert torch.equal(got[k].to_local(), want[k].to_local()), (fmt, k, rank, reader)
     if rank == 0:
         model = torch.nn.Linear(10, 6)
         sd = model.state_dict()
@@ -69,7 +74,43 @@ def test_two_rank_checkpoints_of_both_formats_load_on_three_ranks_and_unsharded(
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert storage.verify(str(tmp_path / "new"), checksums=True) == []
+    for fmt in ("new", "dcp"):
+        assert storage.verify(str(tmp_path / fmt), checksums=True) == []
+    assert storage.read_manifest(str(tmp_path / "dcp"))["format"] == "dcp"
+
+
+# What a user without llmtrain runs on a `checkpoint.format = "dcp"` checkpoint.
+STOCK = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+ckpt, out = sys.argv[1], sys.argv[2]
+dcp_to_torch_save(ckpt, out)
+state = {"w": torch.zeros(300, 70), "t": torch.zeros(4, 9)}
+dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+torch.save(state, out + ".partial")
+assert not [m for m in sys.modules if m.startswith("llmtrain")]
+"""
+
+
+def test_a_dcp_format_checkpoint_loads_with_stock_dcp_and_no_llmtrain(tmp_path):
+    want = state()
+    url = str(tmp_path / "ck")
+    dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, raw=False),
+             no_dist=True)
+    assert storage.verify(url, checksums=True) == []
+    (tmp_path / "stock.py").write_text(STOCK)
+    out = tmp_path / "whole.pt"
+    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), url, str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    whole = torch.load(out, weights_only=False)
+    assert_same(whole, want)
+    partial = torch.load(str(out) + ".partial")
+    assert torch.equal(partial["w"], want["w"]) and torch.equal(partial["t"], want["t"])
+    # and llmtrain's own reader (what a resume uses) reads it as it reads the raw format
+    got = empty_like(want)
+    dcp.load(got, storage_reader=ShardReader(url), no_dist=True)
+    assert_same(got, want)
 
 
 def state() -> dict:
