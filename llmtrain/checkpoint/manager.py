@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
@@ -73,6 +74,7 @@ class CheckpointManager:
         self.manifest_base = manifest_base
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.generation = -1  # of the job's groups this manager is bound to (bind_groups)
         self.bind_groups(control_group)
         self.stager = None
         if cfg.mode != "sync":
@@ -95,6 +97,19 @@ class CheckpointManager:
         failed run's close does not wait for them (``close``'s bound)."""
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = control_group
+        self.generation += 1
+
+    def planner(self) -> DefaultSavePlanner:
+        """DCP's planner, caching its plans while the state's layout stays (every save of
+        a run but the first sends no plan to the coordinator, which builds no global plan:
+        O(world x items) at scale). The cache lives in each process, keyed here by the
+        generation of the job's groups: after a warm recovery a new rank (a spare) has
+        none, and the survivors must not send it the empty "unchanged" plans that only
+        a coordinator holding their old plans can read (its metadata would lack their
+        items); a new key on every rank makes every rank plan afresh once."""
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = f"llmtrain-{self.world}-{self.generation}"
+        return planner
 
     # -- when -------------------------------------------------------------------------
 
@@ -156,14 +171,15 @@ class CheckpointManager:
                 raw=self.cfg.format == "raw")
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":
-                dcp.save(state_dict, storage_writer=writer, process_group=self.io_group)
+                dcp.save(state_dict, storage_writer=writer, planner=self.planner(),
+                         process_group=self.io_group)
                 future: Future = Future()
                 future.set_result(None)
             else:
                 kind = (AsyncCheckpointerType.PROCESS if self.cfg.mode == "async_process"
                         else AsyncCheckpointerType.THREAD)
                 response = dcp.async_save(state_dict, storage_writer=writer,
-                                          process_group=self.io_group,
+                                          planner=self.planner(), process_group=self.io_group,
                                           async_checkpointer_type=kind, async_stager=self.stager)
                 self.staging, future = response.staging_completion, response.upload_completion
                 self.staging_wait_s = 0.0
