@@ -158,6 +158,10 @@ class CheckpointConfig:
                          "items that any DCP reader (dcp.load, dcp_to_torch_save, torchtitan) "
                          "loads, checksummed per file in the manifest. llmtrain loads both")
     writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")
+    writer_nice: int = _f(10, ge=0, le=19,
+                          doc="CPU niceness added to the write threads (Linux, per thread): "
+                              "a background save hashes and writes with what training leaves "
+                              "idle instead of taking cores from it; 0: the same priority")
     reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when loading")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "
                                         "from measured save cost and failure rate")

@@ -168,7 +168,9 @@ class CheckpointManager:
                 {**self.manifest_base, "step": step, "world_size": self.world,
                  "integrity_checked": checked},
                 thread_count=self.cfg.writer_threads, fence=self.fence,
-                raw=self.cfg.format == "raw")
+                raw=self.cfg.format == "raw",
+                # a sync save is the training thread's own wait: nothing to leave room for
+                nice=self.cfg.writer_nice if self.cfg.mode != "sync" else 0)
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":
                 dcp.save(state_dict, storage_writer=writer, planner=self.planner(),

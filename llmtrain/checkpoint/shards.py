@@ -153,17 +153,20 @@ class DamagedCheckpoint(Exception):
         self.problems = problems
 
 
-def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True) -> Future:
+def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True,
+                 nice: int = 0) -> Future:
     """Writes this rank's items of ``plan`` to ``thread_count`` files on as many threads.
     ``fs`` is DCP's FileSystem whose streams fsync as the storage needs and have
     ``write_item(view) -> its checksum, labelled``
     (:class:`llmtrain.checkpoint.storage.CommitWriter`). ``raw`` False writes DCP's own
     items instead (a tensor as ``torch.save`` of it, no descriptors), which stock DCP
-    readers load; each file's sha256 is then in the manifest only."""
+    readers load; each file's sha256 is then in the manifest only. ``nice``: added to
+    each writer thread's niceness (:func:`lower_priority`)."""
     buckets = [b for b in _split_by_size_and_type(thread_count, plan.items) if b]
     names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
     def write(name: str, items) -> list[WriteResult]:
+        lower_priority(nice)  # the pool's threads end with this save
         results, offset = [], 0
         with fs.create_stream(fs.concat_path(root, name), "wb") as stream:
             for item in items:
@@ -189,6 +192,21 @@ def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True) -
     fut: Future = Future()
     fut.set_result([r for results in done for r in results])
     return fut
+
+
+def lower_priority(nice: int) -> None:
+    """Adds ``nice`` to the calling thread's niceness. On Linux each thread is a task with
+    its own nice value, so a writer thread gets less CPU than the training threads only
+    while they compete for it (at 10: about a tenth of a busy core's share), and all of
+    an idle one. Elsewhere, or where refused, the thread keeps its priority."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
+                                                 + nice))
+    except (AttributeError, OSError):
+        pass
 
 
 def stock_item(tensor: torch.Tensor) -> memoryview:

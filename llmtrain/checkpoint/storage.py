@@ -171,12 +171,12 @@ class CommitWriter(FsspecWriter):
     (:mod:`llmtrain.checkpoint.shards`), whose ``finish`` also commits the checkpoint's
     manifest. ``fence(what)`` raises when this rank may no longer write into the job's
     storage (:mod:`llmtrain.recovery.fence`); it is asked before every file is created,
-    and before the commit."""
+    and before the commit. ``nice``: the write threads' added niceness."""
 
     def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1,
-                 fence: Callable[[str], None] = no_fence, raw: bool = True):
+                 fence: Callable[[str], None] = no_fence, raw: bool = True, nice: int = 0):
         super().__init__(url, thread_count=thread_count, sync_files=False, overwrite=True)
-        self.fence, self.raw = fence, raw
+        self.fence, self.raw, self.nice = fence, raw, nice
         hashing = _HashingFileSystem(fence)
         hashing.fs = self.fs.fs
         self.fs = hashing
@@ -197,7 +197,8 @@ class CommitWriter(FsspecWriter):
     def write_data(self, plan, planner):
         fault_points.point("checkpoint_write", step=self.manifest["step"])
         results = shards.write_shards(self.fs, self.path, plan, planner,
-                                      self.thread_count, raw=self.raw).wait()
+                                      self.thread_count, raw=self.raw,
+                                      nice=self.nice).wait()
         # Carry each file's sums to the coordinator inside DCP's gather of the results;
         # ``finish`` takes them out again before DCP's metadata is pickled.
         sums = self.fs.sums

@@ -307,3 +307,26 @@ def test_stored_objects_decode_as_torch_load_does_and_never_run_code(tmp_path, m
     with pytest.raises(Exception, match="system|Unsupported|not allowed|global"):
         shards.stored_object(stored(_RunsCode(planted)))
     assert not planted.exists()
+
+
+def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch):
+    """A background save's write threads get checkpoint.writer_nice added to their own
+    niceness; the thread that trains keeps its priority."""
+    import os
+    import threading
+    seen = []
+    real = shards.lower_priority
+
+    def recording(nice: int) -> None:
+        real(nice)
+        tid = threading.get_native_id()
+        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+
+    monkeypatch.setattr(shards, "lower_priority", recording)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    dcp.save(state(), storage_writer=storage.CommitWriter(str(tmp_path / "ck"), {"step": 1},
+                                                          thread_count=2, nice=5),
+             no_dist=True)
+    assert seen and all(n == min(19, mine + 5) for n in seen), (mine, seen)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    assert storage.verify(str(tmp_path / "ck"), checksums=True) == []
