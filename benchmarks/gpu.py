@@ -1,7 +1,10 @@
 """The GPU figures of ``make gpu-check``, on one GPU, each from real ``llmtrain train`` runs
 under torchrun (NCCL) and read back from their events:
 
-- **start-up**: the first run's start-up timeline (launch, imports, NCCL group, model...);
+- **start-up**: the first run's start-up timeline (launch, imports, NCCL group, model...),
+  on a "node" whose inductor and Triton caches are empty; then the same job started again
+  on another such node, where the run dir's compile cache is all it has: a cold
+  restart's time to its first step (goals: restart <= 8 s, first start <= 15 s);
 - **bf16 MFU** of FSDP2 on a ~1B Llama (Llama 3.2 1B's shape, vocab 32768) with
   ``torch.compile``: model FLOPs (6N + attention, as torchtitan counts them) per second
   over the GPU's dense bf16 peak, the median of the steps after the first ``--warmup``;
@@ -51,10 +54,20 @@ def model_args(shape: dict) -> list[str]:
     return [a for k, v in shape.items() for a in (f"--model.{k}", str(v))]
 
 
-def train(work: Path, name: str, args: list[str], timeout: float) -> dict:
-    """One ``llmtrain train`` run on this GPU; its events, or the error that ended it."""
-    run_dir = work / name
-    shutil.rmtree(run_dir, ignore_errors=True)
+def train(work: Path, name: str, args: list[str], timeout: float, *, run: str = "",
+          node: str = "") -> dict:
+    """One ``llmtrain train`` run on this GPU; its events, or the error that ended it.
+    ``run``: start again in that run's dir (kept) instead of a fresh one; ``node``: the
+    name of this start's own inductor and Triton caches (empty ones, as on a node that
+    has compiled nothing), else the machine's."""
+    run_dir = work / (run or name)
+    if not run:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    caches = {}
+    if node:
+        caches = {"TORCHINDUCTOR_CACHE_DIR": str(work / f"node-{node}" / "inductor"),
+                  "TRITON_CACHE_DIR": str(work / f"node-{node}" / "triton")}
+        shutil.rmtree(work / f"node-{node}", ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "1", "-m", "llmtrain", "train", "--config", "debug_cpu",
            "--training.run_dir", str(run_dir), "--parallelism.device", "cuda",
@@ -64,10 +77,10 @@ def train(work: Path, name: str, args: list[str], timeout: float) -> dict:
            # the first step compiles for minutes; a GPU check may run beside (make gpu-check)
            "--reliability.hang_timeout_s", "900", "--reliability.collective_timeout_s", "1200",
            "--health.stray_processes", "warn", *args]
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env={**os.environ, "PYTHONUNBUFFERED": "1", **caches})
         code, text = out.returncode, out.stdout + out.stderr
     except subprocess.TimeoutExpired as e:
         code, text = "timeout", (e.stdout or b"").decode(errors="replace") + \
@@ -78,8 +91,11 @@ def train(work: Path, name: str, args: list[str], timeout: float) -> dict:
     if code != 0:
         tail = "\n".join(text.strip().splitlines()[-25:])
         print(f"--- {name} failed; the end of its output:\n{tail}\n---", flush=True)
-    ev = {k: read_events(str(run_dir), k) if run_dir.exists() else []
-          for k in ("step", "startup", "checkpoint_committed", "checkpoint_staged", "run_end")}
+    since = started_at if run else 0.0  # a start again: only its own events
+    ev = {k: [e for e in read_events(str(run_dir), k) if e["ts"] >= since]
+          if run_dir.exists() else []
+          for k in ("step", "startup", "checkpoint_committed", "checkpoint_staged", "run_end",
+                    "compile_cache")}
     return {"exit": code, "wall_s": wall, **ev}
 
 
@@ -162,7 +178,8 @@ def main() -> None:
         print("1B bf16, compile, async checkpoints:", flush=True)
         r = train(work, "bf16_1b", [*model_args(one_b), *base, "--training.steps", str(steps),
                                     "--parallelism.compile", "true",
-                                    *ckpt("bf16_1b", "async_thread", steps // 3)], a.timeout)
+                                    *ckpt("bf16_1b", "async_thread", steps // 3)], a.timeout,
+                  node="first")
         fig["bf16_1b_exit"] = r["exit"]
         if r["startup"]:
             phases = r["startup"][0]["phases"]
@@ -170,6 +187,29 @@ def main() -> None:
             fig["first_step_after_launch_s"] = round(r["startup"][0]["since_launch_s"], 2)
             rows.append(("start-up (s)", ", ".join(f"{k} {v:.2f}" for k, v in phases.items())))
             rows.append(("first step after launch (s)", f"{fig['first_step_after_launch_s']}"))
+        # the same job started again on a "node" that compiled nothing: what a cold
+        # restart pays to its first step with the run dir's compile cache
+        again = train(work, "bf16_1b_restart", [*model_args(one_b), *base,
+                                                "--training.steps", "2",
+                                                "--parallelism.compile", "true",
+                                                "--checkpoint.enable", "false"], a.timeout,
+                      run="bf16_1b", node="restart")
+        if again["startup"]:
+            phases = again["startup"][0]["phases"]
+            fig["restart_startup_s"] = {k: round(v, 3) for k, v in phases.items()}
+            fig["restart_first_step_after_launch_s"] = round(
+                again["startup"][0]["since_launch_s"], 2)
+            rows.append(("restart, fresh node, start-up (s)",
+                         ", ".join(f"{k} {v:.2f}" for k, v in phases.items())))
+            rows.append(("restart, fresh node, first step after launch (s)",
+                         f"{fig['restart_first_step_after_launch_s']} (goal <= 8; first "
+                         f"start goal <= 15)"))
+        for label, run in (("first", r), ("restart", again)):
+            ours = [e for e in run["compile_cache"] if e["rank"] == 0]
+            if ours:
+                fig[f"compile_cache_{label}"] = {k: ours[0][k] for k in (
+                    "loaded", "graph_hits", "graph_misses", "autograd_hits",
+                    "autograd_misses", "saved")}
         mfu = steady(r, "mfu", a.warmup)
         tps = steady(r, "tokens_per_s", a.warmup)
         fig.update(bf16_1b_mfu=mfu and round(mfu, 4), bf16_1b_tokens_per_s=tps and round(tps),
