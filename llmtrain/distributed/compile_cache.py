@@ -24,14 +24,28 @@ elsewhere is loaded.
 
 All ranks compile the same graphs (FSDP2 gathers a block's parameters before its compiled
 forward runs, and dynamo takes them as inputs), so rank 0's blob serves every rank.
+
+On CPU the blob is not enough: torch bundles a GPU's Triton kernels into its cache entries
+but not the C++ kernels inductor builds for a CPU, so a node that never compiled them runs
+the host compiler again (most of a CPU start's first step). Rank 0 therefore also keeps the
+shared objects its first step built, from its inductor cache (``<dir>/??/*.so``, named by
+the hash of their source and build command), as ``<key>.kernels.tar``, checked by its own
+sha256 in the record, and a later start puts each one that its node lacks in place before
+it compiles. Kernels that were already on rank 0's node are not kept: that node had them
+from before this job.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.metadata
+import io
 import json
+import os
 import platform
+import re
+import tarfile
 import threading
 import time
 from dataclasses import asdict
@@ -46,6 +60,7 @@ from llmtrain.events import EventLog
 from llmtrain.fsio import join, write_atomic
 
 DIR = "compile-cache"
+KERNEL_NAME = re.compile(r"[0-9a-z]{2}/[0-9A-Za-z_.]+\.so")  # inductor's CPU kernels
 
 
 def cache_key(cfg: JobConfig, device: torch.device) -> dict:
@@ -72,6 +87,12 @@ def _device_kind(device: torch.device) -> str:
                f"(CUDA {torch.version.cuda})"
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     return f"{device.type} {platform.machine()} {pick_vec_isa() or 'no vector ISA'}"
+
+
+def _inductor_dir() -> str:
+    """This node's inductor cache (``TORCHINDUCTOR_CACHE_DIR``, else under ``/tmp``)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
 
 
 def _digest(parts: dict) -> str:
@@ -102,7 +123,10 @@ class CompileCache:
         self.loaded = 0  # artifacts loaded from the run dir
         self.load_s = 0.0
         self.loaded_sha: str | None = None
+        self.record: dict = {}
         self.ignored: str | None = None  # why a blob there was not loaded
+        self.kernels = 0  # CPU kernels put in this node's inductor cache
+        self.began = time.time()  # kernels built after this, this process built
         self._thread = threading.Thread(target=self._load, name="llmtrain-compile-cache",
                                         daemon=True)
         self._thread.start()
@@ -122,9 +146,11 @@ class CompileCache:
             except Exception as e:  # noqa: BLE001 - the next start compiles, no worse
                 save_error = f"{type(e).__name__}: {e}"
         self.events.emit("compile_cache", key=self.key, loaded=self.loaded,
-                         load_s=round(self.load_s, 3), ignored=self.ignored, saved=saved,
+                         kernels=self.kernels, load_s=round(self.load_s, 3),
+                         ignored=self.ignored, saved=saved,
                          save_error=save_error, **counts)
-        reused = (f"loaded {self.loaded} artifacts from {self.dir}" if self.loaded
+        reused = (f"loaded {self.loaded} artifacts and {self.kernels} CPU kernels from "
+                  f"{self.dir}" if self.loaded
                   else f"nothing loaded ({self.ignored or 'none saved yet'})")
         if not compiled:
             made = "compiled nothing"
@@ -149,6 +175,7 @@ class CompileCache:
                 else:
                     self.loaded = sum(len(names) for names in info.artifacts.values())
                     self.loaded_sha = hashlib.sha256(blob).hexdigest()
+                    self.kernels = self._put_kernels()
         except Exception as e:  # noqa: BLE001 - a cache is never worth a failed start
             self._ignore(f"loading it failed: {type(e).__name__}: {e}")
         self.load_s = time.perf_counter() - began
@@ -162,7 +189,7 @@ class CompileCache:
             if others:
                 self._ignore(self._stale(fs, others))
             return None
-        record = json.loads(fs.cat_file(record_path))
+        record = self.record = json.loads(fs.cat_file(record_path))
         blob = fs.cat_file(f"{path}/{self.key}.bin")
         if len(blob) != record["bytes"] or hashlib.sha256(blob).hexdigest() != record["sha256"]:
             self._ignore(f"{self.key}.bin is not the blob its record describes ({len(blob)} "
@@ -182,6 +209,50 @@ class CompileCache:
         self.ignored = why
         self.events.emit("compile_cache_ignored", dir=self.dir, key=self.key, reason=why)
 
+    def _put_kernels(self) -> int:
+        """The record's CPU kernels that this node's inductor cache lacks, put there; how
+        many. A bundle that is not what the record says is not opened."""
+        kept = self.record.get("kernels")
+        if not kept:
+            return 0
+        fs, path = fsspec.core.url_to_fs(self.dir)
+        bundle = fs.cat_file(f"{path}/{self.key}.kernels.tar")
+        if hashlib.sha256(bundle).hexdigest() != kept["sha256"]:
+            self._ignore(f"{self.key}.kernels.tar is not the bundle its record describes: "
+                         f"damaged; its kernels are built again")
+            return 0
+        root = _inductor_dir()
+        put = 0
+        with tarfile.open(fileobj=io.BytesIO(bundle)) as tar:
+            for member in tar.getmembers():
+                if not (member.isfile() and KERNEL_NAME.fullmatch(member.name)):
+                    continue  # only <2 chars>/<name>.so, nothing that could land elsewhere
+                target = os.path.join(root, member.name)
+                if os.path.exists(target):
+                    continue
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                tmp = f"{target}.tmp-{os.getpid()}-{threading.get_native_id()}"
+                with open(tmp, "wb") as f:
+                    f.write(tar.extractfile(member).read())
+                os.replace(tmp, target)  # ranks of one node may put the same kernel at once
+                put += 1
+        return put
+
+    def _built_kernels(self) -> bytes | None:
+        """A tar of the CPU kernels this process built (none: None)."""
+        root = _inductor_dir()
+        names = [n for n in (os.path.relpath(p, root)
+                             for p in glob.glob(os.path.join(root, "??", "*.so")))
+                 if KERNEL_NAME.fullmatch(n)
+                 and os.path.getmtime(os.path.join(root, n)) >= self.began]
+        if not names:
+            return None
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            for name in sorted(names):
+                tar.add(os.path.join(root, name), arcname=name)
+        return out.getvalue()
+
     def _save(self) -> bool:
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
@@ -193,6 +264,11 @@ class CompileCache:
         write_atomic(join(self.dir, f"{self.key}.bin"), blob)
         record = {"key": self.key, "parts": self.parts, "bytes": len(blob), "sha256": sha,
                   "saved": time.time()}
+        kernels = self._built_kernels()
+        if kernels is not None:
+            write_atomic(join(self.dir, f"{self.key}.kernels.tar"), kernels)
+            record["kernels"] = {"bytes": len(kernels),
+                                 "sha256": hashlib.sha256(kernels).hexdigest()}
         write_atomic(join(self.dir, f"{self.key}.json"), json.dumps(record, indent=1).encode())
         return True
 

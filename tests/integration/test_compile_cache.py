@@ -2,6 +2,9 @@
 cache is empty, loads what rank 0 compiled at the first start from the run dir, compiles
 nothing, and trains bitwise as the first did."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from conftest import check, events, llmtrain
@@ -12,26 +15,45 @@ ARGS = ("--parallelism.compile", "true", "--training.steps", "2", "--metrics.log
         "--checkpoint.enable", "false")
 
 
-def start(run, node_cache) -> tuple[list[dict], dict[int, float]]:
-    """One start on a node whose local inductor cache is ``node_cache``: its
-    ``compile_cache`` events, rank by rank, and its losses."""
+def start(run, node_cache, compiler) -> tuple[list[dict], dict[int, float]]:
+    """One start on a node whose local inductor cache is ``node_cache``, its host compiler
+    ``compiler``: its ``compile_cache`` events, rank by rank, and its losses."""
     before = len(events(run, "compile_cache")) if (run / "events").exists() else 0
-    check(llmtrain(run, *ARGS, nproc=2, env={"TORCHINDUCTOR_CACHE_DIR": str(node_cache)}))
+    check(llmtrain(run, *ARGS, nproc=2, env={"TORCHINDUCTOR_CACHE_DIR": str(node_cache),
+                                             "CXX": str(compiler)}))
     began = events(run, "run_start")[-1]["ts"]
     losses = {e["step"]: e["loss"] for e in events(run, "step") if e["ts"] >= began}
     return sorted(events(run, "compile_cache")[before:], key=lambda e: e["rank"]), losses
 
 
+def kernels_built(log, node) -> list[str]:
+    """The host compiler's calls that built a kernel of the model into ``node``'s inductor
+    cache; not those that build inductor's probes of the CPU's vector ISA (every process
+    runs them before it compiles, with or without a cache)."""
+    calls = log.read_text().splitlines() if log.exists() else []
+    sources = [c.split()[0] for c in calls if str(node) in c and ".so" in c]
+    return [s for s in sources if "_chk_kernel" not in Path(s).read_text()]
+
+
 def test_a_restart_on_a_fresh_node_loads_the_runs_compile_cache(tmp_path):
     run = tmp_path / "run"
-    first, first_losses = start(run, tmp_path / "node-a")
+    log = tmp_path / "cxx.log"  # every call of the host compiler, on both "nodes"
+    compiler = tmp_path / "g++"
+    compiler.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {shutil.which("g++")} "$@"\n')
+    compiler.chmod(0o755)
+    first, first_losses = start(run, tmp_path / "node-a", compiler)
+    assert kernels_built(log, tmp_path / "node-a")  # what the check below would see
     assert [e["loaded"] for e in first] == [0, 0]
     assert all(e["graph_misses"] > 0 for e in first)  # compiled, nothing to hit
     assert [e["saved"] for e in first] == [True, False]  # rank 0 keeps it
 
-    second, second_losses = start(run, tmp_path / "node-b")
+    second, second_losses = start(run, tmp_path / "node-b", compiler)
     for e in second:  # every rank loaded rank 0's blob and compiled nothing anew
         assert e["loaded"] > 0 and e["ignored"] is None, e
         assert e["graph_misses"] == e["autograd_misses"] == 0 and e["graph_hits"] > 0, e
+    # the C++ kernels too (torch's blob holds no CPU kernels): rank 0's bundle put them
+    # on node b, and the host compiler built none there
+    assert sum(e["kernels"] for e in second) > 0
+    assert kernels_built(log, tmp_path / "node-b") == []
     assert not second[0]["saved"]  # nothing new to keep
     assert second_losses == first_losses and len(first_losses) == 2

@@ -76,3 +76,36 @@ def test_the_key_changes_with_the_graphs_inputs_not_with_the_run_length():
     cpu = torch.device("cpu")
     assert cache_key(longer, cpu) == cache_key(cfg, cpu)
     assert cache_key(wider, cpu)["graphs"] != cache_key(cfg, cpu)["graphs"]
+
+
+def test_cpu_kernels_land_only_as_inductor_names_and_only_from_a_checked_bundle(
+        tmp_path, monkeypatch):
+    """The kernel bundle is opened only when its sha256 is the record's, and only
+    ``<2 chars>/<name>.so`` members are put in the node's inductor cache: nothing lands
+    outside it, and a kernel already there is not replaced."""
+    import io
+    import tarfile
+    node = tmp_path / "node"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node))
+    (node / "ab").mkdir(parents=True)
+    (node / "ab" / "ckept.so").write_bytes(b"the node's own")
+    bundle = io.BytesIO()
+    with tarfile.open(fileobj=bundle, mode="w") as tar:
+        for name, data in (("cd/cnew.so", b"kernel"), ("ab/ckept.so", b"other"),
+                           ("../escape.so", b"x"), ("cd/notes.txt", b"x")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    blob = bundle.getvalue()
+    cache = start(tmp_path / "run")
+    (tmp_path / "run" / DIR).mkdir(parents=True)
+    (tmp_path / "run" / DIR / f"{cache.key}.kernels.tar").write_bytes(blob)
+    cache.record = {"kernels": {"sha256": hashlib.sha256(blob).hexdigest()}}
+    assert cache._put_kernels() == 1
+    assert (node / "cd" / "cnew.so").read_bytes() == b"kernel"
+    assert (node / "ab" / "ckept.so").read_bytes() == b"the node's own"
+    assert not (tmp_path / "escape.so").exists() and not (node / "cd" / "notes.txt").exists()
+    cache.record = {"kernels": {"sha256": "0" * 64}}
+    (node / "cd" / "cnew.so").unlink()
+    assert cache._put_kernels() == 0 and not (node / "cd" / "cnew.so").exists()
+    assert "damaged" in ignored(tmp_path / "run")[-1]
