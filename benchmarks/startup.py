@@ -14,9 +14,9 @@
 - **Restart of a compiled run** (``parallelism.compile``): the time to the first step
   of a restart on a node that has not compiled the run (its own inductor cache empty),
   with the run dir's compile cache (llmtrain's) against compiling again, and, for
-  reference, on the node that compiled it (torch's local cache). On CPU the host compiler
-  still builds the C++ kernels either way (torch bundles Triton kernels into its cache
-  entries, not C++ ones), so the CPU ratio understates a GPU's.
+  reference, on the node that compiled it (torch's local cache). On CPU the run dir's
+  cache also carries the built C++ kernels; every process still builds inductor's small
+  probes of the CPU's vector ISA.
 - **Construction**, 1B-class shapes (Llama 3.2 1B: dim 2048, 16 layers, vocab 128256,
   tied) on 2 real gloo ranks: llmtrain's meta -> ``parallelize`` -> ``to_empty`` ->
   ``init_weights`` vs the full model on every rank then ``fully_shard``; the slowest

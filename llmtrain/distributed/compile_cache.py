@@ -28,11 +28,13 @@ forward runs, and dynamo takes them as inputs), so rank 0's blob serves every ra
 On CPU the blob is not enough: torch bundles a GPU's Triton kernels into its cache entries
 but not the C++ kernels inductor builds for a CPU, so a node that never compiled them runs
 the host compiler again (most of a CPU start's first step). Rank 0 therefore also keeps the
-shared objects its first step built, from its inductor cache (``<dir>/??/*.so``, named by
-the hash of their source and build command), as ``<key>.kernels.tar``, checked by its own
+shared objects its process built, from its inductor cache (``<dir>/??/*.so``, named by the
+hash of their source and build command), as ``<key>.kernels.tar``, checked by its own
 sha256 in the record, and a later start puts each one that its node lacks in place before
-it compiles. Kernels that were already on rank 0's node are not kept: that node had them
-from before this job.
+it compiles: the model's kernels, and inductor's probes of the CPU's vector ISA, which it
+builds in every process otherwise (it only tries the ISAs that cpuinfo reports, and loads
+each probe in a process of its own). Kernels that were already on rank 0's node are not
+kept: that node had them from before this job.
 """
 
 from __future__ import annotations
@@ -85,8 +87,14 @@ def _device_kind(device: torch.device) -> str:
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda {torch.cuda.get_device_name(device)} sm{major}{minor} " \
                f"(CUDA {torch.version.cuda})"
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    return f"{device.type} {platform.machine()} {pick_vec_isa() or 'no vector ISA'}"
+    # what inductor's choice of vector ISA rests on, read from cpuinfo as inductor reads
+    # it (its pick itself compiles probes: the kernel bundle below carries them too)
+    flags = [name for name, has in (
+        ("avx2", torch.cpu._is_avx2_supported()), ("avx512", torch.cpu._is_avx512_supported()),
+        ("avx512_vnni", torch.cpu._is_vnni_supported()),
+        ("amx_tile", torch.cpu._is_amx_tile_supported())) if has]
+    return (f"{device.type} {platform.machine()} {torch.backends.cpu.get_cpu_capability()} "
+            f"{'+'.join(flags) or '-'}")
 
 
 def _inductor_dir() -> str:

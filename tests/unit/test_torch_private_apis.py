@@ -198,3 +198,29 @@ def test_dcp_save_plan_caching_by_key(tmp_path):
         dcp.load(loaded, checkpoint_id=str(tmp_path / str(i)), no_dist=True)
         assert torch.equal(loaded["w"], state["w"]) and loaded["n"] == 3
     assert sent == [True, False, True]
+
+
+def test_compile_cache_private_apis():
+    """distributed/compile_cache.py keys a CPU's blob by the cpuinfo flags inductor picks
+    its vector ISA from (``torch.cpu._is_*_supported``), finds the node's inductor cache
+    with ``torch._inductor.runtime.cache_dir_utils.cache_dir`` (its CPU kernels are
+    ``<dir>/??/*.so``), and reads inductor's and AOTAutograd's cache hits and misses from
+    ``torch._dynamo.utils.counters``."""
+    import inspect
+
+    from torch._dynamo.utils import counters  # noqa: F401 - it must import
+    from torch._functorch._aot_autograd import autograd_cache
+    from torch._inductor import codecache, cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    for probe in ("_is_avx2_supported", "_is_avx512_supported", "_is_vnni_supported",
+                  "_is_amx_tile_supported"):
+        assert isinstance(getattr(torch.cpu, probe)(), bool), probe
+    assert isinstance(cache_dir(), str)
+    # the counters' names, where torch counts them
+    source = inspect.getsource(codecache)
+    assert '"fxgraph_cache_hit"' in source and '"fxgraph_cache_miss"' in source
+    source = inspect.getsource(autograd_cache)
+    assert '"autograd_cache_hit"' in source and '"autograd_cache_miss"' in source
+    # an ISA probe already built is not built again (the bundle carries the probes)
+    assert "os.path.isfile(output_path)" in inspect.getsource(cpu_vec_isa.VecISA.check_build)
