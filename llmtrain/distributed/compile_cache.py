@@ -51,7 +51,6 @@ import tarfile
 import threading
 import time
 from dataclasses import asdict
-from typing import Callable
 
 import fsspec
 import torch
@@ -121,13 +120,10 @@ class CompileCache:
     ``ready`` waits for it before the first step; ``first_step_done`` says what the start
     reused and, on rank 0, saves what it compiled."""
 
-    def __init__(self, run_dir: str, parts: Callable[[], dict], events: EventLog, rank: int):
-        """``parts``: the key's parts, found on the thread (inductor's ISA probe imports
-        inductor, which is slow and needed only for compiling)."""
+    def __init__(self, run_dir: str, parts: dict, events: EventLog, rank: int):
+        """``parts``: the key's parts (:func:`cache_key`)."""
         self.dir, self.events, self.rank = join(run_dir, DIR), events, rank
-        self._parts = parts
-        self.parts: dict = {}
-        self.key = ""
+        self.parts, self.key = parts, _digest(parts)
         self.loaded = 0  # artifacts loaded from the run dir
         self.load_s = 0.0
         self.loaded_sha: str | None = None
@@ -148,7 +144,7 @@ class CompileCache:
         counts = _counters()
         saved, save_error = False, None
         compiled = not self.loaded or counts["graph_misses"] or counts["autograd_misses"]
-        if self.rank == 0 and self.key and compiled:
+        if self.rank == 0 and compiled:
             try:
                 saved = self._save()
             except Exception as e:  # noqa: BLE001 - the next start compiles, no worse
@@ -173,8 +169,6 @@ class CompileCache:
     def _load(self) -> None:
         began = time.perf_counter()
         try:
-            self.parts = self._parts()
-            self.key = _digest(self.parts)
             blob = self._checked_blob()
             if blob is not None:
                 info = torch.compiler.load_cache_artifacts(blob)
@@ -298,4 +292,4 @@ def compile_cache_for(cfg: JobConfig, rank: int, local_rank: int,
         return NoCompileCache()
     kind = device_type(p)
     device = torch.device(kind, local_rank) if kind == "cuda" else torch.device(kind)
-    return CompileCache(cfg.training.run_dir, lambda: cache_key(cfg, device), events, rank)
+    return CompileCache(cfg.training.run_dir, cache_key(cfg, device), events, rank)

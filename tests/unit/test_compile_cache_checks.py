@@ -16,7 +16,7 @@ PARTS = cache_key(load_config("debug_cpu"), torch.device("cpu"))
 
 
 def start(run_dir, parts=PARTS) -> CompileCache:
-    cache = CompileCache(str(run_dir), lambda: parts, EventLog(str(run_dir), 0), rank=0)
+    cache = CompileCache(str(run_dir), parts, EventLog(str(run_dir), 0), rank=0)
     cache.ready()
     return cache
 
