@@ -34,16 +34,20 @@ def test_goodput_closes_over_a_kill_and_a_restart(tmp_path):
     assert after.wall_s <= ended - launched
     assert after.wall_s >= (ended - launched) - 5, (after.wall_s, ended - launched)
 
-    # From the outside: the steady step time (log events 10 steps apart, in the attempt
-    # that finished), times the steps the run needed, over the test's own wall clock.
+    # From the outside: the mean step time, from the log events 10 steps apart in each
+    # attempt (saves included, as the ledger counts their steps; each attempt's first gap
+    # left out, as it holds its first step), times the steps the run needed, over the test's
+    # own wall clock. (The median of the finished attempt without the saves' steps was 10%
+    # short of the ledger's on one CI machine, whose steps ran slower elsewhere.)
     resumed = events(run, "checkpoint_loaded")[-1]
     assert resumed["step"] == 40
-    steps = [e for e in events(run, "step") if e["ts"] > resumed["ts"]]
-    gaps = [(b["ts"] - a["ts"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:])
-            if b["step"] - a["step"] == 10 and b["step"] % 40 != 0]  # no save in between
-    step_time = statistics.median(gaps)
+    attempts = [[e for e in events(run, "step") if (e["ts"] > resumed["ts"]) == second]
+                for second in (False, True)]
+    gaps = [(b["ts"] - a["ts"]) / 10 for steps in attempts
+            for a, b in list(zip(steps, steps[1:]))[1:] if b["step"] - a["step"] == 10]
+    step_time = statistics.mean(gaps)
     ettr_outside = 160 * step_time / (ended - launched)
-    assert abs(after.ettr - ettr_outside) < 0.06, (after.as_dict(), ettr_outside)
+    assert abs(after.ettr / ettr_outside - 1) < 0.08, (after.as_dict(), ettr_outside)
 
     # Steps 41..74 ran twice: their first run is lost time, about 34 step times.
     lost = final["badput"]["lost_steps"]
