@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, check, llmtrain, step_losses
+from conftest import ROOT, check, llmtrain, llmtrain_start, step_losses
 from llmtrain.checkpoint import shards, storage
-from llmtrain.checkpoint.convert import differences
+from llmtrain.checkpoint.convert import convert, differences
+from llmtrain.config import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ assert not [m for m in sys.modules if m.startswith("llmtrain")], "llmtrain was i
 """
 
 
-def convert(src: str, to: str, dst: str) -> None:
+def convert_cli(src: str, to: str, dst: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "ckpt", "convert", src, "--to",
                            to, dst], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,7 +51,7 @@ def test_dcp_format_is_read_by_stock_tools_and_conversions_round_trip(tmp_path):
     # dcp -> raw -> dcp, and -> torch: every result reads back bitwise equal
     raw_root = tmp_path / "raw"
     raw = storage.step_dir(str(raw_root), 4)
-    convert(original, "raw", raw)
+    convert_cli(original, "raw", raw)  # the command once; in this process after
     convert(raw, "dcp", str(tmp_path / "dcp-again"))
     convert(raw, "torch", str(tmp_path / "state.pt"))
     assert storage.read_manifest(raw)["format"] == "raw"
@@ -58,16 +59,18 @@ def test_dcp_format_is_read_by_stock_tools_and_conversions_round_trip(tmp_path):
         assert storage.verify(url, checksums=True) == []
         assert differences(state, shards.load_unsharded(url)) == [], url
 
-    # the converted checkpoint resumes as the original does (on one rank: resharded)
-    for name, root in (("from-original", run / "checkpoints"), ("from-raw", raw_root)):
-        check(llmtrain(tmp_path / name, "--training.steps", "6", "--checkpoint.url",
-                       str(root), *ARGS))
-    resumed = [step_losses(tmp_path / name) for name in ("from-original", "from-raw")]
+    # the converted checkpoint resumes as the original does (on one rank each, at once:
+    # resharded)
+    resumes = {name: llmtrain_start(tmp_path / name, "--training.steps", "6",
+                                    "--checkpoint.url", str(root), *ARGS)
+               for name, root in (("from-original", run / "checkpoints"), ("from-raw", raw_root))}
+    for name, proc in resumes.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name}: {err[-3000:]}"
+    resumed = [step_losses(tmp_path / name) for name in resumes]
     assert sorted(resumed[0]) == [5, 6] and resumed[0] == resumed[1]
 
 
 def test_a_checkpoint_that_does_not_verify_is_not_converted(tmp_path):
-    from llmtrain.config import ConfigError
-    from llmtrain.checkpoint.convert import convert as convert_here
     with pytest.raises(ConfigError, match="no MANIFEST.json, the save never completed"):
-        convert_here(str(tmp_path / "nothing"), "dcp", str(tmp_path / "out"))
+        convert(str(tmp_path / "nothing"), "dcp", str(tmp_path / "out"))
