@@ -1,5 +1,7 @@
 """Hugging Face Llama format: export a checkpoint as safetensors + config.json that
-``transformers.LlamaForCausalLM`` loads, and start a run from such a directory.
+``transformers.LlamaForCausalLM`` loads, with the tokenizer of the corpus it was trained on
+(tokenizer.json + tokenizer_config.json, for ``AutoTokenizer``), and start a run from such
+a directory.
 
 The one real difference between the layouts is rotary embeddings: llmtrain rotates
 adjacent pairs of each head's channels (Meta's layout), Hugging Face Llama rotates the
@@ -26,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from llmtrain.checkpoint import shards, storage
-from llmtrain.config import ConfigError, ModelConfig
+from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.fsio import is_local, join, write_atomic
 from llmtrain.model import Transformer, ffn_hidden_dim, global_offset, unwrapped_name
 
@@ -136,7 +138,6 @@ def find_tokenizer(manifest: dict, given: str = "") -> tuple[tuple[bytes, dict] 
     """The tokenizer.json a checkpoint's model reads (``given``, else the one its corpus
     records, checked against the corpus's sha256), and what ``corpus.json`` says of it;
     else None and why."""
-    from llmtrain.config import DataConfig
     from llmtrain.data import corpus_manifest
     if given:  # its end-of-document token found as `data prepare` finds it
         from llmtrain.data.prepare import Tokenizer
