@@ -205,32 +205,37 @@ def micro_batch(nproc: int) -> int:
     return min(t.micro_batch_size, t.global_batch_size // nproc)
 
 
-def llmtrain_start(nproc: int, tmp: Path) -> tuple[dict[str, float], dict[str, float]]:
+def one_step(nproc: int, run_dir: Path, *extra: str, env: dict | None = None
+             ) -> dict[str, float | dict]:
+    """One step of ``llmtrain train`` under torchrun in ``run_dir``; the wall time and
+    rank 0's last ``startup`` event."""
     from llmtrain.events import read_events
-    run_dir = tmp / f"llmtrain-w{nproc}"
-    shutil.rmtree(run_dir, ignore_errors=True)
     wall = run([*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "llmtrain", "train",
                 "--config", "debug_cpu", "--training.run_dir", str(run_dir),
                 "--training.steps", "1", "--training.micro_batch_size", str(micro_batch(nproc)),
-                "--checkpoint.enable", "false", "--metrics.prometheus", "false"])
-    [event] = [e for e in read_events(str(run_dir), "startup") if e["rank"] == 0]
-    return parts(event["phases"], event["since_launch_s"], wall), event["phases"]
+                "--checkpoint.enable", "false", "--metrics.prometheus", "false", *extra],
+               env=env)
+    event = [e for e in read_events(str(run_dir), "startup") if e["rank"] == 0][-1]
+    return {"wall": wall, "event": event}
+
+
+def llmtrain_start(nproc: int, tmp: Path) -> tuple[dict[str, float], dict[str, float]]:
+    run_dir = tmp / f"llmtrain-w{nproc}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    r = one_step(nproc, run_dir)
+    event = r["event"]
+    return parts(event["phases"], event["since_launch_s"], r["wall"]), event["phases"]
 
 
 def compiled_start(nproc: int, run_dir: Path, node_cache: Path, run_dir_cache: bool
                    ) -> dict[str, float]:
     """A start of a compiled run on a node whose local inductor cache is ``node_cache``,
     with llmtrain's run-dir cache or without it; rank 0's parts."""
-    from llmtrain.events import read_events
-    wall = run([*TORCHRUN, f"--nproc-per-node={nproc}", "-m", "llmtrain", "train",
-                "--config", "debug_cpu", "--training.run_dir", str(run_dir),
-                "--training.steps", "1", "--training.micro_batch_size", str(micro_batch(nproc)),
-                "--parallelism.compile", "true",
-                "--parallelism.compile_cache", str(run_dir_cache).lower(),
-                "--checkpoint.enable", "false", "--metrics.prometheus", "false"],
-               env={"TORCHINDUCTOR_CACHE_DIR": str(node_cache)})
-    event = [e for e in read_events(str(run_dir), "startup") if e["rank"] == 0][-1]
-    return parts(event["phases"], event["since_launch_s"], wall)
+    r = one_step(nproc, run_dir, "--parallelism.compile", "true",
+                 "--parallelism.compile_cache", str(run_dir_cache).lower(),
+                 env={"TORCHINDUCTOR_CACHE_DIR": str(node_cache)})
+    event = r["event"]
+    return parts(event["phases"], event["since_launch_s"], r["wall"])
 
 
 def stock_start(nproc: int, tmp: Path) -> dict[str, float]:

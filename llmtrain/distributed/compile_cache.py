@@ -201,8 +201,9 @@ class CompileCache:
 
     def _stale(self, fs: fsspec.AbstractFileSystem, records: list[str]) -> str:
         """Why the newest record there was made for another start."""
-        newest = max(records, key=lambda p: json.loads(fs.cat_file(p)).get("saved", 0))
-        theirs = json.loads(fs.cat_file(newest)).get("parts", {})
+        newest = max((json.loads(fs.cat_file(p)) for p in records),
+                     key=lambda record: record.get("saved", 0))
+        theirs = newest.get("parts", {})
         changed = [f"{name} {theirs.get(name)!r} (now {mine!r})"
                    for name, mine in self.parts.items() if theirs.get(name) != mine]
         return f"made for another {', '.join(changed) or 'key'}"
