@@ -20,7 +20,9 @@ failed retention pass a ``checkpoint_retention_failed`` one, both with the error
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from concurrent import futures
 from dataclasses import asdict
 from concurrent.futures import Future
@@ -56,12 +58,28 @@ class ReadFailed(CheckpointUnreadable):
 
 
 def describe(error: BaseException) -> str:
-    """One line per failed rank ("rank 1: OSError: [Errno 28] No space left on device"),
-    instead of DCP's tracebacks of every rank."""
+    """One line per failed rank, with the frame that raised ("rank 1: OSError: [Errno 28]
+    No space left on device (at checkpoint/storage.py:198 in write_data)"), instead of
+    DCP's tracebacks of every rank."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
-                         for rank, (exc, _) in sorted(error.failures.items()))[:2000]
-    return f"{type(error).__name__}: {error}"[:2000]
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}{_at(frames)}"
+                         for rank, (exc, frames) in sorted(error.failures.items()))[:2000]
+    return f"{type(error).__name__}: {error}{_at(traceback.extract_tb(error.__traceback__))}"[
+        :2000]
+
+
+def _at(frames: traceback.StackSummary) -> str:
+    """Where the innermost frame of a traceback is (file's folder and name, line, function)."""
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {'/'.join(f.filename.split('/')[-2:])}:{f.lineno} in {f.name})"
+
+
+def warn(text: str) -> None:
+    """A checkpoint problem that training outlives, said on stderr as well as in events:
+    a run whose saves all fail must not look healthy."""
+    print(f"llmtrain: warning: {text}", file=sys.stderr, flush=True)
 
 
 class CheckpointManager:
@@ -251,9 +269,16 @@ class CheckpointManager:
             self.apply_retention()
         except Exception as e:  # noqa: BLE001 - a disk filling up must be seen
             self.events.emit("checkpoint_retention_failed", step=step, error=describe(e))
+            warn(f"the retention pass after checkpoint {step} failed, older checkpoints "
+                 f"stay: {describe(e)}")
 
     def _failed(self, step: int, error: BaseException) -> None:
         self.events.emit("checkpoint_failed", step=step, error=describe(error))
+        shared = isinstance(error, CheckpointException)  # every rank has it: rank 0 says it
+        if self.rank == 0 or not shared:
+            warn(f"checkpoint {step} failed, training goes on and the newest committed "
+                 f"checkpoint stands: {'' if shared else f'rank {self.rank}: '}"
+                 f"{describe(error)}")
 
     def writing(self) -> bool:
         """True while a save's background write is in flight: a save due now waits for it

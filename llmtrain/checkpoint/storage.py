@@ -218,6 +218,8 @@ class CommitWriter(FsspecWriter):
                 info, sums = r.storage_data
                 files[info.relative_path] = sums
                 plain[-1].append(dataclasses.replace(r, storage_data=info))
+        # set here, not left to DCP's finish: torch 2.11's fills in a copy of ``metadata``
+        metadata.storage_data = {r.index: r.storage_data for rs in plain for r in rs}
         super().finish(metadata, plain)
         files[".metadata"] = self.fs.sums[".metadata.tmp"]
         with self.fs.create_stream(self.fs.concat_path(self.path, shards.ITEMS), "wb") as f:

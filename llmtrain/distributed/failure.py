@@ -47,7 +47,9 @@ from llmtrain.distributed.nccl_env import env_problems
 # inclusive); followed here, the reason not verified on a GPU.
 _BAD_NCCL = ((2, 28, 3), (2, 28, 8))
 
-# Whether the NCCL warm path has run on GPUs. Until it has, warm.enable on NCCL says so.
+# Whether the NCCL warm path has run across GPUs. One rank on one H100 has (the abort of a
+# stuck collective, a new group, the snapshot restored: tests/gpu); two or more ranks, a
+# dead peer and the agreement across ranks have not, so warm.enable on NCCL says so.
 NCCL_WARM_PROVEN = False
 
 # How collectives fail on gloo: its errors are plain RuntimeErrors that name gloo's

@@ -323,6 +323,8 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     if len(attempts) < 2:
         return None
     previous, current = attempts[-2], attempts[-1]
+    if any(e["event"] == "run_end" and not e.get("stopped") for e in previous):
+        return None  # it had finished: this start extends the run, no failure came before
     progress = max((e["end"] for e in previous if e["event"] == "span"
                     and e["category"] != "other"), default=previous[0]["ts"])
     detected = min((e["ts"] for e in previous if e["event"] in _FAILURE_SIGNS
@@ -346,4 +348,4 @@ _FAILURE_SIGNS = ("failure", "hang", "collective_error", "stop_vote", "node_excl
                   "preempted")
 # Every event ``account`` and ``recovery`` read: a follower of the log may keep only these.
 INPUTS = frozenset({"attempt_start", "span", "checkpoint_loaded", "checkpoint_staged",
-                    "warm_recovery", "rollback", *_FAILURE_SIGNS})
+                    "warm_recovery", "rollback", "run_end", *_FAILURE_SIGNS})

@@ -325,8 +325,9 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
         problems = nccl_problems()
         if problems or not NCCL_WARM_PROVEN:
             events.emit("warm_path_unproven", backend="nccl", problems=problems,
-                        reason="the warm path has never run on NCCL (read from torch's "
-                               "source only); a failure it cannot handle goes cold")
+                        reason="the warm path has run on NCCL only as one rank on one GPU "
+                               "(two or more ranks read from torch's source only); a "
+                               "failure it cannot handle goes cold")
     if plan is not None:
         path = WarmPath(cfg.warm, store, plan["round_id"], world.rank, world.world_size,
                         plan["local_world_size"], gen=plan["gen"])

@@ -158,26 +158,37 @@ def test_pinned_prefetch_and_pinned_staging():
     stager.close()
 
 
+# deterministic kernels, so that a resumed run can match an uninterrupted one bit for bit
+RESUME = (*GPU, "--parallelism.deterministic", "true", "--training.steps", "16",
+          "--checkpoint.interval_steps", "8", "--metrics.log_every", "1")
+
+
 def _weights(run_dir, step):
     return shards.load_unsharded(storage.step_dir(str(run_dir / "checkpoints"), step))["model"]
 
 
-def test_resume_on_the_gpu_is_bitwise_equal(tmp_path):
-    """A run killed at step 11 and resumed from its step-8 checkpoint ends with the same
-    weights, bit for bit, as one that was never interrupted (same GPU, deterministic)."""
-    det = (("--parallelism.deterministic", "true")
-           if hasattr(ParallelismConfig, "deterministic") else ())
-    args = (*GPU, *det, "--training.steps", "16", "--checkpoint.interval_steps", "8",
-            "--metrics.log_every", "1")
-    check(llmtrain(tmp_path / "ref", *args, nproc=1))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference for the resume tests: 16 steps on the GPU, never interrupted."""
+    run = tmp_path_factory.mktemp("resume") / "ref"
+    check(llmtrain(run, *RESUME, nproc=1))
+    return _weights(run, 16)
+
+
+@pytest.mark.parametrize("fmt", ["raw", "dcp"])
+def test_resume_on_the_gpu_is_bitwise_equal(tmp_path, uninterrupted, fmt):
+    """A run killed right after its step-8 checkpoint commits (in the writer's retention
+    pass: a kill at a fixed step raced the background write, and on a GPU's 10 ms steps
+    lost) and resumed from it ends with the same weights, bit for bit, as one never
+    interrupted; in either checkpoint format."""
     faulty = tmp_path / "faulty"
-    check(llmtrain(faulty, *args, "--reliability.faults", "kill@step:rank=0,step=11,restart=0",
-                   nproc=1, torchrun_args=("--max-restarts", "1")))
+    check(llmtrain(faulty, *RESUME, "--checkpoint.format", fmt, "--reliability.faults",
+                   "kill@retention:rank=0,step=8,restart=0", nproc=1,
+                   torchrun_args=("--max-restarts", "1")))
     assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [8]
-    ref, got = _weights(tmp_path / "ref", 16), _weights(faulty, 16)
-    differ = [name for name in ref if not torch.equal(ref[name], got[name])]
-    print(f"\nresumed run: {len(differ)} of {len(ref)} tensors differ "
-          f"(deterministic settings: {bool(det)})")
+    got = _weights(faulty, 16)
+    differ = [name for name in uninterrupted if not torch.equal(uninterrupted[name], got[name])]
+    print(f"\nresumed run ({fmt}): {len(differ)} of {len(got)} tensors differ")
     assert not differ, differ
 
 

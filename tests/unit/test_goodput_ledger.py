@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from llmtrain.metrics.goodput import CATEGORIES, account, advise, young_daly
+from llmtrain.metrics.goodput import CATEGORIES, account, advise, recovery, young_daly
 
 
 def span(category, start, end, **kw):
@@ -145,3 +145,16 @@ def test_a_process_start_is_read_to_the_clock_tick():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_start_after_a_finished_run_is_no_recovery():
+    """A hang, then a restart: a recovery with its parts. A run that had finished and is
+    launched again (more steps) recovered from nothing; one stopped on request did."""
+    events = two_attempts_with_a_hang()
+    hang = recovery(events[:-2], 10.5)
+    assert hang["total_s"] == pytest.approx(2.5) and hang["marks"]["failure_detected"] == 8.0
+    finished = events[:6] + [{"ts": 7.5, "event": "run_end", "rank": 0, "stopped": False},
+                             *events[7:-2]]  # the hang replaced by the run's end
+    assert recovery(finished, 10.5) is None
+    stopped = [{**e, "stopped": True} if e["event"] == "run_end" else e for e in finished]
+    assert recovery(stopped, 10.5)["total_s"] == pytest.approx(3.5)  # since the last step
