@@ -36,6 +36,7 @@ gpu-check: $(BIN)/llmtrain
 bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/step_overhead.py
 	$(BIN)/python benchmarks/checkpoint.py
+	$(BIN)/python benchmarks/checkpoint_index.py
 	$(BIN)/python benchmarks/watchdog.py
 	$(BIN)/python benchmarks/store_scale.py
 	$(BIN)/python benchmarks/control_plane.py

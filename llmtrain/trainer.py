@@ -88,7 +88,7 @@ class Trainer:
                                           plan=plan, events=self.events, ledger=self.ledger,
                                           fence=self.fence)
         self.registry = StateRegistry()
-        self.state = TrainState(self.registry, rank)
+        self.state = TrainState(self.registry, rank, self.world.world_size)
         store = job_store if plan is None else self.recovery.spare_store(plan["step"])
         self.control_group = self.form_group(store, "startup" if plan is None else "restart")
         self.integrity = Integrity.for_run(cfg, self.events, self.device, self.mesh,

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
-from llmtrain.checkpoint import storage
+from llmtrain.checkpoint import shards, storage
 from llmtrain.checkpoint.shards import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
@@ -82,6 +82,29 @@ def warn(text: str) -> None:
     print(f"llmtrain: warning: {text}", file=sys.stderr, flush=True)
 
 
+class IndexingPlanner(DefaultSavePlanner):
+    """DCP's save planner, which also keeps, on the coordinator, the items of each rank's
+    own plan (before DCP gives each replicated item to one writer) and the per-rank index
+    they make (``index_layout``), so that each rank of a restart reads only its own items
+    (INDEX.bin). With plan caching a rank whose plan has not changed sends none: its items
+    are the last ones kept under the same cache key, and when no rank's changed, the
+    layout is reused as it is (it costs O(world x items) to make)."""
+
+    _kept: dict[str, tuple[list, shards.IndexLayout]] = {}  # by cache key; the current only
+
+    def create_global_plan(self, all_plans):
+        key = self._cached_plans_key
+        needs, layout = self._kept.get(key, (None, None))
+        if needs is None or any(plan.usable for plan in all_plans):
+            needs = [[(w.index.fqn, None if w.index.offset is None else tuple(w.index.offset))
+                      for w in plan.items] if plan.usable or needs is None else needs[rank]
+                     for rank, plan in enumerate(all_plans)]
+            layout = shards.index_layout(needs)
+        IndexingPlanner._kept = {key: (needs, layout)}
+        self.index_layout = layout
+        return super().create_global_plan(all_plans)
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
                  events: EventLog, device: torch.device, control_group: dist.ProcessGroup,
@@ -125,7 +148,7 @@ class CheckpointManager:
         none, and the survivors must not send it the empty "unchanged" plans that only
         a coordinator holding their old plans can read (its metadata would lack their
         items); a new key on every rank makes every rank plan afresh once."""
-        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner = IndexingPlanner(enable_plan_caching=True)
         planner._cached_plans_key = f"llmtrain-{self.world}-{self.generation}"
         return planner
 
@@ -181,6 +204,7 @@ class CheckpointManager:
         self.last_save_time = time.monotonic()
         start = time.perf_counter()
         try:
+            planner = self.planner()
             writer = storage.CommitWriter(
                 storage.step_dir(self.url, step),
                 {**self.manifest_base, "step": step, "world_size": self.world,
@@ -188,10 +212,10 @@ class CheckpointManager:
                 thread_count=self.cfg.writer_threads, fence=self.fence,
                 raw=self.cfg.format == "raw",
                 # a sync save is the training thread's own wait: nothing to leave room for
-                nice=self.cfg.writer_nice if self.cfg.mode != "sync" else 0)
+                nice=self.cfg.writer_nice if self.cfg.mode != "sync" else 0, planner=planner)
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":
-                dcp.save(state_dict, storage_writer=writer, planner=self.planner(),
+                dcp.save(state_dict, storage_writer=writer, planner=planner,
                          process_group=self.io_group)
                 future: Future = Future()
                 future.set_result(None)
@@ -199,7 +223,7 @@ class CheckpointManager:
                 kind = (AsyncCheckpointerType.PROCESS if self.cfg.mode == "async_process"
                         else AsyncCheckpointerType.THREAD)
                 response = dcp.async_save(state_dict, storage_writer=writer,
-                                          planner=self.planner(), process_group=self.io_group,
+                                          planner=planner, process_group=self.io_group,
                                           async_checkpointer_type=kind, async_stager=self.stager)
                 self.staging, future = response.staging_completion, response.upload_completion
                 self.staging_wait_s = 0.0
@@ -376,8 +400,15 @@ class CheckpointManager:
         url = storage.step_dir(self.url, step)
         checksums = self.cfg.verify_checksums
         part = (self.rank, self.world)
-        problems = self._problems(lambda: storage.verify(url, checksums=checksums,
-                                                         part=part, items=False), step)
+
+        def verify() -> list[str]:
+            try:  # a rank that reads its own section of INDEX.bin (checked against its
+                own = state.has_own_section(url)  # digest) needs no index whole
+            except DamagedCheckpoint as e:
+                return e.problems
+            return storage.verify(url, checksums=checksums, part=part, items=False,
+                                  indexes=not own)
+        problems = self._problems(verify, step)
         if not problems:
             in_place = all(self._agree(lambda: state.fits_in_place(url, checked=checksums),
                                        step))

@@ -18,10 +18,11 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
   some reshardings), split into pieces that several threads read ahead in parallel;
   object stores get the ranges in batches (``cat_ranges``). A restart at the world size
   of the save skips DCP's planning too (:func:`read_in_place`): each saved chunk is
-  looked up by name and offset in :data:`ITEMS` (the places ``.metadata`` lists, as
-  plain data: nothing is unpickled) and read into the live shard at that place, and
-  checked against its sum once read, so a resume reads its data once, not once to
-  verify it and again to load it.
+  looked up by name and offset among the rank's own items (its sections of
+  :data:`INDEX`, see :func:`write_index`; else :data:`ITEMS`, the places ``.metadata``
+  lists, as plain data: nothing is unpickled) and read into the live shard at that
+  place, and checked against its sum once read, so a resume reads its data once, not
+  once to verify it and again to load it.
 
 Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
 written as they are). Items without the descriptor (checkpoints written before this
@@ -43,7 +44,9 @@ import math
 import os
 import pickle
 import posixpath
+import struct
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
@@ -66,6 +69,11 @@ READ_PIECE = 16 << 20   # the unit several threads share a large tensor's readin
 BATCH = 64 << 20        # bytes of ranges per cat_ranges call (object stores)
 _IOV_MAX = 1024         # buffers one preadv may fill (Linux's IOV_MAX)
 ITEMS = "ITEMS.json"    # every stored item's place, as plain data (beside DCP's .metadata)
+INDEX = "INDEX.bin"     # each rank's own items, found in O(its items) (see write_index)
+_SECTION = struct.Struct("<QQ16s")             # offset, length, xxh3_128 digest
+_INDEX_ENTRY = struct.Struct("<QQ16sQQ16s")    # a rank's shared section, then its own
+_INDEX_FOOT = struct.Struct("<8sQ")            # magic, world size of the save
+_INDEX_MAGIC = b"LLMIDX01"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -117,17 +125,81 @@ def metadata_items(metadata) -> Items:
     return items
 
 
+def _rows(items: Items) -> list:
+    return [[fqn, offset, *item._replace(dtype=None if item.dtype is None else
+                                         str(item.dtype).removeprefix("torch."))]
+            for (fqn, offset), item in items.items()]
+
+
 def items_json(items: Items) -> bytes:
     """ITEMS.json: what ``.metadata`` says of each stored item, as JSON rows, so a restart
     at the saved world size finds its items without unpickling ``.metadata`` (1.3-2.3 ms
     for 600 items here, against 0.4 ms to parse this; and nothing to unpickle at all)."""
-    rows = [[fqn, offset, *item._replace(dtype=None if item.dtype is None else
-                                         str(item.dtype).removeprefix("torch."))]
-            for (fqn, offset), item in items.items()]
-    return json.dumps({"format": 1, "items": rows}, separators=(",", ":")).encode()
+    return json.dumps({"format": 1, "items": _rows(items)}, separators=(",", ":")).encode()
 
 
-def _parse_items(data: bytes, where: str) -> Items:
+class IndexLayout(NamedTuple):
+    """Which items go in which section of INDEX.bin (see :func:`write_index`)."""
+    shared: list[list[tuple]]             # each distinct set of items several ranks hold
+    ranks: list[tuple[int, list[tuple]]]  # each rank's: its set in ``shared``, its own items
+
+
+def index_layout(needs: list[list[tuple]]) -> IndexLayout:
+    """The sections of INDEX.bin for ranks holding ``needs[rank]`` (keys of :data:`Items`,
+    from each rank's own save plan, before DCP gave each replicated item to one writer).
+    O(world x items): the save planner keeps it while the plans stay."""
+    holders = Counter(key for keys in needs for key in keys)
+    ids: dict[frozenset, int] = {}
+    shared: list[list[tuple]] = []
+    ranks = []
+    for keys in needs:
+        mine = [key for key in keys if holders[key] > 1]
+        group = ids.setdefault(frozenset(mine), len(shared))
+        if group == len(shared):
+            shared.append(mine)
+        ranks.append((group, [key for key in keys if holders[key] == 1]))
+    return IndexLayout(shared, ranks)
+
+
+def write_index(stream, items: Items, layout: IndexLayout) -> None:
+    """INDEX.bin, written to ``stream``: for each rank of the save, the stored items of the
+    state it held, so that a restart at the saved world size reads a 64-byte table entry
+    and its sections: O(its own items), where ITEMS.json and ``.metadata`` list every
+    rank's (O(world) bytes for each rank, O(world^2) in all).
+
+    Each rank's items are in two sections (``layout``): those other ranks hold too
+    (replicated items, an HSDP replica's shards), in a section written once for all the
+    ranks holding the same ones, and its own alone; so the file grows with the distinct
+    items, as ITEMS.json does, not with world x items, and so does the time to write it.
+    Layout: the sections (JSON: the world size, the rank for its own, rows as in
+    ITEMS.json), written as they are made; one entry per rank (offset, length and
+    XXH3-128 digest of each of its two sections); a footer (magic, world size) that a
+    reader finds from the file's end."""
+    world, offset = len(layout.ranks), 0
+
+    def put(body: dict, keys: list[tuple]) -> bytes:
+        nonlocal offset
+        body["items"] = _rows({key: items[key] for key in keys if key in items})
+        data = json.dumps(body, separators=(",", ":")).encode()
+        stream.write(data)
+        offset += len(data)
+        return _SECTION.pack(offset - len(data), len(data), _digest(data))
+
+    shared = [put({"world": world}, keys) for keys in layout.shared]
+    table = [shared[group] + (put({"rank": rank, "world": world}, own) if own
+                              else _SECTION.pack(0, 0, bytes(16)))
+             for rank, (group, own) in enumerate(layout.ranks)]
+    stream.write(b"".join(table))
+    stream.write(_INDEX_FOOT.pack(_INDEX_MAGIC, world))
+
+
+def _digest(data: bytes) -> bytes:
+    hasher = checksum.new()
+    hasher.update(data)
+    return hasher.digest()
+
+
+def _parse_items(rows: list, where: str) -> Items:
     dtypes: dict[str, torch.dtype] = {}
 
     def dtype(name: str) -> torch.dtype:
@@ -140,8 +212,7 @@ def _parse_items(data: bytes, where: str) -> Items:
     return {(fqn, None if offset is None else tuple(offset)):
             StoredItem(path, start, length, descriptors,
                        None if sizes is None else tuple(sizes), name and dtype(name))
-            for fqn, offset, path, start, length, descriptors, sizes, name
-            in json.loads(data)["items"]}
+            for fqn, offset, path, start, length, descriptors, sizes, name in rows}
 
 
 class DamagedCheckpoint(Exception):
@@ -273,12 +344,16 @@ class ShardReader(FsspecReader):
     """DCP storage reader for the raw format (and, through DCP's own code, the stock one):
     ``dcp.load(state_dict, storage_reader=ShardReader(url))``."""
 
-    def __init__(self, path, *, threads: int = 4, **kwargs) -> None:
+    def __init__(self, path, *, threads: int = 4, rank: int | None = None,
+                 world: int | None = None, **kwargs) -> None:
+        """``rank`` of ``world``: the loading rank, whose own items a restart at the
+        saved world size finds in INDEX.bin (see :meth:`own_items`)."""
         super().__init__(path, **kwargs)
-        self.threads = threads
+        self.threads, self.rank, self.world = threads, rank, world
         self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **kwargs)
         self._metadata = None
         self._items: Items | None = None
+        self._own: Items | None = None
 
     def read_metadata(self, *args, **kwargs):
         """The checkpoint's ``.metadata``, read (unpickled) once per reader: the caller
@@ -300,8 +375,58 @@ class ShardReader(FsspecReader):
             except FileNotFoundError:
                 self._items = metadata_items(self.read_metadata())
             else:
-                self._items = _parse_items(data, path)
+                self._items = _parse_items(json.loads(data)["items"], path)
         return self._items
+
+    def own_items(self) -> Items:
+        """The items of the loading rank's own state when the checkpoint was saved at
+        this world size, from its sections of INDEX.bin (its table entry and the footer
+        in one request, then its sections, each checked against its digest): O(its own
+        items) whatever the world size. Otherwise (another world size, a checkpoint
+        written before the index, no rank given) every stored item."""
+        if self._own is None:
+            known = self.rank is not None and self.world is not None
+            self._own = (known and self._section(self.rank, self.world)) or {}
+        return self._own or self.stored_items()
+
+    def has_own_section(self) -> bool:
+        """Whether :meth:`own_items` come from this rank's sections of INDEX.bin."""
+        self.own_items()
+        return bool(self._own)
+
+    def _section(self, rank: int, world: int) -> Items | None:
+        path = posixpath.join(self._root, INDEX)
+        try:
+            size = self._fs.size(path)
+        except FileNotFoundError:
+            return None
+        foot = size - _INDEX_FOOT.size
+        entry = foot - _INDEX_ENTRY.size * (world - rank)
+        if entry < 0:  # saved at fewer ranks
+            return None
+        tail, raw_entry = self._fs.cat_ranges([path, path], [foot, entry],
+                                              [size, entry + _INDEX_ENTRY.size],
+                                              on_error="raise")
+        magic, saved_world = _INDEX_FOOT.unpack(tail)
+        if magic != _INDEX_MAGIC:
+            raise DamagedCheckpoint([f"{path}: not an llmtrain index (magic {magic!r})"])
+        if saved_world != world:
+            return None
+        fields = _INDEX_ENTRY.unpack(raw_entry)
+        sections = [fields[:3], fields[3:]] if fields[4] else [fields[:3]]
+        found: Items = {}
+        for (offset, length, digest), data in zip(sections, self._fs.cat_ranges(
+                [path] * len(sections), [s[0] for s in sections],
+                [s[0] + s[1] for s in sections], on_error="raise")):
+            if _digest(data) != digest:
+                raise DamagedCheckpoint([f"{path}: a section of rank {rank}'s entry differs "
+                                         f"from its digest (corrupted)"])
+            body = json.loads(data)
+            if body["world"] != world or body.get("rank", rank) != rank:
+                raise DamagedCheckpoint([f"{path}: rank {rank}'s entry points to a section of "
+                                         f"rank {body.get('rank')} of {body['world']}"])
+            found.update(_parse_items(body["items"], path))
+        return found
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -396,7 +521,7 @@ def _exact_chunks(reader: ShardReader, tensors: dict, objects: list[str]) -> dic
     """{key of ``tensors`` or name of ``objects``: the stored item to read it from}; None
     when a tensor has no saved chunk at its offset with its shape and dtype, in the raw
     format."""
-    items = reader.stored_items()
+    items = reader.own_items()
     found = {}
     for key, target in tensors.items():
         item = items.get(key)

@@ -25,8 +25,8 @@ from llmtrain.state_registry import StateRegistry
 
 
 class TrainState:
-    def __init__(self, registry: StateRegistry, rank: int):
-        self.registry, self.rank = registry, rank
+    def __init__(self, registry: StateRegistry, rank: int, world: int = 1):
+        self.registry, self.rank, self.world = registry, rank, world
         self._kept: tuple[list, dict, dict] | None = None  # see _tensor_state
         self._opened: tuple[str, ShardReader] | None = None  # see _reader
 
@@ -79,6 +79,12 @@ class TrainState:
         plan = self._in_place(reader, self._objects(reader))
         return plan is not None and fits_in_place(reader, *plan, checked=checked)
 
+    def has_own_section(self, url: str) -> bool:
+        """Whether this rank finds its own items of ``url`` in its section of INDEX.bin (a
+        restart at the saved world size); raises DamagedCheckpoint when that section
+        differs from its digest."""
+        return self._reader(url).has_own_section()
+
     def load(self, url: str, *, threads: int = 4,
              check: bool = False) -> tuple[int, list[str], bool]:
         """Loads the checkpoint at ``url`` (already verified, but for what ``check``
@@ -121,12 +127,12 @@ class TrainState:
         follows it, so that a resume reads the checkpoint's index once, not twice (at
         thousands of ranks it lists every rank's chunk of every tensor)."""
         if self._opened is None or self._opened[0] != url:
-            self._opened = (url, ShardReader(url))
+            self._opened = (url, ShardReader(url, rank=self.rank, world=self.world))
         return self._opened[1]
 
     def _objects(self, reader: ShardReader) -> list[str]:
         """The non-tensor items this rank loads: the shared ones, and its own if saved."""
-        stored = reader.stored_items()
+        stored = reader.own_items()
         own = [f"{name}.{self.rank}" for name, item in self.registry.items.items()
                if item.per_rank]
         return ["trainer", *(key for key in own if (key, None) in stored)]
@@ -139,7 +145,7 @@ class TrainState:
             return None
         groups = [f"optim.param_groups.{i}.{k}"
                   for i, g in enumerate(self.optimizer.param_groups) for k in g if k != "params"]
-        saved_keys = {k for k, _ in reader.stored_items()
+        saved_keys = {k for k, _ in reader.own_items()
                       if k.startswith(("model.", "optim.")) and not k.endswith(".params")}
         if saved_keys != {fqn for fqn, _ in tensors} | set(groups):
             return None

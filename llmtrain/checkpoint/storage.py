@@ -171,12 +171,15 @@ class CommitWriter(FsspecWriter):
     (:mod:`llmtrain.checkpoint.shards`), whose ``finish`` also commits the checkpoint's
     manifest. ``fence(what)`` raises when this rank may no longer write into the job's
     storage (:mod:`llmtrain.recovery.fence`); it is asked before every file is created,
-    and before the commit. ``nice``: the write threads' added niceness."""
+    and before the commit. ``nice``: the write threads' added niceness. ``planner``: the
+    save's planner, whose ``index_layout`` (each rank's own items, where it has one) the
+    commit writes as the per-rank index, INDEX.bin."""
 
     def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1,
-                 fence: Callable[[str], None] = no_fence, raw: bool = True, nice: int = 0):
+                 fence: Callable[[str], None] = no_fence, raw: bool = True, nice: int = 0,
+                 planner: object = None):
         super().__init__(url, thread_count=thread_count, sync_files=False, overwrite=True)
-        self.fence, self.raw, self.nice = fence, raw, nice
+        self.fence, self.raw, self.nice, self.planner = fence, raw, nice, planner
         hashing = _HashingFileSystem(fence)
         hashing.fs = self.fs.fs
         self.fs = hashing
@@ -222,9 +225,14 @@ class CommitWriter(FsspecWriter):
         metadata.storage_data = {r.index: r.storage_data for rs in plain for r in rs}
         super().finish(metadata, plain)
         files[".metadata"] = self.fs.sums[".metadata.tmp"]
-        with self.fs.create_stream(self.fs.concat_path(self.path, shards.ITEMS), "wb") as f:
-            f.write(shards.items_json(shards.metadata_items(metadata)))
-        files[shards.ITEMS] = self.fs.sums[shards.ITEMS]
+        items = shards.metadata_items(metadata)
+        indexes = {shards.ITEMS: lambda f: f.write(shards.items_json(items))}
+        if layout := getattr(self.planner, "index_layout", None):
+            indexes[shards.INDEX] = lambda f: shards.write_index(f, items, layout)
+        for name, write in indexes.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
+                write(f)
+            files[name] = self.fs.sums[name]
         self.fence(f"the commit of {self.url}")
         manifest = {**self.manifest, "files": dict(sorted(files.items())),
                     "bytes": sum(f["size"] for f in files.values()),
@@ -357,15 +365,20 @@ def _damaged_items(url: str, fs, path: str, name: str, items: list, expect: str)
     return problems
 
 
+INDEXES = (".metadata", shards.ITEMS, shards.INDEX)  # what lists the items, not data
+
+
 def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
-           items: bool = True, whole: bool = True) -> list[str]:
+           items: bool = True, whole: bool = True, indexes: bool = True) -> list[str]:
     """What is wrong with the checkpoint at ``url`` (empty when it verifies).
 
     Sizes are always checked, sums when ``checksums``: a shard file item by item against
     the sums in ``.metadata`` (``items=False`` leaves that to the reader, which checks
     each item it reads), any other file whole (``whole=False``: not, as a check of the
-    items after the rest). ``part=(i, n)`` checks only every n-th file starting at i, so
-    n ranks can share the reading of a large checkpoint.
+    items after the rest; ``indexes=False``: not the files that list every rank's items,
+    each O(world) bytes, for a resume that reads only its own section of INDEX.bin, which
+    it checks itself). ``part=(i, n)`` checks only every n-th file starting at i, so n
+    ranks can share the reading of a large checkpoint.
     """
     manifest = read_manifest(url)
     if manifest is None:
@@ -388,7 +401,8 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
         elif not checksums:
             continue
         elif "items_sha256" not in expect:
-            if whole and _file_sum(fs, path) != expect["sha256"]:
+            wanted = indexes if name in INDEXES else whole
+            if wanted and _file_sum(fs, path) != expect["sha256"]:
                 problems.append(f"{url}/{name}: sha256 differs from the manifest (corrupted)")
         elif items:
             table = table or _items(url, root, fs, manifest)

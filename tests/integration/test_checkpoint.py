@@ -107,24 +107,38 @@ def test_resume_a_two_rank_checkpoint_on_another_world_size(tmp_path, two_rank_r
         assert got[step] == pytest.approx(ref[step], rel=1e-3), step
 
 
+def flip(path: Path, at: int | None = None) -> None:
+    """Flips one bit of the file's byte at ``at`` (default: its middle)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if at is None else at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path, reference):
+    """Each rank of a restart at the saved world size reads only its own section of
+    INDEX.bin, checked against its digest: damage there refuses the checkpoint, damage in
+    the indexes of every rank's items (ITEMS.json, .metadata) it never reads."""
     run = tmp_path / "run"
     args = ("--checkpoint.keep_last", "5", *CKPT)
     shutil.copytree(reference / "checkpoints", run / "checkpoints")  # 6, 12, 18, 24
     root = str(run / "checkpoints")
     assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 18, 24]
-    # 24: no manifest (never committed); 18: a flipped byte; 12: a truncated shard
-    Path(storage.step_dir(root, 24), storage.MANIFEST).unlink()
-    shard = Path(storage.step_dir(root, 18), "__1_0.distcp")
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    # 24: rank 1's section of INDEX.bin; 18: a flipped byte; 12: a truncated shard
+    index = Path(storage.step_dir(root, 24), shards.INDEX)
+    data = index.read_bytes()
+    entry = len(data) - shards._INDEX_FOOT.size - shards._INDEX_ENTRY.size  # rank 1's
+    own_offset, own_length = shards._INDEX_ENTRY.unpack_from(data, entry)[3:5]
+    flip(index, own_offset + own_length // 2)
+    flip(Path(storage.step_dir(root, 18), "__1_0.distcp"))
     shard = Path(storage.step_dir(root, 12), "__0_0.distcp")
     shard.write_bytes(shard.read_bytes()[:-7])
+    for name in (shards.ITEMS, ".metadata"):  # 6: what a restart at 2 ranks never reads
+        flip(Path(storage.step_dir(root, 6), name))
 
     check(llmtrain(run, "--training.steps", "30", *args, nproc=2))
     rejected = {e["step"]: " ".join(e["problems"]) for e in events(run, "checkpoint_rejected")}
-    assert sorted(rejected) == [12, 18]
+    assert sorted(rejected) == [12, 18, 24]
+    assert "INDEX.bin: a section of rank 1's entry differs from its digest" in rejected[24]
     # the flipped byte was found by the load, which checks each item as it reads it
     assert "__1_0.distcp: xxh3_128 differs from the manifest in " in rejected[18]
     assert "bytes, manifest says" in rejected[12] and "__0_0.distcp" in rejected[12]

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -330,3 +331,44 @@ def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch
     assert seen and all(n == min(19, mine + 5) for n in seen), (mine, seen)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
     assert storage.verify(str(tmp_path / "ck"), checksums=True) == []
+
+
+@pytest.mark.parametrize("fs", ["local", "memory"])
+def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, fs):
+    """INDEX.bin gives each rank of the saved world size the items of its own state (a
+    replicated item in every rank's, whoever wrote it), read from its sections alone;
+    ranks holding the same items share a section; another world size gets every item; a
+    damaged section is refused."""
+    root = str(tmp_path) if fs == "local" else f"memory://{tmp_path}"
+    # 4 ranks, 2 replicas of 2 shards (HSDP): ranks r and r + 2 hold the same chunk
+    items = {("w", (r * 4, 0)): shards.StoredItem(f"__{r}_0.distcp", 0, 64, [RAW], (4, 4),
+                                                  torch.float32) for r in range(2)}
+    items |= {(f"rng.{r}", None): shards.StoredItem(f"__{r}_0.distcp", 64, 9, [], None, None)
+              for r in range(4)}
+    items[("trainer", None)] = shards.StoredItem("__3_0.distcp", 73, 9, [], None, None)
+    needs = [[("w", (r % 2 * 4, 0)), (f"rng.{r}", None), ("trainer", None)] for r in range(4)]
+    stream = io.BytesIO()
+    shards.write_index(stream, items, shards.index_layout(needs))
+    data = stream.getvalue()
+    with fsspec.open(f"{root}/{shards.INDEX}", "wb") as f:
+        f.write(data)
+    with fsspec.open(f"{root}/{shards.ITEMS}", "wb") as f:
+        f.write(shards.items_json(items))
+    entries = [shards._INDEX_ENTRY.unpack_from(data, len(data) - shards._INDEX_FOOT.size
+                                               - shards._INDEX_ENTRY.size * (4 - r))
+               for r in range(4)]
+    assert entries[0][:3] == entries[2][:3] != entries[1][:3] == entries[3][:3]
+    for rank in range(4):
+        reader = ShardReader(root, rank=rank, world=4)
+        assert reader.own_items() == {key: items[key] for key in needs[rank]}
+        assert reader.has_own_section() and reader._items is None  # ITEMS.json unread
+    assert ShardReader(root, rank=0, world=3).own_items() == items  # resharding: every item
+    assert not ShardReader(root, rank=0, world=8).has_own_section()
+    offset, length = entries[1][3:5]  # rank 1's own section
+    damaged = bytearray(data)
+    damaged[offset + length // 2] ^= 0x04
+    with fsspec.open(f"{root}/{shards.INDEX}", "wb") as f:
+        f.write(bytes(damaged))
+    assert ShardReader(root, rank=0, world=4).has_own_section()
+    with pytest.raises(shards.DamagedCheckpoint, match="a section of rank 1's entry differs"):
+        ShardReader(root, rank=1, world=4).own_items()

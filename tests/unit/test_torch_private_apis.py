@@ -178,26 +178,32 @@ def test_abort_every_process_group():
 def test_dcp_save_plan_caching_by_key(tmp_path):
     """checkpoint/manager.py turns on DCP's save plan caching and sets its private
     ``_cached_plans_key`` per generation of the job's groups: a second save of the same
-    layout under a key sends no plan (an unusable one), and a new key plans afresh."""
+    layout under a key sends no plan (an unusable one), and a new key plans afresh. Its
+    IndexingPlanner reads ``SavePlan.usable`` to keep each rank's items of the last
+    usable plan, and their index layout (INDEX.bin)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    class Recording(DefaultSavePlanner):
+    from llmtrain.checkpoint.manager import IndexingPlanner
+
+    class Recording(IndexingPlanner):
         def create_local_plan(self):
             plan = super().create_local_plan()
             sent.append(plan.usable)
             return plan
 
     sent: list[bool] = []
+    indexed = []
     state = {"w": torch.ones(4), "n": 3}
     for i, key in enumerate(("canary-0", "canary-0", "canary-1")):
         planner = Recording(enable_plan_caching=True)
         planner._cached_plans_key = key
         dcp.save(state, checkpoint_id=str(tmp_path / str(i)), planner=planner, no_dist=True)
+        indexed.append(planner.index_layout)
         loaded = {"w": torch.zeros(4), "n": 0}
         dcp.load(loaded, checkpoint_id=str(tmp_path / str(i)), no_dist=True)
         assert torch.equal(loaded["w"], state["w"]) and loaded["n"] == 3
     assert sent == [True, False, True]
+    assert indexed == [([], [(0, [("w", (0,)), ("n", None)])])] * 3, indexed
 
 
 def test_compile_cache_private_apis():
