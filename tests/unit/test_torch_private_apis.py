@@ -203,7 +203,7 @@ def test_dcp_save_plan_caching_by_key(tmp_path):
         dcp.load(loaded, checkpoint_id=str(tmp_path / str(i)), no_dist=True)
         assert torch.equal(loaded["w"], state["w"]) and loaded["n"] == 3
     assert sent == [True, False, True]
-    assert indexed == [([], [(0, [("w", (0,)), ("n", None)])])] * 3, indexed
+    assert indexed == [([[]], [(0, [("w", (0,)), ("n", None)])])] * 3, indexed
 
 
 def test_compile_cache_private_apis():
