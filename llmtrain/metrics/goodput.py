@@ -323,7 +323,8 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     if len(attempts) < 2:
         return None
     previous, current = attempts[-2], attempts[-1]
-    if any(e["event"] == "run_end" and not e.get("stopped") for e in previous):
+    if any(e["event"] == "run_end" and not e.get("stopped") for e in previous) and \
+            not any(e["event"] == "preempted" for e in previous):
         return None  # it had finished: this start extends the run, no failure came before
     progress = max((e["end"] for e in previous if e["event"] == "span"
                     and e["category"] != "other"), default=previous[0]["ts"])

@@ -149,7 +149,8 @@ def test_a_process_start_is_read_to_the_clock_tick():
 
 def test_a_start_after_a_finished_run_is_no_recovery():
     """A hang, then a restart: a recovery with its parts. A run that had finished and is
-    launched again (more steps) recovered from nothing; one stopped on request did."""
+    launched again (more steps) recovered from nothing; one stopped on request, or
+    preempted (it saved and ended), did."""
     events = two_attempts_with_a_hang()
     hang = recovery(events[:-2], 10.5)
     assert hang["total_s"] == pytest.approx(2.5) and hang["marks"]["failure_detected"] == 8.0
@@ -158,3 +159,5 @@ def test_a_start_after_a_finished_run_is_no_recovery():
     assert recovery(finished, 10.5) is None
     stopped = [{**e, "stopped": True} if e["event"] == "run_end" else e for e in finished]
     assert recovery(stopped, 10.5)["total_s"] == pytest.approx(3.5)  # since the last step
+    preempted = [*finished[:6], {"ts": 7.2, "event": "preempted", "rank": 0}, *finished[6:]]
+    assert recovery(preempted, 10.5)["marks"]["failure_detected"] == 7.2
