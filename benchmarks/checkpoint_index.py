@@ -113,8 +113,9 @@ print(json.dumps({"own_s": statistics.median(own), "all_s": every}))
 
 def section_bytes(root: Path, rank: int, world: int) -> int:
     """What a rank reads of INDEX.bin: its table entry, the footer and its sections."""
-    with open(root / shards.INDEX, "rb") as f:
-        f.seek(-shards._INDEX_FOOT.size - shards._INDEX_ENTRY.size * (world - rank), 2)
+    path = root / shards.INDEX
+    with open(path, "rb") as f:
+        f.seek(shards.index_entry_offset(path.stat().st_size, rank, world))
         entry = shards._INDEX_ENTRY.unpack(f.read(shards._INDEX_ENTRY.size))
     return shards._INDEX_ENTRY.size + shards._INDEX_FOOT.size + entry[1] + entry[4]
 

@@ -62,10 +62,11 @@ def describe(error: BaseException) -> str:
     No space left on device (at checkpoint/storage.py:198 in write_data)"), instead of
     DCP's tracebacks of every rank."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}{_at(frames)}"
-                         for rank, (exc, frames) in sorted(error.failures.items()))[:2000]
-    return f"{type(error).__name__}: {error}{_at(traceback.extract_tb(error.__traceback__))}"[
-        :2000]
+        text = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}{_at(frames)}"
+                         for rank, (exc, frames) in sorted(error.failures.items()))
+    else:
+        text = f"{type(error).__name__}: {error}{_at(traceback.extract_tb(error.__traceback__))}"
+    return text[:2000]
 
 
 def _at(frames: traceback.StackSummary) -> str:

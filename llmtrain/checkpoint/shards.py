@@ -193,6 +193,18 @@ def write_index(stream, items: Items, layout: IndexLayout) -> None:
     stream.write(_INDEX_FOOT.pack(_INDEX_MAGIC, world))
 
 
+def index_entry_offset(size: int, rank: int, world: int) -> int:
+    """Where ``rank``'s table entry starts in an INDEX.bin of ``size`` bytes saved at
+    ``world`` ranks (negative: the file holds fewer entries)."""
+    return size - _INDEX_FOOT.size - _INDEX_ENTRY.size * (world - rank)
+
+
+def index_entry(data: bytes, rank: int, world: int) -> tuple:
+    """``rank``'s table entry of a whole INDEX.bin: (shared section's offset, length,
+    digest, own section's offset, length, digest)."""
+    return _INDEX_ENTRY.unpack_from(data, index_entry_offset(len(data), rank, world))
+
+
 def _digest(data: bytes) -> bytes:
     hasher = checksum.new()
     hasher.update(data)
@@ -400,8 +412,7 @@ class ShardReader(FsspecReader):
             size = self._fs.size(path)
         except FileNotFoundError:
             return None
-        foot = size - _INDEX_FOOT.size
-        entry = foot - _INDEX_ENTRY.size * (world - rank)
+        foot, entry = size - _INDEX_FOOT.size, index_entry_offset(size, rank, world)
         if entry < 0:  # saved at fewer ranks
             return None
         tail, raw_entry = self._fs.cat_ranges([path, path], [foot, entry],

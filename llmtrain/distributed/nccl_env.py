@@ -3,7 +3,8 @@ it. Free of torch, so the launcher sets it without importing torch.
 
 Read from torch 2.13's ``ProcessGroupNCCL`` (its header lists the variables and the error
 handling modes) and nvidia-resiliency-ext's in-process restart docs; run with one rank on
-one GPU (``tests/gpu``), never with two or more (:mod:`llmtrain.distributed.failure`). The launcher sets, where the user has not:
+one GPU (``tests/gpu``), never with two or more (:mod:`llmtrain.distributed.failure`).
+The launcher sets, where the user has not:
 
 - ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly). torchrun's agent sets 1
   (TearDown) when this is unset. With 1, on a timeout or an NCCL async error from a dead

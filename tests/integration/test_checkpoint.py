@@ -125,9 +125,7 @@ def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path, r
     assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 18, 24]
     # 24: rank 1's section of INDEX.bin; 18: a flipped byte; 12: a truncated shard
     index = Path(storage.step_dir(root, 24), shards.INDEX)
-    data = index.read_bytes()
-    entry = len(data) - shards._INDEX_FOOT.size - shards._INDEX_ENTRY.size  # rank 1's
-    own_offset, own_length = shards._INDEX_ENTRY.unpack_from(data, entry)[3:5]
+    own_offset, own_length = shards.index_entry(index.read_bytes(), 1, 2)[3:5]
     flip(index, own_offset + own_length // 2)
     flip(Path(storage.step_dir(root, 18), "__1_0.distcp"))
     shard = Path(storage.step_dir(root, 12), "__0_0.distcp")

@@ -354,9 +354,7 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, fs):
         f.write(data)
     with fsspec.open(f"{root}/{shards.ITEMS}", "wb") as f:
         f.write(shards.items_json(items))
-    entries = [shards._INDEX_ENTRY.unpack_from(data, len(data) - shards._INDEX_FOOT.size
-                                               - shards._INDEX_ENTRY.size * (4 - r))
-               for r in range(4)]
+    entries = [shards.index_entry(data, r, 4) for r in range(4)]
     assert entries[0][:3] == entries[2][:3] != entries[1][:3] == entries[3][:3]
     for rank in range(4):
         reader = ShardReader(root, rank=rank, world=4)
