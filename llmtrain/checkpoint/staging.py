@@ -38,7 +38,7 @@ _ALIGN = 64  # bytes: each buffer starts where any dtype's vector loads are alig
 def _layout(obj: Any, path: str = "") -> list:
     """(path, kind, shape, dtype) of every tensor: what the buffers must match."""
     if isinstance(obj, torch.Tensor):
-        return [(path, type(obj).__name__, tuple(obj.shape), tuple(_local(obj).shape),
+        return [(path, type(obj).__name__, tuple(obj.shape), tuple(local_shard(obj).shape),
                  obj.dtype)]
     if isinstance(obj, dict):
         return [e for k, v in obj.items() for e in _layout(v, f"{path}/{k}")]
@@ -103,7 +103,9 @@ class ReusedBufferStager(AsyncStager):
         self._layout = self._buffers = None
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard itself (``to_local`` wraps a parameter's anew each call),
+    or ``t``."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -121,7 +123,7 @@ def _host_buffers(state_dict: dict, *, pin: bool, share: bool) -> dict:
     """
     tensors: list[torch.Tensor] = []
     _map_tensors(state_dict, tensors.append)
-    block, locals_ = host_block([_local(t) for t in tensors], pin=pin, share=share)
+    block, locals_ = host_block([local_shard(t) for t in tensors], pin=pin, share=share)
     views = {id(t): _dtensor(view, t, block) if isinstance(t, DTensor) else view
              for t, view in zip(tensors, locals_)}
     return _map_tensors(state_dict, lambda t: views[id(t)])

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from llmtrain.checkpoint.shards import (ShardReader, fits_in_place, no_gc, read_in_place,
                                        stored_object)
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
+from llmtrain.checkpoint.staging import local_shard
 from llmtrain.model import global_offset, unwrapped_name
 from llmtrain.state_registry import StateRegistry
 
@@ -29,6 +30,7 @@ class TrainState:
         self.registry, self.rank, self.world = registry, rank, world
         self._kept: tuple[list, dict, dict] | None = None  # see _tensor_state
         self._opened: tuple[str, ShardReader] | None = None  # see _reader
+        self._mapped: tuple[list, dict | None] | None = None  # see _shards
 
     @property
     def model(self) -> torch.nn.Module:
@@ -140,7 +142,7 @@ class TrainState:
     def _in_place(self, reader: ShardReader, objects: list[str]) -> tuple[dict, list] | None:
         """(live shards, items to read with them) when the checkpoint's model and
         optimizer keys match the live state's one for one; None when not."""
-        tensors = _live_shards(self.model, self.optimizer)
+        tensors = self._shards()
         if tensors is None:
             return None
         groups = [f"optim.param_groups.{i}.{k}"
@@ -150,6 +152,23 @@ class TrainState:
         if saved_keys != {fqn for fqn, _ in tensors} | set(groups):
             return None
         return tensors, [*objects, *groups]
+
+    def _shards(self) -> dict | None:
+        """:func:`_live_shards`, kept for as long as the optimizer's parameters and state
+        are the same tensors over the same local shards (an in-place load writes into
+        them; a planned load, a rebuild, or FSDP resetting a parameter's shard replaces
+        them), as :meth:`_tensor_state` keeps its dicts: a resume's check that its
+        checkpoint fits in place and the load after it map the tensors once, not twice.
+        Naming and placing about 300 tensors was a third of a 2-rank load's Python here.
+        (The optimizer holds every parameter: the trainer builds it over all of them.)"""
+        opt = self.optimizer
+        live = [local_shard(t) for group in opt.param_groups for p in group["params"]
+                for t in (p, *opt.state.get(p, {}).values()) if isinstance(t, torch.Tensor)]
+        mapped = self._mapped
+        if mapped is None or len(mapped[0]) != len(live) or any(
+                a is not b for a, b in zip(mapped[0], live)):
+            mapped = self._mapped = (live, _live_shards(self.model, opt))
+        return mapped[1]
 
     def _load_in_place(self, reader: ShardReader, tensors: dict, items: list[str], *,
                        check: bool) -> dict[str, bytes] | None:
@@ -202,10 +221,10 @@ def _live_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
         key = (tuple(t.shape), t.device_mesh, t.placements)
         if key not in offsets:
             offsets[key] = global_offset(t)
-        return offsets[key], t.to_local()
+        return offsets[key], local_shard(t)
 
     out, names = {}, {}
-    with torch.no_grad():  # DTensor.to_local is then the shard itself, not an autograd view
+    with torch.no_grad():
         for name, p in model.named_parameters():
             names[p] = fqn = unwrapped_name(name)
             offset, local = shard(p)

@@ -139,3 +139,36 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
     assert collecting == [False] and gc.isenabled()
     assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved))
     manager.close()
+
+
+def test_a_load_lands_in_the_live_tensors_after_they_are_replaced(group, tmp_path):
+    """Loads keep their map of the live shards from one to the next; an optimizer state
+    tensor replaced by a new one, and a parameter whose local shard FSDP replaced, must
+    get the checkpoint's values, not the tensors they replaced."""
+    from llmtrain.checkpoint.manager import CheckpointManager
+    from llmtrain.config import CheckpointConfig
+    from llmtrain.events import EventLog
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = _train_state(model, optimizer, scheduler)
+    _step(model, optimizer, scheduler)
+    manager = CheckpointManager(CheckpointConfig(mode="sync"), str(tmp_path / "ckpt"),
+                                manifest_base={}, events=EventLog(str(tmp_path / "run"), 0),
+                                device=torch.device("cpu"), control_group=dist.group.WORLD)
+    manager.save(1, state)
+    manager.close()
+    url = storage.step_dir(str(tmp_path / "ckpt"), 1)
+    weight = model[0].weight
+    saved_weight = weight.to_local().detach().clone()
+    saved_moment = optimizer.state[weight]["exp_avg"].to_local().clone()
+    assert state.fits_in_place(url, checked=True)
+    assert state.load(url) == (1, [], False)  # in place, the map now kept
+
+    optimizer.state[weight]["exp_avg"] = torch.zeros_like(optimizer.state[weight]["exp_avg"])
+    weight._local_tensor = torch.zeros_like(weight._local_tensor)  # as FSDP's reset does
+    assert state.load(url) == (1, [], False)
+    assert torch.equal(optimizer.state[weight]["exp_avg"].to_local(), saved_moment)
+    assert torch.equal(weight.to_local().detach(), saved_weight)
