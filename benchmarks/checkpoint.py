@@ -29,7 +29,9 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
   reads each shard into the live model and optimizer, planned by DCP where it reshards)
   / raw sequential read of the same files in 64 MiB chunks (each rank a share of them, at
   once), the faster of: into one reused buffer, or into preallocated memory of the files'
-  size; both with a warm page cache (the files were just written and read). Goal >= 0.9.
+  size; both with a warm page cache (the files were just written and read), medians of
+  ``--warm-reps`` (each takes tens of ms, and at 3 the ratio ran from 0.61 to 0.71 for
+  the same code in four runs). Goal >= 0.9.
   ``load_over_raw_cold`` is the same with each file's pages dropped first
   (posix_fadvise DONTNEED), where the OS honours it. Goal >= 0.9. At several ranks
   both are aggregate bandwidths (all ranks' bytes / the slowest rank's time). The table
@@ -50,7 +52,7 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
 
     python benchmarks/checkpoint.py                       # one rank
     torchrun --nproc-per-node 2 benchmarks/checkpoint.py  # two ranks (rank 0 prints)
-    ... [--state-mb 300] [--dir runs/bench_checkpoint] [--reps 3] [--interval 10]
+    ... [--state-mb 300] [--dir runs/bench_checkpoint] [--reps 3] [--warm-reps 15] [--interval 10]
         [--saves-per-segment 1] [--segments 3] [--through local|fuse|nfs]
         [--section.field VALUE ...]
 
@@ -227,6 +229,8 @@ def main() -> None:
     parser.add_argument("--dir", default=DIR,
                         help="run dir: checkpoints and raw-bandwidth files go under it")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each I/O measurement")
+    parser.add_argument("--warm-reps", type=int, default=15,
+                        help="repetitions of the warm loads and reads (each tens of ms)")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--interval", type=int, default=10, help="steps between saves")
     parser.add_argument("--saves-per-segment", type=int, default=1)
@@ -389,7 +393,7 @@ def main() -> None:
     # another, for the same 286 MB).
     raw_read(files, buf)  # warm the page cache (the files were just written anyway)
     load_s, reused_s, whole_s, resume_s = [], [], [], []
-    for r in range(args.reps):
+    for r in range(args.warm_reps):
         runs = [(load_s, load), (reused_s, raw_reads[0]), (whole_s, raw_reads[1]),
                 (resume_s, resume)]
         for times, fn in (runs if r % 2 == 0 else runs[::-1]):
@@ -479,7 +483,8 @@ def main() -> None:
              "load_over_raw_cold": (">=", 0.9),
              "step_time_with_saves_over_without": ("<=", 1.05)}
 
-    print(f"\nmedians of {args.reps} repetitions (step time: of {args.segments} segments "
+    print(f"\nmedians of {args.reps} repetitions ({args.warm_reps} of the warm loads and "
+          f"reads; step time: of {args.segments} segments "
           f"each way x {seg_steps} steps); times are the slowest rank's")
     print(f"{'measurement':<44}{'s':>10}{'MB':>10}{'MB/s':>10}")
 
