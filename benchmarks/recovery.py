@@ -22,11 +22,18 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   group formed, restored, first step.
 - **cold**: torchrun restarts every worker; the spare joins the rendezvous; the new
   processes load the newest checkpoint. Parts from the ``recovery`` event.
+- **shrink** (``node_loss`` only): no spare, ``--nnodes 1:2``, the defaults otherwise (the
+  warm path on): the warm path finds no spare and goes cold, and the survivor restarts
+  alone at half the world size (the global batch kept, in more micro-batches), from the
+  newest checkpoint. This is what losing a node without a spare costs today; an
+  in-memory shrink is to bring it to 2 s (``first_step_s`` here is to the first step at
+  the smaller size).
 
 Goals: warm <= 1.0 s median for each of the first three faults, with warm / cold <= 0.15;
 the hang warm <= 3.0 s.
 
     python benchmarks/recovery.py [--repeats 2] [--faults node_loss,kill_rank,gpu_bad]
+        [--paths warm,cold,shrink]
 
 Prints a table per fault and path, then one JSON line of the figures.
 """
@@ -50,6 +57,7 @@ TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0", "--health.interval_s", "1")
 FAULTS = ("node_loss", "kill_rank", "gpu_bad", "hang")
+PATHS = ("warm", "cold", "shrink")
 
 
 def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) -> dict:
@@ -65,10 +73,11 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) 
     raise TimeoutError(f"no {event} event in {run} within {timeout} s")
 
 
-def one_recovery(workdir: Path, warm: bool, fault: str) -> dict:
+def one_recovery(workdir: Path, path: str, fault: str) -> dict:
     run = workdir / "run"
-    cluster = LocalCluster(workdir, run, "2:2",
-                           TRAIN + ("--warm.enable", str(warm).lower()))
+    warm, spare = path == "warm", path != "shrink"
+    cluster = LocalCluster(workdir, run, "2:2" if spare else "1:2",
+                           TRAIN + (("--warm.enable", str(warm).lower()) if spare else ()))
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
 
     def start(name: str, spare: bool = False) -> None:
@@ -80,7 +89,7 @@ def one_recovery(workdir: Path, warm: bool, fault: str) -> dict:
         if warm:
             start("node3", spare=True)
         wait_for(run, "checkpoint_committed", lambda e: e["step"] >= 40)
-        if not warm:
+        if spare and not warm:
             start("node3", spare=True)
         time.sleep(2)  # mid-interval, with the spare waiting
         worker = wait_for(run, "startup", lambda e: e["host"] == "node2")
@@ -112,6 +121,9 @@ def one_recovery(workdir: Path, warm: bool, fault: str) -> dict:
                 # the last step done when it failed, back to the snapshot restored
                 "steps_redone": rec["failed_at"] - rec["step"],
                 "snapshot_interval": rec["snapshot_interval"]}
+    if not spare:
+        started = wait_for(run, "attempt_start", lambda e: e["ts"] > killed)
+        assert started["world_size"] == 1, started  # the survivor alone
     return {"fault_to_first_step_s": marks["first_step"] - killed,
             "detect_s": detected - killed,
             "rendezvous_spawn_s": marks["process_start"] - detected,
@@ -121,6 +133,7 @@ def one_recovery(workdir: Path, warm: bool, fault: str) -> dict:
 
 
 GOAL_WARM_S, GOAL_HANG_WARM_S, GOAL_WARM_OVER_COLD = 1.0, 3.0, 0.15
+GOAL_SHRINK_S = 2.0  # node loss without a spare, to the first step at the smaller size
 
 
 def table(name: str, runs: list[dict]) -> dict:
@@ -136,26 +149,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--paths", default=",".join(PATHS))
     args = ap.parse_args()
-    faults = args.faults.split(",")
+    faults, paths = args.faults.split(","), args.paths.split(",")
     if unknown := set(faults) - set(FAULTS):
         ap.error(f"--faults: {sorted(unknown)} not among {FAULTS}")
-    results = {(f, path): [] for f in faults for path in ("warm", "cold")}
+    if unknown := set(paths) - set(PATHS):
+        ap.error(f"--paths: {sorted(unknown)} not among {PATHS}")
+    results = {(f, path): [] for f in faults for path in paths
+               if path != "shrink" or f == "node_loss"}
     for _ in range(args.repeats):
         for fault, path in results:
             with tempfile.TemporaryDirectory(prefix=f"llmtrain-bench-{fault}-{path}-") as d:
-                results[fault, path].append(one_recovery(Path(d), path == "warm", fault))
+                results[fault, path].append(one_recovery(Path(d), path, fault))
     figures = {}
     for (fault, path), runs in results.items():
         med = table(f"{fault} {path}", runs)
         figures |= {f"{fault}_{path}_{k}": round(v, 3) for k, v in med.items()}
-    for fault in faults:
+    for fault in (f for f in faults if {(f, "warm"), (f, "cold")} <= results.keys()):
         figures[f"{fault}_warm_over_cold"] = round(
             figures[f"{fault}_warm_fault_to_first_step_s"]
             / figures[f"{fault}_cold_fault_to_first_step_s"], 3)
     figures["goal_warm_s"] = GOAL_WARM_S
     figures["goal_hang_warm_s"] = GOAL_HANG_WARM_S
     figures["goal_warm_over_cold"] = GOAL_WARM_OVER_COLD
+    if ("node_loss", "shrink") in results:
+        figures["goal_shrink_s"] = GOAL_SHRINK_S
+        if ("node_loss", "cold") in results:  # without a spare against with one, both cold
+            figures["node_loss_shrink_over_cold"] = round(
+                figures["node_loss_shrink_fault_to_first_step_s"]
+                / figures["node_loss_cold_fault_to_first_step_s"], 3)
     print(json.dumps(figures))
 
 
