@@ -75,9 +75,9 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) 
 
 def one_recovery(workdir: Path, path: str, fault: str) -> dict:
     run = workdir / "run"
-    warm, spare = path == "warm", path != "shrink"
-    cluster = LocalCluster(workdir, run, "2:2" if spare else "1:2",
-                           TRAIN + (("--warm.enable", str(warm).lower()) if spare else ()))
+    warm, with_spare = path == "warm", path != "shrink"
+    cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2",
+                           TRAIN + (("--warm.enable", str(warm).lower()) if with_spare else ()))
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
 
     def start(name: str, spare: bool = False) -> None:
@@ -89,7 +89,7 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
         if warm:
             start("node3", spare=True)
         wait_for(run, "checkpoint_committed", lambda e: e["step"] >= 40)
-        if spare and not warm:
+        if with_spare and not warm:
             start("node3", spare=True)
         time.sleep(2)  # mid-interval, with the spare waiting
         worker = wait_for(run, "startup", lambda e: e["host"] == "node2")
@@ -121,7 +121,7 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
                 # the last step done when it failed, back to the snapshot restored
                 "steps_redone": rec["failed_at"] - rec["step"],
                 "snapshot_interval": rec["snapshot_interval"]}
-    if not spare:
+    if not with_spare:
         started = wait_for(run, "attempt_start", lambda e: e["ts"] > killed)
         assert started["world_size"] == 1, started  # the survivor alone
     return {"fault_to_first_step_s": marks["first_step"] - killed,

@@ -84,15 +84,10 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     assert _same({k: saved[k] for k in fresh}, fresh)
 
 
-def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collection(
-        group, tmp_path, monkeypatch):
-    """A restart at the saved world size finds its items in ITEMS.json, through the one
-    reader that found the checkpoint loadable in place: DCP's ``.metadata`` (a pickle,
-    listing every rank's chunks) is not unpickled at all. A checkpoint written before
-    ITEMS.json loads in place from ``.metadata``. And no cyclic collection runs inside a
-    load (a full one took six times a warm load)."""
-    from llmtrain.checkpoint import shards
-    from llmtrain.checkpoint import state as state_module
+def _saved_at_step_1(group, tmp_path):
+    """A one-rank FSDP model, its AdamW and schedule after one step, saved as step 1 by a
+    sync CheckpointManager under tmp_path/ckpt: (model, optimizer, scheduler, state,
+    manager)."""
     from llmtrain.checkpoint.manager import CheckpointManager
     from llmtrain.config import CheckpointConfig
     from llmtrain.events import EventLog
@@ -107,6 +102,19 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
                                 manifest_base={}, events=EventLog(str(tmp_path / "run"), 0),
                                 device=torch.device("cpu"), control_group=dist.group.WORLD)
     manager.save(1, state)
+    return model, optimizer, scheduler, state, manager
+
+
+def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collection(
+        group, tmp_path, monkeypatch):
+    """A restart at the saved world size finds its items in ITEMS.json, through the one
+    reader that found the checkpoint loadable in place: DCP's ``.metadata`` (a pickle,
+    listing every rank's chunks) is not unpickled at all. A checkpoint written before
+    ITEMS.json loads in place from ``.metadata``. And no cyclic collection runs inside a
+    load (a full one took six times a warm load)."""
+    from llmtrain.checkpoint import shards
+    from llmtrain.checkpoint import state as state_module
+    model, optimizer, scheduler, state, manager = _saved_at_step_1(group, tmp_path)
     saved = [t.detach().clone() for t in state_module._live_objects(model, optimizer)]
     _step(model, optimizer, scheduler)
     opened, unpickled = [], []
@@ -145,20 +153,7 @@ def test_a_load_lands_in_the_live_tensors_after_they_are_replaced(group, tmp_pat
     """Loads keep their map of the live shards from one to the next; an optimizer state
     tensor replaced by a new one, and a parameter whose local shard FSDP replaced, must
     get the checkpoint's values, not the tensors they replaced."""
-    from llmtrain.checkpoint.manager import CheckpointManager
-    from llmtrain.config import CheckpointConfig
-    from llmtrain.events import EventLog
-
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    fully_shard(model, mesh=group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    state = _train_state(model, optimizer, scheduler)
-    _step(model, optimizer, scheduler)
-    manager = CheckpointManager(CheckpointConfig(mode="sync"), str(tmp_path / "ckpt"),
-                                manifest_base={}, events=EventLog(str(tmp_path / "run"), 0),
-                                device=torch.device("cpu"), control_group=dist.group.WORLD)
-    manager.save(1, state)
+    model, optimizer, scheduler, state, manager = _saved_at_step_1(group, tmp_path)
     manager.close()
     url = storage.step_dir(str(tmp_path / "ckpt"), 1)
     weight = model[0].weight
