@@ -101,7 +101,11 @@ def test_prometheus_scrapes_the_job_and_alerts_on_a_killed_rank(prometheus, tmp_
         assert 0.5 < value(loss) < 6
         (tps,) = prometheus.query("llmtrain_tokens_per_second")
         assert value(tps) > 1000
-        p50 = prometheus.query("histogram_quantile(0.5, rate(llmtrain_step_seconds_bucket[30s]))")
+        # a rate needs two scrapes of each rank's histogram: with two-block steps both
+        # ranks can pass step 60 before the second one
+        p50 = prometheus.until(lambda: r if len(r := prometheus.query(
+            "histogram_quantile(0.5, rate(llmtrain_step_seconds_bucket[30s]))")) == 2 else None,
+            "both ranks' step-time p50", 60)
         assert len(p50) == 2 and all(0.01 < value(s) < 5 for s in p50)
         ages = prometheus.query("time() - llmtrain_heartbeat_timestamp_seconds")
         assert len(ages) == 2 and all(value(a) < 10 for a in ages)
