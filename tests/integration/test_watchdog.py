@@ -72,7 +72,7 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
 
 def test_three_times_slower_rank_is_reported_as_straggler(tmp_path):
     run = tmp_path / "run"
-    check(llmtrain(run, "--training.steps", "50", "--reliability.straggler_window_s", "3",
+    check(llmtrain(run, "--training.steps", "60", "--reliability.straggler_window_s", "1",
                    "--checkpoint.enable", "false",
                    "--reliability.faults", "slow@step:rank=1,step=5,factor=3", nproc=2))
     found = events(run, "straggler")
