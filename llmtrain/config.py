@@ -286,6 +286,10 @@ class WarmConfig:
                                         "before the missing ranks count as lost")
     budget_s: float = _f(30.0, gt=0, doc="a warm recovery not done in this time falls "
                                          "back to the cold path (a restart under torchrun)")
+    shrink: bool = _f(True, doc="with no spare waiting, the survivors of lost nodes go "
+                                "on at the smaller world size (within the launcher's "
+                                "--nnodes minimum), the state resharded from memory; "
+                                "false: a lost node without a spare goes cold")
     evict_wait_s: float = _f(2.0, gt=0, doc="a hang's stuck ranks are killed by their "
                                             "agents for the warm path to replace; a rank "
                                             "whose agent says nothing in this time (its "

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from llmtrain import fault_points, sharded_model
 from llmtrain.checkpoint.manager import checkpoints_for
+from llmtrain.checkpoint.snapshots import Snapshot
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import JobConfig
 from llmtrain.control import RunControl
@@ -57,8 +58,10 @@ class Summary:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, plan: dict | None = None):
-        """``plan``: a warm spare's assignment (it takes a lost rank's place)."""
+    def __init__(self, cfg: JobConfig, plan: dict | None = None,
+                 held: dict[int, Snapshot] | None = None):
+        """``plan``: a warm spare's assignment (it takes a lost rank's place), or a shrunk
+        survivor's, with the snapshots it ``held`` (see :class:`Shrunk`)."""
         entered = time.time()
         self.cfg, self.world = cfg, WorldInfo.from_env()
         cfg.validate(self.world.world_size)
@@ -86,7 +89,7 @@ class Trainer:
             self.fence = Fence(outside_store(timedelta(seconds=timeout)), self.events, timeout)
             self.recovery = warm_recovery(cfg, self, world=self.world, job_store=job_store,
                                           plan=plan, events=self.events, ledger=self.ledger,
-                                          fence=self.fence)
+                                          fence=self.fence, held=held)
         self.registry = StateRegistry()
         self.state = TrainState(self.registry, rank, self.world.world_size)
         store = job_store if plan is None else self.recovery.spare_store(plan["step"])

@@ -54,17 +54,25 @@ class SnapshotError(RuntimeError):
     """A snapshot that cannot be used: missing, or failing its checksum."""
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  extra: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's share of the training state, in an order every rebuild repeats:
-    parameters, then each parameter's optimizer state by key, then ``extra``. Missing
-    optimizer state (a freshly built optimizer) is created, zeroed, to be copied into."""
-    tensors = [local_shard(p.data) for p in model.parameters()]
+def state_entries(model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The training state's tensors as the model holds them (DTensors where sharded), in
+    an order every rebuild repeats: parameters, then each parameter's optimizer state by
+    key. Missing optimizer state (a freshly built optimizer) is created, zeroed, to be
+    copied into."""
+    tensors = [p.data for p in model.parameters()]
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer_state(optimizer, p)
-            tensors += [local_shard(state[k]) for k in sorted(state)]
-    return tensors + extra
+            tensors += [state[k] for k in sorted(state)]
+    return tensors
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  extra: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's share of the training state (:func:`state_entries`' local shards),
+    then ``extra``."""
+    return [local_shard(t) for t in state_entries(model, optimizer)] + extra
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
@@ -83,10 +91,15 @@ def _layout(tensors: list[torch.Tensor]) -> list[list]:
 
 
 def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    return _aligned([t.numel() * t.element_size() for t in tensors])
+
+
+def _aligned(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each of tensors of ``sizes`` bytes starts in a buffer, and its end."""
     offsets, end = [], 0
-    for t in tensors:
+    for n in sizes:
         offsets.append(end)
-        end += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        end += -(-n // _ALIGN) * _ALIGN
     return offsets, end
 
 
@@ -112,6 +125,13 @@ class Snapshot:
         if _sum(self.buffer[:self.header["nbytes"]], self.header) != self.header["sum"]:
             raise SnapshotError(f"rank {self.header['rank']}'s snapshot of step {self.step} "
                                 f"fails its checksum: the memory holding it was corrupted")
+
+    def parts(self) -> list[torch.Tensor]:
+        """Each tensor's bytes in the buffer, as the header's layout places them."""
+        sizes = [math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                 for dtype, shape in self.header["layout"]]
+        offsets, _ = _aligned(sizes)
+        return [self.buffer[off:off + n] for off, n in zip(offsets, sizes)]
 
     def restore_into(self, tensors: list[torch.Tensor]) -> dict:
         """Copies the buffer into ``tensors`` (same layout); returns the header."""

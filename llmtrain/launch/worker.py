@@ -18,7 +18,7 @@ from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.model import Transformer
-from llmtrain.recovery.coordinator import REPORTED
+from llmtrain.recovery.coordinator import REPORTED, Shrunk
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.integrity import TrainingDiverged
 from llmtrain.trainer import Trainer
@@ -26,7 +26,9 @@ from llmtrain.trainer import Trainer
 
 def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
     """Trains this rank to the end; raises what the trainer raised, after logging it.
-    ``plan``: a warm spare's assignment, to take a lost rank's place."""
+    ``plan``: a warm spare's assignment, to take a lost rank's place. When the survivors
+    of a lost node shrink (:class:`Shrunk`), the trainer is built anew in this process at
+    the smaller world size: imports, data files and compiled code stay warm."""
     host = node_name()
     if host in (excluded := excluded_hosts(cfg.training.run_dir)):
         print(f"llmtrain: {host} is excluded from this run ({excluded[host]['reason']})",
@@ -34,8 +36,31 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
         stop_agent(ExitCode.EXCLUDE_NODE)
         return ExitCode.EXCLUDE_NODE
     gc.freeze()  # torch's modules: no full collection in the start and resume scans them
+    held = None
+    while True:
+        trainer = _start(cfg, plan, held, host)
+        # What the start made (the model, its state) lives as long as the trainer, as
+        # torch's modules do: the cyclic collector need not scan it in each full
+        # collection while training, nor at exit, where that took 0.75 s of a 2-step
+        # run's 4.4.
+        gc.freeze()
+        try:
+            code = _train(trainer, host)
+        except Shrunk as shrunk:
+            plan, held = shrunk.assignment, shrunk.held
+            os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),
+                              GROUP_RANK=str(plan["rank"] // plan["local_world_size"]))
+            del trainer, shrunk
+            gc.unfreeze()  # the old trainer's model and optimizer hold cycles: freed here
+            gc.collect()
+            continue
+        stop_agent(code)
+        return code
+
+
+def _start(cfg: JobConfig, plan: dict | None, held: dict | None, host: str) -> Trainer:
     try:
-        trainer = Trainer(cfg, plan)
+        return Trainer(cfg, plan, held)
     except (ConfigError, ShardError) as e:
         events = EventLog(cfg.training.run_dir, int(os.environ.get("RANK", 0)))
         events.emit("fatal", host=host, error=f"{type(e).__name__}: {e}")
@@ -45,14 +70,16 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
     except BaseException:
         abandon()  # a start that failed once the group existed (a resume that failed)
         raise
-    # What the start made (the model, its state) lives as long as the process, as torch's
-    # modules do: the cyclic collector need not scan it in each full collection while
-    # training, nor at exit, where that took 0.75 s of a 2-step run's 4.4.
-    gc.freeze()
+
+
+def _train(trainer: Trainer, host: str) -> ExitCode:
+    """Runs ``trainer`` to its end and closes it; its exit code."""
     failed = True  # until run() returns: only then are the process groups known healthy
     try:
         trainer.run()
         failed = False
+    except Shrunk:
+        raise  # the warm path reported it, and goes on in this process
     except TrainingDiverged as e:  # a restart would diverge the same way
         trainer.events.emit("fatal", host=host, step=trainer.step, error=f"{type(e).__name__}: {e}")
         stop_agent(ExitCode.FATAL)
@@ -66,7 +93,6 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
         raise
     finally:
         trainer.close(failed)
-    stop_agent(trainer.exit_code)
     return trainer.exit_code
 
 

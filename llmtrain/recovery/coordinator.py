@@ -9,6 +9,12 @@ path is off (or cannot work: no store outside the workers), so the loop has one 
 What a snapshot holds is the run's state registry (:mod:`llmtrain.state_registry`): this
 rank's model and optimizer shards as bytes, and every registered item in the header, the
 same items a checkpoint holds. A spare restores a lost rank's from its buddy's replica.
+
+With no spare waiting, the survivors of lost nodes shrink (``warm.shrink``): ``recover``
+raises :class:`Shrunk`, the worker builds its trainer anew at the smaller world size
+(:mod:`llmtrain.launch.worker`) in the same process, and the new trainer fills its state
+from the snapshots and replicas the survivors hold, resharded in memory
+(:mod:`llmtrain.recovery.reshard`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import base64
 import os
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Protocol
 
@@ -24,8 +32,8 @@ import torch.distributed as dist
 
 from llmtrain import fault_points
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
-                                           shares_cores, state_tensors)
-from llmtrain.config import JobConfig
+                                           shares_cores, state_entries, state_tensors)
+from llmtrain.config import ConfigError, JobConfig
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, broke_a_collective,
                                           nccl_problems)
 from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_type,
@@ -34,12 +42,24 @@ from llmtrain.events import EventLog
 from llmtrain.exit_codes import FatalError
 from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.recovery.fence import Fence
+from llmtrain.recovery.reshard import Mesh, reshard
 from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
                                     publish_endpoints, round_of)
 from llmtrain.state_registry import StateRegistry
 
 # Noted on an error the warm path already reported as a ``failure`` event.
 REPORTED = "llmtrain: reported as a failure event; the warm path could not recover from it"
+
+
+class Shrunk(Exception):
+    """The survivors go on without the lost nodes: this process trains on as rank
+    ``assignment["rank"]`` of ``assignment["world_size"]``, from the snapshots it
+    ``held`` (old rank -> snapshot). Raised out of the trainer's loop to the worker, which
+    builds the trainer anew."""
+
+    def __init__(self, assignment: dict, held: dict[int, Snapshot]):
+        super().__init__(f"shrunk to {assignment['world_size']} ranks")
+        self.assignment, self.held = assignment, held
 
 
 class Job(Protocol):
@@ -79,8 +99,34 @@ def take_snapshot(snapshots: Snapshots, step: int, registry: StateRegistry) -> b
 def restore_snapshot(snap: Snapshot, registry: StateRegistry) -> None:
     """The registry as ``snap`` (verified) holds it: a spare takes the lost rank's own
     items (its RNGs) with its shards."""
-    header = snap.restore_into(state_tensors(registry.model, registry.optimizer, []))
+    _load_items(snap.restore_into(state_tensors(registry.model, registry.optimizer, [])),
+                registry)
+
+
+def _load_items(header: dict, registry: StateRegistry) -> None:
     registry.load({**_unplain(header["shared"]), **_unplain(header["own"])})
+
+
+def shrink_shapes(cfg: JobConfig,
+                  local_world_size: int) -> Callable[[int], tuple[int, int] | str] | None:
+    """What a shrink may reach: the mesh the config trains at with a number of ranks (as
+    a cold restart at that size would), or why not (below the launcher's ``--nnodes``
+    minimum, a config that cannot train there). None when shrinking is off, or no
+    launcher said its minimum."""
+    floor = os.environ.get("LLMTRAIN_MIN_NODES")
+    if not cfg.warm.shrink or floor is None:
+        return None
+
+    def shape(ranks: int) -> tuple[int, int] | str:
+        if ranks < int(floor) * local_world_size:
+            return (f"{ranks // local_world_size} node(s) are fewer than --nnodes allows "
+                    f"({floor})")
+        try:
+            cfg.validate(ranks)
+            return cfg.mesh_shape(ranks)
+        except ConfigError as e:
+            return str(e)
+    return shape
 
 
 def membership(round_id: str, gen: int) -> str:
@@ -133,8 +179,12 @@ class WarmRecovery:
     and the agreement with the other survivors (:mod:`llmtrain.recovery.warm`)."""
 
     def __init__(self, cfg: JobConfig, path: WarmPath, job: Job, *, world: WorldInfo,
-                 events: EventLog, ledger: GoodputLedger, fence: Fence):
+                 events: EventLog, ledger: GoodputLedger, fence: Fence,
+                 held: dict[int, Snapshot] | None = None):
+        """``held``: after a shrink, the snapshots this process held (old rank ->
+        snapshot), which the new generation's state is resharded from."""
         w, c = cfg.warm, cfg.checkpoint
+        self.held = held or {}
         self.cfg, self.path, self.job, self.world = w, path, job, world
         self.events, self.ledger, self.fence = events, ledger, fence
         self.round_id = self.namespace = path.round_id  # the watchdog's keys outlive generations
@@ -170,6 +220,7 @@ class WarmRecovery:
     def group_formed(self) -> None:
         """A generation's groups are forming: the replication's is one of them."""
         self.replication = side_group(self.timeout_s)
+        self.formed = time.time()
 
     def start(self, step: int, control: dist.ProcessGroup) -> None:
         """Replicates snapshots from ``step`` on, every group of the generation formed;
@@ -201,7 +252,8 @@ class WarmRecovery:
         """A collective failed: with the other survivors, re-forms the group with warm
         spares in the lost ranks' places and restores every rank's state from memory.
         Returns the restored step; None when the cold path must take over (logged), or
-        when the failure was this rank's own: then it leaves, for a spare to replace it."""
+        when the failure was this rank's own: then it leaves, for a spare to replace it.
+        With no spare for a lost node, raises :class:`Shrunk` when the survivors shrink."""
         if isinstance(error, FatalError):  # diverged: a restart would do the same
             return None
         detected, interval = time.time(), self.snapshots.schedule.interval
@@ -224,6 +276,9 @@ class WarmRecovery:
             if self.world.rank not in plan.lost:  # the spares may name it first
                 self.fence.expect(membership(self.round_id, plan.gen))
             agreed = time.time()
+            if plan.kind == "shrink":
+                raise self.shrunk(plan, {"failure_detected": detected, "agreed": agreed},
+                                  failed_at=step)
             self.path.enter(plan.gen)
             self.path.assemble(deadline)
             control = self.job.rejoin(self.path.group_store())
@@ -242,11 +297,27 @@ class WarmRecovery:
         if self.world.rank == min(set(range(self.world.world_size)) - set(plan.lost)):
             # reported once the first step after it is done: the whole cost of the fault
             self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
-                              "spares": plan.spares, "failed_at": step,
+                              "kind": plan.kind, "spares": plan.spares, "failed_at": step,
                               "snapshot_interval": interval, "marks": {
                                   "failure_detected": detected, "agreed": agreed,
                                   "group_formed": formed, "restored": restored}}
         return plan.step
+
+    def shrunk(self, plan: Plan, marks: dict[str, float], failed_at: int) -> Shrunk:
+        """This survivor's part in ``plan`` (a shrink): its new rank, and the snapshots
+        of ``plan.step`` it holds that the new generation is resharded from."""
+        rank = self.world.rank
+        held = {rank: self.snapshots.own.at(plan.step)}
+        ward = self.snapshots.ward
+        if ward is not None and plan.providers.get(str(ward)) == plan.kept.index(rank) \
+                and ward not in plan.kept:
+            held[ward] = self.snapshots.replicas.at(plan.step)
+        if any(snap is None for snap in held.values()):  # the agreement said we hold it
+            raise SnapshotError(f"rank {rank} lost its snapshot of step {plan.step}")
+        marks = {**marks, "failed_at": failed_at,
+                 "snapshot_interval": self.snapshots.schedule.interval}
+        plan.marks = marks
+        return Shrunk({**asdict(plan), "rank": plan.kept.index(rank)}, held)
 
     def leave_locally(self, deadline: float) -> None:
         """This rank's own step failed (out of memory, an I/O error, a CUDA fault), not a
@@ -260,34 +331,76 @@ class WarmRecovery:
 
     def join_as_spare(self, plan: Plan) -> int:
         """A spare's start, once its groups are formed: the lost rank's state from its
-        buddy's replica. Returns the step it restored."""
+        buddy's replica; or a shrunk survivor's, from what the survivors hold. Returns the
+        step it restored."""
         self.restore(plan, time.monotonic() + self.cfg.budget_s)
+        if plan.kind == "shrink":
+            restored = time.time()
+            self.ledger.record("restart", "warm", plan.marks["failure_detected"], restored)
+            self.ledger.restart_at(plan.step)
+            if self.world.rank == 0:
+                marks = {k: plan.marks[k] for k in ("failure_detected", "agreed")}
+                self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
+                                  "kind": "shrink", "world_size": plan.world_size,
+                                  "failed_at": plan.marks["failed_at"],
+                                  "snapshot_interval": plan.marks["snapshot_interval"],
+                                  "marks": {**marks, "group_formed": self.formed,
+                                            "restored": restored}}
         return plan.step
 
     def restore(self, plan: Plan, deadline: float) -> None:
         """Every rank's state at ``plan.step`` from memory: survivors from their own
         snapshot, a spare from its buddy's replica; all verified by checksum first, and all
         ranks agree that each did, or none goes on (SnapshotError: the cold path)."""
-        ok, snap, rank = torch.ones(1), None, self.world.rank
-        try:
+        if plan.kind == "shrink":
+            try:
+                self._reshard(plan)
+            except SnapshotError:
+                self.path.give_up()  # every survivor's agent restarts it: cold
+                raise
+            return
+        rank, got = self.world.rank, {}
+
+        def fetch() -> None:
             for lost, source in plan.sources.items():
                 if source == rank:
                     self.snapshots.send_replica(plan.step, int(lost), self.replication)
             if str(rank) in plan.sources:
-                snap = Snapshots.receive(plan.sources[str(rank)], self.replication,
-                                         timeout_s=max(0.0, deadline - time.monotonic()))
+                got["snap"] = Snapshots.receive(plan.sources[str(rank)], self.replication,
+                                                timeout_s=max(0.0, deadline - time.monotonic()))
             else:
-                snap = self.snapshots.own.at(plan.step)
-                snap.verify()
+                got["snap"] = self.snapshots.own.at(plan.step)
+                got["snap"].verify()
+        self._checked_everywhere(plan.step, "restore", fetch)
+        restore_snapshot(got["snap"], self.job.registry)
+
+    def _checked_everywhere(self, step: int, when: str, check: Callable[[], None]) -> None:
+        """Runs ``check`` here, which raises SnapshotError for a snapshot that fails its
+        checksum (or never came); every rank agrees that each passed, or all raise."""
+        ok = torch.ones(1)
+        try:
+            check()
         except SnapshotError as e:
-            self.events.emit("snapshot_corrupt", rank=rank, step=plan.step, error=str(e),
-                             when="restore")
+            self.events.emit("snapshot_corrupt", rank=self.world.rank, step=step,
+                             error=str(e), when=when)
             ok.zero_()
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.replication)
         if not ok.item():
-            raise SnapshotError(f"a snapshot of step {plan.step} failed its check "
+            raise SnapshotError(f"a snapshot of step {step} failed its check "
                                 f"(see the snapshot_corrupt events)")
-        restore_snapshot(snap, self.job.registry)
+
+    def _reshard(self, plan: Plan) -> None:
+        """A shrunk generation's state, from the snapshots its ranks hold, each verified
+        by checksum first."""
+        self._checked_everywhere(plan.step, "reshard",
+                                 lambda: [snap.verify() for snap in self.held.values()])
+        registry, rank = self.job.registry, self.world.rank
+        header = reshard(self.held, {int(o): n for o, n in plan.providers.items()},
+                         Mesh(*plan.old_mesh), Mesh(*plan.mesh),
+                         state_entries(registry.model, registry.optimizer),
+                         own=plan.kept[rank], group=self.replication)
+        self.held = {}  # in the state now: the buffers go
+        _load_items(header, registry)
 
     def first_step_done(self) -> str | None:
         """After a recovery's first step: its event, and the line that says it."""
@@ -299,6 +412,11 @@ class WarmRecovery:
         parts = {f"{a}->{b}": marks[b] - marks[a] for a, b in zip(names, names[1:])}
         total = marks["first_step"] - marks["failure_detected"]
         self.events.emit("warm_recovery", **rec, marks=marks, parts_s=parts, total_s=total)
+        if rec["kind"] == "shrink":
+            return (f"warm shrink: rank(s) {rec['lost']} lost with no spare waiting; the "
+                    f"survivors go on as {rec['world_size']} ranks from the state of step "
+                    f"{rec['step']}, resharded from memory; training again {total:.2f}s "
+                    f"after the failure")
         return (f"warm recovery: rank(s) {rec['lost']} replaced by spare(s), the state of "
                 f"step {rec['step']} restored from memory; training again {total:.2f}s "
                 f"after the failure")
@@ -309,9 +427,11 @@ class WarmRecovery:
 
 def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist.Store | None,
                   plan: dict | None, events: EventLog, ledger: GoodputLedger,
-                  fence: Fence) -> WarmRecovery | NoWarmRecovery:
+                  fence: Fence, held: dict[int, Snapshot] | None = None
+                  ) -> WarmRecovery | NoWarmRecovery:
     """This rank's recovery: warm when on and a store outside the workers exists to meet
-    in (a spare's ``plan`` names its place), else cold only, said once in an event."""
+    in (a spare's ``plan`` names its place, or a shrunk survivor's, with the snapshots it
+    ``held``), else cold only, said once in an event."""
     store = outside_store(timedelta(seconds=cfg.warm.budget_s)) if cfg.warm.enable else None
     if store is None:
         if cfg.warm.enable:
@@ -328,11 +448,11 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
                         reason="the warm path has run on NCCL only as one rank on one GPU "
                                "(two or more ranks read from torch's source only); a "
                                "failure it cannot handle goes cold")
-    if plan is not None:
-        path = WarmPath(cfg.warm, store, plan["round_id"], world.rank, world.world_size,
-                        plan["local_world_size"], gen=plan["gen"])
-    else:
-        path = WarmPath(cfg.warm, store, round_of(job_store, fence.store), world.rank,
-                        world.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    per_node = plan["local_world_size"] if plan is not None else int(
+        os.environ.get("LOCAL_WORLD_SIZE", 1))
+    round_id = plan["round_id"] if plan is not None else round_of(job_store, fence.store)
+    path = WarmPath(cfg.warm, store, round_id, world.rank, world.world_size, per_node,
+                    gen=plan["gen"] if plan is not None else 0,
+                    shapes=shrink_shapes(cfg, per_node))
     return WarmRecovery(cfg, path, job, world=world, events=events, ledger=ledger,
-                        fence=fence)
+                        fence=fence, held=held)

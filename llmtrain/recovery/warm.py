@@ -19,8 +19,13 @@ rank. The first report also sets the generation's ``failed`` key: on NCCL each r
 :class:`llmtrain.distributed.failure.FailureWatch` then aborts its communicators, so ranks
 blocked behind healthy peers report before the plan closes. The plan is refused, and every
 survivor takes the cold path (exit RETRYABLE, torchrun restarts the job from the durable
-checkpoint), when a lost rank's buddy is lost too, when no step is held by every survivor
-and by every lost rank's buddy, or when no spare is waiting. A rank whose own step failed
+checkpoint), when a lost rank's buddy is lost too, or when no step is held by every
+survivor and by every lost rank's buddy. When no spare is waiting, the plan is a shrink
+(``warm.shrink``): the nodes that lost ranks leave the job, and the survivors go on at the
+smaller world size, renumbered in order, their state resharded from the snapshots and
+replicas they hold (:mod:`llmtrain.recovery.reshard`). A shrink drops whole nodes only,
+stays within the launcher's ``--nnodes`` minimum and needs a config that trains at the
+smaller size; otherwise the job goes cold. A rank whose own step failed
 (:func:`llmtrain.distributed.failure.broke_a_collective` says no) does not report: it is
 marked gone and replaced, never a healthy peer that was waiting for it.
 ``benchmarks/agreement.py`` measures the agreement at 256-16K simulated ranks.
@@ -71,6 +76,14 @@ class Plan:
     lost: list[int]
     sources: dict[str, int]        # lost rank -> the buddy that sends its replica
     spares: dict[str, int] = field(default_factory=dict)  # lost rank -> spare number
+    # "spare": spares take the lost ranks' places; "shrink": no spare waited, and the
+    # survivors go on without the lost nodes at ``world_size`` ranks
+    kind: str = "spare"
+    kept: list[int] = field(default_factory=list)  # shrink: old ranks, in new rank order
+    providers: dict[str, int] = field(default_factory=dict)  # old rank -> new rank holding it
+    old_mesh: list[int] = field(default_factory=list)  # shrink: (dp_replicate, dp_shard)
+    mesh: list[int] = field(default_factory=list)
+    marks: dict[str, float] = field(default_factory=dict)  # shrink: the survivors' times
 
     @classmethod
     def from_assignment(cls, assignment: dict) -> "Plan":
@@ -272,8 +285,11 @@ class WarmPath:
     """One rank's side of the agreement; ``gen`` moves on with each warm recovery."""
 
     def __init__(self, cfg: WarmConfig, store: dist.Store, round_id: str, rank: int,
-                 world_size: int, local_world_size: int, gen: int = 0):
-        self.cfg, self.store, self.round_id = cfg, store, round_id
+                 world_size: int, local_world_size: int, gen: int = 0,
+                 shapes: Callable[[int], tuple[int, int] | str] | None = None):
+        """``shapes``: the mesh the job trains at with a given number of ranks, or why it
+        cannot (None: no shrink, a lost rank without a spare goes cold)."""
+        self.cfg, self.store, self.round_id, self.shapes = cfg, store, round_id, shapes
         self.rank, self.world_size, self.local_world_size = rank, world_size, local_world_size
         self.enter(gen)
 
@@ -422,7 +438,7 @@ class WarmPath:
                 number = self.store.add("spares/claimed", 1)
                 if number > self.store.add("spares/registered", 0):
                     self._unclaim(taken, skipped)  # the spares that register later get used
-                    self._go_cold(f"cold:no warm spare waits for rank {r}")
+                    self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"))
                     return
                 key = f"spares/{number}/state"
                 if self.store.compare_set(key, "", "claimed").decode() == "claimed":
@@ -433,9 +449,41 @@ class WarmPath:
                     self.store.add("spares/left", -1)
         for r, number in plan.spares.items():
             self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
+        self._publish(plan.to_json())
+
+    def _publish(self, plan: str) -> None:
+        """The decision every survivor waits for: a plan, or the cold verdict."""
+        if plan.startswith("cold:"):
+            self._go_cold(plan)
+            return
+        lost = Plan.from_json(plan).lost
+        for r in lost:
             self.store.add(f"replaced/{r}", 1)  # the lost rank's agent must not restart
-        self.store.add("replacements", len(plan.spares))  # no agent waits for the lost at the end
-        self.store.set(self._key("spares"), plan.to_json())
+        self.store.add("replacements", len(lost))  # no agent waits for the lost at the end
+        self.store.set(self._key("spares"), plan)
+
+    def _shrink(self, plan: Plan, cold: str) -> str:
+        """No spare for every lost rank: the plan in which the survivors go on without the
+        nodes that lost them, or ``cold`` with the reason they cannot."""
+        if self.shapes is None:
+            return cold
+        per_node, world = self.local_world_size, self.world_size
+        gone = {r // per_node for r in plan.lost}
+        kept = [r for r in range(world) if r // per_node not in gone]
+        stranded = [r for r in range(world) if r // per_node in gone and r not in plan.lost]
+        if stranded:
+            return (f"{cold}, and no shrink: rank(s) {stranded} live on a node that lost "
+                    f"others, and a shrink drops whole nodes")
+        shape = self.shapes(len(kept))
+        if isinstance(shape, str):
+            return f"{cold}, and no shrink to {len(kept)} ranks: {shape}"
+        new = {old: n for n, old in enumerate(kept)}
+        providers = {str(o): new[o] for o in kept}
+        providers |= {r: new[b] for r, b in plan.sources.items()}
+        return Plan(gen=plan.gen, step=plan.step, world_size=len(kept),
+                    local_world_size=per_node, round_id=self.round_id, lost=plan.lost,
+                    sources=plan.sources, kind="shrink", kept=kept, providers=providers,
+                    old_mesh=list(self.shapes(world)), mesh=list(shape)).to_json()
 
     def _unclaim(self, taken: list[int], skipped: int) -> None:
         """Puts the pool back as it was before a claim that found too few spares."""

@@ -3,14 +3,16 @@ of its own, real kills): survivors keep their processes, a warm spare takes the 
 rank's place, state comes back from memory; and the cold path when the warm one cannot."""
 
 import os
+import shutil
 import signal
 
 import pytest
 import torch
-from conftest import check, events, llmtrain, wait_for_event
+from conftest import check, events, llmtrain, step_losses, wait_for_event
 from nvml_states import node, write_script
 from test_elastic import final_weights
 
+from llmtrain.checkpoint.storage import step_dir
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.node import EXIT_GRACE_S
 from llmtrain.reliability.health.exclusion import excluded_hosts
@@ -229,3 +231,32 @@ def test_a_rank_whose_own_step_fails_is_replaced_never_its_waiting_peer(cluster,
     got = final_weights(c.run, STEPS)
     for name in reference:
         assert torch.equal(reference[name], got[name]), name
+
+
+def test_without_a_spare_the_survivor_shrinks_in_memory_and_trains_as_a_cold_resume_would(
+        cluster, tmp_path):
+    """Rank 1's worker dies at step 15 and no spare waits: rank 0 goes on alone, in its
+    own process, its state resharded from its snapshot of step 10 and its ward's replica
+    (no restart, no checkpoint read). From there its losses are those of a cold resume at
+    world size 1 from the checkpoint of step 10, bit for bit."""
+    job = ("--training.steps", "30", "--checkpoint.interval_steps", "10",
+           "--warm.snapshot_every", "10", "--metrics.log_every", "1",
+           "--metrics.address", "127.0.0.1", "--metrics.port", "0")
+    c = cluster("1:2", (*job, "--reliability.faults", "kill@step:rank=1,step=15"))
+    c.start("node1")
+    c.start("node2")
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    assert c.wait("node2") == ExitCode.CLEAN, c.log("node2")  # its rank went, no restart
+    (rec,) = events(c.run, "warm_recovery")
+    assert (rec["kind"], rec["lost"], rec["step"], rec["world_size"]) == ("shrink", [1], 10, 1)
+    assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2]
+    assert not events(c.run, "checkpoint_loaded")
+    shrunk = {e["step"]: e["loss"] for e in events(c.run, "step") if e["ts"] > rec["ts"]}
+    assert sorted(shrunk) == list(range(11, 31))
+
+    cold = tmp_path / "cold"
+    shutil.copytree(step_dir(str(c.run / "checkpoints"), 10),
+                    step_dir(str(cold / "checkpoints"), 10))
+    check(llmtrain(cold, *job))
+    assert events(cold, "checkpoint_loaded")[0]["step"] == 10
+    assert shrunk == {s: loss for s, loss in step_losses(cold).items() if s > 10}

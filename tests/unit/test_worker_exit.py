@@ -2,6 +2,7 @@
 abandoned (NCCL communicators aborted) after any exception, where destroying can hang."""
 
 import gc
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from llmtrain.config import JobConfig
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch import worker
+from llmtrain.recovery.coordinator import Shrunk
 from llmtrain.reliability.integrity import TrainingDiverged
 
 
@@ -22,7 +24,7 @@ def closes(monkeypatch):
         step, exit_code, error = 0, ExitCode.CLEAN, None
         events = SimpleNamespace(emit=lambda *a, **k: None)
 
-        def __init__(self, cfg, plan):
+        def __init__(self, cfg, plan, held):
             if self.error is not None and self.error.args == ("at start",):
                 raise self.error
 
@@ -64,3 +66,30 @@ def test_a_start_that_fails_after_the_group_formed_abandons_it(tmp_path, closes)
     with pytest.raises(RuntimeError):
         worker.run_worker(cfg)
     assert calls == ["abandon"]
+
+
+def test_a_shrink_closes_the_trainer_and_trains_on_at_the_smaller_size(tmp_path, closes,
+                                                                         monkeypatch):
+    """The survivors of a lost node go on in their processes: the trainer that saw the
+    shrink is closed as failed (its groups abandoned, not destroyed), and the next one is
+    built with the new rank and world size, and the snapshots the survivor held."""
+    trainer, calls = closes
+    assignment = {"rank": 0, "world_size": 1, "local_world_size": 1}
+    held = {0: "own snapshot", 1: "the lost ward's replica"}
+    starts = []
+
+    def init(self, cfg, plan, held):
+        starts.append((plan, held, os.environ["RANK"], os.environ["WORLD_SIZE"]))
+
+    def run(self):
+        if len(starts) == 1:
+            raise Shrunk(assignment, held)
+    monkeypatch.setattr(trainer, "__init__", init)
+    monkeypatch.setattr(trainer, "run", run)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = JobConfig()
+    cfg.training.run_dir = str(tmp_path)
+    assert worker.run_worker(cfg) == ExitCode.CLEAN
+    assert calls == [True, False]
+    assert starts == [(None, None, "1", "2"), (assignment, held, "0", "1")]
