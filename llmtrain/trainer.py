@@ -101,7 +101,7 @@ class Trainer:
         with self.ledger.span("startup", "components"):
             self.watchdog = start_watchdog(
                 cfg.reliability, t.run_dir, self.events, rank, self.world.world_size,
-                namespace=self.recovery.namespace, fence=self.recovery.fence,
+                namespace=self.recovery.namespace, fence=self.fence,
                 evict=self.recovery.evict,
                 on_exit=self.recovery.give_up)  # the agents must restart all, not wait
             self.health = start_monitor(cfg.health, self.device, host=self.world.host,

@@ -136,7 +136,6 @@ def membership(round_id: str, gen: int) -> str:
 
 class NoWarmRecovery:
     """The warm path off: every failure goes cold (a restart under torchrun)."""
-    fence = None  # nobody can replace this rank: the watchdog need not ask
     evict = None  # a hang's ranks are not evicted for spares
     namespace = None  # the watchdog's keys: the torchrun attempt's
 
