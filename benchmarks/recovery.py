@@ -28,15 +28,21 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   its ward's replica. Parts from the ``warm_recovery`` event: detected, agreed, group
   formed (the old trainer closed, a new one built at the smaller size), restored
   (resharded), first step at the smaller size.
+- **grow** (after a shrink as above): a standby node comes; the ranks vote to take it in
+  at a step boundary, copy the state of that step into memory, and re-form at full size,
+  the spare's shard resharded from their memory. The row is the time the running ranks
+  lose: from the vote's decision to the first step at full size (the spare's own start,
+  imports and model build, runs beside training and is not counted). Parts from the
+  ``warm_grow`` event.
 - **shrink_cold**: the same with ``--warm.shrink false``: the warm path finds no spare and
   goes cold, and the survivor restarts alone from the newest checkpoint under torchrun.
   The baseline of the shrink.
 
 Goals: warm <= 1.0 s median for each of the first three faults, with warm / cold <= 0.15;
-the hang warm <= 3.0 s; the shrink <= 2.0 s.
+the hang warm <= 3.0 s; the shrink and the grow <= 2.0 s each.
 
     python benchmarks/recovery.py [--repeats 2] [--faults node_loss,kill_rank,gpu_bad]
-        [--paths warm,cold,shrink,shrink_cold]
+        [--paths warm,cold,shrink,shrink_cold,grow]
 
 Prints a table per fault and path, then one JSON line of the figures.
 """
@@ -60,8 +66,8 @@ TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0", "--health.interval_s", "1")
 FAULTS = ("node_loss", "kill_rank", "gpu_bad", "hang")
-PATHS = ("warm", "cold", "shrink", "shrink_cold")
-SHRINKS = ("shrink", "shrink_cold")  # node loss with no spare
+PATHS = ("warm", "cold", "shrink", "shrink_cold", "grow")
+SHRINKS = ("shrink", "shrink_cold", "grow")  # node loss with no spare
 
 
 def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) -> dict:
@@ -79,8 +85,8 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) 
 
 def one_recovery(workdir: Path, path: str, fault: str) -> dict:
     run = workdir / "run"
-    warm, with_spare = path in ("warm", "shrink"), path not in SHRINKS
-    options = {"warm": (), "cold": ("--warm.enable", "false"), "shrink": (),
+    warm, with_spare = path in ("warm", "shrink", "grow"), path not in SHRINKS
+    options = {"warm": (), "cold": ("--warm.enable", "false"), "shrink": (), "grow": (),
                "shrink_cold": ("--warm.shrink", "false")}[path]
     cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options)
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
@@ -112,9 +118,19 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
             write_gpu_script(gpus["node2"], healthy=False)
         rec = wait_for(run, "warm_recovery" if warm else "recovery",
                        lambda e: e["ts"] > killed)
+        if path == "grow":
+            start("node3", spare=True)
+            rec = wait_for(run, "warm_grow")
     finally:
         cluster.close()
     marks = rec["marks"]
+    if path == "grow":
+        assert rec["world_size"] == 2, rec
+        return {"paused_s": rec["total_s"],
+                "agree_s": marks["agreed"] - marks["grow_decided"],
+                "form_group_s": marks["group_formed"] - marks["agreed"],
+                "restore_s": marks["restored"] - marks["group_formed"],
+                "first_step_s": marks["first_step"] - marks["restored"]}
     detected = marks["failure_detected"] or killed
     if warm:
         if not with_spare:
@@ -141,6 +157,7 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
 
 GOAL_WARM_S, GOAL_HANG_WARM_S, GOAL_WARM_OVER_COLD = 1.0, 3.0, 0.15
 GOAL_SHRINK_S = 2.0  # node loss without a spare, to the first step at the smaller size
+GOAL_GROW_S = 2.0  # the others' time lost to taking a spare in
 
 
 def table(name: str, runs: list[dict]) -> dict:
@@ -180,6 +197,8 @@ def main() -> None:
     figures["goal_warm_s"] = GOAL_WARM_S
     figures["goal_hang_warm_s"] = GOAL_HANG_WARM_S
     figures["goal_warm_over_cold"] = GOAL_WARM_OVER_COLD
+    if ("node_loss", "grow") in results:
+        figures["goal_grow_s"] = GOAL_GROW_S
     if ("node_loss", "shrink") in results:
         figures["goal_shrink_s"] = GOAL_SHRINK_S
         if ("node_loss", "shrink_cold") in results:  # in memory against a cold restart

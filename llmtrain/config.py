@@ -290,6 +290,9 @@ class WarmConfig:
                                 "on at the smaller world size (within the launcher's "
                                 "--nnodes minimum), the state resharded from memory; "
                                 "false: a lost node without a spare goes cold")
+    grow: bool = _f(True, doc="a spare that waits while the job runs below the launcher's "
+                              "--nnodes maximum joins it at a step boundary, its state "
+                              "resharded from the running ranks' memory (no restart)")
     evict_wait_s: float = _f(2.0, gt=0, doc="a hang's stuck ranks are killed by their "
                                             "agents for the warm path to replace; a rank "
                                             "whose agent says nothing in this time (its "

@@ -9,7 +9,9 @@ next is due, where it is decided identically on every rank, so a signal or a fai
 is acted on within two intervals. A vote also carries each rank's count of steps in the
 interval (from the time of its steps that trained: skipped ones say nothing of the pace),
 and the largest is the next interval, the same for all; it at most doubles from one vote
-to the next, so the interval stays within a few ``vote_interval_s`` when the pace changes. This works with checkpointing on or off: a save by time is one of the flags.
+to the next, so the interval stays within a few ``vote_interval_s`` when the pace changes. This works with checkpointing on or off: a save by time is one of the flags, and so is
+a grow (rank 0 saw a spare waiting while the job runs below its size: every rank then
+takes it in at the same step).
 
 The outcome is the exit code the launcher acts on: EXCLUDE_NODE for the rank whose
 hardware failed, RETRYABLE for ranks stopped early (a signal, a peer's failure, a named
@@ -21,6 +23,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -42,14 +45,18 @@ class Verdict:
     """What the ranks decided at a step: save by time, and stop (then save first)."""
     save_by_time: bool = False
     stop: bool = False
+    grow: bool = False  # a spare waits and the job runs below its size: take it in now
 
 
 class RunControl:
     def __init__(self, cfg: ControlConfig, group: dist.ProcessGroup, *, run_dir: str,
-                 rank: int, host: str, events: EventLog, health):
-        """``health``: the monitor whose first fatal finding makes this rank vote to stop."""
+                 rank: int, host: str, events: EventLog, health,
+                 can_grow: Callable[[], bool] = lambda: False):
+        """``health``: the monitor whose first fatal finding makes this rank vote to stop;
+        ``can_grow``: asked on rank 0 at each vote it casts, whether the job may grow now."""
         self.cfg, self.run_dir, self.rank, self.host = cfg, run_dir, rank, host
         self.events, self.health = events, health
+        self.can_grow = can_grow if rank == 0 else lambda: False
         # one look-out is enough: the ranks vote on what it saw
         self.requests = StopRequestWatch(run_dir).start() if rank == 0 else None
         self.signal: int | None = None
@@ -95,16 +102,17 @@ class RunControl:
         self._time_step(idle)
         if self.cast is not None and self.cast[0] < step < self.cast[0] + self.every:
             return Verdict()  # (a rollback that went back before the vote decides it)
-        by_time = by_signal = by_vote = by_request = False
+        by_time = by_signal = by_vote = by_request = grow = False
         if self.vote_in_flight is not None:
             work, flags = self.vote_in_flight
             work.wait()
-            by_time, by_signal, by_vote, by_request = (bool(f) for f in flags[:4])
-            self.every = int(flags[4])
+            by_time, by_signal, by_vote, by_request, grow = (bool(f) for f in flags[:5])
+            self.every = int(flags[5])
         unhealthy = self.unhealthy(step)
         request = self.requests and self.requests.request
         flags = torch.tensor([int(time_due and not by_time), int(self.signal is not None),
-                              int(unhealthy), int(request is not None), self._steps_per_vote(step)])
+                              int(unhealthy), int(request is not None),
+                              int(not grow and self.can_grow()), self._steps_per_vote(step)])
         stop = by_signal or by_vote or by_request
         self.vote_in_flight = None if stop else (
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags)
@@ -120,7 +128,7 @@ class RunControl:
             self.events.emit("stop_vote", step=step)
         self.voted_stop = self.voted_stop or unhealthy
         self.preempted = self.preempted or (stop and not self.finishing)
-        return Verdict(save_by_time=by_time, stop=stop)
+        return Verdict(save_by_time=by_time, stop=stop, grow=grow and not stop)
 
     def _time_step(self, idle: bool) -> None:
         """Adds the step just ended (the time since the last call) to the pace, unless it

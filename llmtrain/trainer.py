@@ -61,7 +61,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig, plan: dict | None = None,
                  held: dict[int, Snapshot] | None = None):
         """``plan``: a warm spare's assignment (it takes a lost rank's place), or a shrunk
-        survivor's, with the snapshots it ``held`` (see :class:`Shrunk`)."""
+        survivor's, with the snapshots it ``held`` (see :class:`Resized`)."""
         entered = time.time()
         self.cfg, self.world = cfg, WorldInfo.from_env()
         cfg.validate(self.world.world_size)
@@ -109,7 +109,7 @@ class Trainer:
                                         on_pass=self.reporter.health_pass)
             self.control = RunControl(cfg.control, self.control_group, run_dir=t.run_dir,
                                       rank=rank, host=self.world.host, events=self.events,
-                                      health=self.health)
+                                      health=self.health, can_grow=self.recovery.can_grow)
             self.checkpoints = checkpoints_for(cfg, self.world.world_size, events=self.events,
                                                device=self.device, fence=self.fence.check,
                                                control_group=self.control_group)
@@ -250,17 +250,24 @@ class Trainer:
 
     def save_or_stop(self, step: int) -> bool:
         """Saves when due (always after the last step, and before stopping, but never a
-        state that failed its check); True when the run must stop now."""
+        state that failed its check), and grows when the ranks voted to; True when the run
+        must stop now."""
         if self.control.unhealthy(step) and self.recovery.leave():
             return True  # leave now, unsaved: the survivors go on warm with a spare
         verdict = self.control.vote(step, time_due=self.checkpoints.time_due(step),
                                     idle=step in self.integrity.skips)
         final = verdict.stop or step == self.cfg.training.steps
-        if not self.checkpoints.due(step, by_time=verdict.save_by_time, final=final):
-            return verdict.stop
-        back_to = self.guard.review(step, self.grad_norm, self.state, save=True)
-        if back_to is not None:
-            return self.went_back(back_to)
+        if self.checkpoints.due(step, by_time=verdict.save_by_time, final=final):
+            back_to = self.guard.review(step, self.grad_norm, self.state, save=True)
+            if back_to is not None:
+                return self.went_back(back_to)
+            self.save(step, final)
+        if verdict.grow and not final:
+            self.recovery.grow(step)  # raises Resized: the trainer is built anew, larger
+        return verdict.stop
+
+    def save(self, step: int, final: bool) -> None:
+        """Saves the state of ``step`` (the copy blocks, the write goes on behind)."""
         # a sync save, and one that waits for the previous save's write (13 GB of a 1B
         # model's state took longer than the 5 s learned timeout on an H100), cannot beat
         waits = self.cfg.checkpoint.mode == "sync" or (
@@ -271,7 +278,6 @@ class Trainer:
             self.checkpoints.save(step, self.state, final=final,
                                   checked=self.cfg.integrity.enable)
         self.watchdog.beat(step, "step")
-        return verdict.stop
 
     # -- one step ---------------------------------------------------------------------
 

@@ -211,11 +211,13 @@ class Injector:
             while True:
                 time.sleep(3600)
         elif fault.action == "slow":
-            if step == fault.step - 1:
-                self._started[fault] = time.perf_counter()
+            # the step before is the baseline; an injector armed later (a trainer built
+            # anew in the process) takes its first step as it
+            now = time.perf_counter()
+            if fault not in self._baseline and fault in self._started:
+                self._baseline[fault] = now - self._started.pop(fault)
             elif fault not in self._baseline:
-                self._baseline[fault] = (time.perf_counter()
-                                         - self._started.pop(fault, time.perf_counter()))
+                self._started[fault] = now
             if fault in self._baseline:
                 time.sleep((fault.factor - 1) * self._baseline[fault])
         return target

@@ -20,6 +20,7 @@ failed retention pass a ``checkpoint_retention_failed`` one, both with the error
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 import traceback
@@ -106,6 +107,10 @@ class IndexingPlanner(DefaultSavePlanner):
         return super().create_global_plan(all_plans)
 
 
+# the groups managers in this process were bound to, counted: each binding's plan cache key
+_GROUPS_BOUND = itertools.count()
+
+
 class CheckpointManager:
     def __init__(self, cfg: CheckpointConfig, url: str, *, manifest_base: dict,
                  events: EventLog, device: torch.device, control_group: dist.ProcessGroup,
@@ -116,7 +121,7 @@ class CheckpointManager:
         self.manifest_base = manifest_base
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.generation = -1  # of the job's groups this manager is bound to (bind_groups)
+        self.generation = -1  # of the groups this manager is bound to (bind_groups)
         self.bind_groups(control_group)
         self.stager = None
         if cfg.mode != "sync":
@@ -139,15 +144,16 @@ class CheckpointManager:
         failed run's close does not wait for them (``close``'s bound)."""
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = control_group
-        self.generation += 1
+        self.generation = next(_GROUPS_BOUND)
 
     def planner(self) -> DefaultSavePlanner:
         """DCP's planner, caching its plans while the state's layout stays (every save of
         a run but the first sends no plan to the coordinator, which builds no global plan:
         O(world x items) at scale). The cache lives in each process, keyed here by the
-        generation of the job's groups: after a warm recovery a new rank (a spare) has
-        none, and the survivors must not send it the empty "unchanged" plans that only
-        a coordinator holding their old plans can read (its metadata would lack their
+        groups it was bound to, counted in the process (a trainer built anew after a
+        shrink or grow counts on): after a warm recovery a new rank (a spare) has none,
+        and the survivors must not send it the empty "unchanged" plans that only a
+        coordinator holding their old plans can read (its metadata would lack their
         items); a new key on every rank makes every rank plan afresh once."""
         planner = IndexingPlanner(enable_plan_caching=True)
         planner._cached_plans_key = f"llmtrain-{self.world}-{self.generation}"

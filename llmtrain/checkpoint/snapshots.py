@@ -147,6 +147,39 @@ class Snapshot:
         return self.header
 
 
+def _copied(step: int, rank: int, tensors: list[torch.Tensor], header: dict,
+            buffer: torch.Tensor) -> Snapshot:
+    """``tensors`` copied into ``buffer`` as ``rank``'s snapshot of ``step``, its checksum
+    not yet taken. From a GPU: into pinned memory on a side stream, the copies queued at
+    once and waited for together (the caller synchronized the training stream)."""
+    offsets, nbytes = _offsets(tensors)
+    cuda = bool(tensors) and tensors[0].is_cuda
+    stream = _side_stream(tensors[0].device) if cuda else None
+    with torch.no_grad(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+        for t, off in zip(tensors, offsets):
+            if t.numel():
+                buffer[off:off + t.numel() * t.element_size()].copy_(
+                    t.detach().reshape(-1).view(torch.uint8), non_blocking=cuda)
+    if cuda:
+        stream.synchronize()
+    header = {**header, "step": step, "rank": rank, "layout": _layout(tensors),
+              "nbytes": nbytes, "sum": None}
+    return Snapshot(step, header, buffer)
+
+
+def capture(step: int, rank: int, tensors: list[torch.Tensor], header: dict) -> Snapshot:
+    """A snapshot of ``step`` outside the schedule and the replication (a grow's), its
+    checksum taken."""
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    _, nbytes = _offsets(tensors)
+    cuda = bool(tensors) and tensors[0].is_cuda
+    snap = _copied(step, rank, tensors, header,
+                   torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda))
+    snap.header["sum"] = _sum(snap.buffer[:nbytes], snap.header)
+    return snap
+
+
 def shares_cores(device: torch.device, local_world_size: int) -> bool:
     """Whether the replication's CPU time comes out of training's: this rank has less than
     a core of its own beyond what training uses (its thread; on CPU, torch's threads)."""
@@ -350,25 +383,12 @@ class Snapshots:
         if not self._idle.is_set():
             self.skipped += 1
             return False
-        offsets, nbytes = _offsets(tensors)
+        _, nbytes = _offsets(tensors)
         cuda = bool(tensors) and tensors[0].is_cuda
-        buffer = self.own.reuse(nbytes, pinned=cuda)
-        # from a GPU: into pinned memory on a side stream, the copies queued at once and
-        # waited for together (the training stream was synchronized above)
-        stream = _side_stream(tensors[0].device) if cuda else None
-        with torch.no_grad(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-            for t, off in zip(tensors, offsets):
-                if t.numel():
-                    buffer[off:off + t.numel() * t.element_size()].copy_(
-                        t.detach().reshape(-1).view(torch.uint8), non_blocking=cuda)
-        if cuda:
-            stream.synchronize()
-        header = {**header, "step": step, "rank": self.rank, "layout": _layout(tensors),
-                  "nbytes": nbytes, "sum": None}
-        snap = Snapshot(step, header, buffer)
+        snap = _copied(step, self.rank, tensors, header, self.own.reuse(nbytes, pinned=cuda))
         self.own.add(snap)
         if self.buddy is None:
-            snap.header["sum"] = _sum(buffer[:nbytes], snap.header)
+            snap.header["sum"] = _sum(snap.buffer[:nbytes], snap.header)
             self.replicated = time.perf_counter()  # nothing goes on beside training
             return True
         with self._wake:

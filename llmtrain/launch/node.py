@@ -237,7 +237,9 @@ def worker_env(cfg: JobConfig, lc: LaunchConfig, host: str) -> dict[str, str]:
     the user has not set them (:func:`llmtrain.distributed.failure.warm_worker_env`)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host,
            "LLMTRAIN_RDZV_ID": lc.rdzv_id, "LLMTRAIN_WARM_BUDGET_S": str(cfg.warm.budget_s),
-           "LLMTRAIN_MIN_NODES": str(lc.node_range[0])}  # a warm shrink's floor
+           # how far a warm shrink and grow may go
+           "LLMTRAIN_MIN_NODES": str(lc.node_range[0]),
+           "LLMTRAIN_MAX_NODES": str(lc.node_range[1])}
     if not lc.rdzv_endpoint.endswith(":0"):  # port 0: the agent picks one we cannot know
         env["LLMTRAIN_RDZV_ENDPOINT"] = lc.rdzv_endpoint  # the watchdogs meet there
     if cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env:

@@ -18,7 +18,7 @@ from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.model import Transformer
-from llmtrain.recovery.coordinator import REPORTED, Shrunk
+from llmtrain.recovery.coordinator import REPORTED, Resized
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.integrity import TrainingDiverged
 from llmtrain.trainer import Trainer
@@ -27,7 +27,7 @@ from llmtrain.trainer import Trainer
 def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
     """Trains this rank to the end; raises what the trainer raised, after logging it.
     ``plan``: a warm spare's assignment, to take a lost rank's place. When the survivors
-    of a lost node shrink (:class:`Shrunk`), the trainer is built anew in this process at
+    of a lost node shrink (:class:`Resized`), the trainer is built anew in this process at
     the smaller world size: imports, data files and compiled code stay warm."""
     host = node_name()
     if host in (excluded := excluded_hosts(cfg.training.run_dir)):
@@ -46,7 +46,7 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
         gc.freeze()
         try:
             code = _train(trainer, host)
-        except Shrunk as shrunk:
+        except Resized as shrunk:
             plan, held = shrunk.assignment, shrunk.held
             os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),
                               GROUP_RANK=str(plan["rank"] // plan["local_world_size"]))
@@ -78,7 +78,7 @@ def _train(trainer: Trainer, host: str) -> ExitCode:
     try:
         trainer.run()
         failed = False
-    except Shrunk:
+    except Resized:
         raise  # the warm path reported it, and goes on in this process
     except TrainingDiverged as e:  # a restart would diverge the same way
         trainer.events.emit("fatal", host=host, step=trainer.step, error=f"{type(e).__name__}: {e}")

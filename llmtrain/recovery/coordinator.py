@@ -11,10 +11,13 @@ rank's model and optimizer shards as bytes, and every registered item in the hea
 same items a checkpoint holds. A spare restores a lost rank's from its buddy's replica.
 
 With no spare waiting, the survivors of lost nodes shrink (``warm.shrink``): ``recover``
-raises :class:`Shrunk`, the worker builds its trainer anew at the smaller world size
+raises :class:`Resized`, the worker builds its trainer anew at the smaller world size
 (:mod:`llmtrain.launch.worker`) in the same process, and the new trainer fills its state
 from the snapshots and replicas the survivors hold, resharded in memory
-(:mod:`llmtrain.recovery.reshard`).
+(:mod:`llmtrain.recovery.reshard`). A job below its size grows the same way
+(``warm.grow``): when rank 0 sees a node's worth of spares waiting, the ranks vote to take
+them in at a step boundary (:mod:`llmtrain.control`), copy the state of that step into
+memory, and re-form with the spares, whose shards are resharded from the others' copies.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch.distributed as dist
 
 from llmtrain import fault_points
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
-                                           shares_cores, state_entries, state_tensors)
+                                           capture, shares_cores, state_entries,
+                                           state_tensors)
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, broke_a_collective,
                                           nccl_problems)
@@ -44,21 +48,22 @@ from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.reshard import Mesh, reshard
 from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
-                                    publish_endpoints, round_of)
+                                    publish_endpoints, round_of, spares_waiting)
 from llmtrain.state_registry import StateRegistry
 
 # Noted on an error the warm path already reported as a ``failure`` event.
 REPORTED = "llmtrain: reported as a failure event; the warm path could not recover from it"
 
 
-class Shrunk(Exception):
-    """The survivors go on without the lost nodes: this process trains on as rank
+class Resized(Exception):
+    """The job goes on at another world size (the survivors without the lost nodes, or
+    all with the spares that joined): this process trains on as rank
     ``assignment["rank"]`` of ``assignment["world_size"]``, from the snapshots it
     ``held`` (old rank -> snapshot). Raised out of the trainer's loop to the worker, which
     builds the trainer anew."""
 
     def __init__(self, assignment: dict, held: dict[int, Snapshot]):
-        super().__init__(f"shrunk to {assignment['world_size']} ranks")
+        super().__init__(f"{assignment['kind']} to {assignment['world_size']} ranks")
         self.assignment, self.held = assignment, held
 
 
@@ -107,14 +112,14 @@ def _load_items(header: dict, registry: StateRegistry) -> None:
     registry.load({**_unplain(header["shared"]), **_unplain(header["own"])})
 
 
-def shrink_shapes(cfg: JobConfig,
-                  local_world_size: int) -> Callable[[int], tuple[int, int] | str] | None:
-    """What a shrink may reach: the mesh the config trains at with a number of ranks (as
-    a cold restart at that size would), or why not (below the launcher's ``--nnodes``
-    minimum, a config that cannot train there). None when shrinking is off, or no
-    launcher said its minimum."""
+def mesh_shapes(cfg: JobConfig,
+                local_world_size: int) -> Callable[[int], tuple[int, int] | str] | None:
+    """What a shrink or a grow may reach: the mesh the config trains at with a number of
+    ranks (as a cold restart at that size would), or why not (below the launcher's
+    ``--nnodes`` minimum, a config that cannot train there). None when no launcher said
+    its minimum."""
     floor = os.environ.get("LLMTRAIN_MIN_NODES")
-    if not cfg.warm.shrink or floor is None:
+    if floor is None:
         return None
 
     def shape(ranks: int) -> tuple[int, int] | str:
@@ -162,6 +167,12 @@ class NoWarmRecovery:
 
     def leave(self) -> bool:
         return False
+
+    def can_grow(self) -> bool:
+        return False
+
+    def grow(self, step: int) -> None:
+        pass
 
     def give_up(self) -> None:
         pass
@@ -247,12 +258,43 @@ class WarmRecovery:
     def give_up(self) -> None:
         self.path.give_up()
 
+    def can_grow(self) -> bool:
+        """Rank 0's look at each vote it casts: a node's worth of spares waits while the
+        job runs below the launcher's ``--nnodes`` maximum."""
+        top, per_node = os.environ.get("LLMTRAIN_MAX_NODES"), self.path.local_world_size
+        return (self.cfg.grow and top is not None and self.path.shapes is not None
+                and self.world.world_size < int(top) * per_node
+                and spares_waiting(self.path.store) >= per_node)
+
+    def grow(self, step: int) -> None:
+        """Every rank voted to grow after ``step``: with a plan (rank 0 claimed the
+        spares), each copies the state of ``step`` into memory, leaves the group, and
+        raises Resized, for the worker to build the larger trainer; without one (the
+        spares went meanwhile), training goes on as it was."""
+        decided, deadline = time.time(), time.monotonic() + self.cfg.budget_s
+        try:
+            plan = self.path.grow(step, deadline)
+        except ColdPath as e:
+            plan = None
+            self.events.emit("grow_failed", step=step, reason=str(e))
+        if plan is None:
+            return
+        registry = self.job.registry
+        snap = capture(step, self.world.rank,
+                       state_tensors(registry.model, registry.optimizer, []),
+                       {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
+        self.snapshots.stop(self.cfg.settle_s)
+        self.job.leave_group(deadline)
+        plan.marks = {"grow_decided": decided, "agreed": time.time(), "failed_at": step,
+                      "snapshot_interval": self.snapshots.schedule.interval}
+        raise Resized({**asdict(plan), "rank": self.world.rank}, {self.world.rank: snap})
+
     def recover(self, error: BaseException, step: int) -> int | None:
         """A collective failed: with the other survivors, re-forms the group with warm
         spares in the lost ranks' places and restores every rank's state from memory.
         Returns the restored step; None when the cold path must take over (logged), or
         when the failure was this rank's own: then it leaves, for a spare to replace it.
-        With no spare for a lost node, raises :class:`Shrunk` when the survivors shrink."""
+        With no spare for a lost node, raises :class:`Resized` when the survivors shrink."""
         if isinstance(error, FatalError):  # diverged: a restart would do the same
             return None
         detected, interval = time.time(), self.snapshots.schedule.interval
@@ -302,7 +344,7 @@ class WarmRecovery:
                                   "group_formed": formed, "restored": restored}}
         return plan.step
 
-    def shrunk(self, plan: Plan, marks: dict[str, float], failed_at: int) -> Shrunk:
+    def shrunk(self, plan: Plan, marks: dict[str, float], failed_at: int) -> Resized:
         """This survivor's part in ``plan`` (a shrink): its new rank, and the snapshots
         of ``plan.step`` it holds that the new generation is resharded from."""
         rank = self.world.rank
@@ -316,7 +358,7 @@ class WarmRecovery:
         marks = {**marks, "failed_at": failed_at,
                  "snapshot_interval": self.snapshots.schedule.interval}
         plan.marks = marks
-        return Shrunk({**asdict(plan), "rank": plan.kept.index(rank)}, held)
+        return Resized({**asdict(plan), "rank": plan.kept.index(rank)}, held)
 
     def leave_locally(self, deadline: float) -> None:
         """This rank's own step failed (out of memory, an I/O error, a CUDA fault), not a
@@ -330,28 +372,29 @@ class WarmRecovery:
 
     def join_as_spare(self, plan: Plan) -> int:
         """A spare's start, once its groups are formed: the lost rank's state from its
-        buddy's replica; or a shrunk survivor's, from what the survivors hold. Returns the
-        step it restored."""
+        buddy's replica; or the start of a rank of a shrunk or grown job, from what the
+        ranks hold. Returns the step it restored."""
         self.restore(plan, time.monotonic() + self.cfg.budget_s)
-        if plan.kind == "shrink":
+        # rank 0 times it (a grow's spares were told of it before the ranks' marks existed)
+        if plan.kind in ("shrink", "grow") and self.world.rank == 0:
             restored = time.time()
-            self.ledger.record("restart", "warm", plan.marks["failure_detected"], restored)
+            first = next(iter(plan.marks.values()))  # the failure seen, or the grow voted
+            self.ledger.record("restart", f"warm {plan.kind}", first, restored)
             self.ledger.restart_at(plan.step)
-            if self.world.rank == 0:
-                marks = {k: plan.marks[k] for k in ("failure_detected", "agreed")}
-                self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
-                                  "kind": "shrink", "world_size": plan.world_size,
-                                  "failed_at": plan.marks["failed_at"],
-                                  "snapshot_interval": plan.marks["snapshot_interval"],
-                                  "marks": {**marks, "group_formed": self.formed,
-                                            "restored": restored}}
+            marks = {k: plan.marks[k] for k in list(plan.marks)[:2]}
+            self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
+                              "kind": plan.kind, "world_size": plan.world_size,
+                              "failed_at": plan.marks["failed_at"],
+                              "snapshot_interval": plan.marks["snapshot_interval"],
+                              "marks": {**marks, "group_formed": self.formed,
+                                        "restored": restored}}
         return plan.step
 
     def restore(self, plan: Plan, deadline: float) -> None:
         """Every rank's state at ``plan.step`` from memory: survivors from their own
         snapshot, a spare from its buddy's replica; all verified by checksum first, and all
         ranks agree that each did, or none goes on (SnapshotError: the cold path)."""
-        if plan.kind == "shrink":
+        if plan.kind in ("shrink", "grow"):
             try:
                 self._reshard(plan)
             except SnapshotError:
@@ -393,13 +436,18 @@ class WarmRecovery:
         by checksum first."""
         self._checked_everywhere(plan.step, "reshard",
                                  lambda: [snap.verify() for snap in self.held.values()])
-        registry, rank = self.job.registry, self.world.rank
+        registry, own = self.job.registry, plan.kept[self.world.rank]
+        newcomers = frozenset(n for n, old in enumerate(plan.kept) if old < 0)
         header = reshard(self.held, {int(o): n for o, n in plan.providers.items()},
                          Mesh(*plan.old_mesh), Mesh(*plan.mesh),
                          state_entries(registry.model, registry.optimizer),
-                         own=plan.kept[rank], group=self.replication)
+                         own=own if own >= 0 else None, group=self.replication,
+                         newcomers=newcomers)
         self.held = {}  # in the state now: the buffers go
-        _load_items(header, registry)
+        if own >= 0:
+            _load_items(header, registry)
+        else:  # a newcomer: rank 0's shared items; its own (RNGs) stay as they were built
+            registry.load(_unplain(header["shared"]))
 
     def first_step_done(self) -> str | None:
         """After a recovery's first step: its event, and the line that says it."""
@@ -409,7 +457,12 @@ class WarmRecovery:
         marks = {**rec.pop("marks"), "first_step": time.time()}
         names = list(marks)
         parts = {f"{a}->{b}": marks[b] - marks[a] for a, b in zip(names, names[1:])}
-        total = marks["first_step"] - marks["failure_detected"]
+        total = marks["first_step"] - marks[names[0]]
+        if rec["kind"] == "grow":  # no failure: not a recovery
+            self.events.emit("warm_grow", **rec, marks=marks, parts_s=parts, total_s=total)
+            return (f"warm grow: spare(s) joined at step {rec['step']}, the job goes on as "
+                    f"{rec['world_size']} ranks, the new shards resharded from memory; "
+                    f"training again {total:.2f}s after the vote to grow")
         self.events.emit("warm_recovery", **rec, marks=marks, parts_s=parts, total_s=total)
         if rec["kind"] == "shrink":
             return (f"warm shrink: rank(s) {rec['lost']} lost with no spare waiting; the "
@@ -452,6 +505,6 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
     round_id = plan["round_id"] if plan is not None else round_of(job_store, fence.store)
     path = WarmPath(cfg.warm, store, round_id, world.rank, world.world_size, per_node,
                     gen=plan["gen"] if plan is not None else 0,
-                    shapes=shrink_shapes(cfg, per_node))
+                    shapes=mesh_shapes(cfg, per_node))
     return WarmRecovery(cfg, path, job, world=world, events=events, ledger=ledger,
                         fence=fence, held=held)

@@ -1,5 +1,6 @@
 """The training state resharded from memory onto another mesh: what lets the survivors of
 a lost node go on at a smaller world size from their snapshots and their wards' replicas,
+and a job take in spares at a larger one from the running ranks' copies of a step,
 reading nothing from storage.
 
 FSDP2 shards each parameter, and with it its optimizer state, on dim 0 over the mesh's
@@ -17,11 +18,15 @@ before any byte lands in the state: every held snapshot was verified against its
 checksum first, and this closes the gap in between.
 
 Which rank sends an old shard to a rank that lacks it is a pure function of the plan
-(``providers``): every rank computes the same sends and receives without asking.
+(``providers``): every rank computes the same sends and receives without asking. A
+newcomer (a grow's spare) holds nothing: it also receives the unsharded tensors (AdamW's
+step count) whole, and rank 0's header, whose shared items (the data position, the
+schedule) it loads; its own RNGs stay as built, as a cold restart's new rank's do.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -61,7 +66,7 @@ class Mesh:
 class _Piece:
     tensor: int        # its index in the state's tensors
     source: int        # the old rank whose snapshot holds it
-    rows: tuple[int, int]  # global rows of the tensor
+    rows: tuple[int, int] | None  # global rows of the tensor; None: all of an unsharded one
 
 
 @dataclass
@@ -88,11 +93,12 @@ def _sharded(t: torch.Tensor) -> bool:
 
 
 def plan_moves(rank: int, rows: list[int | None], providers: dict[int, int], old: Mesh,
-               new: Mesh) -> Moves:
+               new: Mesh, newcomers: frozenset[int] = frozenset()) -> Moves:
     """What ``rank`` (of the new mesh) copies, sends and receives. ``rows``: each state
     tensor's dim-0 length where it is sharded, None where every rank holds all of it;
     ``providers``: each old rank's snapshot -> the new rank holding it in memory (every old
-    shard must have one)."""
+    shard must have one); ``newcomers``: new ranks that hold no snapshot (a grow's), which
+    also receive the unsharded tensors whole."""
     holders: dict[int, dict[int, int]] = defaultdict(dict)  # old shard -> new rank -> old rank
     for o in sorted(providers):
         holders[old.shard_of(o)].setdefault(providers[o], o)
@@ -108,7 +114,13 @@ def plan_moves(rank: int, rows: list[int | None], providers: dict[int, int], old
 
     moves = Moves()
     for i, n_rows in enumerate(rows):
-        if n_rows is None:
+        if n_rows is None:  # the holder of old shard 0 gives a newcomer all of it
+            for n in sorted(newcomers):
+                p, o = provider(n, 0)
+                if rank == n:
+                    moves.receives[p].append(_Piece(i, o, None))
+                elif rank == p:
+                    moves.sends[n].append(_Piece(i, o, None))
             continue
         old_chunk = -(-n_rows // old.shard)
         # as the receiver: the old shards overlapping this rank's new rows
@@ -132,36 +144,46 @@ def plan_moves(rank: int, rows: list[int | None], providers: dict[int, int], old
 
 
 def reshard(held: dict[int, Snapshot], providers: dict[int, int], old: Mesh, new: Mesh,
-            live: list[torch.Tensor], own: int, group: dist.ProcessGroup) -> dict:
+            live: list[torch.Tensor], own: int | None, group: dist.ProcessGroup,
+            newcomers: frozenset[int] = frozenset()) -> dict:
     """Fills ``live`` (this rank's state at the new mesh: :func:`state_entries`' tensors)
     from the old mesh's snapshots, held across the new group's ranks as ``providers`` says
     (``held``: the verified ones in this rank's memory, by old rank; ``own``: this rank's
-    old rank, whose unsharded tensors and header it keeps). Returns that header."""
+    old rank, whose unsharded tensors and header it keeps, None for a newcomer). Returns
+    that header; a newcomer's is rank 0's, whose shared items it takes."""
     rank = dist.get_rank(group)
     rows = [t.shape[0] if _sharded(t) else None for t in live]
-    moves = plan_moves(rank, rows, providers, old, new)
+    moves = plan_moves(rank, rows, providers, old, new, newcomers)
     parts = {o: snap.parts() for o, snap in held.items()}
     locals_ = [local_shard(t) for t in live]
     row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in locals_]
-    own_layout = held[own].header["layout"]
-    for i, (t, n_rows) in enumerate(zip(locals_, rows)):
-        if n_rows is None:
-            if [str(t.dtype).removeprefix("torch."), list(t.shape)] != own_layout[i]:
-                raise SnapshotError(f"state tensor {i} is {t.dtype} {list(t.shape)} here "
-                                    f"but {own_layout[i]} in the snapshot (another config?)")
-            _dest(t).copy_(parts[own][i])
+    if own is not None:
+        own_layout = held[own].header["layout"]
+        for i, (t, n_rows) in enumerate(zip(locals_, rows)):
+            if n_rows is None:
+                if [str(t.dtype).removeprefix("torch."), list(t.shape)] != own_layout[i]:
+                    raise SnapshotError(f"state tensor {i} is {t.dtype} {list(t.shape)} "
+                                        f"here but {own_layout[i]} in the snapshot "
+                                        f"(another config?)")
+                _dest(t).copy_(parts[own][i])
 
     def source(piece: _Piece) -> torch.Tensor:
+        whole = parts[piece.source][piece.tensor]
+        if piece.rows is None:
+            return whole
         lo, _ = old.rows(rows[piece.tensor], old.shard_of(piece.source))
         a, b = piece.rows
         n = row_bytes[piece.tensor]
-        return parts[piece.source][piece.tensor][(a - lo) * n:(b - lo) * n]
+        return whole[(a - lo) * n:(b - lo) * n]
 
     def dest(piece: _Piece) -> torch.Tensor:
+        whole = _dest(locals_[piece.tensor])
+        if piece.rows is None:
+            return whole
         start, _ = new.rows(rows[piece.tensor], new.shard_of(rank))
         a, b = piece.rows
         n = row_bytes[piece.tensor]
-        return _dest(locals_[piece.tensor])[(a - start) * n:(b - start) * n]
+        return whole[(a - start) * n:(b - start) * n]
 
     with torch.no_grad():
         for piece in moves.copies:
@@ -187,7 +209,25 @@ def reshard(held: dict[int, Snapshot], providers: dict[int, int], old: Mesh, new
                 d = dest(p)
                 d.copy_(buf[at:at + d.numel()])
                 at += d.numel()
-    return held[own].header
+    return _header(held[own].header if own is not None else None, rank, newcomers, group)
+
+
+def _header(mine: dict | None, rank: int, newcomers: frozenset[int],
+            group: dist.ProcessGroup) -> dict:
+    """This rank's header; a newcomer's, rank 0's, sent as JSON (its shared items: the
+    data position, the schedule, the integrity window)."""
+    if rank == 0:
+        text = json.dumps(mine).encode()
+        for n in sorted(newcomers):
+            dist.send(torch.tensor([len(text)]), n, group=group)
+            dist.send(torch.frombuffer(bytearray(text), dtype=torch.uint8), n, group=group)
+    if rank not in newcomers:
+        return mine
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, 0, group=group)
+    text = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(text, 0, group=group)
+    return json.loads(bytes(text.numpy()))
 
 
 def _dest(t: torch.Tensor) -> torch.Tensor:

@@ -78,8 +78,8 @@ class Plan:
     spares: dict[str, int] = field(default_factory=dict)  # lost rank -> spare number
     # "spare": spares take the lost ranks' places; "shrink": no spare waited, and the
     # survivors go on without the lost nodes at ``world_size`` ranks
-    kind: str = "spare"
-    kept: list[int] = field(default_factory=list)  # shrink: old ranks, in new rank order
+    kind: str = "spare"  # or "grow": spares join the running job, which grows by a node
+    kept: list[int] = field(default_factory=list)  # old ranks in new rank order (-1: a spare)
     providers: dict[str, int] = field(default_factory=dict)  # old rank -> new rank holding it
     old_mesh: list[int] = field(default_factory=list)  # shrink: (dp_replicate, dp_shard)
     mesh: list[int] = field(default_factory=list)
@@ -465,7 +465,7 @@ class WarmPath:
     def _shrink(self, plan: Plan, cold: str) -> str:
         """No spare for every lost rank: the plan in which the survivors go on without the
         nodes that lost them, or ``cold`` with the reason they cannot."""
-        if self.shapes is None:
+        if self.shapes is None or not self.cfg.shrink:
             return cold
         per_node, world = self.local_world_size, self.world_size
         gone = {r // per_node for r in plan.lost}
@@ -484,6 +484,42 @@ class WarmPath:
                     local_world_size=per_node, round_id=self.round_id, lost=plan.lost,
                     sources=plan.sources, kind="shrink", kept=kept, providers=providers,
                     old_mesh=list(self.shapes(world)), mesh=list(shape)).to_json()
+
+    def grow(self, step: int, deadline: float) -> Plan | None:
+        """The plan to take in waiting spares at ``step`` (every rank voted for it): rank 0
+        claims a node's worth of them and stores it, the others wait for it. None when
+        too few spares are left by then, or the config cannot train at the larger size."""
+        if self.rank == 0:
+            self.store.set(self._key("grow"), self._claim_growth(step))
+        text = self._wait(self._key("grow"), deadline)
+        return None if text.startswith("none:") else Plan.from_json(text)
+
+    def _claim_growth(self, step: int) -> str:
+        world, per_node = self.world_size, self.local_world_size
+        shape = self.shapes(world + per_node)
+        if isinstance(shape, str):
+            return f"none:{shape}"
+        taken, skipped = [], 0
+        while len(taken) < per_node:
+            number = self.store.add("spares/claimed", 1)
+            if number > self.store.add("spares/registered", 0):
+                self._unclaim(taken, skipped)
+                return "none:too few spares wait"
+            if self.store.compare_set(f"spares/{number}/state", "", "claimed").decode() \
+                    == "claimed":
+                taken.append(number)
+            else:  # withdrawn meanwhile
+                skipped += 1
+                self.store.add("spares/left", -1)
+        plan = Plan(gen=self.gen + 1, step=step, world_size=world + per_node,
+                    local_world_size=per_node, round_id=self.round_id, lost=[], sources={},
+                    spares={str(world + i): n for i, n in enumerate(taken)}, kind="grow",
+                    kept=[*range(world), *[-1] * per_node],
+                    providers={str(o): o for o in range(world)},
+                    old_mesh=list(self.shapes(world)), mesh=list(shape))
+        for r, number in plan.spares.items():
+            self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
+        return plan.to_json()
 
     def _unclaim(self, taken: list[int], skipped: int) -> None:
         """Puts the pool back as it was before a claim that found too few spares."""

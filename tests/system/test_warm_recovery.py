@@ -12,6 +12,7 @@ from conftest import check, events, llmtrain, step_losses, wait_for_event
 from nvml_states import node, write_script
 from test_elastic import final_weights
 
+from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.storage import step_dir
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.node import EXIT_GRACE_S
@@ -233,30 +234,52 @@ def test_a_rank_whose_own_step_fails_is_replaced_never_its_waiting_peer(cluster,
         assert torch.equal(reference[name], got[name]), name
 
 
-def test_without_a_spare_the_survivor_shrinks_in_memory_and_trains_as_a_cold_resume_would(
+def test_a_node_lost_without_a_spare_shrinks_the_job_and_a_spare_that_comes_grows_it_back(
         cluster, tmp_path):
     """Rank 1's worker dies at step 15 and no spare waits: rank 0 goes on alone, in its
     own process, its state resharded from its snapshot of step 10 and its ward's replica
-    (no restart, no checkpoint read). From there its losses are those of a cold resume at
-    world size 1 from the checkpoint of step 10, bit for bit."""
-    job = ("--training.steps", "30", "--checkpoint.interval_steps", "10",
-           "--warm.snapshot_every", "10", "--metrics.log_every", "1",
-           "--metrics.address", "127.0.0.1", "--metrics.port", "0")
-    c = cluster("1:2", (*job, "--reliability.faults", "kill@step:rank=1,step=15"))
+    (no restart, no checkpoint read). A spare that comes later is taken in at a step
+    boundary, its shard resharded from rank 0's memory. Each part trains as a cold resume
+    at its world size would, bit for bit: at 1 rank from the checkpoint of step 10, then
+    at 2 ranks from that run's checkpoint of the grow's step. Every checkpoint is kept."""
+    job = ("--training.steps", "80", "--checkpoint.interval_steps", "10",
+           "--checkpoint.keep_last", "100", "--warm.snapshot_every", "10",
+           "--metrics.log_every", "1", "--metrics.address", "127.0.0.1", "--metrics.port", "0")
+    slow = tmp_path / "faults.txt"  # armed while the spare starts: time only, not numbers
+    c = cluster("1:2", (*job, "--reliability.faults", "env"),
+                env={"LLMTRAIN_FAULTS": "kill@step:rank=1,step=15",
+                     "LLMTRAIN_FAULTS_FILE": str(slow)})
     c.start("node1")
     c.start("node2")
-    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
-    assert c.wait("node2") == ExitCode.CLEAN, c.log("node2")  # its rank went, no restart
-    (rec,) = events(c.run, "warm_recovery")
-    assert (rec["kind"], rec["lost"], rec["step"], rec["world_size"]) == ("shrink", [1], 10, 1)
+    wait_for_event(c.run, "step", c.nodes["node1"], timeout=180)
+    survivor = c.nodes[host_of(c.run, 0)]
+    shrink = wait_for_event(c.run, "warm_recovery", survivor, timeout=120)
+    slow.write_text("slow@step:rank=0,factor=4,id=slow\n")
+    c.start("node3", spare=True)
+    wait_for_event(c.run, "warm_grow", survivor, timeout=120)
+    slow.write_text("")
+    for name in ("node1", "node2", "node3"):  # node2's rank went: it ends, no restart
+        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    assert (shrink["kind"], shrink["lost"], shrink["step"], shrink["world_size"]) == (
+        "shrink", [1], 10, 1)
+    (grow,) = events(c.run, "warm_grow")
+    g = grow["step"]
+    assert grow["world_size"] == 2 and shrink["ts"] < grow["ts"] and 10 < g < 80
     assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2]
     assert not events(c.run, "checkpoint_loaded")
-    shrunk = {e["step"]: e["loss"] for e in events(c.run, "step") if e["ts"] > rec["ts"]}
-    assert sorted(shrunk) == list(range(11, 31))
+    losses = {e["step"]: e["loss"] for e in events(c.run, "step")
+              if e["ts"] > shrink["ts"] and e["rank"] == 0}
+    assert sorted(losses) == list(range(11, 81))
+    for step in range(10, 81, 10):
+        assert storage.verify(step_dir(str(c.run / "checkpoints"), step), checksums=True) == []
 
-    cold = tmp_path / "cold"
+    alone, grown = tmp_path / "alone", tmp_path / "grown"
     shutil.copytree(step_dir(str(c.run / "checkpoints"), 10),
-                    step_dir(str(cold / "checkpoints"), 10))
-    check(llmtrain(cold, *job))
-    assert events(cold, "checkpoint_loaded")[0]["step"] == 10
-    assert shrunk == {s: loss for s, loss in step_losses(cold).items() if s > 10}
+                    step_dir(str(alone / "checkpoints"), 10))
+    check(llmtrain(alone, *job, "--checkpoint.interval_steps", str(g)))
+    shutil.copytree(step_dir(str(alone / "checkpoints"), g), step_dir(str(grown / "checkpoints"), g))
+    check(llmtrain(grown, *job, nproc=2))
+    assert events(grown, "checkpoint_loaded")[0]["step"] == g
+    cold = {s: loss for s, loss in step_losses(alone).items() if 10 < s <= g}
+    cold |= {s: loss for s, loss in step_losses(grown).items() if s > g}
+    assert losses == cold

@@ -10,7 +10,7 @@ import pytest
 from llmtrain.config import JobConfig
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch import worker
-from llmtrain.recovery.coordinator import Shrunk
+from llmtrain.recovery.coordinator import Resized
 from llmtrain.reliability.integrity import TrainingDiverged
 
 
@@ -83,7 +83,7 @@ def test_a_shrink_closes_the_trainer_and_trains_on_at_the_smaller_size(tmp_path,
 
     def run(self):
         if len(starts) == 1:
-            raise Shrunk(assignment, held)
+            raise Resized(assignment, held)
     monkeypatch.setattr(trainer, "__init__", init)
     monkeypatch.setattr(trainer, "run", run)
     monkeypatch.setenv("RANK", "1")
