@@ -28,6 +28,9 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   its ward's replica. Parts from the ``warm_recovery`` event: detected, agreed, group
   formed (the old trainer closed, a new one built at the smaller size), restored
   (resharded), first step at the smaller size.
+- **shrink_hsdp**: the shrink of an HSDP job: two ranks a node, ``dp_replicate`` 2 (each
+  node a replica), so the job shrinks from 2 x 2 ranks to the config's mesh at 2 ranks
+  (2 x 1): each survivor's shards are resharded from its own snapshot and its node peer's.
 - **grow** (after a shrink as above): a standby node comes; the ranks vote to take it in
   at a step boundary, copy the state of that step into memory, and re-form at full size,
   the spare's shard resharded from their memory. The row is the time the running ranks
@@ -42,7 +45,7 @@ Goals: warm <= 1.0 s median for each of the first three faults, with warm / cold
 the hang warm <= 3.0 s; the shrink and the grow <= 2.0 s each.
 
     python benchmarks/recovery.py [--repeats 2] [--faults node_loss,kill_rank,gpu_bad]
-        [--paths warm,cold,shrink,shrink_cold,grow]
+        [--paths warm,cold,shrink,shrink_cold,shrink_hsdp,grow]
 
 Prints a table per fault and path, then one JSON line of the figures.
 """
@@ -66,8 +69,8 @@ TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0", "--health.interval_s", "1")
 FAULTS = ("node_loss", "kill_rank", "gpu_bad", "hang")
-PATHS = ("warm", "cold", "shrink", "shrink_cold", "grow")
-SHRINKS = ("shrink", "shrink_cold", "grow")  # node loss with no spare
+PATHS = ("warm", "cold", "shrink", "shrink_cold", "shrink_hsdp", "grow")
+SHRINKS = ("shrink", "shrink_cold", "shrink_hsdp", "grow")  # node loss with no spare
 
 
 def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) -> dict:
@@ -85,9 +88,11 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) 
 
 def one_recovery(workdir: Path, path: str, fault: str) -> dict:
     run = workdir / "run"
-    warm, with_spare = path in ("warm", "shrink", "grow"), path not in SHRINKS
-    options = {"warm": (), "cold": ("--warm.enable", "false"), "shrink": (), "grow": (),
-               "shrink_cold": ("--warm.shrink", "false")}[path]
+    warm, with_spare = path not in ("cold", "shrink_cold"), path not in SHRINKS
+    per_node = 2 if path == "shrink_hsdp" else 1
+    options = {"cold": ("--warm.enable", "false"), "shrink_cold": ("--warm.shrink", "false"),
+               "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "2"),
+               }.get(path, ())
     cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options)
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
 
@@ -133,8 +138,8 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
                 "first_step_s": marks["first_step"] - marks["restored"]}
     detected = marks["failure_detected"] or killed
     if warm:
-        if not with_spare:
-            assert (rec["kind"], rec["world_size"]) == ("shrink", 1), rec  # the survivor alone
+        if not with_spare:  # the survivors alone
+            assert (rec["kind"], rec["world_size"]) == ("shrink", per_node), rec
         return {"fault_to_first_step_s": marks["first_step"] - killed,
                 "detect_s": detected - killed,
                 "agree_s": marks["agreed"] - detected,

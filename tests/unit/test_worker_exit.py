@@ -74,7 +74,7 @@ def test_a_shrink_closes_the_trainer_and_trains_on_at_the_smaller_size(tmp_path,
     shrink is closed as failed (its groups abandoned, not destroyed), and the next one is
     built with the new rank and world size, and the snapshots the survivor held."""
     trainer, calls = closes
-    assignment = {"rank": 0, "world_size": 1, "local_world_size": 1}
+    assignment = {"kind": "shrink", "rank": 0, "world_size": 1, "local_world_size": 1}
     held = {0: "own snapshot", 1: "the lost ward's replica"}
     starts = []
 
