@@ -91,7 +91,8 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
     warm, with_spare = path not in ("cold", "shrink_cold"), path not in SHRINKS
     per_node = 2 if path == "shrink_hsdp" else 1
     options = {"cold": ("--warm.enable", "false"), "shrink_cold": ("--warm.shrink", "false"),
-               "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "2"),
+               "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "2",
+                               "--training.global_batch_size", "32"),
                }.get(path, ())
     cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options)
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}

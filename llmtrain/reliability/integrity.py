@@ -28,6 +28,7 @@ gradients, is invisible to fingerprints).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -169,7 +170,7 @@ class Integrity:
         holds some: restored without them, a bad step before it would never be reviewed,
         its rollback missed and ``max_bad_steps`` miscounted), the bad steps the window
         holds and the steps to skip. Reading the verdicts costs a host sync."""
-        rows = torch.stack([row for _, row in self.pending]).cpu().tolist() if self.pending else []
+        rows = self._rows()
         return {"history": [None if math.isnan(x) else x for x in self.history.tolist()],
                 "judged": self.judged, "bad_steps": list(self.bad_steps),
                 "pending": [[step, [_number(x) for x in row]]
@@ -199,12 +200,21 @@ class Integrity:
 
     # -- where the loop reads values anyway, on the host -----------------------------
 
+    def _rows(self) -> list[list[float]]:
+        """The pending verdicts on the host, in one copy. A row holds one loss per rank of
+        the world it was judged in: those restored from before a shrink or a grow are
+        longer or shorter than the rest (and name that world's ranks)."""
+        if not self.pending:
+            return []
+        flat = torch.cat([row for _, row in self.pending]).cpu().tolist()
+        ends = itertools.accumulate(row.numel() for _, row in self.pending)
+        return [flat[end - row.numel():end] for (_, row), end in zip(self.pending, ends)]
+
     def read(self) -> list[BadStep]:
         """The bad steps judged since the last read (one device-to-host copy)."""
         if not self.pending:
             return []
-        steps = [step for step, _ in self.pending]
-        rows = torch.stack([row for _, row in self.pending]).cpu().tolist()
+        steps, rows = [step for step, _ in self.pending], self._rows()
         self.pending.clear()
         self.loss = rows[-1][1]
         bad = []

@@ -134,3 +134,20 @@ def test_skip_steps_are_parsed_or_refused_by_name():
     for bad in ("12-10", "x", "1-2-3", "-4"):
         with pytest.raises(ConfigError, match="integrity.skip_steps"):
             step_ranges("integrity.skip_steps", bad)
+
+
+def test_verdicts_restored_from_another_world_size_are_read_and_saved(integrity):
+    """A snapshot taken between log steps carries verdicts judged at the world size then
+    (one loss per rank); after a shrink or a grow they sit beside this world's, longer or
+    shorter, and are read and saved all the same."""
+    it = integrity(spike_z=0)
+    judge(it, 3, 3.0)
+    judge(it, 4, 3.0)
+    state = it.state_dict()
+    for step, row in state["pending"]:  # as judged by four ranks, rank 2's loss not finite
+        row[:] = [2.0, math.nan, 1.0, 3.0, 3.0, math.nan, 3.0] if step == 4 else row + [3.0] * 3
+    restored = integrity(spike_z=0)
+    restored.load_state_dict(state)
+    judge(restored, 5, 3.0)  # judged by this one rank
+    assert [len(row) for _, row in restored.state_dict()["pending"]] == [7, 7, 4]
+    assert [(b.step, b.ranks) for b in restored.read()] == [(4, [2])]
