@@ -73,13 +73,19 @@ PATHS = ("warm", "cold", "shrink", "shrink_cold", "shrink_hsdp", "grow")
 SHRINKS = ("shrink", "shrink_cold", "shrink_hsdp", "grow")  # node loss with no spare
 
 
-def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300) -> dict:
+def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300,
+             failed: str = "") -> dict:
+    """The first ``event`` matching ``where``; RuntimeError at a ``failed`` event first
+    (the warm path gave up: the row would time a cold restart)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            found = [e for e in read_events(str(run), event) if where(e)]
+            found = [e for e in read_events(str(run)) if e["event"] in (event, failed)
+                     and where(e)]
         except FileNotFoundError:
             found = []
+        if found and found[0]["event"] == failed:
+            raise RuntimeError(f"{failed} in {run}: {found[0]}")
         if found:
             return found[0]
         time.sleep(0.1)
@@ -123,7 +129,7 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
         else:
             write_gpu_script(gpus["node2"], healthy=False)
         rec = wait_for(run, "warm_recovery" if warm else "recovery",
-                       lambda e: e["ts"] > killed)
+                       lambda e: e["ts"] > killed, failed="warm_recovery_failed" if warm else "")
         if path == "grow":
             start("node3", spare=True)
             rec = wait_for(run, "warm_grow")
