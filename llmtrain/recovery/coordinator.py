@@ -312,8 +312,9 @@ class WarmRecovery:
         try:
             # an exchange with the lost peer may never end: it is left behind, not awaited
             self.snapshots.stop(self.cfg.settle_s)
+            gloo = dist.get_backend() == "gloo"
             plan = self.path.agree(self.snapshots.holdings(), deadline,
-                                   leave=lambda: self.job.leave_group(deadline))
+                                   leave=lambda: self.leave_broken(deadline, gloo))
             if self.world.rank not in plan.lost:  # the spares may name it first
                 self.fence.expect(membership(self.round_id, plan.gen))
             agreed = time.time()
@@ -343,6 +344,13 @@ class WarmRecovery:
                                   "failure_detected": detected, "agreed": agreed,
                                   "group_formed": formed, "restored": restored}}
         return plan.step
+
+    def leave_broken(self, deadline: float, gloo: bool) -> None:
+        """Leaves the broken generation; on gloo, also shuts this rank's connections to
+        its peers, so that one blocked on this rank fails and reports in time."""
+        self.job.leave_group(deadline)
+        if gloo:
+            self.path.cut_from_peers()
 
     def shrunk(self, plan: Plan, marks: dict[str, float], failed_at: int) -> Resized:
         """This survivor's part in ``plan`` (a shrink): its new rank, and the snapshots

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import node_name, rendezvous_store
-from llmtrain.recovery.sockets import endpoints
+from llmtrain.recovery.sockets import cut, endpoints
 
 
 class ColdPath(RuntimeError):
@@ -299,6 +299,20 @@ class WarmPath:
         self.store.set(self._key("size"), str(self.world_size))
         self.store.set(self._key(f"owner/{self.rank}"), owner())
         self.store.set(f"where/{self.rank}", self._key(""))
+
+    def cut_from_peers(self) -> int:
+        """Shuts this rank's ends of its connections to the other ranks (their published
+        ends, :func:`publish_endpoints`), as it leaves a broken generation on gloo: a live
+        peer blocked in a collective with it fails at once and reports, rather than when
+        this process drops its groups (after the plan, too late to count as a survivor).
+        gloo in torch 2.13 has no abort that closes a group's connections. Two store
+        requests a rank: on gloo only, where worlds are small."""
+        peers = set()
+        for r in range(self.world_size):
+            key = f"endpoints/{r}"
+            if r != self.rank and self.store.check([key]):
+                peers |= set(json.loads(self.store.get(key)))
+        return cut(peers)
 
     def failed_key(self) -> str:
         """The key set when this generation fails (what a FailureWatch waits for)."""
