@@ -27,14 +27,16 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     the last one, cost half the steps they did at 20. The schedule runs by the clock (a
     fault waits for a spare to start, ~4 s here) while training runs on: the fifteen kinds
     took until step 240-265 in four runs at half a second's quiet time, and until 270+ in
-    two at a second, so 400 steps (faults until 370) leave room. A kind the schedule had
+    two at a second; with two-block steps (about 45 ms) they took until step 340+ in a CI run
+and the last kind found no room under 400, so 600 steps (faults until 570) leave it; the
+run stops once every kind has run, so the room costs no time. A kind the schedule had
     no room for fails the test. (The store and storage faults have a short soak of their
     own, below: with them the eighteen kinds ran out of room even at 490.) Once every kind has run, chaos stops the job (llmtrain
     stop), and the reference trains as many steps on the same LR schedule.
     The job runs with the warm path, as chaos does by default."""
     work = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
-                           "--steps", "400", "--checkpoint-every", "10",
+                           "--steps", "600", "--checkpoint-every", "10",
                            "--faults", ",".join(RANK_KINDS), "--interval", "0.5",
                            "--seed", "1", "--rank", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
