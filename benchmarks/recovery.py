@@ -28,9 +28,10 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   its ward's replica. Parts from the ``warm_recovery`` event: detected, agreed, group
   formed (the old trainer closed, a new one built at the smaller size), restored
   (resharded), first step at the smaller size.
-- **shrink_hsdp**: the shrink of an HSDP job: two ranks a node, ``dp_replicate`` 2 (each
-  node a replica), so the job shrinks from 2 x 2 ranks to the config's mesh at 2 ranks
-  (2 x 1): each survivor's shards are resharded from its own snapshot and its node peer's.
+- **shrink_hsdp**: the shrink of an HSDP job: two ranks a node, each node a replica of 2
+  shards (``dp_shard`` 2, ``dp_replicate`` -1), so the job drops the lost node's replica
+  and goes on as the other (2 x 2 ranks to 1 x 2): each survivor keeps its own shards,
+  and nothing is sent.
 - **grow** (after a shrink as above): a standby node comes; the ranks vote to take it in
   at a step boundary, copy the state of that step into memory, and re-form at full size,
   the spare's shard resharded from their memory. The row is the time the running ranks
@@ -97,7 +98,8 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
     warm, with_spare = path not in ("cold", "shrink_cold"), path not in SHRINKS
     per_node = 2 if path == "shrink_hsdp" else 1
     options = {"cold": ("--warm.enable", "false"), "shrink_cold": ("--warm.shrink", "false"),
-               "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "2",
+               "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "-1",
+                               "--parallelism.dp_shard", "2",
                                "--training.global_batch_size", "32"),
                }.get(path, ())
     cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options)

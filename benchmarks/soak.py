@@ -7,10 +7,12 @@ time went; the baseline is the Young/Daly model's ETTR for the costs and failure
 measured in the same run.
 
     python benchmarks/soak.py [--minutes 30] [--interval 60] [--workdir runs/soak] [--cold]
-        [--mix llama3|FILE]
+        [--mix llama3|FILE] [--spares N] [--repair-s 20]
 
 Lost ranks are replaced warm (see ``llmtrain.chaos.runner``) unless ``--cold``; the
-per-kind table says which path each kind took.
+per-kind table says which path each kind took. With ``--spares 0`` no spare waits: a
+lost node's job shrinks, and grows back when the node returns ``--repair-s`` after its
+fault.
 
 Prints the table, then one JSON line of the figures.
 """
@@ -34,13 +36,18 @@ def main() -> None:
     ap.add_argument("--workdir", default=f"runs/soak-{int(time.time())}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cold", action="store_true", help="without the warm path")
+    ap.add_argument("--spares", type=int, default=None,
+                    help="spare nodes (default: chaos's); 0: shrink, then grow back")
+    ap.add_argument("--repair-s", type=float, default=20.0,
+                    help="with --spares 0: a lost node returns this long after its fault")
     ap.add_argument("--mix", default="", help="draw faults by a mix's weights (a TOML file, "
                                               "or a shipped mix: llama3)")
     args = ap.parse_args()
     mix, source = chaos.load_mix(args.mix) if args.mix else (None, "")
     cfg = chaos.ChaosConfig(workdir=args.workdir, interval_s=args.interval, seed=args.seed,
                             repeat=True, steps=int(args.minutes * 60 / args.step_s),
-                            warm=not args.cold, mix=mix, mix_source=source)
+                            warm=not args.cold, mix=mix, mix_source=source,
+                            spares=args.spares, repair_s=args.repair_s)
     start = time.time()
     result = chaos.Chaos(cfg).execute()
     with open(f"{args.workdir}/verdict.json", "w") as f:
@@ -49,7 +56,8 @@ def main() -> None:
     figures = {k: result.get(k) for k in ("finished", "faults", "detected", "correct", "ettr",
                                           "ettr_predicted", "mtbf_s", "restart_cost_s",
                                           "bitwise_equal_to_reference", "weighted_detected",
-                                          "weighted_correct", "mix_covered")}
+                                          "weighted_correct", "mix_covered", "shrinks",
+                                          "grows", "below_full_s")}
     figures["committed_checkpoints_lost"] = len(result["committed_checkpoints_lost"])
     figures["ettr_over_predicted"] = (round(result["ettr"] / result["ettr_predicted"], 3)
                                       if result.get("ettr_predicted") else None)

@@ -197,7 +197,12 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
                             nodes=args.nodes, rank=args.rank,
                             checkpoint_every=args.checkpoint_every,
                             reference=not args.no_reference, warm=not args.cold,
-                            mix=mix, mix_source=source, netns=not args.no_netns)
+                            mix=mix, mix_source=source, netns=not args.no_netns,
+                            spares=args.spares, repair_s=args.repair_s)
+    if cfg.spares is not None and cfg.spares < 0:
+        raise ConfigError(f"--spares {cfg.spares}: a count of nodes, 0 or more")
+    if cfg.spares == 0 and cfg.nodes < 2:
+        raise ConfigError("--spares 0 needs --nodes 2 or more: the job goes on one node short")
     if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
         raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
     if cfg.checkpoint_every < 1:
@@ -293,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--mix", default="", help="draw the kinds by a fleet's failure mix: a "
                                               "TOML file, or a shipped mix by name (llama3)")
     ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus spares)")
+    ch.add_argument("--spares", type=int, default=None,
+                    help="spare nodes waiting (default: 2 warm, 1 cold); 0: a lost node's "
+                         "job shrinks and grows back once the node returns")
+    ch.add_argument("--repair-s", type=float, default=20.0,
+                    help="with --spares 0: a lost node returns this long after its fault")
     ch.add_argument("--rank", type=int, default=None,
                     help="the rank every rank-level fault hits (default: a random one)")
     ch.add_argument("--checkpoint-every", type=int, default=20,

@@ -77,7 +77,9 @@ class ParallelismConfig:
                      doc="auto: CUDA when a GPU is visible, else CPU")
     backend: str = _f("auto", choices=("auto", "gloo", "nccl"),
                       doc="auto: nccl on cuda, gloo on cpu")
-    dp_replicate: int = _f(1, ge=1, doc="replica groups (HSDP); 1 is plain FSDP")
+    dp_replicate: int = _f(1, ge=-1, doc="replica groups (HSDP); 1 is plain FSDP; -1: as many "
+                                          "replicas of dp_shard ranks as fit, so that an "
+                                          "elastic job shrinks and grows by whole replicas")
     dp_shard: int = _f(-1, ge=-1, doc="ranks each parameter is sharded over; -1: the rest")
     param_dtype: str = _f("bfloat16", choices=("bfloat16", "float32"),
                           doc="dtype of the gathered parameters in forward/backward (the sharded "
@@ -398,15 +400,23 @@ class JobConfig:
         return self.checkpoint.url or f"{self.training.run_dir.rstrip('/')}/checkpoints"
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(dp_replicate, dp_shard) for ``world_size`` ranks, or ConfigError."""
+        """(dp_replicate, dp_shard) for ``world_size`` ranks, or ConfigError. One of the two
+        may be -1, the rest: with ``dp_replicate = -1`` a replica keeps its size at any
+        world size, and a job that loses a replica goes on with the others (no resharding)."""
         p = self.parallelism
+        if 0 in (p.dp_replicate, p.dp_shard) or p.dp_replicate == p.dp_shard == -1:
+            raise ConfigError(
+                f"parallelism.dp_replicate={p.dp_replicate}, parallelism.dp_shard="
+                f"{p.dp_shard}: each must be a count of ranks, or -1 for the rest, and at "
+                f"most one of them -1")
+        replicate = p.dp_replicate if p.dp_replicate != -1 else world_size // p.dp_shard
         shard = p.dp_shard if p.dp_shard != -1 else world_size // p.dp_replicate
-        if p.dp_replicate * shard != world_size:
+        if replicate * shard != world_size or not replicate or not shard:
             raise ConfigError(
                 f"parallelism.dp_replicate={p.dp_replicate} x parallelism.dp_shard="
                 f"{p.dp_shard} does not fit a world of {world_size} ranks: their product "
-                f"must equal the world size (set dp_shard=-1 to use all the rest)")
-        return p.dp_replicate, shard
+                f"must equal the world size (set one of them to -1 to use all the rest)")
+        return replicate, shard
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step that keep the global batch fixed."""

@@ -57,6 +57,14 @@ which path each recovery took. Two spares wait, so that one is ready while the o
 used, starts again; a node that a warm recovery left without its worker is started again
 as a spare too. Before each fault chaos waits for a spare to be waiting.
 
+With no spares (``spares = 0``) the job may run one node short (``--nnodes N-1:N``): a
+lost node's survivors shrink in memory (or restart cold at the smaller size), and the
+node comes back ``repair_s`` after its fault, as a standby that the job grows back into.
+Each verdict's path then reads ``shrink+grow`` (or ``cold+grow``...), and chaos waits for
+the full world before the next fault. Training at another world size changes the order
+of the gradient reductions, so a job that shrank is not compared bit for bit with the
+fault-free run (the shrink-and-grow test compares it with cold resumes at each size).
+
 Each fault's verdict comes from the run's own event log: whether and when it was
 detected, whether the diagnosis named the right rank, collective, check or checkpoint,
 what the job did, how long until the first step after it, and the steps it cost. A node
@@ -97,6 +105,9 @@ from llmtrain.reliability.health.exclusion import EXCLUDED_HOSTS, excluded_hosts
 from llmtrain.stop_request import request_stop
 
 MIXES = Path(__file__).parent / "mixes"
+# what the job did about a lost node, by recovery path (a verdict's action)
+WENT_ON = {"warm": "a spare took its place, state from memory",
+           "shrink": "the others went on without it, state from memory"}
 FENCE_TIMEOUT_S = 2.0  # the job's: a store stall three times as long refuses its saves
 
 
@@ -148,6 +159,9 @@ class ChaosConfig:
     checkpoint_every: int = 20
     reference: bool = True         # train again without faults to compare the weights
     warm: bool = True              # recover lost ranks warm where the warm path can
+    spares: int | None = None      # spare nodes waiting (None: two warm, one cold); 0: the
+                                   # job shrinks without the lost node until it returns
+    repair_s: float = 20.0         # with no spares: a lost node returns this long after
     mix: dict[str, float] | None = None  # kind -> weight (``load_mix``): draws by weight
     mix_source: str = ""
     netns: bool = True             # nodes in network namespaces where the machine allows
@@ -196,8 +210,12 @@ class Verdict:
     action: str = ""
     recover_s: float | None = None
     steps_lost: int | None = None
-    path: str = ""                 # how the job recovered: "warm", "cold", or "" (no restart)
+    path: str = ""                 # how the job recovered: "warm" (a spare), "shrink" (in
+                                   # memory, without the lost node), "cold", "" (no restart)
     restored: int | None = None    # the step it went on from
+    returned: str = ""             # no spares: how the repaired node came back ("grow": in
+                                   # memory, at a step boundary; "cold": by a restart)
+    return_s: float | None = None  # what its return cost the others
 
 
 def write_gpu_script(path: Path, healthy: bool) -> None:
@@ -227,7 +245,8 @@ class Chaos:
         self.run = self.dir / "run"
         self.faults_file = self.dir / "faults.txt"
         # Warm, two spares: one waits while the other, used, starts again.
-        self.names = [f"node{i + 1}" for i in range(cfg.nodes + 1 + cfg.warm)]
+        self.spare_nodes = 1 + cfg.warm if cfg.spares is None else cfg.spares
+        self.names = [f"node{i + 1}" for i in range(cfg.nodes + self.spare_nodes)]
         self.verdicts: list[Verdict] = []
         self.truncated: set[int] = set()
         self.train_args = (
@@ -240,7 +259,9 @@ class Chaos:
             "--reliability.straggler_window_s", "4",
             "--health.interval_s", "1", "--health.link_window_s", "5",
             "--reliability.faults", "env", "--reliability.fence_timeout_s", str(FENCE_TIMEOUT_S),
-            "--parallelism.dp_replicate", str(cfg.nodes), "--integrity.sdc_every", "5",
+            # each node a replica, at any number of nodes: a shrink drops one whole
+            "--parallelism.dp_replicate", "-1", "--parallelism.dp_shard", "1",
+            "--integrity.sdc_every", "5",
             "--warm.enable", str(cfg.warm).lower())
 
     # -- the run --------------------------------------------------------------------------
@@ -255,7 +276,8 @@ class Chaos:
         self.network = netns.Network(self.dir) if why_not is None else None
         self.left_out = {k.name: f"nodes on loopback ({why_not})"
                          for k in FAULT_KINDS.values() if k.needs_netns and why_not is not None}
-        self.cluster = LocalCluster(self.dir, self.run, f"{self.cfg.nodes}:{self.cfg.nodes}",
+        fewest = self.cfg.nodes - (self.spare_nodes == 0)  # no spare: one node short
+        self.cluster = LocalCluster(self.dir, self.run, f"{fewest}:{self.cfg.nodes}",
                                     (*self.train_args, "--checkpoint.url", str(self.mount.mount)),
                                     max_restarts=100, env=env, network=self.network)
         try:
@@ -327,10 +349,14 @@ class Chaos:
             time.sleep(0.2)
         raise TimeoutError(f"chaos: no {what} within {timeout:.0f} s; see {self.dir}/*.log")
 
+    def _world(self) -> tuple[float, int]:
+        """Since when the job has had its present size, and that size."""
+        return max(sizes(self._events()), default=(0.0, 0))
+
     def _ranks(self) -> dict[int, dict]:
-        """This attempt's ranks: rank -> its startup event (pid, host)."""
-        attempt = self._latest("attempt_start")
-        return {e["rank"]: e for e in self._events("startup", attempt["ts"] if attempt else 0)}
+        """The ranks of the job as it is: rank -> its startup event (pid, host)."""
+        since, size = self._world()
+        return {e["rank"]: e for e in self._events("startup", since) if e["rank"] < size}
 
     def _hosts(self) -> set[str]:
         """The nodes this attempt's ranks run on."""
@@ -347,7 +373,7 @@ class Chaos:
         def ended() -> bool:
             return self._step() >= self.cfg.steps
         self._wait(lambda: len(self._ranks()) == self.cfg.nodes or ended(), "full world", 300)
-        if self.cfg.warm and spare:
+        if self.cfg.warm and spare and self.spare_nodes:
             self._wait(lambda: spares_waiting(self.spares) > 0 or ended(), "a waiting spare",
                        300)
         since = time.time()
@@ -372,24 +398,45 @@ class Chaos:
         without its worker after a warm recovery, it is started again as the next spare."""
         rec = self._wait(lambda: self._latest("warm_recovery", since)
                          or self._latest("recovery", since), "recovery", timeout)
-        v.path = "warm" if rec["event"] == "warm_recovery" else "cold"
+        v.path = ("cold" if rec["event"] == "recovery" else
+                  "shrink" if rec["kind"] == "shrink" else "warm")
         if v.action.startswith("flight-recorder report"):  # a watchdog's verdict
-            v.action += ("; a spare took the rank's place, state from memory"
-                         if v.path == "warm" else "; restart from the last checkpoint")
+            v.action += {"warm": "; a spare took the rank's place, state from memory",
+                         "shrink": "; the others went on without its node, state from "
+                                   "memory"}.get(v.path, "; restart from the last checkpoint")
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
-        if v.path == "warm":
+        if v.path != "cold":
             v.restored = rec["step"]
             if node is not None:  # its agent has no worker left: back as a spare
                 if self.cluster.nodes[node].poll() is None:  # not ended yet
                     self.cluster.kill(node)
                     self.cluster.nodes[node].wait()
-                self._start(node)
+                self._back(v, node)
         else:
             loaded = self._latest("checkpoint_loaded", since)
             v.restored = loaded["step"] if loaded else 0
         # a save at the stop (gpu_bad) can be past the step the fault was injected at
         v.steps_lost = max(0, v.at_step - v.restored)
         return rec
+
+    def _back(self, v: Verdict, node: str) -> None:
+        """``node``, which left the job, comes back repaired as a spare: at once while
+        spares wait for the job; with none, ``repair_s`` after its fault, and a job that
+        runs without it takes it in (a warm grow, or a restart): the verdict says which,
+        and the time it cost the others."""
+        if self.spare_nodes:
+            self._start(node)
+            return
+        time.sleep(max(0.0, v.injected_at + self.cfg.repair_s - time.time()))
+        since = time.time()
+        self._start(node)
+        if self._world()[1] == self.cfg.nodes:
+            return
+        back = self._wait(lambda: self._latest("warm_grow", since)
+                          or self._latest("recovery", since), f"the job to take {node} back",
+                          180)
+        v.returned = "grow" if back["event"] == "warm_grow" else "cold"
+        v.return_s = back["total_s"] if v.returned == "grow" else back["marks"]["first_step"] - since
 
     @staticmethod
     def _lost_ranks(rec: dict) -> list[int] | None:
@@ -407,8 +454,7 @@ class Chaos:
         v.detected, v.detect_s = True, seen["ts"] - v.injected_at
         v.diagnosis = f"rank {seen['rank']}'s collective failed: {seen['error'][:80]}"
         rec = self._recovered(v, v.injected_at, info["host"])
-        v.action = ("a spare took its place, state from memory" if v.path == "warm" else
-                    "restart from the last checkpoint")
+        v.action = WENT_ON.get(v.path, "restart from the last checkpoint")
         # right only if the job named the dead rank: the one that went silent
         v.correct = self._lost_ranks(rec) == [rank]
         v.diagnosis = f"rank(s) {self._lost_ranks(rec)} died silently; " + v.diagnosis
@@ -431,8 +477,7 @@ class Chaos:
                        f"{'committed' if committed is not None else 'uncommitted'}; resumed "
                        f"from {'the snapshot of ' if v.path == 'warm' else ''}step {v.restored}")
         v.correct = committed is None
-        v.action = ("a spare took its place, state from memory" if v.path == "warm" else
-                    "restart from the previous committed checkpoint")
+        v.action = WENT_ON.get(v.path, "restart from the previous committed checkpoint")
         return v
 
     @fault_kind("hang")
@@ -533,10 +578,9 @@ class Chaos:
             pass  # judged below
         hosts = self._hosts()
         v.diagnosis = f"world re-formed on {sorted(hosts)}"
-        v.correct = node not in hosts and len(hosts) == self.cfg.nodes
-        v.action = ("a spare took its place, state from memory" if v.path == "warm" else
-                    "spare admitted, restart from the last checkpoint")
-        self._start(node)  # repaired: the next spare
+        v.correct = node not in hosts and len(hosts) == self.cfg.nodes - (not self.spare_nodes)
+        v.action = WENT_ON.get(v.path, "restart from the last checkpoint")
+        self._back(v, node)  # repaired
         return v
 
     @fault_kind("partition", needs_netns=True)
@@ -565,7 +609,7 @@ class Chaos:
             fenced = []
         self.cluster.kill(node)
         self.cluster.nodes[node].wait()
-        self._start(node)
+        self._back(v, node)
         v.diagnosis = (f"world re-formed without {node}; on its return "
                        + (f"refused: {fenced[0]['what']}" if fenced else "it tried nothing")
                        + "; " + v.diagnosis)
@@ -612,9 +656,13 @@ class Chaos:
         code = self.cluster.nodes[node].returncode
         # The requeue brings the node back as a spare: the restart's round is short of its
         # place for a few seconds, and a waiting spare may take it first. Brought back as a
-        # plain node, it then waited in the rendezvous, and no warm spare was left.
-        self._start(node)
+        # plain node, it then waited in the rendezvous, and no warm spare was left. With no
+        # spares the job restarts without it, which takes it back after its maintenance.
+        if self.spare_nodes:
+            self._back(v, node)
         self._recovered(v, v.injected_at)
+        if not self.spare_nodes:
+            self._back(v, node)
         v.diagnosis = (f"signal {seen['signal']} at step {seen['step']}: saved step "
                        f"{saved['step']} ({saved['event']}), {node} exited {code}; resumed "
                        f"from step {v.restored}")
@@ -760,14 +808,14 @@ class Chaos:
         v.correct &= self.cluster.nodes[node].returncode == 76
         self._recovered(v, v.injected_at)
         v.action = (f"{node} exited {self.cluster.nodes[node].returncode} (76 = excluded); "
-                    + ("a spare took its place, state from memory" if v.path == "warm" else
-                       "spare admitted, restart from the last checkpoint"))
+                    + WENT_ON.get(
+                        v.path, "spare admitted, restart from the last checkpoint"))
         # repaired: the GPU replaced, the exclusion lifted, back as a spare
         self._gpu(node, healthy=True)
         hosts = excluded_hosts(str(self.run))
         hosts.pop(node, None)
         (self.run / EXCLUDED_HOSTS).write_text(json.dumps(hosts))
-        self._start(node)
+        self._back(v, node)
         return v
 
     @fault_kind("truncated_shard")
@@ -873,8 +921,16 @@ class Chaos:
         result["left_out"] = self.left_out
         result["nodes_killed_after_the_end"] = killed
         recoveries = [v.recover_s for v in self.verdicts if v.recover_s]
-        result.update(measured_ettr(self._events(), recoveries, self.cfg.checkpoint_every))
-        if self.cfg.reference and finished:
+        events = self._events()
+        result.update(measured_ettr(events, recoveries, self.cfg.checkpoint_every))
+        result["shrinks"] = sum(v.path == "shrink" for v in self.verdicts)
+        result["grows"] = sum(v.returned == "grow" for v in self.verdicts)
+        result["below_full_s"] = time_below(events, self.cfg.nodes)
+        resized = {size for _, size in sizes(events)} != {self.cfg.nodes}
+        if self.cfg.reference and finished and resized:  # other reduction orders
+            result["reference"] = ("not compared: the job trained at other world sizes "
+                                   "(its sums ran in other orders)")
+        elif self.cfg.reference and finished:
             result["bitwise_equal_to_reference"] = self._compare(end["steps"])
         result["verdicts"] = [asdict(v) for v in self.verdicts]
         if self.cfg.mix:
@@ -922,6 +978,23 @@ class Chaos:
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def sizes(events: list[dict]) -> list[tuple[float, int]]:
+    """When the job changed size, and to what, in order: each attempt's start, and each
+    shrink or grow (when agreed: every rank's trainer is built anew after it)."""
+    changes = [(e["ts"], e["world_size"]) for e in events if e["event"] == "attempt_start"]
+    changes += [(e["marks"]["agreed"], e["world_size"]) for e in events
+                if e["event"] in ("warm_recovery", "warm_grow") and e["kind"] != "spare"]
+    return sorted(changes)
+
+
+def time_below(events: list[dict], full: int) -> float:
+    """Seconds the job ran at fewer than ``full`` ranks (from a shrink, or a restart
+    without a node, to the next change of size, or the end)."""
+    changes = sizes(events)
+    ends = [t for t, _ in changes[1:]] + [max((e["ts"] for e in events), default=0.0)]
+    return sum(max(0.0, end - t) for (t, size), end in zip(changes, ends) if size < full)
+
+
 def measured_ettr(events: list[dict], recover_s: list[float], checkpoint_every: int) -> dict:
     """The run's ETTR from its whole event log, the number ``llmtrain report`` states (the
     trainer's last ``goodput`` event is taken before the ranks' shutdown and the launchers'
@@ -962,14 +1035,19 @@ def _row(v: Verdict) -> str:
     def num(x):
         return "-" if x is None else f"{x:.1f}"
     return (f"{v.kind:<16} {v.target:<28} {'yes' if v.detected else 'NO':<4} "
-            f"{num(v.detect_s):>7} {'ok' if v.correct else 'WRONG':<6} {v.path or '-':<5} "
-            f"{num(v.recover_s):>8} {'-' if v.steps_lost is None else v.steps_lost:>5}  "
-            f"{v.diagnosis[:70]}")
+            f"{num(v.detect_s):>7} {'ok' if v.correct else 'WRONG':<6} {_path(v):<11} "
+            f"{num(v.recover_s):>8} {num(v.return_s):>8} "
+            f"{'-' if v.steps_lost is None else v.steps_lost:>5}  {v.diagnosis[:70]}")
+
+
+def _path(v: Verdict) -> str:
+    """How the job recovered, and took the node back: warm, shrink+grow, cold..."""
+    return "+".join(p for p in (v.path, v.returned) if p) or "-"
 
 
 def table(result: dict) -> str:
     head = (f"{'fault':<16} {'target':<28} {'det':<4} {'detect_s':>7} {'diag':<6} "
-            f"{'path':<5} {'recover_s':>8} {'lost':>5}  diagnosis")
+            f"{'path':<11} {'recover_s':>8} {'return_s':>8} {'lost':>5}  diagnosis")
     rows = [_row(Verdict(**v)) for v in result["verdicts"]]
     summary = [f"job finished: {result['finished']} (step {result['steps']})",
                f"faults detected: {result['detected']}/{result['faults']}, diagnosed right: "
@@ -981,9 +1059,14 @@ def table(result: dict) -> str:
         summary.append(f"launchers still running a minute after the job ended, killed: "
                        f"{', '.join(result['nodes_killed_after_the_end'])} (see their logs; "
                        f"the verdict has the spare pool as it was)")
+    if result.get("shrinks") or result.get("grows"):
+        summary.append(f"shrinks {result['shrinks']}, grows back {result['grows']}; "
+                       f"{result['below_full_s']:.0f} s below full size")
     if "bitwise_equal_to_reference" in result:
         summary.append(f"final weights bitwise equal to a fault-free run: "
                        f"{result['bitwise_equal_to_reference']}")
+    if "reference" in result:
+        summary.append(f"final weights: {result['reference']}")
     if "ettr" in result:
         summary.append(f"ETTR measured {result['ettr']:.3f}, Young/Daly model "
                        f"{result['ettr_predicted']:.3f} (MTBF {result['mtbf_s']:.0f} s, "
@@ -1012,7 +1095,7 @@ def by_kind(verdicts: list[dict]) -> str:
                      f"{mean(v['detect_s'] for v in vs):>8} "
                      f"{mean(v['recover_s'] for v in vs):>9} "
                      f"{sum(v['steps_lost'] or 0 for v in vs):>5}  "
-                     f"{','.join(sorted({v['path'] for v in vs if v['path']})) or '-'}")
+                     f"{','.join(sorted({_path(Verdict(**v)) for v in vs} - {'-'})) or '-'}")
     return "\n".join(lines)
 
 

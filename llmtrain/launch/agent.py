@@ -28,18 +28,13 @@ import gc
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from llmtrain.exit_codes import ExitCode
-from llmtrain.recovery.warm import EvictionWatch, agreements, mark_gone, outside_store, owner
-
-# Survivors of a dead peer enter the agreement at their next collective, which fails as
-# soon as the peer's connections close: far sooner than this on any job.
-_NOBODY_AGREES_S = 5.0
+from llmtrain.recovery.warm import EvictionWatch, Verdicts, mark_holder_gone, outside_store, owner
 
 
 class WarmAgent(LocalElasticAgent):
@@ -51,18 +46,15 @@ class WarmAgent(LocalElasticAgent):
         started = super()._start_workers(worker_group)
         budget = float(os.environ.get("LLMTRAIN_WARM_BUDGET_S", 30))
         self._warm_store = outside_store(timedelta(seconds=budget))
-        self._warm_budget = budget
         self._replaced: set[int] = set()  # local ranks
-        self._seen = {w.local_rank: self._count(f"replaced/{w.global_rank}")
-                      for w in worker_group.workers}
-        self._cold_seen = self._count("cold")
-        self._agreements = agreements(self._warm_store) if self._warm_store is not None \
-            else (0, 0)
+        # each worker by its process, not its rank: a shrink or a grow renumbers the ranks
+        self._holders = {lr: owner(h.proc.pid)
+                         for lr, h in self._pcontext.subprocess_handlers.items()}
+        self._verdicts = Verdicts(self._warm_store, list(self._holders.values()), budget) \
+            if self._warm_store is not None else None
         self._replacements = self._count("replacements")
-        self._evictions = EvictionWatch(self._warm_store, [
-            w.global_rank for w in worker_group.workers]) if self._warm_store is not None \
-            else None
-        self._ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self._evictions = EvictionWatch(self._warm_store, list(self._holders.values())) \
+            if self._warm_store is not None else None
         self._said_gone: set[int] = set()
         if self._warm_store is not None:
             signal.signal(signal.SIGCHLD, self._child_exited)
@@ -79,7 +71,7 @@ class WarmAgent(LocalElasticAgent):
             if code in (None, 0, ExitCode.RETRYABLE) or local_rank in self._said_gone:
                 continue
             self._said_gone.add(local_rank)
-            mark_gone(self._warm_store, self._ranks[local_rank], holder=owner(handler.proc.pid))
+            mark_holder_gone(self._warm_store, self._holders[local_rank])
 
     def _count(self, key: str) -> int:
         return self._warm_store.add(key, 0) if self._warm_store is not None else 0
@@ -94,7 +86,7 @@ class WarmAgent(LocalElasticAgent):
         # A worker that exited RETRYABLE stopped on purpose (a preemption's agreed save, a
         # cold verdict): no spare replaces it, so there is no verdict to wait for.
         if failed and (any(codes[lr] == ExitCode.RETRYABLE for lr in failed)
-                       or not all(self._was_replaced(worker_group, lr) for lr in failed)):
+                       or not all(self._was_replaced(lr) for lr in failed)):
             return super()._monitor_workers(worker_group)  # cold: what torchrun does
         if not self._replaced:
             return super()._monitor_workers(worker_group)
@@ -112,10 +104,9 @@ class WarmAgent(LocalElasticAgent):
         """Kills the workers (and their children) a hang's watchdog asked to evict, and
         says so; their deaths then take the usual way to a warm verdict."""
         asked = self._evictions.asked()
-        for w in worker_group.workers:
-            if w.global_rank not in asked or w.local_rank in self._replaced:
-                continue
-            self._evictions.kill(w.global_rank, handlers[w.local_rank].proc.pid)
+        for lr, holder in self._holders.items():
+            if holder in asked and lr not in self._replaced:
+                self._evictions.kill(holder, handlers[lr].proc.pid)
 
     @staticmethod
     def _leave_rendezvous_open(worker_group: WorkerGroup) -> None:
@@ -131,27 +122,12 @@ class WarmAgent(LocalElasticAgent):
         if self._count("replacements") == self._replacements:
             super()._exit_barrier()
 
-    def _was_replaced(self, worker_group: WorkerGroup, local_rank: int) -> bool:
+    def _was_replaced(self, local_rank: int) -> bool:
         """Waits for the warm path's verdict on a dead worker's rank."""
-        if local_rank in self._replaced:
-            return True
-        rank = worker_group.workers[local_rank].global_rank
-        # the survivors need not wait for its report (unless a spare took its rank since)
-        pid = self._pcontext.subprocess_handlers[local_rank].proc.pid
-        mark_gone(self._warm_store, rank, holder=owner(pid))
-        start = time.monotonic()
-        while time.monotonic() < start + self._warm_budget:
-            if self._count(f"replaced/{rank}") > self._seen[local_rank]:
-                self._replaced.add(local_rank)
-                return True
-            if self._count("cold") > self._cold_seen:
-                return False
-            if time.monotonic() > start + min(_NOBODY_AGREES_S, self._warm_budget):
-                entered, left = agreements(self._warm_store)
-                if entered - self._agreements[0] == left - self._agreements[1]:
-                    return False  # nobody survived to agree
-            time.sleep(0.1)
-        return False
+        if local_rank not in self._replaced and self._verdicts.replaced(
+                self._holders[local_rank]):
+            self._replaced.add(local_rank)
+        return local_rank in self._replaced
 
 
 def main(argv: list[str]) -> None:

@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -113,10 +114,13 @@ def _unfit(cfg: JobConfig, lc: LaunchConfig, failures: dict[int, str]) -> str:
                      f"(a multiple of {per_step})")
     if any(_fails(cfg.mesh_shape, w) for w in sizes):
         p = cfg.parallelism
-        if p.dp_shard != -1:
-            fixes.append("parallelism.dp_shard=-1")
-        if any(w % p.dp_replicate for w in sizes):
-            fixes.append(f"parallelism.dp_replicate={math.gcd(*sizes)} (or a divisor of it)")
+        if p.dp_replicate == -1:  # replicas of a fixed size: it must divide every size
+            fixes.append(f"parallelism.dp_shard={math.gcd(*sizes)} (or a divisor of it)")
+        else:
+            if p.dp_shard != -1:
+                fixes.append("parallelism.dp_shard=-1")
+            if any(w % p.dp_replicate for w in sizes):
+                fixes.append(f"parallelism.dp_replicate={math.gcd(*sizes)} (or a divisor of it)")
     fits = [w // lc.nproc_per_node for w in sizes if w not in failures]
     remedies = ([f"set {' and '.join(fixes)}"] if fixes else []) + (
         [f"narrow --nnodes to node counts it fits: {fits}"] if fits else [])
@@ -180,9 +184,10 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     if lc.standby and cfg.warm.enable and lc.external_store:
         events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id, spare="warm")
         # Waits warm; takes a lost rank's place in the running job. If the warm path
-        # fails, the job restarts cold and this node joins that as a standby.
-        rc, signalled = serve_warm(cfg, lc, host, train_args, started)
-        vacancy = rc is None
+        # fails, the job restarts cold and this node joins that as a standby; if the rank
+        # it took was not replaced when the job went cold, it joins the restart as a node.
+        rc, signalled, rejoin = serve_warm(cfg, lc, host, train_args, started)
+        vacancy = rc is None or rejoin
         code = None if vacancy else (
             ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
             if rc == ExitCode.CLEAN or finished(EventTail(
@@ -378,54 +383,72 @@ def await_vacancy(vacancies: Vacancies, run_dir: str, steps: int, since: float) 
 
 
 def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
-               since: float) -> tuple[int | None, list[int]]:
+               since: float) -> tuple[int | None, list[int], bool]:
     """A warm spare: ``llmtrain spare`` imports torch and builds the model once, then waits
     for a plan on its stdin, while this launcher holds its place in the job's pool and
-    hands it the plan that assigns it a lost rank. Returns the spare's exit code and the
-    signals forwarded to it; the code is CLEAN if the job finished without it, and None
-    when a cold restart's round lacks a node (the warm path could not replace one): the
-    spare left the pool, and this node holds a place in that round."""
-    from llmtrain.recovery.warm import (EvictionWatch, assignment, job_namespace, join_pool,
-                                        leave_pool)
+    hands it the plan that assigns it a lost rank. It joins the pool at once (a lost rank is
+    better off waiting for its imports than going cold) and says when it is ready, seconds
+    later: a grow waits for that (its survivors waited 3 s for a spare's imports, not 0.3).
+    Returns the spare's exit code, the signals forwarded to it, and whether this node must
+    join a cold restart as a node, as an agent would restart its worker: the rank it took
+    ended and the warm path did not replace it (once every rank ran in a spare, the job
+    waited for a restart that nobody started). The code is CLEAN if the job finished
+    without it, and None when a cold restart's round lacks a node (the warm path could
+    not replace one): the spare left the pool, and this node holds a place in that
+    round."""
+    from llmtrain.recovery.warm import (EvictionWatch, Verdicts, assignment, job_namespace,
+                                        join_pool, leave_pool, owner)
     vacancies = Vacancies(lc, restarts_only=True)
     pool = job_namespace(vacancies.store, lc.rdzv_id)
+    ready, says_ready = os.pipe()
     # in a session of its own, as torchrun's workers are: an eviction kills its children too
     spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
                              stdin=subprocess.PIPE, text=True, start_new_session=True,
-                             env=worker_env(cfg, lc, host))
+                             env={**worker_env(cfg, lc, host),
+                                  "LLMTRAIN_SPARE_READY_FD": str(says_ready)},
+                             pass_fds=(says_ready,))
+    os.close(says_ready)
     signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
     number = join_pool(pool)
     ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
     looked = time.monotonic()
-    while spare.poll() is None:
-        plan = assignment(pool, number)
-        if plan is not None:
-            evictions = EvictionWatch(pool, [plan["rank"]])
-            try:
-                spare.stdin.write(json.dumps(plan) + "\n")
-                spare.stdin.close()
-            except BrokenPipeError:  # it died just now: the survivors go cold in budget
-                pass
-            return supervise_spare(spare, evictions, plan["rank"]), signalled
-        if time.monotonic() - looked > 0.5:
-            looked = time.monotonic()
-            done = finished(ends.read(), cfg.training.steps, since)
-            if (done or vacancies.claim()) and leave_pool(pool, number):
-                spare.stdin.close()  # end of input: the spare exits CLEAN
-                spare.wait()
-                return (ExitCode.CLEAN if done else None), signalled
-        time.sleep(0.05)
+    with open(ready, "rb", buffering=0) as ready:
+        while spare.poll() is None:
+            if select.select([ready], [], [], 0)[0] and ready.read(64):
+                pool.set(f"spares/{number}/ready", "1")
+            plan = assignment(pool, number)
+            if plan is not None:
+                holder = owner(spare.pid, host)
+                evictions = EvictionWatch(pool, [holder])
+                verdicts = Verdicts(pool, [holder], cfg.warm.budget_s)
+                try:
+                    spare.stdin.write(json.dumps(plan) + "\n")
+                    spare.stdin.close()
+                except BrokenPipeError:  # it died just now: the survivors go cold in budget
+                    pass
+                rc = supervise_spare(spare, evictions)
+                ended = rc in (ExitCode.CLEAN, ExitCode.FATAL, ExitCode.EXCLUDE_NODE)
+                return rc, signalled, not (ended or signalled) and (
+                    rc == ExitCode.RETRYABLE or not verdicts.replaced(holder))
+            if time.monotonic() - looked > 0.5:
+                looked = time.monotonic()
+                done = finished(ends.read(), cfg.training.steps, since)
+                if (done or vacancies.claim()) and leave_pool(pool, number):
+                    spare.stdin.close()  # end of input: the spare exits CLEAN
+                    spare.wait()
+                    return (ExitCode.CLEAN if done else None), signalled, False
+            time.sleep(0.05)
     leave_pool(pool, number)  # it died waiting (a signal): no survivor may count on it
-    return spare.returncode, signalled
+    return spare.returncode, signalled, False
 
 
-def supervise_spare(spare: subprocess.Popen, evictions, rank: int) -> int:
-    """Waits for a spare that took ``rank``, doing for it what an agent does for its
+def supervise_spare(spare: subprocess.Popen, evictions) -> int:
+    """Waits for a spare that took a rank, doing for it what an agent does for its
     workers: it is killed when a hang's watchdog asks (:func:`llmtrain.recovery.warm.evict`;
     without this, a stopped spare went unanswered and its peers cut a later one)."""
     while (rc := spare.poll()) is None:
-        if rank in evictions.asked():
-            evictions.kill(rank, spare.pid)
+        for holder in evictions.asked():  # it watches this spare alone
+            evictions.kill(holder, spare.pid)
             return spare.wait()
         time.sleep(0.1)
     return rc

@@ -106,6 +106,9 @@ def run_spare(cfg: JobConfig) -> ExitCode:
                           "LLMTRAIN_RDZV_ENDPOINT (run it under llmtrain launch --standby)")
     with torch.device("meta"):  # the first model build pays one-time costs: pay them now
         Transformer(cfg.model)
+    if "LLMTRAIN_SPARE_READY_FD" in os.environ:  # the launcher puts it in the pool now
+        with open(int(os.environ["LLMTRAIN_SPARE_READY_FD"]), "w") as ready:
+            ready.write("ready\n")
     line = sys.stdin.readline()
     if not line:
         return ExitCode.CLEAN

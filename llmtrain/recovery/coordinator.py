@@ -48,7 +48,7 @@ from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.reshard import Mesh, reshard
 from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
-                                    publish_endpoints, round_of, spares_waiting)
+                                    publish_endpoints, round_of, spares_ready)
 from llmtrain.state_registry import StateRegistry
 
 # Noted on an error the warm path already reported as a ``failure`` event.
@@ -259,12 +259,12 @@ class WarmRecovery:
         self.path.give_up()
 
     def can_grow(self) -> bool:
-        """Rank 0's look at each vote it casts: a node's worth of spares waits while the
-        job runs below the launcher's ``--nnodes`` maximum."""
+        """Rank 0's look at each vote it casts: a node's worth of spares waits, ready,
+        while the job runs below the launcher's ``--nnodes`` maximum."""
         top, per_node = os.environ.get("LLMTRAIN_MAX_NODES"), self.path.local_world_size
         return (self.cfg.grow and top is not None and self.path.shapes is not None
                 and self.world.world_size < int(top) * per_node
-                and spares_waiting(self.path.store) >= per_node)
+                and spares_ready(self.path.store, per_node))
 
     def grow(self, step: int) -> None:
         """Every rank voted to grow after ``step``: with a plan (rank 0 claimed the

@@ -132,6 +132,23 @@ def spares_waiting(store: dist.Store) -> int:
             - store.add("spares/left", 0))
 
 
+def spares_ready(store: dist.Store, wanted: int) -> bool:
+    """Whether the next ``wanted`` spares a claim would take have said they are ready
+    (imports done, the model built once): a grow waits for that, while a lost rank takes
+    any spare, ready or not."""
+    number, registered = store.add("spares/claimed", 0), store.add("spares/registered", 0)
+    found = 0
+    while found < wanted and number < registered:
+        number += 1
+        state = f"spares/{number}/state"
+        if store.check([state]) and store.get(state) == b"left":
+            continue
+        if not store.check([f"spares/{number}/ready"]):
+            return False
+        found += 1
+    return found == wanted
+
+
 def join_pool(store: dist.Store) -> int:
     """A spare's number in the job's pool; its plan will come to ``spares/<number>/plan``."""
     return store.add("spares/registered", 1)
@@ -158,9 +175,25 @@ def _where(store: dist.Store, rank: int) -> str | None:
     return store.get(key).decode() if store.check([key]) else None
 
 
-def owner(pid: int | None = None) -> str:
-    """Which process holds a rank: this node's name and the process id."""
-    return f"{node_name()}:{pid or os.getpid()}"
+def owner(pid: int | None = None, host: str | None = None) -> str:
+    """Which process holds a rank: its node's name (default: this one's) and its id."""
+    return f"{host or node_name()}:{pid or os.getpid()}"
+
+
+def rank_of(store: dist.Store, holder: str) -> int | None:
+    """The rank process ``holder`` (see :func:`owner`) holds now. A shrink or a grow
+    renumbers the ranks: a supervisor that acted on the number its worker started with
+    killed, or counted gone, another rank's process."""
+    key = f"rank_of/{holder}"
+    return int(store.get(key)) if store.check([key]) else None
+
+
+def mark_holder_gone(store: dist.Store, holder: str) -> None:
+    """:func:`mark_gone` for the rank process ``holder`` holds now (its supervisor saw it
+    die); nothing if it never held one."""
+    rank = rank_of(store, holder)
+    if rank is not None:
+        mark_gone(store, rank, holder=holder)
 
 
 def mark_gone(store: dist.Store, rank: int, prefix: str | None = None,
@@ -204,6 +237,44 @@ def agreements(store: dist.Store) -> tuple[int, int]:
     return store.add("agreeing", 0), store.add("agreed", 0)
 
 
+# Survivors of a dead peer enter the agreement at their next collective, which fails as
+# soon as the peer's connections close: far sooner than this on any job.
+_NOBODY_AGREES_S = 5.0
+
+
+class Verdicts:
+    """What a supervisor of workers (an agent, a standby launcher whose spare holds a
+    rank) waits for when one dies: whether the warm path replaced its rank (the job goes
+    on without it), or the job goes cold (the supervisor restarts it, or joins the
+    restart). Counts from when the workers started, so an earlier recovery's verdict
+    does not count."""
+
+    def __init__(self, store: dist.Store, holders: list[str], budget_s: float):
+        self.store, self.budget_s = store, budget_s
+        self._seen = {h: store.add(f"replaced/{h}", 0) for h in holders}
+        self._cold = store.add("cold", 0)
+        self._agreements = agreements(store)
+
+    def replaced(self, holder: str) -> bool:
+        """Waits (up to the warm budget) for the verdict on ``holder``'s rank; says first
+        that it is gone, so that the survivors need not wait for its report. False at
+        once when no survivor has begun to agree within a few seconds (every rank died):
+        nobody is left to recover warm."""
+        mark_holder_gone(self.store, holder)
+        start = time.monotonic()
+        while time.monotonic() < start + self.budget_s:
+            if self.store.add(f"replaced/{holder}", 0) > self._seen[holder]:
+                return True
+            if self.store.add("cold", 0) > self._cold:
+                return False
+            if time.monotonic() > start + min(_NOBODY_AGREES_S, self.budget_s):
+                entered, left = agreements(self.store)
+                if entered - self._agreements[0] == left - self._agreements[1]:
+                    return False  # nobody survived to agree
+            time.sleep(0.1)
+        return False
+
+
 def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[str]]:
     """Has ``ranks`` (a hang's stuck ranks) leave, for the warm path to replace them.
 
@@ -218,8 +289,11 @@ def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[
     done = {r: store.add(f"evicted/{r}", 0) for r in ranks}
     was = {r: (_where(store, r), json.loads(store.get(f"endpoints/{r}"))
                if store.check([f"endpoints/{r}"]) else []) for r in ranks}
-    for r in ranks:
-        store.add(f"evict/{r}", 1)  # its agent still kills it, should it come back
+    for r in ranks:  # asked of the process that holds it, which its supervisor knows
+        holder = f"{was[r][0]}owner/{r}"
+        if was[r][0] is not None and store.check([holder]):
+            # its agent still kills it, should it come back
+            store.add(f"evict/{store.get(holder).decode()}", 1)
     store.add("evictions", 1)  # what agents poll: one key, however many ranks
     deadline = time.monotonic() + wait_s
 
@@ -236,34 +310,39 @@ def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[
 class EvictionWatch:
     """What a supervisor of workers (an agent, a standby launcher whose spare holds a rank)
     reads to learn that the watchdog asked it to kill one (:func:`evict`): one store read
-    a tick, and more only when some eviction was asked. Only asks made after the watch
-    began count, so a key from an earlier round never kills a later worker."""
+    a tick, and more only when some eviction was asked. Asks name the process
+    (:func:`owner`), not the rank, whose number a shrink or a grow changes. Only asks made
+    after the watch began count, so a key from an earlier round never kills a later
+    worker."""
 
-    def __init__(self, store: dist.Store, ranks: list[int]):
+    def __init__(self, store: dist.Store, holders: list[str]):
         self.store = store
         self._evictions = store.add("evictions", 0)
-        self._asked = {r: store.add(f"evict/{r}", 0) for r in ranks}
+        self._asked = {h: store.add(f"evict/{h}", 0) for h in holders}
 
-    def asked(self) -> list[int]:
-        """The ranks whose eviction was asked since the last call."""
+    def asked(self) -> list[str]:
+        """The processes whose eviction was asked since the last call."""
         evictions = self.store.add("evictions", 0)
         if evictions == self._evictions:
             return []
         self._evictions = evictions
         new = []
-        for r, seen in self._asked.items():
-            if (now := self.store.add(f"evict/{r}", 0)) != seen:
-                self._asked[r] = now
-                new.append(r)
+        for h, seen in self._asked.items():
+            if (now := self.store.add(f"evict/{h}", 0)) != seen:
+                self._asked[h] = now
+                new.append(h)
         return new
 
-    def kill(self, rank: int, pgid: int) -> None:
-        """Kills ``rank``'s process group ``pgid`` (the worker and its children), then says
-        so: its peers need not wait for it, and the asker knows."""
+    def kill(self, holder: str, pgid: int) -> None:
+        """Kills ``holder``'s process group ``pgid`` (the worker and its children), then
+        says so for the rank it holds: its peers need not wait for it, and the asker
+        knows."""
         with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
             os.killpg(pgid, signal.SIGKILL)
-        mark_gone(self.store, rank)
-        self.store.add(f"evicted/{rank}", 1)
+        rank = rank_of(self.store, holder)
+        if rank is not None:
+            mark_gone(self.store, rank, holder=holder)
+            self.store.add(f"evicted/{rank}", 1)
 
 
 def publish_endpoints(store: dist.Store, rank: int) -> None:
@@ -299,6 +378,7 @@ class WarmPath:
         self.store.set(self._key("size"), str(self.world_size))
         self.store.set(self._key(f"owner/{self.rank}"), owner())
         self.store.set(f"where/{self.rank}", self._key(""))
+        self.store.set(f"rank_of/{owner()}", str(self.rank))
 
     def cut_from_peers(self) -> int:
         """Shuts this rank's ends of its connections to the other ranks (their published
@@ -350,7 +430,7 @@ class WarmPath:
             if decides:
                 self.decide()
             return self._plan(deadline)
-        finally:  # decided: replaced/<rank> or cold is set (or this rank gave up)
+        finally:  # decided: replaced/<its holder> or cold is set (or this rank gave up)
             self.store.add("agreed", 1)
 
     def report(self, holdings: dict) -> bool:
@@ -471,8 +551,10 @@ class WarmPath:
             self._go_cold(plan)
             return
         lost = Plan.from_json(plan).lost
-        for r in lost:
-            self.store.add(f"replaced/{r}", 1)  # the lost rank's agent must not restart
+        for r in lost:  # the lost rank's agent must not restart it
+            holder = self._key(f"owner/{r}")
+            if self.store.check([holder]):
+                self.store.add(f"replaced/{self.store.get(holder).decode()}", 1)
         self.store.add("replacements", len(lost))  # no agent waits for the lost at the end
         self.store.set(self._key("spares"), plan)
 

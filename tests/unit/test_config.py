@@ -57,6 +57,10 @@ def test_bad_field_names_the_field_value_and_allowed(args, words):
     (["--data.source", "tokens"], 1, ["data.path", "empty"]),
     (["--training.global_batch_size", "12"], 2, ["global_batch_size=12", "16"]),
     (["--parallelism.dp_replicate", "3"], 2, ["dp_replicate=3", "2 ranks"]),
+    (["--parallelism.dp_replicate", "-1"], 2, ["dp_shard=-1", "at most one of them -1"]),
+    (["--parallelism.dp_replicate", "0"], 2, ["dp_replicate=0", "a count of ranks"]),
+    (["--parallelism.dp_replicate", "-1", "--parallelism.dp_shard", "2"], 3,
+     ["dp_shard=2", "3 ranks"]),
     (["--model.vocab_size", "100"], 1, ["model.vocab_size=100", ">= 256"]),
 ])
 def test_inconsistent_fields_fail_validation(args, world, words):
@@ -65,6 +69,15 @@ def test_inconsistent_fields_fail_validation(args, world, words):
         cfg.validate(world)
     for w in words:
         assert w in str(e.value)
+
+
+def test_replicas_of_a_fixed_size_fit_any_multiple_of_it():
+    """dp_replicate -1: the job gains and loses whole replicas of dp_shard ranks (an
+    elastic HSDP job that shrinks by a replica keeps every other replica as it was)."""
+    cfg = load("--parallelism.dp_replicate", "-1", "--parallelism.dp_shard", "2")
+    assert [cfg.mesh_shape(w) for w in (2, 4, 6)] == [(1, 2), (2, 2), (3, 2)]
+    fixed = load("--parallelism.dp_replicate", "2")
+    assert [fixed.mesh_shape(w) for w in (2, 4)] == [(2, 1), (2, 2)]
 
 
 def test_accumulation_keeps_global_batch():

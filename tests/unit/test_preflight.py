@@ -22,3 +22,15 @@ def test_a_size_between_min_and_max_that_cannot_train_is_refused_with_the_fix():
     assert "cannot train at [6] (at 6: training.global_batch_size=16" in message
     assert "set training.global_batch_size=24" in message
     assert "node counts it fits: [1, 2, 4]" in message
+
+
+def test_replicas_of_a_fixed_size_that_some_world_size_cannot_hold_are_refused():
+    cfg = load_config("debug_cpu", [("parallelism.dp_replicate", -1),
+                                    ("parallelism.dp_shard", 2),
+                                    ("training.global_batch_size", 12),
+                                    ("training.micro_batch_size", 1)])
+    preflight(cfg, LaunchConfig(nnodes="1:3", nproc_per_node=2))  # 2, 4, 6 ranks: fits
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg, LaunchConfig(nnodes="1:3", nproc_per_node=1))  # 1 and 3 ranks: not
+    assert "cannot train at [1, 3]" in str(e.value)
+    assert "set parallelism.dp_shard=1 (or a divisor of it)" in str(e.value)

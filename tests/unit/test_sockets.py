@@ -13,7 +13,8 @@ import torch.distributed as dist
 from llmtrain.config import WarmConfig
 from llmtrain.recovery import sockets
 from llmtrain.launch.node import supervise_spare
-from llmtrain.recovery.warm import EvictionWatch, WarmPath, evict, publish_endpoints
+from llmtrain.recovery.warm import (EvictionWatch, WarmPath, evict, owner, publish_endpoints,
+                                    rank_of)
 
 
 def _pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -54,12 +55,13 @@ def test_an_agent_that_does_not_answer_has_its_rank_marked_gone_and_cut_off():
     start = time.monotonic()
     assert evict(store, [1], wait_s=0.3) == {1: sockets.endpoints()}  # no agent answered
     assert 0.3 <= time.monotonic() - start < 2
-    assert store.add("evict/1", 0) == 1  # should its agent come back, it kills the rank
+    # should its agent come back, it kills the rank's process
+    assert store.add(f"evict/{owner()}", 0) == 1
     assert store.add("round/g0/gone", 0) == 1  # its generation's survivors need not wait
 
     # an agent that answers: nobody is cut off
     def agent():
-        while store.add("evict/1", 0) < 2:
+        while store.add(f"evict/{owner()}", 0) < 2:
             time.sleep(0.01)
         store.add("evicted/1", 1)
     threading.Thread(target=agent).start()
@@ -76,7 +78,7 @@ def test_a_spare_that_took_the_rank_meanwhile_is_neither_cut_nor_marked_gone():
     store.set("endpoints/1", json.dumps(["10.0.0.2:4000"]))
 
     def spare_takes_rank_1():
-        while store.add("evict/1", 0) < 1:
+        while store.add(f"evict/{owner()}", 0) < 1:
             time.sleep(0.01)
         WarmPath(cfg, store, "round", 1, 2, 1, gen=1)
         store.set("endpoints/1", json.dumps(["10.0.0.3:5000"]))
@@ -91,15 +93,35 @@ def test_a_spare_holding_a_rank_is_killed_by_its_launcher_when_evicted():
     """A spare that took a rank runs under its standby launcher, not an agent: the launcher
     answers the watchdog's eviction as an agent does, killing the spare's session."""
     store = dist.HashStore()
-    store.add("evict/3", 1)  # an earlier holder's eviction: not this spare's
-    store.add("evictions", 1)
     spare = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    watch = EvictionWatch(store, [3])
+    holder = owner(spare.pid, "node3")
+    store.add(f"evict/{holder}", 1)  # an earlier eviction of this process id: not this spare's
+    store.add("evictions", 1)
+    # the spare holds rank 3, where its peers report now
+    store.set("where/3", "round/g1/")
+    store.set("round/g1/owner/3", holder)
+    store.set("round/g1/size", "4")
+    store.set(f"rank_of/{holder}", "3")
+    watch = EvictionWatch(store, [holder])
     supervised = []
-    launcher = threading.Thread(target=lambda: supervised.append(supervise_spare(spare, watch, 3)))
+    launcher = threading.Thread(target=lambda: supervised.append(supervise_spare(spare, watch)))
     launcher.start()
     time.sleep(0.3)
     assert spare.poll() is None  # the old key killed nothing
     assert evict(store, [3], wait_s=5) == {}  # answered: nobody is cut off
     launcher.join(timeout=5)
     assert supervised == [-signal.SIGKILL]
+
+
+def test_an_eviction_asks_the_process_that_holds_the_rank_after_a_shrink_renumbered_it():
+    """A shrink made the process that started as rank 1 rank 0: asking to evict rank 0
+    must reach it, and not the supervisor that started a worker as rank 0 (in a soak, both
+    nodes' supervisors killed their workers, and nobody was left to recover)."""
+    store = dist.HashStore()
+    cfg = WarmConfig(enable=True)
+    survivor = WarmPath(cfg, store, "round", 0, 1, 1, gen=1)  # was rank 1 in generation 0
+    before = owner(4242, "node-of-old-rank-0")
+    watch = EvictionWatch(store, [owner(), before])
+    assert evict(store, [0], wait_s=0.2) == {}.fromkeys([0], [])  # nobody answered here
+    assert watch.asked() == [owner()]
+    assert rank_of(store, owner()) == survivor.rank == 0 and rank_of(store, before) is None

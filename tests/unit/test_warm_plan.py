@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.recovery.warm import (ColdPath, WarmPath, agreements, assignment, buddy_of,
-                                    join_pool, leave_pool, mark_gone, owner, spares_waiting)
+                                    join_pool, leave_pool, mark_gone, owner, spares_ready,
+                                    spares_waiting)
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
@@ -46,6 +47,7 @@ def test_a_lost_rank_gets_a_spare_and_the_newest_common_step():
     store = dist.HashStore()
     assert store.add("spares/registered", 1) == 1
     # 3 nodes of one rank; rank 1 lost; its buddy is rank 2
+    store.set("round/g0/owner/1", "node2:4242")  # the process that held it
     out = agree_all(store, {0: held([9, 10], [9, 10], 2), 2: held([10, 11], [9, 10], 1)}, 3)
     assert out[0] == out[2]
     plan = out[0]
@@ -53,7 +55,7 @@ def test_a_lost_rank_gets_a_spare_and_the_newest_common_step():
         1, [1], 10, {"1": 2}, {"1": 1})
     told = json.loads(store.get("spares/1/plan"))
     assert told["rank"] == 1 and told["step"] == 10
-    assert store.add("replaced/1", 0) == 1  # what rank 1's agent waits for
+    assert store.add("replaced/node2:4242", 0) == 1  # what rank 1's agent waits for
 
 
 def test_an_agreement_is_open_from_its_start_until_it_is_decided():
@@ -185,3 +187,15 @@ def test_reports_still_coming_in_keep_the_agreement_open_past_the_settle_time():
         t.join()
     assert [out[r].lost for r in paths] == [[5]] * 5, out
     assert time.monotonic() - start < 0.8 + 0.5 + 1.0
+
+
+def test_a_grow_waits_until_the_spares_it_would_take_say_they_are_ready():
+    """A lost rank takes any spare (waiting for its imports beats going cold); a grow, which
+    nothing forces, only the next ones in the pool that are ready."""
+    store = dist.HashStore()
+    first, second = join_pool(store), join_pool(store)
+    assert spares_waiting(store) == 2 and not spares_ready(store, 1)
+    store.set(f"spares/{second}/ready", "1")
+    assert not spares_ready(store, 1)  # the first would be claimed, and it is not ready
+    assert leave_pool(store, first)
+    assert spares_ready(store, 1) and not spares_ready(store, 2)
