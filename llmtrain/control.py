@@ -46,6 +46,7 @@ class Verdict:
     save_by_time: bool = False
     stop: bool = False
     grow: bool = False  # a spare waits and the job runs below its size: take it in now
+    preempt: bool = False  # the stop is a signal's (a preemption), not a request's
 
 
 class RunControl:
@@ -128,7 +129,8 @@ class RunControl:
             self.events.emit("stop_vote", step=step)
         self.voted_stop = self.voted_stop or unhealthy
         self.preempted = self.preempted or (stop and not self.finishing)
-        return Verdict(save_by_time=by_time, stop=stop, grow=grow and not stop)
+        return Verdict(save_by_time=by_time, stop=stop, grow=grow and not stop,
+                       preempt=by_signal and not by_request)
 
     def _time_step(self, idle: bool) -> None:
         """Adds the step just ended (the time since the last call) to the pace, unless it

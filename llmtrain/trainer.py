@@ -250,8 +250,9 @@ class Trainer:
 
     def save_or_stop(self, step: int) -> bool:
         """Saves when due (always after the last step, and before stopping, but never a
-        state that failed its check), and grows when the ranks voted to; True when the run
-        must stop now."""
+        state that failed its check), grows when the ranks voted to, and after a
+        preemption's save goes on without the preempted nodes where it can; True when the
+        run must stop now."""
         if self.control.unhealthy(step) and self.recovery.leave():
             return True  # leave now, unsaved: the survivors go on warm with a spare
         verdict = self.control.vote(step, time_due=self.checkpoints.time_due(step),
@@ -264,6 +265,8 @@ class Trainer:
             self.save(step, final)
         if verdict.grow and not final:
             self.recovery.grow(step)  # raises Resized: the trainer is built anew, larger
+        if verdict.preempt and step < self.cfg.training.steps:  # the others may go on
+            self.recovery.let_go(step, self.control.signal is not None, self.control_group)
         return verdict.stop
 
     def save(self, step: int, final: bool) -> None:

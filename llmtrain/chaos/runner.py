@@ -401,9 +401,7 @@ class Chaos:
         v.path = ("cold" if rec["event"] == "recovery" else
                   "shrink" if rec["kind"] == "shrink" else "warm")
         if v.action.startswith("flight-recorder report"):  # a watchdog's verdict
-            v.action += {"warm": "; a spare took the rank's place, state from memory",
-                         "shrink": "; the others went on without its node, state from "
-                                   "memory"}.get(v.path, "; restart from the last checkpoint")
+            v.action += "; " + WENT_ON.get(v.path, "restart from the last checkpoint")
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
         if v.path != "cold":
             v.restored = rec["step"]
@@ -436,7 +434,8 @@ class Chaos:
                           or self._latest("recovery", since), f"the job to take {node} back",
                           180)
         v.returned = "grow" if back["event"] == "warm_grow" else "cold"
-        v.return_s = back["total_s"] if v.returned == "grow" else back["marks"]["first_step"] - since
+        v.return_s = (back["total_s"] if v.returned == "grow" else
+                      back["marks"]["first_step"] - since)
 
     @staticmethod
     def _lost_ranks(rec: dict) -> list[int] | None:
@@ -668,7 +667,9 @@ class Chaos:
                        f"from step {v.restored}")
         v.correct = (saved["event"] == "checkpoint_committed" and saved["step"] == v.at_step
                      and v.restored == v.at_step and code == 75)
-        v.action = "agreed save, exit 75 (requeue), restart from that save"
+        v.action = "agreed save, exit 75 (requeue), " + (
+            "the others went on without it, state from memory" if v.path == "shrink" else
+            "restart from that save")
         return v
 
     def _storage_error(self, kind: str, errno_name: str) -> Verdict:

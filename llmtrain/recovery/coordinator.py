@@ -48,7 +48,7 @@ from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.reshard import Mesh, reshard
 from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
-                                    publish_endpoints, round_of, spares_ready)
+                                    publish_endpoints, round_of, spares_ready, spares_waiting)
 from llmtrain.state_registry import StateRegistry
 
 # Noted on an error the warm path already reported as a ``failure`` event.
@@ -174,6 +174,9 @@ class NoWarmRecovery:
     def grow(self, step: int) -> None:
         pass
 
+    def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None:
+        pass
+
     def give_up(self) -> None:
         pass
 
@@ -279,15 +282,50 @@ class WarmRecovery:
             self.events.emit("grow_failed", step=step, reason=str(e))
         if plan is None:
             return
-        registry = self.job.registry
-        snap = capture(step, self.world.rank,
-                       state_tensors(registry.model, registry.optimizer, []),
-                       {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
+        snap = self._captured(step)
         self.snapshots.stop(self.cfg.settle_s)
         self.job.leave_group(deadline)
         plan.marks = {"grow_decided": decided, "agreed": time.time(), "failed_at": step,
                       "snapshot_interval": self.snapshots.schedule.interval}
         raise Resized({**asdict(plan), "rank": self.world.rank}, {self.world.rank: snap})
+
+    def _captured(self, step: int) -> Snapshot:
+        """This rank's whole state at ``step``, copied into memory: what a resize that
+        nothing broke reshards from."""
+        registry = self.job.registry
+        return capture(step, self.world.rank,
+                       state_tensors(registry.model, registry.optimizer, []),
+                       {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
+
+    def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None:
+        """A preemption's save of ``step`` is committed. With no spare waiting to take
+        the preempted nodes' places, the other ranks go on without them in memory (a
+        shrink at a step boundary: no restart, nothing read) where they hold every shard,
+        as the nodes of an HSDP job's whole replicas do; raises Resized on them. Returns
+        on the preempted ranks, which stop, and on every rank when the others cannot go
+        on alone (then all stop, and the job restarts cold at the smaller size)."""
+        decided, rank = time.time(), self.world.rank
+        mine = torch.tensor([int(signalled),
+                             spares_waiting(self.path.store) if rank == 0 else 0])
+        everyone = [torch.zeros_like(mine) for _ in range(self.world.world_size)]
+        dist.all_gather(everyone, mine, group=group)
+        leaving = [r for r, flags in enumerate(everyone) if flags[0]]
+        plan = ("a spare waits: the job restarts with it" if everyone[0][1] else
+                self.path.without(leaving, step))
+        if isinstance(plan, str):
+            if rank == 0:
+                self.events.emit("preempt_shrink_refused", step=step, leaving=leaving,
+                                 reason=plan)
+            return
+        if rank in leaving:
+            return
+        snap = self._captured(step)
+        self.snapshots.stop(self.cfg.settle_s)
+        self.fence.expect(membership(self.round_id, plan.gen))
+        self.job.leave_group(time.monotonic() + self.cfg.budget_s)
+        plan.marks = {"preempt_decided": decided, "agreed": time.time(), "failed_at": step,
+                      "snapshot_interval": self.snapshots.schedule.interval}
+        raise Resized({**asdict(plan), "rank": plan.kept.index(rank)}, {rank: snap})
 
     def recover(self, error: BaseException, step: int) -> int | None:
         """A collective failed: with the other survivors, re-forms the group with warm

@@ -581,6 +581,31 @@ class WarmPath:
                     sources=plan.sources, kind="shrink", kept=kept, providers=providers,
                     old_mesh=list(self.shapes(world)), mesh=list(shape)).to_json()
 
+    def without(self, leaving: list[int], step: int) -> Plan | str:
+        """The plan in which the other ranks go on at ``step`` without ``leaving`` (a
+        preemption's nodes, alive, the step saved), or why they cannot. Every rank computes
+        it alike from the same inputs, so nobody waits for a decider; the state comes from
+        the ranks that stay, which must hold every shard (whole HSDP replicas): the
+        leavers send nothing."""
+        if self.shapes is None or not self.cfg.shrink:
+            return "no shrink (warm.shrink off, or no launcher said --nnodes)"
+        per_node, world = self.local_world_size, self.world_size
+        gone = {r // per_node for r in leaving}
+        kept = [r for r in range(world) if r // per_node not in gone]
+        if set(leaving) != set(range(world)) - set(kept):
+            return f"rank(s) {sorted(set(range(world)) - set(kept) - set(leaving))} " \
+                   f"were not preempted with their node, and a shrink drops whole nodes"
+        shape, old = self.shapes(len(kept)) if kept else "every node goes", self.shapes(world)
+        if isinstance(shape, str):
+            return f"no shrink to {len(kept)} ranks: {shape}"
+        if isinstance(old, str) or {o % old[1] for o in kept} != set(range(old[1])):
+            return "the nodes that stay do not hold every shard (no whole replica stays)"
+        return Plan(gen=self.gen + 1, step=step, world_size=len(kept),
+                    local_world_size=per_node, round_id=self.round_id, lost=sorted(leaving),
+                    sources={}, kind="shrink", kept=kept,
+                    providers={str(o): n for n, o in enumerate(kept)},
+                    old_mesh=list(old), mesh=list(shape))
+
     def grow(self, step: int, deadline: float) -> Plan | None:
         """The plan to take in waiting spares at ``step`` (every rank voted for it): rank 0
         claims a node's worth of them and stores it, the others wait for it. None when

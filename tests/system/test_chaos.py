@@ -114,3 +114,41 @@ def test_storage_and_store_faults_cost_no_checkpoint_and_no_restart(tmp_path, fa
     assert verdict["bitwise_equal_to_reference"] is True, table
     assert read_events(str(work / "run"), "fenced") == []
     assert proc.returncode == 0, table
+
+
+def test_without_spares_lost_nodes_shrink_the_job_and_come_back_into_it(tmp_path, faultfs):
+    """No spare waits (``--spares 0``: ``--nnodes 1:2``), and every fault hits rank 0:
+    - a stopped rank 0 is evicted; node2 goes on alone as the new rank 0, state from
+      memory; node1 comes back repaired, a standby the job grows back into (its spare
+      takes rank 1);
+    - node2's worker, renumbered, is killed: its agent must know it by its process, not
+      by the rank it started as (it counted another rank gone, or none, and restarted its
+      worker cold beside the shrunk job); node1's spare goes on as rank 0, and node2
+      comes back as a spare;
+    - every rank is killed (a truncated shard must be noticed at the restart) while both
+      run in spares: their launchers, whose ranks nobody replaced, join the cold restart
+      as nodes (they waited for a restart nobody started);
+    - node1 is preempted: after the agreed save, node2 goes on alone in memory (each node
+      a whole replica) rather than everyone restarting, and node1 comes back into it.
+    Each must be detected and named, and nothing committed lost. A job that trained at
+    another size summed in another order: its weights are not compared bit for bit (the
+    shrink-and-grow test compares them with cold resumes)."""
+    work = tmp_path / "chaos"
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
+                           "--spares", "0", "--repair-s", "1", "--faults",
+                           "hang,kill_rank,preempt,truncated_shard", "--steps", "400",
+                           "--checkpoint-every", "10", "--interval", "0.5", "--seed", "18",
+                           "--rank", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    verdict = json.loads((work / "verdict.json").read_text())
+    table = proc.stdout[-4000:]
+    paths = [(v["kind"], v["path"], v["returned"]) for v in verdict["verdicts"]]
+    assert paths == [("hang", "shrink", "grow"), ("kill_rank", "shrink", "grow"),
+                     ("truncated_shard", "cold", ""), ("preempt", "shrink", "grow")], table
+    for v in verdict["verdicts"]:
+        assert v["detected"] and v["correct"], (v, table)
+    assert verdict["finished"], table
+    assert verdict["committed_checkpoints_lost"] == [], table
+    assert (verdict["shrinks"], verdict["grows"]) == (3, 3), table
+    assert verdict["below_full_s"] > 0 and "bitwise_equal_to_reference" not in verdict
+    assert proc.returncode == 0, table

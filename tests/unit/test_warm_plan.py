@@ -9,9 +9,9 @@ import pytest
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.recovery.warm import (ColdPath, WarmPath, agreements, assignment, buddy_of,
-                                    join_pool, leave_pool, mark_gone, owner, spares_ready,
-                                    spares_waiting)
+from llmtrain.recovery.warm import (ColdPath, Verdicts, WarmPath, agreements, assignment,
+                                    buddy_of, join_pool, leave_pool, mark_gone, owner,
+                                    spares_ready, spares_waiting)
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
@@ -199,3 +199,25 @@ def test_a_grow_waits_until_the_spares_it_would_take_say_they_are_ready():
     assert not spares_ready(store, 1)  # the first would be claimed, and it is not ready
     assert leave_pool(store, first)
     assert spares_ready(store, 1) and not spares_ready(store, 2)
+
+
+def test_a_supervisor_learns_whether_its_dead_workers_rank_was_replaced_or_the_job_went_cold():
+    """What an agent, or the standby launcher of a spare that took a rank, waits for when
+    its worker dies: replaced (the job goes on without it) or cold (it restarts it, or joins
+    the restart as a node: once every rank ran in a spare, a job that went cold waited for
+    a restart nobody started). Verdicts given before it started do not count."""
+    store = dist.HashStore()
+    store.add("replaced/node1:7", 1)
+    store.add("cold", 1)
+    verdicts = Verdicts(store, ["node1:7", "node2:8"], budget_s=5)
+    store.add("agreeing", 1)  # a survivor is agreeing
+    store.add("replaced/node1:7", 1)
+    assert verdicts.replaced("node1:7")
+    store.add("cold", 1)
+    start = time.monotonic()
+    assert not verdicts.replaced("node2:8")
+    assert time.monotonic() - start < 1  # the cold count answers at once
+    quiet = Verdicts(store, ["node3:9"], budget_s=30)  # nobody agrees: every rank died
+    start = time.monotonic()
+    assert not quiet.replaced("node3:9")
+    assert 4 < time.monotonic() - start < 10
