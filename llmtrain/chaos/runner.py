@@ -27,7 +27,8 @@ partition           a node's link goes down while its processes live (nodes in n
 preempt             a node's launcher gets SIGTERM, as Slurm sends it before taking the
                     node: the job saves at an agreed step, exits RETRYABLE and restarts
                     cold from that save (no step lost); the requeue brings the node back
-                    as a spare (a waiting spare may have taken its place in the restart)
+                    as a spare (a waiting spare may have taken its place in the restart);
+                    with no spares, the others go on without it in memory from that save
 enospc, eio         the checkpoint filesystem fails the next save with ENOSPC / EIO
 unreadable_         an old committed checkpoint's manifest fails every read (EIO):
 checkpoint          retention must leave it and go on; then the storage heals
@@ -58,8 +59,8 @@ used, starts again; a node that a warm recovery left without its worker is start
 as a spare too. Before each fault chaos waits for a spare to be waiting.
 
 With no spares (``spares = 0``) the job may run one node short (``--nnodes N-1:N``): a
-lost node's survivors shrink in memory (or restart cold at the smaller size), and the
-node comes back ``repair_s`` after its fault, as a standby that the job grows back into.
+lost or preempted node's survivors shrink in memory (or restart cold at the smaller
+size), and the node comes back ``repair_s`` after its fault, as a standby that the job grows back into.
 Each verdict's path then reads ``shrink+grow`` (or ``cold+grow``...), and chaos waits for
 the full world before the next fault. Training at another world size changes the order
 of the gradient reductions, so a job that shrank is not compared bit for bit with the
