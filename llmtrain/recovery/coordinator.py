@@ -545,8 +545,8 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
             events.emit("warm_path_unproven", backend="nccl", problems=problems,
                         reason="the warm path has run on NCCL only as one rank on one GPU "
                                "(two or more ranks read from torch's source only; its "
-                               "shrink and grow have never run on NCCL); a failure it "
-                               "cannot handle goes cold")
+                               "shrink, grow and preemption shrink have never run on "
+                               "NCCL); a failure it cannot handle goes cold")
     per_node = plan["local_world_size"] if plan is not None else int(
         os.environ.get("LOCAL_WORLD_SIZE", 1))
     round_id = plan["round_id"] if plan is not None else round_of(job_store, fence.store)
