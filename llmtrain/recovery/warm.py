@@ -558,28 +558,39 @@ class WarmPath:
         self.store.add("replacements", len(lost))  # no agent waits for the lost at the end
         self.store.set(self._key("spares"), plan)
 
+    def _staying(self, leaving: list[int]) -> tuple[list[int], tuple[int, int]] | str:
+        """The ranks that stay when the nodes of ``leaving`` go, and the mesh they train
+        at; or why the job cannot go on without those nodes: a shrink drops whole nodes,
+        and stays within ``--nnodes`` and what the config can train at."""
+        per_node, world = self.local_world_size, self.world_size
+        gone = {r // per_node for r in leaving}
+        kept = [r for r in range(world) if r // per_node not in gone]
+        stranded = [r for r in range(world) if r // per_node in gone and r not in leaving]
+        if stranded:
+            return (f"rank(s) {stranded} live on a node that loses others, and a shrink "
+                    f"drops whole nodes")
+        shape = self.shapes(len(kept)) if kept else "no node stays"
+        if isinstance(shape, str):
+            return f"no shrink to {len(kept)} ranks: {shape}"
+        return kept, shape
+
     def _shrink(self, plan: Plan, cold: str) -> str:
         """No spare for every lost rank: the plan in which the survivors go on without the
         nodes that lost them, or ``cold`` with the reason they cannot."""
         if self.shapes is None or not self.cfg.shrink:
             return cold
-        per_node, world = self.local_world_size, self.world_size
-        gone = {r // per_node for r in plan.lost}
-        kept = [r for r in range(world) if r // per_node not in gone]
-        stranded = [r for r in range(world) if r // per_node in gone and r not in plan.lost]
-        if stranded:
-            return (f"{cold}, and no shrink: rank(s) {stranded} live on a node that lost "
-                    f"others, and a shrink drops whole nodes")
-        shape = self.shapes(len(kept))
-        if isinstance(shape, str):
-            return f"{cold}, and no shrink to {len(kept)} ranks: {shape}"
+        staying = self._staying(plan.lost)
+        if isinstance(staying, str):
+            return f"{cold}, and {staying}"
+        kept, shape = staying
         new = {old: n for n, old in enumerate(kept)}
         providers = {str(o): new[o] for o in kept}
         providers |= {r: new[b] for r, b in plan.sources.items()}
         return Plan(gen=plan.gen, step=plan.step, world_size=len(kept),
-                    local_world_size=per_node, round_id=self.round_id, lost=plan.lost,
-                    sources=plan.sources, kind="shrink", kept=kept, providers=providers,
-                    old_mesh=list(self.shapes(world)), mesh=list(shape)).to_json()
+                    local_world_size=self.local_world_size, round_id=self.round_id,
+                    lost=plan.lost, sources=plan.sources, kind="shrink", kept=kept,
+                    providers=providers, old_mesh=list(self.shapes(self.world_size)),
+                    mesh=list(shape)).to_json()
 
     def without(self, leaving: list[int], step: int) -> Plan | str:
         """The plan in which the other ranks go on at ``step`` without ``leaving`` (a
@@ -589,20 +600,16 @@ class WarmPath:
         leavers send nothing."""
         if self.shapes is None or not self.cfg.shrink:
             return "no shrink (warm.shrink off, or no launcher said --nnodes)"
-        per_node, world = self.local_world_size, self.world_size
-        gone = {r // per_node for r in leaving}
-        kept = [r for r in range(world) if r // per_node not in gone]
-        if set(leaving) != set(range(world)) - set(kept):
-            return f"rank(s) {sorted(set(range(world)) - set(kept) - set(leaving))} " \
-                   f"were not preempted with their node, and a shrink drops whole nodes"
-        shape, old = self.shapes(len(kept)) if kept else "every node goes", self.shapes(world)
-        if isinstance(shape, str):
-            return f"no shrink to {len(kept)} ranks: {shape}"
+        staying = self._staying(leaving)
+        if isinstance(staying, str):
+            return staying
+        kept, shape = staying
+        old = self.shapes(self.world_size)
         if isinstance(old, str) or {o % old[1] for o in kept} != set(range(old[1])):
             return "the nodes that stay do not hold every shard (no whole replica stays)"
         return Plan(gen=self.gen + 1, step=step, world_size=len(kept),
-                    local_world_size=per_node, round_id=self.round_id, lost=sorted(leaving),
-                    sources={}, kind="shrink", kept=kept,
+                    local_world_size=self.local_world_size, round_id=self.round_id,
+                    lost=sorted(leaving), sources={}, kind="shrink", kept=kept,
                     providers={str(o): n for n, o in enumerate(kept)},
                     old_mesh=list(old), mesh=list(shape))
 

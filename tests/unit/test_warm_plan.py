@@ -221,3 +221,21 @@ def test_a_supervisor_learns_whether_its_dead_workers_rank_was_replaced_or_the_j
     start = time.monotonic()
     assert not quiet.replaced("node3:9")
     assert 4 < time.monotonic() - start < 10
+
+
+def test_a_preemption_drops_whole_replicas_and_nothing_else():
+    """Every rank computes the same plan without the preempted nodes: with whole HSDP
+    replicas (2 shards a node) the other node goes on; a node preempted in part, or a
+    plain FSDP job whose leavers hold shards nobody else has, cannot."""
+    store = dist.HashStore()
+    cfg = WarmConfig(enable=True)
+
+    def path(shard: int) -> WarmPath:
+        return WarmPath(cfg, store, "round", 2, 4, 2,
+                        shapes=lambda n: (n // shard, shard) if n >= 2 else "too few")
+    plan = path(2).without([0, 1], step=40)
+    assert (plan.kind, plan.kept, plan.world_size, plan.mesh, plan.old_mesh, plan.step) == (
+        "shrink", [2, 3], 2, [1, 2], [2, 2], 40)
+    assert "live on a node that loses others" in path(2).without([0], step=40)
+    assert "do not hold every shard" in path(4).without([0, 1], step=40)
+    assert "no shrink to 0 ranks" in path(2).without([0, 1, 2, 3], step=40)
