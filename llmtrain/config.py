@@ -164,7 +164,9 @@ class CheckpointConfig:
                           doc="CPU niceness added to the write threads (Linux, per thread): "
                               "a background save hashes and writes with what training leaves "
                               "idle instead of taking cores from it; 0: the same priority")
-    reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when loading")
+    reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when "
+                             "loading (from local files, at most the rank's share of the "
+                             "node's CPUs)")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "
                                         "from measured save cost and failure rate")
     init_from: str = _f("", doc="a Hugging Face Llama directory (config.json + safetensors, "

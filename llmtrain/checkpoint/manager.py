@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
@@ -90,21 +91,35 @@ class IndexingPlanner(DefaultSavePlanner):
     they make (``index_layout``), so that each rank of a restart reads only its own items
     (INDEX.bin). With plan caching a rank whose plan has not changed sends none: its items
     are the last ones kept under the same cache key, and when no rank's changed, the
-    layout is reused as it is (it costs O(world x items) to make)."""
+    layout is reused as it is (it costs O(world x items) to make). They are kept by key
+    for as long as DCP keeps its plans under it (:func:`forget_plans`): kept for the
+    newest key only, a second manager's save in between (the checkpoint benchmark's sync
+    baseline) left the next cached save with no items to index, and every rank of a
+    restart then parsed every rank's items."""
 
-    _kept: dict[str, tuple[list, shards.IndexLayout]] = {}  # by cache key; the current only
+    _kept: dict[str, tuple[list, shards.IndexLayout]] = {}  # by cache key
 
     def create_global_plan(self, all_plans):
         key = self._cached_plans_key
         needs, layout = self._kept.get(key, (None, None))
         if needs is None or any(plan.usable for plan in all_plans):
             needs = [[(w.index.fqn, None if w.index.offset is None else tuple(w.index.offset))
-                      for w in plan.items] if plan.usable or needs is None else needs[rank]
+                      for w in plan.items] if plan.usable else needs[rank]
                      for rank, plan in enumerate(all_plans)]
             layout = shards.index_layout(needs)
-        IndexingPlanner._kept = {key: (needs, layout)}
+            IndexingPlanner._kept[key] = (needs, layout)
         self.index_layout = layout
         return super().create_global_plan(all_plans)
+
+
+def forget_plans(key: str) -> None:
+    """Drops what DCP's save planners and :class:`IndexingPlanner` keep under ``key``
+    (O(world x items) on the coordinator), once no save will use it again."""
+    IndexingPlanner._kept.pop(key, None)
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan,
+                  SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+                  SavePlanner._cached_metadata):
+        cache.pop(key, None)
 
 
 # the groups managers in this process were bound to, counted: each binding's plan cache key
@@ -142,9 +157,14 @@ class CheckpointManager:
         collective timeout: its collectives end a background write, and the fastest
         writer waits there for the slowest (minutes on an object store at scale); a
         failed run's close does not wait for them (``close``'s bound)."""
+        if self.generation >= 0:
+            forget_plans(self._plans_key())
         self.io_group = dist.new_group(backend="gloo")
         self.control_group = control_group
         self.generation = next(_GROUPS_BOUND)
+
+    def _plans_key(self) -> str:
+        return f"llmtrain-{self.world}-{self.generation}"
 
     def planner(self) -> DefaultSavePlanner:
         """DCP's planner, caching its plans while the state's layout stays (every save of
@@ -156,7 +176,7 @@ class CheckpointManager:
         coordinator holding their old plans can read (its metadata would lack their
         items); a new key on every rank makes every rank plan afresh once."""
         planner = IndexingPlanner(enable_plan_caching=True)
-        planner._cached_plans_key = f"llmtrain-{self.world}-{self.generation}"
+        planner._cached_plans_key = self._plans_key()
         return planner
 
     # -- when -------------------------------------------------------------------------
@@ -511,6 +531,7 @@ class CheckpointManager:
             self.events.emit("checkpoint_abandoned", timeout_s=timeout_s,
                              reason="the write in flight did not end before the close")
             return
+        forget_plans(self._plans_key())
         if self.stager is not None:
             self.stager.close()
 

@@ -225,6 +225,36 @@ def test_each_reading_thread_reads_one_stretch_in_order_through_its_own_descript
         assert mine == sorted(mine)
 
 
+def test_local_reads_take_no_more_threads_than_the_rank_has_cpus(tmp_path, monkeypatch):
+    """From the page cache a read is a copy: more reading threads than the rank's share
+    of the node's CPUs only take turns on them. With one CPU a rank, every read runs
+    on the loading thread itself; with more, on up to ``threads`` readers."""
+    import threading
+    url = str(tmp_path / "ck")
+    want = {f"t{i}": torch.full((1000,), float(i)) for i in range(8)}
+    dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, thread_count=2),
+             no_dist=True)
+    real_preadv, readers = os.preadv, set()
+
+    def preadv(fd, views, at):
+        readers.add(threading.get_ident())
+        return real_preadv(fd, views, at)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(shards, "READ_PIECE", 4000)  # one tensor a run: many runs
+    for cpus, expected in ((1, {threading.get_ident()}), (64, None)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        readers.clear()
+        got = {k: torch.zeros_like(v) for k, v in want.items()}
+        dcp.load(got, storage_reader=ShardReader(url, threads=4), no_dist=True)
+        assert_same(got, want)
+        if expected is not None:
+            assert readers == expected
+        else:
+            assert readers and threading.get_ident() not in readers  # the pool's readers
+
+
 def test_stock_readers_refuse_the_raw_format_instead_of_misreading_it(tmp_path):
     url = str(tmp_path / "ck")
     dcp.save({"w": torch.ones(4)}, storage_writer=storage.CommitWriter(url, {"step": 1}),

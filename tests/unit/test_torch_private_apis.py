@@ -180,10 +180,13 @@ def test_dcp_save_plan_caching_by_key(tmp_path):
     ``_cached_plans_key`` per generation of the job's groups: a second save of the same
     layout under a key sends no plan (an unusable one), and a new key plans afresh. Its
     IndexingPlanner reads ``SavePlan.usable`` to keep each rank's items of the last
-    usable plan, and their index layout (INDEX.bin)."""
+    usable plan, and their index layout (INDEX.bin), by key: a save under another key in
+    between leaves them; ``forget_plans`` drops DCP's private caches
+    (``SavePlanner._cached_*``) and the index's for one key, which then plans afresh."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.planner import SavePlanner
 
-    from llmtrain.checkpoint.manager import IndexingPlanner
+    from llmtrain.checkpoint.manager import IndexingPlanner, forget_plans
 
     class Recording(IndexingPlanner):
         def create_local_plan(self):
@@ -194,7 +197,11 @@ def test_dcp_save_plan_caching_by_key(tmp_path):
     sent: list[bool] = []
     indexed = []
     state = {"w": torch.ones(4), "n": 3}
-    for i, key in enumerate(("canary-0", "canary-0", "canary-1")):
+    keys = ("canary-0", "canary-0", "canary-1", "canary-0", "forget canary-0", "canary-0")
+    for i, key in enumerate(keys):
+        if key.startswith("forget "):
+            forget_plans(key.removeprefix("forget "))
+            continue
         planner = Recording(enable_plan_caching=True)
         planner._cached_plans_key = key
         dcp.save(state, checkpoint_id=str(tmp_path / str(i)), planner=planner, no_dist=True)
@@ -202,8 +209,13 @@ def test_dcp_save_plan_caching_by_key(tmp_path):
         loaded = {"w": torch.zeros(4), "n": 0}
         dcp.load(loaded, checkpoint_id=str(tmp_path / str(i)), no_dist=True)
         assert torch.equal(loaded["w"], state["w"]) and loaded["n"] == 3
-    assert sent == [True, False, True]
-    assert indexed == [([[]], [(0, [("w", (0,)), ("n", None)])])] * 3, indexed
+    assert sent == [True, False, True, False, True]
+    assert indexed == [([[]], [(0, [("w", (0,)), ("n", None)])])] * 5, indexed
+    forget_plans("canary-0"), forget_plans("canary-1")
+    assert not any("canary" in key for cache in (
+        SavePlanner._cached_save_plan, SavePlanner._cached_final_save_plan,
+        SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata, IndexingPlanner._kept) for key in cache)
 
 
 def test_compile_cache_private_apis():
