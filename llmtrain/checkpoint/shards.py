@@ -602,7 +602,8 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
             dest, name = memoryview(buffer), key
         else:
             target = tensors[key]
-            dest, name = tensor_bytes(scratch.get(id(target), target) if scratch else target), key[0]
+            dest = tensor_bytes(scratch.get(id(target), target))
+            name = key[0]
         path = paths[info.relative_path]
         if info.length <= READ_PIECE:  # checked by the thread that read it, while cached
             done = functools.partial(_damaged, (name, info, dest), reader._root,
