@@ -400,3 +400,16 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, fs):
     assert ShardReader(root, rank=0, world=4).has_own_section()
     with pytest.raises(shards.DamagedCheckpoint, match="a section of rank 1's entry differs"):
         ShardReader(root, rank=1, world=4).own_items()
+
+
+def test_index_rows_name_only_torch_dtypes():
+    """A row's dtype is looked up by name on ``torch``: a name of anything but a dtype (a
+    function, a module) is refused, naming the file, rather than used."""
+    row = ["w", [0, 0], "__0_0.distcp", 0, 64, [RAW], [4, 4]]
+    items = shards._parse_items([[*row, "bfloat16"], ["n", None, "__0_0.distcp", 64, 9, [],
+                                                       None, None]], "ITEMS.json")
+    assert items[("w", (0, 0))].dtype is torch.bfloat16 and items[("w", (0, 0))].sizes == (4, 4)
+    assert items[("n", None)] == shards.StoredItem("__0_0.distcp", 64, 9, [], None, None)
+    for name in ("save", "nn", "not_a_dtype"):
+        with pytest.raises(ValueError, match=f"ITEMS.json: '{name}' is not a torch dtype"):
+            shards._parse_items([[*row, name]], "ITEMS.json")
