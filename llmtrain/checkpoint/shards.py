@@ -517,9 +517,9 @@ class ShardReader(FsspecReader):
         threads sharing one descriptor per file read a cold 286 MB checkpoint in
         145-187 ms here, against 93 ms for one thread. Local reads take at most as many
         threads as this rank has CPUs of its own: from the page cache a read is a copy,
-        and 4 threads for each of 2 ranks on 2 cores took a warm 286 MB load from
-        22-23 ms with one thread each to 27-31 ms. One stretch is read by the calling
-        thread (no hand-off to a reader and back)."""
+        and with 4 threads for each of 2 ranks on 2 cores a warm 286 MB load took 9.3 ms
+        longer than a raw read of its files, against 5.7 ms with one thread each. One
+        stretch is read by the calling thread (no hand-off to a reader and back)."""
         if not ranges:
             return
         local = is_local(self._fs)
@@ -552,7 +552,8 @@ class ShardReader(FsspecReader):
 
 def _own_cpus() -> int:
     """The CPUs this process may run on, shared among its node's ranks (at least one)."""
-    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 def _exact_chunks(reader: ShardReader, tensors: dict, objects: list[str]) -> dict | None:
