@@ -524,7 +524,9 @@ class ShardReader(FsspecReader):
             return
         local = is_local(self._fs)
         runs = _runs(ranges, READ_PIECE if local else BATCH, _IOV_MAX if local else None)
-        threads = min(self.threads, len(runs), _own_cpus() if local else len(runs))
+        threads = min(self.threads, len(runs))
+        if local:
+            threads = min(threads, _own_cpus())
         if local and threads == 1:
             _read_stretch(runs)
             return
