@@ -36,6 +36,7 @@ format) are read by DCP's stock reader, so old checkpoints load. Stock
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -424,15 +425,13 @@ class ShardReader(FsspecReader):
     def _section(self, rank: int, world: int) -> Items | None:
         path = posixpath.join(self._root, INDEX)
         try:
-            size = self._fs.size(path)
+            size = os.stat(path).st_size if is_local(self._fs) else self._fs.size(path)
         except FileNotFoundError:
             return None
         foot, entry = size - _INDEX_FOOT.size, index_entry_offset(size, rank, world)
         if entry < 0:  # saved at fewer ranks
             return None
-        tail, raw_entry = self._fs.cat_ranges([path, path], [foot, entry],
-                                              [size, entry + _INDEX_ENTRY.size],
-                                              on_error="raise")
+        tail, raw_entry = self._spans(path, [(foot, size), (entry, entry + _INDEX_ENTRY.size)])
         magic, saved_world = _INDEX_FOOT.unpack(tail)
         if magic != _INDEX_MAGIC:
             raise DamagedCheckpoint([f"{path}: not an llmtrain index (magic {magic!r})"])
@@ -441,9 +440,8 @@ class ShardReader(FsspecReader):
         fields = _INDEX_ENTRY.unpack(raw_entry)
         sections = [fields[:3], fields[3:]] if fields[4] else [fields[:3]]
         found: Items = {}
-        for (offset, length, digest), data in zip(sections, self._fs.cat_ranges(
-                [path] * len(sections), [s[0] for s in sections],
-                [s[0] + s[1] for s in sections], on_error="raise")):
+        for (offset, length, digest), data in zip(sections, self._spans(
+                path, [(s[0], s[0] + s[1]) for s in sections])):
             if _digest(data) != digest:
                 raise DamagedCheckpoint([f"{path}: a section of rank {rank}'s entry differs "
                                          f"from its digest (corrupted)"])
@@ -453,6 +451,23 @@ class ShardReader(FsspecReader):
                                          f"rank {body.get('rank')} of {body['world']}"])
             found.update(_parse_items(body["items"], path))
         return found
+
+    def _spans(self, path: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of ``path`` in each (start, end) of ``spans``: positional reads of a
+        local file (11 against 95 us for two spans here: fsspec's ``cat_ranges`` opens the file
+        once per span), else one ``cat_ranges`` request."""
+        if not is_local(self._fs):
+            return self._fs.cat_ranges([path] * len(spans), [s for s, _ in spans],
+                                       [e for _, e in spans], on_error="raise")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = [os.pread(fd, end - start, start) for start, end in spans]
+        finally:
+            os.close(fd)
+        for (start, end), data in zip(spans, got):
+            if len(data) != end - start:
+                raise OSError(f"{path}: ends before byte {end} (truncated)")
+        return got
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -614,7 +629,7 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
             dest, name = memoryview(buffer), key
         else:
             target = tensors[key]
-            dest = tensor_bytes(scratch.get(id(target), target))
+            dest = _byte_view(scratch.get(id(target), target))
             name = key[0]
         path = paths[info.relative_path]
         if info.length <= READ_PIECE:  # checked by the thread that read it, while cached
@@ -636,6 +651,15 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
     if gpu:
         torch.cuda.current_stream().synchronize()  # before the pinned scratch goes
     return {name: bytes(buf) for name, buf in buffers.items()}
+
+
+def _byte_view(target: torch.Tensor) -> memoryview:
+    """The bytes of a tensor that needs no scratch copy (:func:`_needs_scratch`), to read
+    into: made from its address, at half the cost of :func:`tensor_bytes` (1.2 against
+    2.5 us here, most of a 300-tensor load's mapping), since a parameter's numpy view
+    is refused for needing grad. It does not hold the tensor: the caller does, for as
+    long as the view is used."""
+    return memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
 
 
 def _needs_scratch(target: torch.Tensor) -> bool:
