@@ -31,6 +31,7 @@ from pathlib import Path
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
+HUB_MAC = "02:00:00:00:00:fe"  # the bridge's own, fixed (locally administered)
 
 
 @dataclass
@@ -72,7 +73,12 @@ class Network:
         self.nodes: dict[str, int] = {}
         _ip("netns", "add", self.hub)
         _ip("-n", self.hub, "link", "set", "lo", "up")
+        # A bridge takes the lowest address of its ports unless given one: each node
+        # joining with a lower one moved the hub's address, and the other nodes, whose ARP
+        # caches kept the old one, lost the store for up to a minute (a rank's heartbeats
+        # stopped: a chaos run evicted a healthy rank before its first fault).
         _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "link", "set", "br0", "address", HUB_MAC)
         _ip("-n", self.hub, "addr", "add", f"{self.hub_address}/24", "dev", "br0")
         _ip("-n", self.hub, "link", "set", "br0", "up")
 
