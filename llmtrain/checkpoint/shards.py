@@ -573,26 +573,28 @@ def _own_cpus() -> int:
     return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
-def _exact_chunks(reader: ShardReader, tensors: dict, objects: list[str]) -> dict | None:
-    """{key of ``tensors`` or name of ``objects``: the stored item to read it from}; None
-    when a tensor has no saved chunk at its offset with its shape and dtype, in the raw
-    format."""
+def _exact_chunks(reader: ShardReader, tensors: dict,
+                  objects: list[str]) -> list[tuple[str, StoredItem, torch.Tensor | None]] | None:
+    """(name, the stored item to read it from, the live tensor to read it into) for each
+    tensor of ``tensors`` and (name, item, None) for each object named in ``objects``;
+    None when a tensor has no saved chunk at its offset with its shape and dtype, in the
+    raw format."""
     items = reader.own_items()
-    found = {}
+    found = []
     for key, target in tensors.items():
         item = items.get(key)
         if (item is None or RAW not in item.transform_descriptors
                 or item.sizes != target.shape or item.dtype != target.dtype):
             return None
-        found[key] = item
-    return found | {name: items[(name, None)] for name in objects}
+        found.append((key[0], item, target))
+    return found + [(name, items[(name, None)], None) for name in objects]
 
 
 def fits_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
                   checked: bool) -> bool:
     """Whether :func:`read_in_place` can read these (``checked``: and check every item)."""
     found = _exact_chunks(reader, tensors, objects)
-    return found is not None and (not checked or all(map(item_sum, found.values())))
+    return found is not None and (not checked or all(item_sum(item) for _, item, _ in found))
 
 
 def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
@@ -616,21 +618,19 @@ def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
     problems: list[str] = []
     buffers: dict[str, bytearray] = {}
     paths = {name: posixpath.join(reader._root, name)
-             for name in {info.relative_path for info in found.values()}}
+             for name in {info.relative_path for _, info, _ in found}}
     # destinations read through a scratch copy: views into one host block, pinned where
     # it lies for a GPU (from torch's pinned allocator, each would be rounded up to a
     # power of two and stay cached for the rest of the run)
-    through = [t for t in tensors.values() if _needs_scratch(t)]  # found has them all
+    through = [t for t in tensors.values() if _needs_scratch(t)]
     gpu = any(t.device.type == "cuda" for t in through)
     scratch = dict(zip(map(id, through), host_block(through, pin=gpu)[1]))
-    for key, info in found.items():
-        if isinstance(key, str):
-            buffers[key] = buffer = bytearray(info.length)
-            dest, name = memoryview(buffer), key
+    for name, info, target in found:
+        if target is None:
+            buffers[name] = buffer = bytearray(info.length)
+            dest = memoryview(buffer)
         else:
-            target = tensors[key]
             dest = _byte_view(scratch.get(id(target), target))
-            name = key[0]
         path = paths[info.relative_path]
         if info.length <= READ_PIECE:  # checked by the thread that read it, while cached
             done = functools.partial(_damaged, (name, info, dest), reader._root,
