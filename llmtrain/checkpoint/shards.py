@@ -425,7 +425,7 @@ class ShardReader(FsspecReader):
     def _section(self, rank: int, world: int) -> Items | None:
         path = posixpath.join(self._root, INDEX)
         try:
-            size = os.stat(path).st_size if is_local(self._fs) else self._fs.size(path)
+            size = self._fs.size(path)
         except FileNotFoundError:
             return None
         foot, entry = size - _INDEX_FOOT.size, index_entry_offset(size, rank, world)
