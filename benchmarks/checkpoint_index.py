@@ -7,7 +7,8 @@ indexes written by llmtrain's own commit code (``write_index`` for INDEX.bin,
 ``items_json`` for ITEMS.json), then, for the first, middle and last rank, what a restart
 at the saved world size reads and parses to find that rank's items:
 
-- **index**: its table entry and its sections of INDEX.bin (``ShardReader.own_items``);
+- **index**: its table entry and its sections of INDEX.bin (``ShardReader.own_section``:
+  tensor chunks in columns, as a load matches them);
 - **all items** (the baseline, measured in the same run): ITEMS.json, every rank's items,
   as a rank read it before the index (DCP's ``.metadata`` lists the same).
 
@@ -44,8 +45,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from llmtrain.checkpoint import shards  # noqa: E402
-from llmtrain.checkpoint.shards import RAW, ShardReader, StoredItem  # noqa: E402
+from llmtrain.checkpoint import index  # noqa: E402
+from llmtrain.checkpoint.index import RAW, StoredItem  # noqa: E402
+from llmtrain.checkpoint.shards import ShardReader  # noqa: E402
 from llmtrain.config import load_config  # noqa: E402
 from llmtrain.model import Transformer  # noqa: E402
 
@@ -104,7 +106,7 @@ def timed(make):
     started = time.perf_counter()
     make()
     return time.perf_counter() - started
-own = [timed(lambda: ShardReader(root, rank=r, world=world).own_items())
+own = [timed(lambda: ShardReader(root, rank=r, world=world).own_section())
        for _ in range(reps) for r in ranks]
 every = timed(lambda: ShardReader(root).stored_items())
 print(json.dumps({"own_s": statistics.median(own), "all_s": every}))
@@ -113,11 +115,11 @@ print(json.dumps({"own_s": statistics.median(own), "all_s": every}))
 
 def section_bytes(root: Path, rank: int, world: int) -> int:
     """What a rank reads of INDEX.bin: its table entry, the footer and its sections."""
-    path = root / shards.INDEX
+    path = root / index.INDEX
     with open(path, "rb") as f:
-        f.seek(shards.index_entry_offset(path.stat().st_size, rank, world))
-        entry = shards._INDEX_ENTRY.unpack(f.read(shards._INDEX_ENTRY.size))
-    return shards._INDEX_ENTRY.size + shards._INDEX_FOOT.size + entry[1] + entry[4]
+        f.seek(index.entry_offset(path.stat().st_size, rank, world))
+        entry = index.ENTRY.unpack(f.read(index.ENTRY.size))
+    return index.ENTRY.size + index.FOOT.size + entry[1] + entry[4]
 
 
 def slope(xs: list[float], ys: list[float]) -> float | None:
@@ -134,27 +136,27 @@ def measure(tensors, layout: str, world: int, shard: int, reps: int, work: Path)
     root.mkdir()
     items, needs = plans(tensors, world, shard)
     started = time.perf_counter()
-    index = shards.index_layout(needs)  # a save's planner makes it once per layout
+    layout_ = index.index_layout(needs)  # a save's planner makes it once per layout
     layout_s = time.perf_counter() - started
     started = time.perf_counter()
-    with open(root / shards.INDEX, "wb") as f:
-        shards.write_index(f, items, index)
+    with open(root / index.INDEX, "wb") as f:
+        index.write_index(f, items, layout_)
     write_s = time.perf_counter() - started
-    (root / shards.ITEMS).write_bytes(shards.items_json(items))
+    (root / index.ITEMS).write_bytes(index.items_json(items))
     ranks = sorted({0, world // 2, world - 1})
     for rank in ranks:  # what each finds is its own state's items, no more
         got = ShardReader(str(root), rank=rank, world=world).own_items()
         assert got == {key: items[key] for key in needs[rank]}, (layout, world, rank)
-    del items, needs, index, got
+    del items, needs, layout_, got
     out = subprocess.run([sys.executable, "-c", READER, str(root), str(world), json.dumps(ranks),
                           str(reps)], capture_output=True, text=True, check=True, cwd=ROOT)
     timed = json.loads(out.stdout)
     row = {"layout": layout, "world": world,
            "index_bytes": max(section_bytes(root, rank, world) for rank in ranks),
-           "index_s": timed["own_s"], "all_bytes": (root / shards.ITEMS).stat().st_size,
-           "all_s": timed["all_s"], "index_file_bytes": (root / shards.INDEX).stat().st_size,
+           "index_s": timed["own_s"], "all_bytes": (root / index.ITEMS).stat().st_size,
+           "all_s": timed["all_s"], "index_file_bytes": (root / index.INDEX).stat().st_size,
            "layout_s": layout_s, "index_write_s": write_s}
-    for name in (shards.INDEX, shards.ITEMS):
+    for name in (index.INDEX, index.ITEMS):
         (root / name).unlink()
     return row
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import index, storage
 from llmtrain.checkpoint.shards import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
@@ -97,7 +97,7 @@ class IndexingPlanner(DefaultSavePlanner):
     baseline) left the next cached save with no items to index, and every rank of a
     restart then parsed every rank's items."""
 
-    _kept: dict[str, tuple[list, shards.IndexLayout]] = {}  # by cache key
+    _kept: dict[str, tuple[list, index.IndexLayout]] = {}  # by cache key
 
     def create_global_plan(self, all_plans):
         key = self._cached_plans_key
@@ -106,7 +106,7 @@ class IndexingPlanner(DefaultSavePlanner):
             needs = [[(w.index.fqn, None if w.index.offset is None else tuple(w.index.offset))
                       for w in plan.items] if plan.usable else needs[rank]
                      for rank, plan in enumerate(all_plans)]
-            layout = shards.index_layout(needs)
+            layout = index.index_layout(needs)
             IndexingPlanner._kept[key] = (needs, layout)
         self.index_layout = layout
         return super().create_global_plan(all_plans)

@@ -15,14 +15,16 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
   the manifest commits to the item sums (:mod:`llmtrain.checkpoint.storage`);
 - reading is positional range reads straight into the destination tensors' memory (a
   scratch buffer and one copy only when the destination's layout or dtype differ, as in
-  some reshardings), split into pieces that several threads read ahead in parallel;
-  object stores get the ranges in batches (``cat_ranges``). A restart at the world size
-  of the save skips DCP's planning too (:func:`read_in_place`): each saved chunk is
-  looked up by name and offset among the rank's own items (its sections of
-  :data:`INDEX`, see :func:`write_index`; else :data:`ITEMS`, the places ``.metadata``
-  lists, as plain data: nothing is unpickled) and read into the live shard at that
-  place, and checked against its sum once read, so a resume reads its data once, not
-  once to verify it and again to load it.
+  some reshardings), given as arrays of places and addresses (no Python object per
+  range) and cut into pieces that several threads read ahead in parallel, one
+  ``preadv`` per run of back-to-back pieces; object stores get the ranges in batches
+  (``cat_ranges``). A restart at the world size of the save skips DCP's planning too
+  (:func:`plan_in_place`, :func:`read_in_place`): each live shard is matched to its
+  saved chunk among the rank's own items (its sections of INDEX.bin, see
+  :mod:`llmtrain.checkpoint.index`; else ITEMS.json, the places ``.metadata`` lists, as
+  plain data: nothing is unpickled) and read into at that place, and checked against
+  its sum once read, so a resume reads its data once, not once to verify it and again
+  to load it.
 
 Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
 written as they are). Items without the descriptor (checkpoints written before this
@@ -43,46 +45,39 @@ import gc
 import io
 import json
 import math
-import operator
 import os
 import pickle
 import posixpath
 import struct
 import threading
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import fsspec
+import numpy as np
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, _split_by_size_and_type,
                                                      _StorageInfo)
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from llmtrain.checkpoint import checksum
+from llmtrain.checkpoint import checksum, index
+from llmtrain.checkpoint.index import (INDEX, ITEMS, RAW, Items, Section, StoredItem,
+                                       metadata_items)
 from llmtrain.checkpoint.staging import host_block
 from llmtrain.fsio import is_local
 
-RAW = "llmtrain-raw/1"  # the transform descriptor of an item stored as bare tensor bytes
 READ_PIECE = 16 << 20   # the unit several threads share a large tensor's reading in
 BATCH = 64 << 20        # bytes of ranges per cat_ranges call (object stores)
 _IOV_MAX = 1024         # buffers one preadv may fill (Linux's IOV_MAX)
-ITEMS = "ITEMS.json"    # every stored item's place, as plain data (beside DCP's .metadata)
-INDEX = "INDEX.bin"     # each rank's own items, found in O(its items) (see write_index)
-_SECTION = struct.Struct("<QQ16s")             # offset, length, xxh3_128 digest
-_INDEX_ENTRY = struct.Struct("<QQ16sQQ16s")    # a rank's shared section, then its own
-_INDEX_FOOT = struct.Struct("<8sQ")            # magic, world size of the save
-_INDEX_MAGIC = b"LLMIDX01"
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's elements as bytes, C order (a view when it is on CPU and contiguous).
-    A load makes one per tensor, so the common case (a plain CPU tensor, contiguous, of a
-    dtype numpy knows) takes numpy's view directly, at half the general path's cost."""
+    """The tensor's elements as bytes, C order (a view when it is on CPU and contiguous),
+    as a save writes them; the common case (a plain CPU tensor, contiguous, of a dtype
+    numpy knows) takes numpy's view directly, at half the general path's cost."""
     if type(tensor) is torch.Tensor:  # a subclass converts in its own way
         try:
             return memoryview(tensor.numpy()).cast("B")
@@ -98,147 +93,6 @@ def item_sum(info: _StorageInfo | StoredItem) -> tuple[str, str] | None:
     """(algorithm, hex digest) of the checksum recorded for a stored item; None in
     checkpoints older than item sums."""
     return next(filter(None, map(checksum.parse, info.transform_descriptors or ())), None)
-
-
-class StoredItem(NamedTuple):
-    """Where one stored item's bytes are (the fields of DCP's ``_StorageInfo``) and, for a
-    chunk of a tensor, its shape and dtype; None for bytes."""
-    relative_path: str
-    offset: int
-    length: int
-    transform_descriptors: list[str]
-    sizes: tuple[int, ...] | None
-    dtype: torch.dtype | None
-
-
-Items = dict[tuple[str, "tuple[int, ...] | None"], StoredItem]  # (FQN, chunk offset): item
-
-
-def metadata_items(metadata) -> Items:
-    """Every stored item of DCP's ``metadata``, keyed by its FQN and, for a chunk of a
-    tensor, the chunk's global offset."""
-    chunks = {(fqn, tuple(c.offsets)): (tuple(c.sizes), md.properties.dtype)
-              for fqn, md in metadata.state_dict_metadata.items()
-              if isinstance(md, TensorStorageMetadata) for c in md.chunks}
-    items = {}
-    for index, info in metadata.storage_data.items():
-        offset = None if index.offset is None else tuple(index.offset)
-        sizes, dtype = chunks.get((index.fqn, offset), (None, None))
-        items[(index.fqn, offset)] = StoredItem(info.relative_path, info.offset, info.length,
-                                                list(info.transform_descriptors or ()),
-                                                sizes, dtype)
-    return items
-
-
-def _rows(items: Items) -> list:
-    return [[fqn, offset, *item._replace(dtype=None if item.dtype is None else
-                                         str(item.dtype).removeprefix("torch."))]
-            for (fqn, offset), item in items.items()]
-
-
-def items_json(items: Items) -> bytes:
-    """ITEMS.json: what ``.metadata`` says of each stored item, as JSON rows, so a restart
-    at the saved world size finds its items without unpickling ``.metadata`` (1.3-2.3 ms
-    for 600 items here, against 0.4 ms to parse this; and nothing to unpickle at all)."""
-    return json.dumps({"format": 1, "items": _rows(items)}, separators=(",", ":")).encode()
-
-
-class IndexLayout(NamedTuple):
-    """Which items go in which section of INDEX.bin (see :func:`write_index`)."""
-    shared: list[list[tuple]]             # each distinct set of items several ranks hold
-    ranks: list[tuple[int, list[tuple]]]  # each rank's: its set in ``shared``, its own items
-
-
-def index_layout(needs: list[list[tuple]]) -> IndexLayout:
-    """The sections of INDEX.bin for ranks holding ``needs[rank]`` (keys of :data:`Items`,
-    from each rank's own save plan, before DCP gave each replicated item to one writer).
-    O(world x items): the save planner keeps it while the plans stay."""
-    holders = Counter(key for keys in needs for key in keys)
-    ids: dict[frozenset, int] = {}
-    shared: list[list[tuple]] = []
-    ranks = []
-    for keys in needs:
-        mine = [key for key in keys if holders[key] > 1]
-        group = ids.setdefault(frozenset(mine), len(shared))
-        if group == len(shared):
-            shared.append(mine)
-        ranks.append((group, [key for key in keys if holders[key] == 1]))
-    return IndexLayout(shared, ranks)
-
-
-def write_index(stream, items: Items, layout: IndexLayout) -> None:
-    """INDEX.bin, written to ``stream``: for each rank of the save, the stored items of the
-    state it held, so that a restart at the saved world size reads a 64-byte table entry
-    and its sections: O(its own items), where ITEMS.json and ``.metadata`` list every
-    rank's (O(world) bytes for each rank, O(world^2) in all).
-
-    Each rank's items are in two sections (``layout``): those other ranks hold too
-    (replicated items, an HSDP replica's shards), in a section written once for all the
-    ranks holding the same ones, and its own alone; so the file grows with the distinct
-    items, as ITEMS.json does, not with world x items, and so does the time to write it.
-    Layout: the sections (JSON: the world size, the rank for its own, rows as in
-    ITEMS.json), written as they are made; one entry per rank (offset, length and
-    XXH3-128 digest of each of its two sections); a footer (magic, world size) that a
-    reader finds from the file's end."""
-    world, offset = len(layout.ranks), 0
-
-    def put(body: dict, keys: list[tuple]) -> bytes:
-        nonlocal offset
-        body["items"] = _rows({key: items[key] for key in keys if key in items})
-        data = json.dumps(body, separators=(",", ":")).encode()
-        stream.write(data)
-        offset += len(data)
-        return _SECTION.pack(offset - len(data), len(data), _digest(data))
-
-    shared = [put({"world": world}, keys) for keys in layout.shared]
-    table = [shared[group] + (put({"rank": rank, "world": world}, own) if own
-                              else _SECTION.pack(0, 0, bytes(16)))
-             for rank, (group, own) in enumerate(layout.ranks)]
-    stream.write(b"".join(table))
-    stream.write(_INDEX_FOOT.pack(_INDEX_MAGIC, world))
-
-
-def index_entry_offset(size: int, rank: int, world: int) -> int:
-    """Where ``rank``'s table entry starts in an INDEX.bin of ``size`` bytes saved at
-    ``world`` ranks (negative: the file holds fewer entries)."""
-    return size - _INDEX_FOOT.size - _INDEX_ENTRY.size * (world - rank)
-
-
-def index_entry(data: bytes, rank: int, world: int) -> tuple:
-    """``rank``'s table entry of a whole INDEX.bin: (shared section's offset, length,
-    digest, own section's offset, length, digest)."""
-    return _INDEX_ENTRY.unpack_from(data, index_entry_offset(len(data), rank, world))
-
-
-def _digest(data: bytes) -> bytes:
-    hasher = checksum.new()
-    hasher.update(data)
-    return hasher.digest()
-
-
-_DTYPES: dict[str, torch.dtype] = {}  # dtype names met in indexes, resolved once
-
-
-def _parse_items(rows: list, where: str) -> Items:
-    """:data:`Items` from rows of ITEMS.json or an INDEX.bin section. A plain loop making
-    each StoredItem as a tuple: 0.14 ms for 330 rows here, against 0.24 ms for a
-    comprehension calling a dtype lookup and the named tuple's constructor (a resharding
-    restart parses every rank's rows)."""
-    items: Items = {}
-    new = tuple.__new__
-    for fqn, offset, path, start, length, descriptors, sizes, name in rows:
-        dtype = None
-        if name is not None:
-            dtype = _DTYPES.get(name)
-            if dtype is None:
-                dtype = getattr(torch, name, None)
-                if not isinstance(dtype, torch.dtype):
-                    raise ValueError(f"{where}: {name!r} is not a torch dtype")
-                _DTYPES[name] = dtype
-        items[(fqn, None if offset is None else tuple(offset))] = new(
-            StoredItem, (path, start, length, descriptors,
-                         None if sizes is None else tuple(sizes), dtype))
-    return items
 
 
 class DamagedCheckpoint(Exception):
@@ -329,16 +183,6 @@ def _slab(sizes, offsets, lengths) -> tuple[int, tuple[int, ...]]:
     return offsets[0] * strides[0], (lengths[0], *sizes[1:])
 
 
-@dataclasses.dataclass(slots=True)
-class _Range:
-    path: str
-    start: int
-    dest: memoryview
-    done: Callable[[], None] | None = None  # run by the reading thread once dest is full
-
-
-_IN_FILE_ORDER = operator.attrgetter("path", "start")
-
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -381,7 +225,7 @@ class ShardReader(FsspecReader):
         self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **kwargs)
         self._metadata = None
         self._items: Items | None = None
-        self._own: Items | None = None
+        self._own: Section | bool | None = None  # False: none
 
     def read_metadata(self, *args, **kwargs):
         """The checkpoint's ``.metadata``, read (unpickled) once per reader: the caller
@@ -403,71 +247,91 @@ class ShardReader(FsspecReader):
             except FileNotFoundError:
                 self._items = metadata_items(self.read_metadata())
             else:
-                self._items = _parse_items(json.loads(data)["items"], path)
+                self._items = index.parse_rows(json.loads(data)["items"], path)
         return self._items
 
-    def own_items(self) -> Items:
+    def own_section(self) -> Section:
         """The items of the loading rank's own state when the checkpoint was saved at
         this world size, from its sections of INDEX.bin (its table entry and the footer
         in one request, then its sections, each checked against its digest): O(its own
-        items) whatever the world size. Otherwise (another world size, a checkpoint
-        written before the index, no rank given) every stored item."""
+        items) whatever the world size, its tensor chunks in columns. Otherwise (another
+        world size, a checkpoint written before the index, no rank given) every stored
+        item, as rows."""
         if self._own is None:
             known = self.rank is not None and self.world is not None
-            self._own = (known and self._section(self.rank, self.world)) or {}
-        return self._own or self.stored_items()
+            self._own = (known and self._section(self.rank, self.world)) or False
+        return self._own or index.rows_only(self.stored_items())
+
+    def own_items(self) -> Items:
+        """:meth:`own_section`'s items, as :data:`Items`."""
+        return self.own_section().items()
 
     def has_own_section(self) -> bool:
-        """Whether :meth:`own_items` come from this rank's sections of INDEX.bin."""
-        self.own_items()
+        """Whether :meth:`own_section` comes from this rank's sections of INDEX.bin."""
+        self.own_section()
         return bool(self._own)
 
-    def _section(self, rank: int, world: int) -> Items | None:
+    def _section(self, rank: int, world: int) -> Section | None:
         path = posixpath.join(self._root, INDEX)
-        try:
-            size = self._fs.size(path)
-        except FileNotFoundError:
-            return None
-        foot, entry = size - _INDEX_FOOT.size, index_entry_offset(size, rank, world)
-        if entry < 0:  # saved at fewer ranks
-            return None
-        tail, raw_entry = self._spans(path, [(foot, size), (entry, entry + _INDEX_ENTRY.size)])
-        magic, saved_world = _INDEX_FOOT.unpack(tail)
-        if magic != _INDEX_MAGIC:
-            raise DamagedCheckpoint([f"{path}: not an llmtrain index (magic {magic!r})"])
-        if saved_world != world:
-            return None
-        fields = _INDEX_ENTRY.unpack(raw_entry)
-        sections = [fields[:3], fields[3:]] if fields[4] else [fields[:3]]
-        found: Items = {}
-        for (offset, length, digest), data in zip(sections, self._spans(
-                path, [(s[0], s[0] + s[1]) for s in sections])):
-            if _digest(data) != digest:
+        with self._opened(path) as (size, spans):
+            if size is None:
+                return None
+            foot, entry = size - index.FOOT.size, index.entry_offset(size, rank, world)
+            if entry < 0:  # saved at fewer ranks
+                return None
+            tail, raw_entry = spans([(foot, size), (entry, entry + index.ENTRY.size)])
+            magic, saved_world = index.FOOT.unpack(tail)
+            if magic not in (index.MAGIC, index.MAGIC_ROWS):
+                raise DamagedCheckpoint([f"{path}: not an llmtrain index (magic {magic!r})"])
+            if saved_world != world:
+                return None
+            fields = index.ENTRY.unpack(raw_entry)
+            sections = [fields[:3], fields[3:]] if fields[4] else [fields[:3]]
+            datas = spans([(s[0], s[0] + s[1]) for s in sections])
+        found = []
+        for (offset, length, digest), data in zip(sections, datas):
+            if index.digest(data) != digest:
                 raise DamagedCheckpoint([f"{path}: a section of rank {rank}'s entry differs "
                                          f"from its digest (corrupted)"])
-            body = json.loads(data)
-            if body["world"] != world or body.get("rank", rank) != rank:
+            head, section = index.parse_section(data, path, columns=magic == index.MAGIC)
+            if head["world"] != world or head.get("rank", rank) != rank:
                 raise DamagedCheckpoint([f"{path}: rank {rank}'s entry points to a section of "
-                                         f"rank {body.get('rank')} of {body['world']}"])
-            found.update(_parse_items(body["items"], path))
-        return found
+                                         f"rank {head.get('rank')} of {head['world']}"])
+            found.append(section)
+        return index.merged(found)
 
-    def _spans(self, path: str, spans: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes of ``path`` in each (start, end) of ``spans``: positional reads of a
-        local file (11 against 95 us for two spans here: fsspec's ``cat_ranges`` opens the file
-        once per span), else one ``cat_ranges`` request."""
+    @contextlib.contextmanager
+    def _opened(self, path: str):
+        """(size, spans) of ``path``, or (None, None) where it does not exist; ``spans``
+        reads the bytes in each (start, end) of a list: positional reads through one
+        descriptor for a local file (fsspec's ``cat_ranges`` opens the file once per
+        span: 95 us against 11 for two spans here), else one ``cat_ranges`` request."""
         if not is_local(self._fs):
-            return self._fs.cat_ranges([path] * len(spans), [s for s, _ in spans],
-                                       [e for _, e in spans], on_error="raise")
-        fd = os.open(path, os.O_RDONLY)
+            try:
+                size = self._fs.size(path)
+            except FileNotFoundError:
+                size = None
+            yield size, lambda spans: self._fs.cat_ranges(
+                [path] * len(spans), [s for s, _ in spans], [e for _, e in spans],
+                on_error="raise")
+            return
         try:
-            got = [os.pread(fd, end - start, start) for start, end in spans]
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            yield None, None
+            return
+
+        def spans(wanted: list[tuple[int, int]]) -> list[bytes]:
+            got = [os.pread(fd, end - start, start) for start, end in wanted]
+            for (start, end), data in zip(wanted, got):
+                if len(data) != end - start:
+                    raise OSError(f"{path}: ends before byte {end} (truncated)")
+            return got
+
+        try:
+            yield os.fstat(fd).st_size, spans
         finally:
             os.close(fd)
-        for (start, end), data in zip(spans, got):
-            if len(data) != end - start:
-                raise OSError(f"{path}: ends before byte {end} (truncated)")
-        return got
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -480,16 +344,15 @@ class ShardReader(FsspecReader):
         if legacy:  # torch.save records: DCP's own reader
             super().read_data(dataclasses.replace(plan, items=legacy), planner).wait()
         skip = {id(r) for r in legacy}
-        ranges: list[_Range] = []
+        reads = _Reads()
         after: list = []  # (read item, destination, scratch view or None, bytes buffer)
         for req in plan.items:
             if id(req) in skip:
                 continue
             info = self.storage_data[req.storage_index]
-            path = posixpath.join(self._root, info.relative_path)
             if req.type == LoadItemType.BYTE_IO:
                 buf = bytearray(info.length)
-                ranges.append(_Range(path, info.offset, memoryview(buf)))
+                reads.add(info.relative_path, info.offset, info.length, _address(buf))
                 after.append((req, None, None, buf))
                 continue
             stored = self._items[(req.storage_index.fqn, tuple(req.storage_index.offset))]
@@ -499,10 +362,8 @@ class ShardReader(FsspecReader):
             direct = (target.device.type == "cpu" and target.dtype == dtype
                       and target.is_contiguous() and tuple(target.shape) == tuple(shape))
             scratch = target if direct else torch.empty(shape, dtype=dtype)
-            dest = tensor_bytes(scratch)
-            start = info.offset + first * dtype.itemsize
-            for piece in range(0, len(dest), READ_PIECE):
-                ranges.append(_Range(path, start + piece, dest[piece:piece + READ_PIECE]))
+            reads.add(info.relative_path, info.offset + first * dtype.itemsize,
+                      scratch.nbytes, scratch.data_ptr())
             view = None
             if not direct:  # the wanted box inside the slab
                 view = scratch
@@ -510,7 +371,8 @@ class ShardReader(FsspecReader):
                     if shape[dim] != req.lengths[dim]:
                         view = view.narrow(dim, req.storage_offsets[dim], req.lengths[dim])
             after.append((req, target, view, None))
-        self._read(ranges)
+        places, address = reads.places(self._root)
+        _read(self._fs, _schedule(places, is_local(self._fs)), address, self.threads)
         for req, target, view, buf in after:
             if buf is not None:
                 planner.load_bytes(req, io.BytesIO(buf))
@@ -522,50 +384,6 @@ class ShardReader(FsspecReader):
         fut.set_result(None)
         return fut
 
-    def _read(self, ranges: list[_Range]) -> None:
-        """Fills every range's destination, ``threads`` reads at a time. A local file's
-        back-to-back ranges (a shard file's items are) are read by one ``preadv`` of up
-        to READ_PIECE bytes, so a state of many small tensors costs a few dozen calls,
-        not one call and one task handed to a thread per tensor. Each thread reads one
-        stretch of the files in order, through descriptors of its own, so the kernel
-        sees sequential reads and reads ahead: 16 MiB pieces dealt out in turn to 4
-        threads sharing one descriptor per file read a cold 286 MB checkpoint in
-        145-187 ms here, against 93 ms for one thread. Local reads take at most as many
-        threads as this rank has CPUs of its own: from the page cache a read is a copy,
-        and with 4 threads for each of 2 ranks on 2 cores a warm 286 MB load took 9.3 ms
-        longer than a raw read of its files, against 5.7 ms with one thread each. One
-        stretch is read by the calling thread (no hand-off to a reader and back)."""
-        if not ranges:
-            return
-        local = is_local(self._fs)
-        runs = _runs(ranges, READ_PIECE if local else BATCH, _IOV_MAX if local else None)
-        threads = min(self.threads, len(runs))
-        if local:
-            threads = min(threads, _own_cpus())
-        if local and threads == 1:
-            _read_stretch(runs)
-            return
-        pool = _readers(threads)
-        if local:
-            for _ in pool.map(_read_stretch, _stretches(runs, threads)):
-                pass
-            return
-        for _ in pool.map(self._cat_ranges, runs):
-            pass
-
-    def _cat_ranges(self, batch: list[_Range]) -> None:
-        got = self._fs.cat_ranges([r.path for r in batch], [r.start for r in batch],
-                                  [r.start + len(r.dest) for r in batch])
-        for r, data in zip(batch, got):
-            if isinstance(data, Exception):
-                raise data
-            if len(data) != len(r.dest):
-                raise OSError(f"{r.path}: {len(data)} bytes at {r.start}, expected "
-                              f"{len(r.dest)} (truncated)")
-            r.dest[:] = data
-            if r.done is not None:
-                r.done()
-
 
 def _own_cpus() -> int:
     """The CPUs this process may run on, shared among its node's ranks (at least one)."""
@@ -573,93 +391,379 @@ def _own_cpus() -> int:
     return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
-def _exact_chunks(reader: ShardReader, tensors: dict,
-                  objects: list[str]) -> list[tuple[str, StoredItem, torch.Tensor | None]] | None:
-    """(name, the stored item to read it from, the live tensor to read it into) for each
-    tensor of ``tensors`` and (name, item, None) for each object named in ``objects``;
-    None when a tensor has no saved chunk at its offset with its shape and dtype, in the
-    raw format."""
-    items = reader.own_items()
-    found = []
-    for key, target in tensors.items():
-        item = items.get(key)
-        if (item is None or RAW not in item.transform_descriptors
-                or item.sizes != target.shape or item.dtype != target.dtype):
-            return None
-        found.append((key[0], item, target))
-    return found + [(name, items[(name, None)], None) for name in objects]
+class Places(NamedTuple):
+    """Byte ranges of files to read, one row per destination: the file ``paths[file]``,
+    from ``start``, ``length`` bytes. Arrays, not an object per range: a load of a few
+    hundred tensors spends no Python on each one."""
+    paths: list[str]
+    file: np.ndarray    # int64
+    start: np.ndarray   # int64
+    length: np.ndarray  # int64
 
 
-def fits_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
-                  checked: bool) -> bool:
-    """Whether :func:`read_in_place` can read these (``checked``: and check every item)."""
-    found = _exact_chunks(reader, tensors, objects)
-    return found is not None and (not checked or all(item_sum(item) for _, item, _ in found))
+class _Reads:
+    """:class:`Places` gathered one destination at a time (DCP's planned reads), with
+    the destinations' addresses."""
+
+    def __init__(self):
+        self.files: dict[str, int] = {}
+        self.rows: list[tuple[int, int, int, int]] = []
+
+    def add(self, relative_path: str, start: int, length: int, address: int) -> None:
+        self.rows.append((self.files.setdefault(relative_path, len(self.files)), start,
+                          length, address))
+
+    def places(self, root: str) -> tuple[Places, np.ndarray]:
+        file, start, length, address = np.array(self.rows, np.int64).reshape(-1, 4).T
+        return Places([posixpath.join(root, f) for f in self.files], file, start,
+                      length), address
 
 
-def read_in_place(reader: ShardReader, tensors: dict, objects: list[str], *,
-                  check: bool = False) -> dict | None:
-    """Reads every tensor of ``tensors`` ({(FQN, global offset of the shard): tensor})
-    from the saved chunk that starts at that offset and has its shape and dtype, straight
-    into its memory, and the raw bytes of the non-tensor items named in ``objects``: one
-    batch of parallel range reads, without DCP's planning (about 0.2 ms of Python per
-    item, most of a warm load's time). Returns {name: bytes} of ``objects``; None, having
-    read nothing, when a tensor has no such chunk in the raw format (a resharding load, a
-    checkpoint written before it): then DCP's planner is the way.
+def _address(buffer: bytearray) -> int:
+    """The address of a bytearray's memory (0 when empty)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if buffer else 0
 
-    ``check``: every item read is hashed (on the reading threads) and compared with its
-    recorded sum before anything is returned; a difference raises DamagedCheckpoint,
-    with the destination tensors already overwritten."""
-    found = _exact_chunks(reader, tensors, objects)
-    if found is None:
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.preadv.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong)
+_libc.preadv.restype = ctypes.c_ssize_t
+
+
+def _preadv(fd: int, iov: int, count: int, at: int) -> int:
+    """``preadv(2)`` into the ``count`` buffers of the iovec array at address ``iov``
+    (rows of address and length, uint64) from byte ``at``: the bytes read. Called
+    through ctypes, which lets go of the GIL, on an array: ``os.preadv`` wants a Python
+    buffer object for each range."""
+    n = _libc.preadv(fd, iov, count, at)
+    if n < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    return n
+
+
+def _fill(fd: int, iov: np.ndarray, address: int, at: int, want: int, path: str) -> None:
+    """Reads ``want`` bytes into the buffers of ``iov`` (whose rows start at ``address``)
+    from ``at``; a short read goes on from where it stopped (a FUSE or NFS file may
+    return fewer bytes than asked), the end of file raises."""
+    while True:
+        n = _preadv(fd, address, len(iov), at)
+        if n == want:
+            return
+        if n == 0:
+            raise OSError(f"{path}: ends at {at}, {want} bytes short (truncated)")
+        at, want = at + n, want - n
+        filled = np.cumsum(iov[:, 1])
+        whole = int(np.searchsorted(filled, n, side="right"))
+        iov = iov[whole:].copy()
+        n -= int(filled[whole - 1]) if whole else 0
+        iov[0, 0] += n
+        iov[0, 1] -= n
+        address = iov.ctypes.data
+
+
+class _Schedule(NamedTuple):
+    """How :class:`Places` are read (see :func:`_read`): rows cut into pieces of up to
+    READ_PIECE bytes, in file order, and the bounds of the runs of pieces one read
+    fills. It depends on the places alone, so a load of the same layout keeps it."""
+    paths: list[str]
+    row: np.ndarray    # each piece's row
+    skip: np.ndarray   # the bytes of its row before it
+    size: np.ndarray   # its bytes
+    file: list[int]
+    start: list[int]
+    whole: np.ndarray  # its row where it is the whole row, else -1
+    split: list[int]   # rows of several pieces
+    runs: list[int]    # where each run starts, and the end
+    local: bool
+
+
+def _schedule(places: Places, local: bool) -> _Schedule:
+    """Pieces and runs of ``places``: with ``local`` (files read by ``preadv``), a run is
+    back-to-back pieces of one file, up to _IOV_MAX of them and cut where their bytes
+    cross a multiple of READ_PIECE (so at most twice that); otherwise (an object store's
+    batches of ranges), any pieces, cut where their bytes cross a multiple of BATCH."""
+    rows = np.flatnonzero(places.length > 0)
+    pieces = np.maximum(1, -(-places.length[rows] // READ_PIECE))
+    row = np.repeat(rows, pieces)
+    skip = (np.arange(len(row)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * READ_PIECE
+    file, start = places.file[row], places.start[row] + skip
+    order = np.lexsort((start, file))
+    row, skip, file, start = row[order], skip[order], file[order], start[order]
+    size = np.minimum(places.length[row] - skip, READ_PIECE)
+    whole = np.where(pieces[np.searchsorted(rows, row)] == 1, row, -1)
+    before = np.cumsum(size) - size  # bytes before each piece
+    cut = np.ones(len(row), bool)
+    cut[1:] = before[1:] // (READ_PIECE if local else BATCH) != before[:-1] // (
+        READ_PIECE if local else BATCH)
+    if local and len(row):
+        cut[1:] |= (file[1:] != file[:-1]) | (start[1:] != start[:-1] + size[:-1])
+        first = np.flatnonzero(cut)
+        position = np.arange(len(row)) - np.repeat(first, np.diff(np.append(first, len(row))))
+        cut[1:] |= position[1:] % _IOV_MAX == 0
+    return _Schedule(places.paths, row, skip, size, file.tolist(), start.tolist(), whole,
+                     rows[pieces > 1].tolist(), [*np.flatnonzero(cut).tolist(), len(row)],
+                     local)
+
+
+def _read(fs, schedule: _Schedule, address: np.ndarray, threads: int,
+          done: list | None = None) -> None:
+    """Fills every row of a schedule, whose memory starts at ``address[row]`` (memory the
+    caller holds until this returns), ``threads`` reads at a time; ``done[row]``, where
+    given, runs once that row is full. A local file's runs are read by one ``preadv``
+    each, so a state of many small tensors costs a few dozen calls, not one call and one
+    task handed to a thread per tensor. Each thread reads one stretch of the files in
+    order, through descriptors of its own, so the kernel sees sequential reads and reads
+    ahead: 16 MiB pieces dealt out in turn to 4 threads sharing one descriptor per file
+    read a cold 286 MB checkpoint in 145-187 ms here, against 93 ms for one thread.
+    Local reads take at most as many threads as this rank has CPUs of its own: from the
+    page cache a read is a copy, and with 4 threads for each of 2 ranks on 2 cores a
+    warm 286 MB load took 9.3 ms longer than a raw read of its files, against 5.7 ms
+    with one thread each. One stretch is read by the calling thread (no hand-off to a
+    reader and back). Other storage gets one ``cat_ranges`` request a run."""
+    runs = schedule.runs
+    if len(runs) < 2:
+        return
+    iov = np.empty((len(schedule.row), 2), np.uint64)
+    iov[:, 0] = address[schedule.row] + schedule.skip
+    iov[:, 1] = schedule.size
+    job = _Job(fs, schedule, iov, done)
+    threads = min(threads, len(runs) - 1)
+    if schedule.local:
+        threads = min(threads, _own_cpus())
+    if schedule.local and threads <= 1:
+        job.read(runs)
+    else:
+        stretches = (_stretches(runs, schedule.size, threads) if schedule.local
+                     else [runs[i:i + 2] for i in range(len(runs) - 1)])
+        for _ in _readers(threads).map(job.read if schedule.local else job.fetch,
+                                       stretches):
+            pass
+    if done is not None:  # rows of several pieces, once all of them are in
+        split = [r for r in schedule.split if done[r] is not None]
+        for _ in _readers(threads).map(lambda r: done[r](), split):
+            pass
+
+
+def _stretches(runs: list[int], size: np.ndarray, count: int) -> list[list[int]]:
+    """``runs`` (bounds, in file order) cut into up to ``count`` consecutive stretches
+    of about equal bytes, each as its own bounds."""
+    before = np.concatenate([[0], np.cumsum(size)])[runs]  # bytes before each bound
+    cuts = np.searchsorted(before, before[-1] * np.arange(1, count) / count)
+    bounds = sorted({0, *cuts.tolist(), len(runs) - 1})
+    return [runs[a:b + 1] for a, b in zip(bounds, bounds[1:])]
+
+
+class _Job(NamedTuple):
+    """One :func:`_read`: how each thread reads its share of the runs (their bounds)."""
+    fs: object
+    schedule: _Schedule
+    iov: np.ndarray
+    done: list | None
+
+    def read(self, runs: list[int]) -> None:
+        """Local files: one ``preadv`` a run, in order, through descriptors of this
+        thread's own."""
+        s, fds = self.schedule, {}
+        base = self.iov.ctypes.data  # each run's rows: 16 bytes a row on from here
+        try:
+            for a, b in zip(runs, runs[1:]):
+                f = s.file[a]
+                if f not in fds:
+                    fds[f] = os.open(s.paths[f], os.O_RDONLY)
+                want = s.start[b - 1] + int(s.size[b - 1]) - s.start[a]
+                _fill(fds[f], self.iov[a:b], base + 16 * a, s.start[a], want, s.paths[f])
+                self._done(a, b)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def fetch(self, runs: list[int]) -> None:
+        """Other storage: one ``cat_ranges`` request a run."""
+        s = self.schedule
+        for a, b in zip(runs, runs[1:]):
+            paths = [s.paths[f] for f in s.file[a:b]]
+            sizes = s.size[a:b].tolist()
+            got = self.fs.cat_ranges(paths, s.start[a:b],
+                                     [at + n for at, n in zip(s.start[a:b], sizes)])
+            for i, data in enumerate(got):
+                if isinstance(data, Exception):
+                    raise data
+                if len(data) != sizes[i]:
+                    raise OSError(f"{paths[i]}: {len(data)} bytes at {s.start[a + i]}, "
+                                  f"expected {sizes[i]} (truncated)")
+                ctypes.memmove(int(self.iov[a + i, 0]), data, len(data))
+            self._done(a, b)
+
+    def _done(self, a: int, b: int) -> None:
+        if self.done is not None:
+            for r in self.schedule.whole[a:b].tolist():
+                if r >= 0 and self.done[r] is not None:
+                    self.done[r]()
+
+
+class LiveShards:
+    """A rank's live tensors as a load finds them: {(FQN, global offset of its shard)}
+    keys, the tensors, each one's key line (:func:`index.key_line`), and the last
+    in-place layout found for them (see :func:`plan_in_place`). A caller loading into
+    the same tensors again keeps it."""
+
+    def __init__(self, tensors: dict):
+        self.keys = list(tensors)
+        self.tensors = list(tensors.values())
+        self.lines = [index.key_line(fqn, offset, t.shape, t.dtype)
+                      for (fqn, offset), t in tensors.items()]
+        self.kept: tuple[tuple, _Layout] | None = None
+
+
+class _Layout(NamedTuple):
+    """Where an in-place load reads each live tensor and object from, and how: what a
+    load keeps while the checkpoint's layout stays the same."""
+    targets: list[torch.Tensor]  # the live tensors, then the objects' rows
+    objects: list[str]
+    places: Places
+    schedule: _Schedule
+    chosen: list[int]            # the section's column of each of the first rows
+    keys: list[tuple]            # the item of each row after those, among the rows
+    on_cpu: bool                 # every target a plain CPU tensor (then if contiguous,
+                                 # read into directly)
+
+
+class InPlace(NamedTuple):
+    """A load with no planning (:func:`plan_in_place`): where each live tensor and each
+    object is, and their recorded sums, from the checkpoint read."""
+    layout: _Layout
+    section: Section
+
+    @property
+    def checked(self) -> bool:
+        """Every row has a recorded sum (the columns always do)."""
+        return all(item_sum(self.section.rows[key]) for key in self.layout.keys)
+
+    def sum(self, row: int) -> tuple[str, str] | None:
+        """(algorithm, hex digest) recorded for a row."""
+        chosen = self.layout.chosen
+        if row < len(chosen):
+            j = chosen[row]
+            return index.SUMMED, self.section.digests[16 * j:16 * j + 16].hex()
+        return item_sum(self.section.rows[self.layout.keys[row - len(chosen)]])
+
+    def name(self, row: int) -> str:
+        chosen = self.layout.chosen
+        if row < len(chosen):
+            return self.section.lines[chosen[row]].split("\t")[0]
+        return self.layout.keys[row - len(chosen)][0]
+
+
+def plan_in_place(reader: ShardReader, live: LiveShards, objects: list[str]) -> InPlace | None:
+    """Where each live tensor's saved chunk is (one at its offset with its shape and
+    dtype, in the raw format) and where the objects named are, among the reader's own
+    items; None when some live tensor has none, or, in a section of INDEX.bin, some saved
+    chunk has no live tensor (a resharding load, a checkpoint written before the raw
+    format): then DCP's planner is the way.
+
+    A section's tensor chunks are matched as lines: one dict of the saved lines, one
+    lookup per live line, and arrays indexed by the result; no object is made per
+    tensor. Items kept as rows (an index written before columns, ITEMS.json,
+    ``.metadata``) are looked up one by one. The layout found is kept with ``live``, and
+    a checkpoint whose section has the same layout (a later one of the same run) takes
+    it as it is: its tensor columns (lines, files, places) and its objects' places are
+    compared byte for byte, not matched again."""
+    section = reader.own_section()
+    rows = section.rows
+    found = [rows.get((name, None)) for name in objects]
+    if None in found:
         return None
-    ranges: list[_Range] = []
-    split: list[tuple[str, StoredItem, memoryview]] = []  # items read in several pieces
-    problems: list[str] = []
-    buffers: dict[str, bytearray] = {}
-    paths = {name: posixpath.join(reader._root, name)
-             for name in {info.relative_path for _, info, _ in found}}
+    key = (section.layout, is_local(reader._fs), reader._root,
+           [(name, i.relative_path, i.offset, i.length) for name, i in zip(objects, found)])
+    if live.kept is not None and section.layout and live.kept[0] == key:
+        return InPlace(live.kept[1], section)
+    layout = _layout(reader, section, live, objects)
+    if layout is not None:
+        live.kept = (key, layout)
+    return layout and InPlace(layout, section)
+
+
+def _layout(reader: ShardReader, section: Section, live: LiveShards,
+            objects: list[str]) -> _Layout | None:
+    rows = section.rows
+    saved = dict(zip(section.lines, range(len(section.lines))))
+    chosen = list(map(saved.get, live.lines))
+    targets, keys = live.tensors, []
+    if None in chosen:  # looked up among the rows
+        targets = [t for t, j in zip(live.tensors, chosen) if j is not None]
+        for key, t, j in zip(live.keys, live.tensors, chosen):
+            if j is not None:
+                continue
+            item = rows.get(key)
+            if (item is None or RAW not in item.transform_descriptors
+                    or item.sizes != t.shape or item.dtype != t.dtype):
+                return None
+            keys.append(key)
+            targets.append(t)
+        chosen = [j for j in chosen if j is not None]
+    if len(chosen) != len(section.lines):  # a saved chunk no live tensor takes
+        return None
+    keys += [(name, None) for name in objects]
+    extra = [rows[key] for key in keys]
+    files = dict(zip(section.files, range(len(section.files))))
+    for item in extra:
+        files.setdefault(item.relative_path, len(files))
+    columns = np.array(chosen, np.int64)
+
+    def column(saved: np.ndarray, more: list[int]) -> np.ndarray:
+        return np.concatenate([saved[columns].astype(np.int64), np.array(more, np.int64)])
+
+    places = Places([posixpath.join(reader._root, f) for f in files],
+                    column(section.file, [files[item.relative_path] for item in extra]),
+                    column(section.start, [item.offset for item in extra]),
+                    column(section.length, [item.length for item in extra]))
+    return _Layout(targets, objects, places, _schedule(places, is_local(reader._fs)),
+                   chosen, keys, all(t.is_cpu and type(t) is torch.Tensor for t in targets))
+
+
+def read_in_place(reader: ShardReader, plan: InPlace, *, check: bool = False) -> dict:
+    """Reads every live tensor of ``plan`` from its saved chunk straight into its memory,
+    and the raw bytes of its objects: one batch of parallel range reads, without DCP's
+    planning (about 0.2 ms of Python per item, most of a warm load's time). Returns
+    {name: bytes} of the objects.
+
+    ``check``: every item read is hashed (on the reading threads, while it is in the
+    cache) and compared with its recorded sum before anything is returned; a difference
+    raises DamagedCheckpoint, with the destination tensors already overwritten."""
+    layout = plan.layout
+    targets, count = layout.targets, len(layout.targets)
     # destinations read through a scratch copy: views into one host block, pinned where
     # it lies for a GPU (from torch's pinned allocator, each would be rounded up to a
     # power of two and stay cached for the rest of the run)
-    through = [t for t in tensors.values() if _needs_scratch(t)]
+    # each tensor's metadata is touched once (after a large read it is out of the
+    # caches: at 2 ranks here each pass over 300 tensors took 0.1-0.3 ms)
+    pointers = ([t.data_ptr() if t.is_contiguous() else -1 for t in targets] if layout.on_cpu
+                else [-1] * count)
+    through = [t for t, at in zip(targets, pointers) if at == -1 and _needs_scratch(t)]
     gpu = any(t.device.type == "cuda" for t in through)
     scratch = dict(zip(map(id, through), host_block(through, pin=gpu)[1]))
-    for name, info, target in found:
-        if target is None:
-            buffers[name] = buffer = bytearray(info.length)
-            dest = memoryview(buffer)
-        else:
-            dest = _byte_view(scratch.get(id(target), target))
-        path = paths[info.relative_path]
-        if info.length <= READ_PIECE:  # checked by the thread that read it, while cached
-            done = functools.partial(_damaged, (name, info, dest), reader._root,
-                                     problems) if check else None
-            ranges.append(_Range(path, info.offset, dest, done))
-            continue
-        split.append((name, info, dest))
-        for piece in range(0, len(dest), READ_PIECE):
-            ranges.append(_Range(path, info.offset + piece, dest[piece:piece + READ_PIECE]))
-    reader._read(ranges)
-    if check and split:
-        list(_readers(reader.threads).map(lambda item: _damaged(item, reader._root, problems),
-                                          split))
+    lengths = layout.places.length[count:]
+    ends = np.cumsum(lengths).tolist()
+    objects = bytearray(ends[-1] if ends else 0)  # one buffer for all the objects' bytes
+    address = np.empty(count + len(lengths), np.int64)
+    address[:count] = pointers if not through else [
+        scratch[id(t)].data_ptr() if id(t) in scratch else t.data_ptr() for t in targets]
+    address[count:] = _address(objects) + np.cumsum(lengths) - lengths
+    problems: list[str] = []
+    done = None
+    if check:
+        done = [functools.partial(_damaged, plan, row, address, problems)
+                for row in range(len(address))]
+    _read(reader._fs, layout.schedule, address, reader.threads, done)
     if problems:
         raise DamagedCheckpoint(sorted(problems))
     for target in through:
         target.copy_(scratch[id(target)], non_blocking=True)
     if gpu:
         torch.cuda.current_stream().synchronize()  # before the pinned scratch goes
-    return {name: bytes(buf) for name, buf in buffers.items()}
-
-
-def _byte_view(target: torch.Tensor) -> memoryview:
-    """The bytes of a tensor that needs no scratch copy (:func:`_needs_scratch`), to read
-    into: made from its address, at half the cost of :func:`tensor_bytes` (1.2 against
-    2.5 us here, most of a 300-tensor load's mapping), since a parameter's numpy view
-    is refused for needing grad. It does not hold the tensor: the caller does, for as
-    long as the view is used."""
-    return memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
+    view = memoryview(objects)
+    return {name: bytes(view[end - n:end]) for name, n, end in
+            zip(layout.objects, lengths.tolist(), ends)}
 
 
 def _needs_scratch(target: torch.Tensor) -> bool:
@@ -668,19 +772,20 @@ def _needs_scratch(target: torch.Tensor) -> bool:
     return not (target.is_cpu and target.is_contiguous() and type(target) is torch.Tensor)
 
 
-def _damaged(item: tuple[str, StoredItem, memoryview], root: str,
-             problems: list[str]) -> None:
-    """Hashes one item's bytes as read (hashing lets go of the GIL, so reading threads
-    check in parallel) and adds a problem naming it when its sum differs."""
-    name, info, data = item
-    expected = item_sum(info)
+def _damaged(plan: InPlace, row: int, address: np.ndarray, problems: list[str]) -> None:
+    """Hashes one row's bytes as read (hashing lets go of the GIL, so reading threads
+    check in parallel) and adds a problem naming its item when its sum differs."""
+    places = plan.layout.places
+    start, length = int(places.start[row]), int(places.length[row])
+    path = places.paths[places.file[row]]
+    expected = plan.sum(row)
     if expected is None:
-        raise ValueError(f"{info.relative_path}: {name} has no recorded sum to check")
+        raise ValueError(f"{path}: {plan.name(row)} has no recorded sum to check")
     algorithm, digest = expected
+    data = (ctypes.c_char * length).from_address(int(address[row]))
     if checksum.of(data, algorithm) != digest:
-        problems.append(f"{posixpath.join(root, info.relative_path)}: {algorithm} differs "
-                        f"from the manifest in {name} (bytes {info.offset}-"
-                        f"{info.offset + info.length}; corrupted)")
+        problems.append(f"{path}: {algorithm} differs from the manifest in {plan.name(row)} "
+                        f"(bytes {start}-{start + length}; corrupted)")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -700,18 +805,40 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("a tensor is not a plain value")
 
 
+_DECODED: dict[bytes, object] = {}  # plain immutable values decoded, by their stored bytes
+_DECODED_MAX = 4096
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+
+
 def stored_object(data: bytes):
     """A non-tensor item as DCP stores it (a ``torch.save`` archive): its pickle read by
     :class:`_PlainUnpickler` straight from the archive, about 7x cheaper than opening it
     with torch's archive reader and 100x cheaper than ``torch.load``, whose per-call setup
     was most of the cost of a restart's two dozen small items (the optimizer's
     hyperparameters); an item holding anything else (tensors, in checkpoints written
-    before the RNG state was plain values) goes to ``torch.load(weights_only=True)``."""
+    before the RNG state was plain values) goes to ``torch.load(weights_only=True)``.
+    An immutable value (a number, a string, a tuple of them: the hyperparameters, most
+    the same in every checkpoint of a run) is kept by its bytes and not decoded again
+    (a dict lookup against about 9 us a decode here)."""
     try:
-        return _PlainUnpickler(io.BytesIO(_pickle_record(data))).load()
+        return _DECODED[data]
+    except KeyError:
+        pass
+    try:
+        # buffered: from a bare BytesIO the unpickler reads opcode by opcode (4x slower)
+        value = _PlainUnpickler(io.BufferedReader(io.BytesIO(_pickle_record(data)))).load()
     except Exception:  # what it cannot read, torch.load reads, refuses or explains
         with torch.serialization.safe_globals([io.BytesIO]):
             return torch.load(io.BytesIO(data), weights_only=True)
+    if _immutable(value):
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        _DECODED[bytes(data)] = value
+    return value
+
+
+def _immutable(value) -> bool:
+    return isinstance(value, _PLAIN) or (type(value) is tuple and all(map(_immutable, value)))
 
 
 _ZIP_ENTRY = struct.Struct("<4s4xH16xHH")  # a zip entry's header: magic, method, name, extra
@@ -739,72 +866,3 @@ def load_unsharded(url: str, threads: int = 4) -> dict:
     _load_state_dict(state, storage_reader=ShardReader(url, threads=threads),
                      planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
-
-
-def _runs(ranges: list[_Range], limit: int, iovecs: int | None) -> list[list[_Range]]:
-    """``ranges`` in file order, grouped into runs that one read can fill: back to back in
-    one file, up to ``limit`` bytes (a range larger than that is a run of its own) and,
-    where ``iovecs`` is given, that many ranges; without it, any ranges of up to
-    ``limit`` bytes in all (a batch of ranges for an object store)."""
-    runs: list[list[_Range]] = []
-    run: list[_Range] = []
-    size = end = 0
-    path = None
-    for r in sorted(ranges, key=_IN_FILE_ORDER):
-        n = len(r.dest)
-        if (not run or size + n > limit or iovecs is not None
-                and (len(run) >= iovecs or r.path != path or r.start != end)):
-            run = []
-            runs.append(run)
-            size = 0
-        run.append(r)
-        size, path, end = size + n, r.path, r.start + n
-    return runs
-
-
-def _stretches(runs: list[list[_Range]], count: int) -> list[list[list[_Range]]]:
-    """``runs`` (in file order) cut into up to ``count`` consecutive stretches of about
-    equal bytes."""
-    total = sum(len(r.dest) for run in runs for r in run)
-    stretches: list[list[list[_Range]]] = [[]]
-    done = 0
-    for run in runs:
-        if stretches[-1] and len(stretches) < count and done >= total * len(stretches) / count:
-            stretches.append([])
-        stretches[-1].append(run)
-        done += sum(len(r.dest) for r in run)
-    return stretches
-
-
-def _read_stretch(runs: list[list[_Range]]) -> None:
-    """Reads consecutive runs in order, through descriptors of this thread's own."""
-    fds: dict[str, int] = {}
-    try:
-        for run in runs:
-            path = run[0].path
-            if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY)
-            _preadv(fds[path], run)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _preadv(fd: int, run: list[_Range]) -> None:
-    """Fills a run of back-to-back ranges with ``preadv`` calls, then runs their
-    ``done``; a short read goes on from where it stopped, the end of file raises."""
-    views = [r.dest for r in run]
-    at = run[0].start
-    while views:
-        n = os.preadv(fd, views, at)
-        if n == 0:
-            left = sum(len(v) for v in views)
-            raise OSError(f"{run[0].path}: ends at {at}, {left} bytes short (truncated)")
-        at += n
-        while views and n >= len(views[0]):
-            n -= len(views.pop(0))
-        if views and n:
-            views[0] = views[0][n:]
-    for r in run:
-        if r.done is not None:
-            r.done()

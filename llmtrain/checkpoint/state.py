@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -17,8 +18,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from llmtrain.checkpoint.shards import (ShardReader, fits_in_place, no_gc, read_in_place,
-                                       stored_object)
+from llmtrain.checkpoint.shards import (InPlace, LiveShards, ShardReader, no_gc,
+                                       plan_in_place, read_in_place, stored_object)
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.checkpoint.staging import local_shard
 from llmtrain.model import global_offset, unwrapped_name
@@ -30,7 +31,7 @@ class TrainState:
         self.registry, self.rank, self.world = registry, rank, world
         self._kept: tuple[list, dict, dict] | None = None  # see _tensor_state
         self._opened: tuple[str, ShardReader] | None = None  # see _reader
-        self._mapped: tuple[list, dict | None] | None = None  # see _shards
+        self._mapped: tuple[list, LiveShards | None] | None = None  # see _shards
 
     @property
     def model(self) -> torch.nn.Module:
@@ -79,7 +80,7 @@ class TrainState:
         sum as it reads it). ``url``'s files must be verified already."""
         reader = self._reader(url)
         plan = self._in_place(reader, self._objects(reader))
-        return plan is not None and fits_in_place(reader, *plan, checked=checked)
+        return plan is not None and (plan.checked or not checked)
 
     def has_own_section(self, url: str) -> bool:
         """Whether this rank finds its own items of ``url`` in its section of INDEX.bin (a
@@ -114,7 +115,7 @@ class TrainState:
         reader.threads, self._opened = threads, None
         objects = self._objects(reader)
         plan = self._in_place(reader, objects)
-        values = None if plan is None else self._load_in_place(reader, *plan, check=check)
+        values = None if plan is None else self._load_in_place(reader, plan, check=check)
         planned = values is None
         if planned:
             values = self._load_planned(reader, objects)
@@ -134,28 +135,33 @@ class TrainState:
 
     def _objects(self, reader: ShardReader) -> list[str]:
         """The non-tensor items this rank loads: the shared ones, and its own if saved."""
-        stored = reader.own_items()
+        stored = reader.own_section().rows
         own = [f"{name}.{self.rank}" for name, item in self.registry.items.items()
                if item.per_rank]
         return ["trainer", *(key for key in own if (key, None) in stored)]
 
-    def _in_place(self, reader: ShardReader, objects: list[str]) -> tuple[dict, list] | None:
-        """(live shards, items to read with them) when the checkpoint's model and
+    def _in_place(self, reader: ShardReader, objects: list[str]) -> InPlace | None:
+        """Where to read the live shards and the items to read with them (``objects``
+        and the optimizer's hyperparameters) from, when the checkpoint's model and
         optimizer keys match the live state's one for one; None when not."""
-        tensors = self._shards()
-        if tensors is None:
+        live = self._shards()
+        if live is None:
             return None
         groups = [f"optim.param_groups.{i}.{k}"
                   for i, g in enumerate(self.optimizer.param_groups) for k in g if k != "params"]
-        saved_keys = {k for k, _ in reader.own_items()
-                      if k.startswith(("model.", "optim.")) and not k.endswith(".params")}
-        if saved_keys != {fqn for fqn, _ in tensors} | set(groups):
+        section = reader.own_section()
+        saved = {k for k, _ in section.rows
+                 if k.startswith(("model.", "optim.")) and not k.endswith(".params")}
+        # tensor chunks in columns are matched one for one by plan_in_place; in rows
+        # (an index before columns, every rank's items) they are compared by name here
+        expected = set(groups) if len(section.file) else {fqn for fqn, _ in live.keys} | set(groups)
+        if saved != expected:
             return None
-        return tensors, [*objects, *groups]
+        return plan_in_place(reader, live, [*objects, *groups])
 
-    def _shards(self) -> dict | None:
-        """:func:`_live_shards`, kept for as long as the optimizer's parameters and state
-        are the same tensors over the same local shards (an in-place load writes into
+    def _shards(self) -> LiveShards | None:
+        """:func:`_live_shards` as :class:`LiveShards`, kept for as long as the optimizer's
+        parameters and state are the same tensors over the same local shards (an in-place load writes into
         them; a planned load, a rebuild, or FSDP resetting a parameter's shard replaces
         them), as :meth:`_tensor_state` keeps its dicts: a resume's check that its
         checkpoint fits in place and the load after it map the tensors once, not twice.
@@ -166,23 +172,21 @@ class TrainState:
                 for t in (p, *opt.state.get(p, {}).values()) if isinstance(t, torch.Tensor)]
         mapped = self._mapped
         if mapped is None or len(mapped[0]) != len(live) or any(
-                a is not b for a, b in zip(mapped[0], live)):
-            mapped = self._mapped = (live, _live_shards(self.model, opt))
+                map(operator.is_not, mapped[0], live)):
+            tensors = _live_shards(self.model, opt)
+            mapped = self._mapped = (live, None if tensors is None else LiveShards(tensors))
         return mapped[1]
 
-    def _load_in_place(self, reader: ShardReader, tensors: dict, items: list[str], *,
-                       check: bool) -> dict[str, bytes] | None:
+    def _load_in_place(self, reader: ShardReader, plan: InPlace, *,
+                       check: bool) -> dict[str, bytes]:
         """The load with no planning (see :meth:`load`): {name: bytes} of the objects,
-        with the optimizer's hyperparameters set; None when a shard has no saved chunk of
-        its place and shape (nothing was read then)."""
-        got = read_in_place(reader, tensors, items, check=check)
-        if got is None:
-            return None
+        with the optimizer's hyperparameters set."""
+        got = read_in_place(reader, plan, check=check)
         values = {k: stored_object(v) for k, v in got.items()}  # DCP pickles every object
         for i, group in enumerate(self.optimizer.param_groups):
             group.update({k: values[f"optim.param_groups.{i}.{k}"] for k in group
                           if k != "params"})
-        return {k: values[k].getvalue() for k in items if not k.startswith("optim.")}
+        return {k: v.getvalue() for k, v in values.items() if not k.startswith("optim.")}
 
     def _load_planned(self, reader: ShardReader, objects: list[str]) -> dict[str, bytes]:
         """The load DCP plans (see :meth:`load`). Tensors are read straight into the live

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.futures import Future
 
 from llmtrain import fault_points
-from llmtrain.checkpoint import checksum, shards
+from llmtrain.checkpoint import checksum, index, shards
 from llmtrain.fsio import (FILE_MODE, create_atomic, is_local, join, makedirs, set_mode, sync_dir,
                            write_atomic)
 
@@ -225,10 +225,10 @@ class CommitWriter(FsspecWriter):
         metadata.storage_data = {r.index: r.storage_data for rs in plain for r in rs}
         super().finish(metadata, plain)
         files[".metadata"] = self.fs.sums[".metadata.tmp"]
-        items = shards.metadata_items(metadata)
-        indexes = {shards.ITEMS: lambda f: f.write(shards.items_json(items))}
+        items = index.metadata_items(metadata)
+        indexes = {index.ITEMS: lambda f: f.write(index.items_json(items))}
         if layout := getattr(self.planner, "index_layout", None):
-            indexes[shards.INDEX] = lambda f: shards.write_index(f, items, layout)
+            indexes[index.INDEX] = lambda f: index.write_index(f, items, layout)
         for name, write in indexes.items():
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
                 write(f)
@@ -341,12 +341,12 @@ def _items(url: str, root: str, fs, manifest: dict) -> dict[str, list] | str:
     """{shard file: [(first byte, length, name, (algorithm, digest)) of each item, in file
     order]} from the checkpoint's index (ITEMS.json, or ``.metadata`` where it has none),
     once the index's own sum matches the manifest's; a string saying why not otherwise."""
-    index = shards.ITEMS if shards.ITEMS in manifest["files"] else ".metadata"
-    meta = manifest["files"].get(index, {})
-    path = posixpath.join(root, index)
+    listed = index.ITEMS if index.ITEMS in manifest["files"] else ".metadata"
+    meta = manifest["files"].get(listed, {})
+    path = posixpath.join(root, listed)
     if not fs.exists(path) or fs.size(path) != meta.get("size") or \
             _file_sum(fs, path) != meta.get("sha256"):
-        return f"{url}/{index}: damaged, so the item sums cannot be checked"
+        return f"{url}/{listed}: damaged, so the item sums cannot be checked"
     out: dict[str, list] = {}
     for (fqn, _), item in shards.ShardReader(url).stored_items().items():
         out.setdefault(item.relative_path, []).append(
@@ -365,7 +365,7 @@ def _damaged_items(url: str, fs, path: str, name: str, items: list, expect: str)
     return problems
 
 
-INDEXES = (".metadata", shards.ITEMS, shards.INDEX)  # what lists the items, not data
+INDEXES = (".metadata", index.ITEMS, index.INDEX)  # what lists the items, not data
 
 
 def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
@@ -387,9 +387,9 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
         return [f"{url}: {MANIFEST} is unreadable"]
     fs, root = fsspec.core.url_to_fs(url)
     problems = []
-    index, count = part
+    share, count = part
     table = None  # the item sums, read once when a shard file needs them
-    for name, expect in list(manifest["files"].items())[index::count]:
+    for name, expect in list(manifest["files"].items())[share::count]:
         path = posixpath.join(root, name)
         try:
             size = fs.size(path)

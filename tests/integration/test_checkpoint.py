@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, check, events, llmtrain, step_losses
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import index, shards, storage
 
 pytestmark = pytest.mark.slow
 
@@ -124,13 +124,13 @@ def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path, r
     root = str(run / "checkpoints")
     assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 18, 24]
     # 24: rank 1's section of INDEX.bin; 18: a flipped byte; 12: a truncated shard
-    index = Path(storage.step_dir(root, 24), shards.INDEX)
-    own_offset, own_length = shards.index_entry(index.read_bytes(), 1, 2)[3:5]
-    flip(index, own_offset + own_length // 2)
+    index_file = Path(storage.step_dir(root, 24), index.INDEX)
+    own_offset, own_length = index.entry(index_file.read_bytes(), 1, 2)[3:5]
+    flip(index_file, own_offset + own_length // 2)
     flip(Path(storage.step_dir(root, 18), "__1_0.distcp"))
     shard = Path(storage.step_dir(root, 12), "__0_0.distcp")
     shard.write_bytes(shard.read_bytes()[:-7])
-    for name in (shards.ITEMS, ".metadata"):  # 6: what a restart at 2 ranks never reads
+    for name in (index.ITEMS, ".metadata"):  # 6: what a restart at 2 ranks never reads
         flip(Path(storage.step_dir(root, 6), name))
 
     check(llmtrain(run, "--training.steps", "30", *args, nproc=2))
@@ -267,7 +267,7 @@ assert trainer.state.fits_in_place(url, checked=True), "no sum for some item"
 assert trainer.state.load(url, check=True) == (2, [], False), "not loaded in place"
 assert same(snapshot(), saved), "the load in place differs from the save"
 train(2)
-trainer.state._load_in_place = lambda *args, **kwargs: None  # as when the shards do not match
+trainer.state._in_place = lambda *args, **kwargs: None  # as when the shards do not match
 assert trainer.state.load(url) == (2, [], True), "not planned"
 assert same(snapshot(), saved), "DCP's planned load differs from the save"
 trainer.close()

@@ -3,20 +3,23 @@ previous (torch.save) format, plain ``dcp.load`` into an unsharded model, object
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import subprocess
 import sys
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from conftest import ROOT
-from llmtrain.checkpoint import checksum, shards, storage
-from llmtrain.checkpoint.shards import RAW, ShardReader, load_unsharded
+from llmtrain.checkpoint import checksum, index, shards, storage
+from llmtrain.checkpoint.index import RAW
+from llmtrain.checkpoint.shards import ShardReader, load_unsharded
 
 # Three ranks: ranks 0-1 save a 2-way sharded state (the raw format, the dcp format, and
 # main's format: DCP's stock FsspecWriter, which CommitWriter wrapped before the raw
@@ -150,8 +153,8 @@ def test_raw_items_round_trip_on_local_disk_and_in_batched_ranges(tmp_path, monk
     assert all(shards.item_sum(i) for i in items.values())
     assert sorted(RAW in i.transform_descriptors for i in items.values()) == [False] + [True] * 5
     # ITEMS.json (in the manifest, so verified) says what .metadata says, as plain data
-    assert shards.ITEMS in storage.read_manifest(url)["files"]
-    assert reader.stored_items() == shards.metadata_items(reader.read_metadata())
+    assert index.ITEMS in storage.read_manifest(url)["files"]
+    assert reader.stored_items() == index.metadata_items(reader.read_metadata())
     assert reader.stored_items()[("h", (0,))].dtype is torch.bfloat16
     got = empty_like(want)
     monkeypatch.setattr(shards, "READ_PIECE", 4096)
@@ -166,18 +169,20 @@ def test_short_reads_go_on_where_they_stopped(tmp_path, monkeypatch):
     url = str(tmp_path / "ck")
     want = state()
     dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}), no_dist=True)
-    real, calls = os.preadv, []
+    real, calls = shards._preadv, []
 
-    def short(fd, views, at):  # at most 777 bytes a call, cut anywhere in a buffer
+    def short(fd, iov, count, at):  # at most 777 bytes a call, cut anywhere in a buffer
         calls.append(at)
-        out, left = [], 777
-        for v in views:
-            out.append(memoryview(v)[:left])
-            left -= len(out[-1])
+        rows = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(iov))
+        cut, left = [], 777
+        for base, n in rows.reshape(count, 2).tolist():
+            cut.append((base, min(n, left)))
+            left -= cut[-1][1]
             if not left:
                 break
-        return real(fd, out, at)
-    monkeypatch.setattr(os, "preadv", short)
+        cut = np.array(cut, np.uint64)
+        return real(fd, cut.ctypes.data, len(cut), at)
+    monkeypatch.setattr(shards, "_preadv", short)
     got = empty_like(want)
     dcp.load(got, storage_reader=ShardReader(url), no_dist=True)
     assert_same(got, want)
@@ -195,7 +200,7 @@ def test_each_reading_thread_reads_one_stretch_in_order_through_its_own_descript
     want = {f"t{i}": torch.full((1000,), float(i)) for i in range(24)}
     dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, thread_count=2),
              no_dist=True)
-    real_open, real_preadv = os.open, os.preadv
+    real_open, real_preadv = os.open, shards._preadv
     owner, reads = {}, []  # descriptor: thread that opened it; (thread, fd, file, at, n)
 
     def opened(path, *args):
@@ -203,13 +208,13 @@ def test_each_reading_thread_reads_one_stretch_in_order_through_its_own_descript
         owner[fd] = threading.get_ident(), os.path.basename(path)
         return fd
 
-    def preadv(fd, views, at):
-        n = real_preadv(fd, views, at)
+    def preadv(fd, iov, count, at):
+        n = real_preadv(fd, iov, count, at)
         reads.append((threading.get_ident(), fd, *owner[fd], at, n))
         return n
 
     monkeypatch.setattr(os, "open", opened)
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(shards, "_preadv", preadv)
     monkeypatch.setattr(shards, "READ_PIECE", 4000)  # one tensor a run: many runs
     got = {k: torch.zeros_like(v) for k, v in want.items()}
     dcp.load(got, storage_reader=ShardReader(url, threads=3), no_dist=True)
@@ -234,13 +239,13 @@ def test_local_reads_take_no_more_threads_than_the_rank_has_cpus(tmp_path, monke
     want = {f"t{i}": torch.full((1000,), float(i)) for i in range(8)}
     dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, thread_count=2),
              no_dist=True)
-    real_preadv, readers = os.preadv, set()
+    real_preadv, readers = shards._preadv, set()
 
-    def preadv(fd, views, at):
+    def preadv(fd, iov, count, at):
         readers.add(threading.get_ident())
-        return real_preadv(fd, views, at)
+        return real_preadv(fd, iov, count, at)
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(shards, "_preadv", preadv)
     monkeypatch.setattr(shards, "READ_PIECE", 4000)  # one tensor a run: many runs
     for cpus, expected in ((1, {threading.get_ident()}), (64, None)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
@@ -298,12 +303,13 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     tensors = {(k, (0,) * v.ndim): torch.zeros(v.shape, dtype=v.dtype)
                for k, v in want.items() if isinstance(v, torch.Tensor)}
     reader = ShardReader(url)
-    assert shards.fits_in_place(reader, tensors, ["blob"], checked=True)
+    plan = shards.plan_in_place(reader, shards.LiveShards(tensors), ["blob"])
+    assert plan.checked
     with pytest.raises(shards.DamagedCheckpoint) as damaged:
-        shards.read_in_place(reader, tensors, ["blob"], check=True)
+        shards.read_in_place(reader, plan, check=True)
     assert [p.split("/")[-1] for p in damaged.value.problems] == [
         problem.split("/")[-1]]
-    got = shards.read_in_place(ShardReader(url), tensors, ["blob"])
+    got = shards.read_in_place(reader, plan)
     assert list(got) == ["blob"] and not torch.equal(tensors[("w", (0, 0))], want["w"])
     assert torch.equal(tensors[("t", (0, 0))], want["t"])
 
@@ -371,20 +377,20 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, fs):
     damaged section is refused."""
     root = str(tmp_path) if fs == "local" else f"memory://{tmp_path}"
     # 4 ranks, 2 replicas of 2 shards (HSDP): ranks r and r + 2 hold the same chunk
-    items = {("w", (r * 4, 0)): shards.StoredItem(f"__{r}_0.distcp", 0, 64, [RAW], (4, 4),
+    items = {("w", (r * 4, 0)): index.StoredItem(f"__{r}_0.distcp", 0, 64, [RAW], (4, 4),
                                                   torch.float32) for r in range(2)}
-    items |= {(f"rng.{r}", None): shards.StoredItem(f"__{r}_0.distcp", 64, 9, [], None, None)
+    items |= {(f"rng.{r}", None): index.StoredItem(f"__{r}_0.distcp", 64, 9, [], None, None)
               for r in range(4)}
-    items[("trainer", None)] = shards.StoredItem("__3_0.distcp", 73, 9, [], None, None)
+    items[("trainer", None)] = index.StoredItem("__3_0.distcp", 73, 9, [], None, None)
     needs = [[("w", (r % 2 * 4, 0)), (f"rng.{r}", None), ("trainer", None)] for r in range(4)]
     stream = io.BytesIO()
-    shards.write_index(stream, items, shards.index_layout(needs))
+    index.write_index(stream, items, index.index_layout(needs))
     data = stream.getvalue()
-    with fsspec.open(f"{root}/{shards.INDEX}", "wb") as f:
+    with fsspec.open(f"{root}/{index.INDEX}", "wb") as f:
         f.write(data)
-    with fsspec.open(f"{root}/{shards.ITEMS}", "wb") as f:
-        f.write(shards.items_json(items))
-    entries = [shards.index_entry(data, r, 4) for r in range(4)]
+    with fsspec.open(f"{root}/{index.ITEMS}", "wb") as f:
+        f.write(index.items_json(items))
+    entries = [index.entry(data, r, 4) for r in range(4)]
     assert entries[0][:3] == entries[2][:3] != entries[1][:3] == entries[3][:3]
     for rank in range(4):
         reader = ShardReader(root, rank=rank, world=4)
@@ -395,7 +401,7 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, fs):
     offset, length = entries[1][3:5]  # rank 1's own section
     damaged = bytearray(data)
     damaged[offset + length // 2] ^= 0x04
-    with fsspec.open(f"{root}/{shards.INDEX}", "wb") as f:
+    with fsspec.open(f"{root}/{index.INDEX}", "wb") as f:
         f.write(bytes(damaged))
     assert ShardReader(root, rank=0, world=4).has_own_section()
     with pytest.raises(shards.DamagedCheckpoint, match="a section of rank 1's entry differs"):
@@ -406,10 +412,10 @@ def test_index_rows_name_only_torch_dtypes():
     """A row's dtype is looked up by name on ``torch``: a name of anything but a dtype (a
     function, a module) is refused, naming the file, rather than used."""
     row = ["w", [0, 0], "__0_0.distcp", 0, 64, [RAW], [4, 4]]
-    items = shards._parse_items([[*row, "bfloat16"], ["n", None, "__0_0.distcp", 64, 9, [],
+    items = index.parse_rows([[*row, "bfloat16"], ["n", None, "__0_0.distcp", 64, 9, [],
                                                        None, None]], "ITEMS.json")
     assert items[("w", (0, 0))].dtype is torch.bfloat16 and items[("w", (0, 0))].sizes == (4, 4)
-    assert items[("n", None)] == shards.StoredItem("__0_0.distcp", 64, 9, [], None, None)
+    assert items[("n", None)] == index.StoredItem("__0_0.distcp", 64, 9, [], None, None)
     for name in ("save", "nn", "not_a_dtype"):
         with pytest.raises(ValueError, match=f"ITEMS.json: '{name}' is not a torch dtype"):
-            shards._parse_items([[*row, name]], "ITEMS.json")
+            index.parse_rows([[*row, name]], "ITEMS.json")

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from llmtrain.checkpoint import storage
+from llmtrain.checkpoint import index, storage
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.state_registry import RngState, SchedulerState, StateRegistry
 
@@ -133,7 +133,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
     monkeypatch.undo()
 
     url = storage.step_dir(str(tmp_path / "ckpt"), 1)
-    (tmp_path / "ckpt" / "step-00000001" / shards.ITEMS).unlink()  # as written before it
+    (tmp_path / "ckpt" / "step-00000001" / index.ITEMS).unlink()  # as written before it
     collecting = []  # whether a collection could run, seen in the middle of a load
     read = state_module.read_in_place
 
