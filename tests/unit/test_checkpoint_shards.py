@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
 import os
 import subprocess
 import sys
@@ -369,22 +370,33 @@ def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch
     assert storage.verify(str(tmp_path / "ck"), checksums=True) == []
 
 
-@pytest.mark.parametrize("fs", ["local", "memory"])
-def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, fs):
+@pytest.mark.parametrize("fs,layout", [("local", "columns"), ("memory", "columns"),
+                                       ("local", "rows")])
+def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, monkeypatch, fs, layout):
     """INDEX.bin gives each rank of the saved world size the items of its own state (a
     replicated item in every rank's, whoever wrote it), read from its sections alone;
     ranks holding the same items share a section; another world size gets every item; a
-    damaged section is refused."""
+    damaged section is refused. Raw tensor chunks with an XXH3 sum are kept in columns,
+    other items in rows; an index written before columns (JSON rows) reads the same."""
     root = str(tmp_path) if fs == "local" else f"memory://{tmp_path}"
     # 4 ranks, 2 replicas of 2 shards (HSDP): ranks r and r + 2 hold the same chunk
-    items = {("w", (r * 4, 0)): index.StoredItem(f"__{r}_0.distcp", 0, 64, [RAW], (4, 4),
+    summed = [RAW, checksum.label("ab" * 16)]
+    items = {("w", (r * 4, 0)): index.StoredItem(f"__{r}_0.distcp", 0, 64, summed, (4, 4),
                                                   torch.float32) for r in range(2)}
+    items |= {("v", (r * 2,)): index.StoredItem(f"__{r}_1.distcp", 0, 8, [RAW], (2,),
+                                                 torch.bfloat16) for r in range(4)}
     items |= {(f"rng.{r}", None): index.StoredItem(f"__{r}_0.distcp", 64, 9, [], None, None)
               for r in range(4)}
     items[("trainer", None)] = index.StoredItem("__3_0.distcp", 73, 9, [], None, None)
-    needs = [[("w", (r % 2 * 4, 0)), (f"rng.{r}", None), ("trainer", None)] for r in range(4)]
+    needs = [[("w", (r % 2 * 4, 0)), ("v", (r * 2,)), (f"rng.{r}", None), ("trainer", None)]
+             for r in range(4)]
     stream = io.BytesIO()
-    index.write_index(stream, items, index.index_layout(needs))
+    with monkeypatch.context() as m:
+        if layout == "rows":  # as written before columns: JSON rows, magic LLMIDX01
+            m.setattr(index, "MAGIC", index.MAGIC_ROWS)
+            m.setattr(index, "_section_bytes", lambda body, items, keys: json.dumps(
+                {**body, "items": index._rows({k: items[k] for k in keys})}).encode())
+        index.write_index(stream, items, index.index_layout(needs))
     data = stream.getvalue()
     with fsspec.open(f"{root}/{index.INDEX}", "wb") as f:
         f.write(data)
@@ -396,6 +408,14 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, fs):
         reader = ShardReader(root, rank=rank, world=4)
         assert reader.own_items() == {key: items[key] for key in needs[rank]}
         assert reader.has_own_section() and reader._items is None  # ITEMS.json unread
+        section = reader.own_section()
+        if layout == "columns":  # w in columns; v (no sum) and the objects in rows
+            w = items[("w", (rank % 2 * 4, 0))]
+            assert section.lines == [index.key_line("w", (rank % 2 * 4, 0), (4, 4),
+                                                    torch.float32)]
+            assert section.files[section.file[0]] == w.relative_path
+            assert section.digests == bytes.fromhex("ab" * 16)
+        assert sorted(section.rows) == sorted(needs[rank][layout == "columns":])
     assert ShardReader(root, rank=0, world=3).own_items() == items  # resharding: every item
     assert not ShardReader(root, rank=0, world=8).has_own_section()
     offset, length = entries[1][3:5]  # rank 1's own section

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from llmtrain.checkpoint import index, storage
+from llmtrain.checkpoint.shards import ShardReader
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.state_registry import RngState, SchedulerState, StateRegistry
 
@@ -167,3 +168,31 @@ def test_a_load_lands_in_the_live_tensors_after_they_are_replaced(group, tmp_pat
     assert state.load(url) == (1, [], False)
     assert torch.equal(optimizer.state[weight]["exp_avg"].to_local(), saved_moment)
     assert torch.equal(weight.to_local().detach(), saved_weight)
+
+
+def test_a_later_checkpoint_takes_the_kept_layout_and_loads_its_own_bytes(group, tmp_path):
+    """A load keeps where each live tensor's bytes are for as long as the checkpoints'
+    layout stays: a later checkpoint of the run (other bytes, other sums, objects of
+    other sizes) takes it, and each load gets its own checkpoint's values, each item
+    checked against that checkpoint's own sum."""
+    from llmtrain.checkpoint import state as state_module
+    model, optimizer, scheduler, state, manager = _saved_at_step_1(group, tmp_path)
+    live = lambda: [t.detach().clone() for t in state_module._live_objects(model, optimizer)]
+    saved = {1: live()}
+    for _ in range(3):
+        _step(model, optimizer, scheduler)
+    state.registry.items["data"].consumed = 10 ** 400  # the trainer's record grows
+    manager.save(12345, state)
+    saved[12345] = live()
+    manager.close()
+    urls = {step: storage.step_dir(str(tmp_path / "ckpt"), step) for step in saved}
+    trainer = [ShardReader(url).stored_items()[("trainer", None)] for url in urls.values()]
+    assert trainer[0].relative_path == trainer[1].relative_path
+    assert trainer[0].length < trainer[1].length
+    kept = []
+    for step in (1, 12345, 1):
+        _step(model, optimizer, scheduler)
+        assert state.load(urls[step], check=True) == (step, [], False)  # in place, every item checked
+        assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved[step]))
+        kept.append(state._mapped[1].kept[1])
+    assert kept[0] is kept[1] is kept[2]  # found once, taken twice
