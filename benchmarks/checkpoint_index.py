@@ -3,11 +3,11 @@ the 405B config, simulated: no tensors, only the planner's inputs and the index 
 
 For each world size: every rank's save-plan keys (its chunk of every parameter and of
 both AdamW moments, FSDP2 sharding dim 0; its RNG item; the replicated items), the
-indexes written by llmtrain's own commit code (``write_index`` for INDEX.bin,
+indexes written by llmtrain's own commit code (``write_index`` for INDEX2.bin,
 ``items_json`` for ITEMS.json), then, for the first, middle and last rank, what a restart
 at the saved world size reads and parses to find that rank's items:
 
-- **index**: its table entry and its sections of INDEX.bin (``ShardReader.own_section``:
+- **index**: its table entry and its sections of INDEX2.bin (``ShardReader.own_section``:
   tensor chunks in columns, as a load matches them);
 - **all items** (the baseline, measured in the same run): ITEMS.json, every rank's items,
   as a rank read it before the index (DCP's ``.metadata`` lists the same).
@@ -20,7 +20,7 @@ state over 256 GPUs, about 25 GB each), at 1K-16K ranks; ``fsdp``, plain FSDP ov
 rank, where ITEMS.json grows with world x items (1.4 GB at 4K ranks), at 1K-2K by
 default. Files are on the local disk with a warm page cache: the times are parsing, not
 I/O. Beside: the coordinator's costs, making the index layout from all plans (O(world x
-items), as DCP's planning is; once while the plans stay the same) and writing INDEX.bin
+items), as DCP's planning is; once while the plans stay the same) and writing INDEX2.bin
 (every save; O(distinct items), as ITEMS.json).
 
     python benchmarks/checkpoint_index.py [--worlds 1024,...] [--fsdp-worlds 1024,2048]
@@ -96,7 +96,7 @@ def plans(tensors, world: int, shard: int):
     return items, needs
 
 
-# A restarting rank: a fresh process that reads its own items (its sections of INDEX.bin)
+# A restarting rank: a fresh process that reads its own items (its sections of INDEX2.bin)
 # or, the way before, every rank's (ITEMS.json); timed inside it, from the reader's making.
 READER = """
 import json, statistics, sys, time
@@ -114,7 +114,7 @@ print(json.dumps({"own_s": statistics.median(own), "all_s": every}))
 
 
 def section_bytes(root: Path, rank: int, world: int) -> int:
-    """What a rank reads of INDEX.bin: its table entry, the footer and its sections."""
+    """What a rank reads of INDEX2.bin: its table entry, the footer and its sections."""
     path = root / index.INDEX
     with open(path, "rb") as f:
         f.seek(index.entry_offset(path.stat().st_size, rank, world))
@@ -184,7 +184,7 @@ def main() -> None:
           f"of a restart at the saved world size: the most bytes and the median time of ranks 0, "
           f"world/2 and world-1")
     print(f"{'layout':6} {'world':>6} {'index bytes':>12} {'index ms':>9} {'all bytes':>14} "
-          f"{'all ms':>9} {'all/index':>9} {'INDEX.bin':>14} {'layout s':>8} {'write s':>8}")
+          f"{'all ms':>9} {'all/index':>9} {'INDEX2.bin':>14} {'layout s':>8} {'write s':>8}")
     for r in rows:
         print(f"{r['layout']:6} {r['world']:>6} {r['index_bytes']:>12,} {r['index_s'] * 1e3:>9.2f}"
               f" {r['all_bytes']:>14,} {r['all_s'] * 1e3:>9.1f} {r['all_s'] / r['index_s']:>9.0f}"

@@ -1,4 +1,4 @@
-"""Where each stored item of a checkpoint is: ITEMS.json (every item) and INDEX.bin (each
+"""Where each stored item of a checkpoint is: ITEMS.json (every item) and INDEX2.bin (each
 rank's own, found in O(its items)).
 
 DCP's ``.metadata`` says where every item is, but as a pickle of every rank's items. Two
@@ -12,8 +12,13 @@ plain-data indexes beside it (both in the manifest, so verified like the data):
   dtype) and arrays of their places and sums, so that a rank matches its live shards to
   them as two lists of strings and reads them from arrays, with no Python object made per
   tensor (at about 300 tensors a rank, parsing them as rows was half of a warm 2-rank
-  load's own time here). Files written before this layout (sections of JSON rows, magic
-  ``LLMIDX01``) are read too.
+  load's own time here).
+
+Checkpoints written before columns have :data:`INDEX_ROWS` instead (the same table, its
+sections JSON rows), which loads as well. The new layout has a file name of its own so
+that an llmtrain of that time, which refuses an INDEX.bin it cannot read as damaged,
+finds none in a new checkpoint and reads ITEMS.json instead: a downgrade mid-run loses
+no checkpoint.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from llmtrain.checkpoint import checksum
 
 RAW = "llmtrain-raw/1"  # the transform descriptor of an item stored as bare tensor bytes
 ITEMS = "ITEMS.json"    # every stored item's place, as plain data (beside DCP's .metadata)
-INDEX = "INDEX.bin"     # each rank's own items, found in O(its items) (see write_index)
+INDEX = "INDEX2.bin"    # each rank's own items, found in O(its items) (see write_index)
+INDEX_ROWS = "INDEX.bin"  # the same with sections of JSON rows, as written before columns
 SECTION = struct.Struct("<QQ16s")             # offset, length, xxh3_128 digest
 ENTRY = struct.Struct("<QQ16sQQ16s")          # a rank's shared section, then its own
 FOOT = struct.Struct("<8sQ")                  # magic, world size of the save
-MAGIC = b"LLMIDX02"                           # sections in columns
-MAGIC_ROWS = b"LLMIDX01"                      # sections of JSON rows (read, not written)
+MAGIC = b"LLMIDX02"                           # INDEX's: sections in columns
+MAGIC_ROWS = b"LLMIDX01"                      # INDEX_ROWS's (read, no longer written)
 _HEAD = struct.Struct("<I")                   # a columnar section's JSON head, its length
 SUMMED = "xxh3_128"                          # the sum of the items a section's columns hold
 
@@ -103,7 +109,7 @@ def _dtype(name: str, where: str) -> torch.dtype:
 
 
 def parse_rows(rows: list, where: str) -> Items:
-    """:data:`Items` from rows of ITEMS.json or an INDEX.bin section. A plain loop making
+    """:data:`Items` from rows of ITEMS.json or an INDEX2.bin section. A plain loop making
     each StoredItem as a tuple: 0.14 ms for 330 rows here, against 0.24 ms for a
     comprehension calling a dtype lookup and the named tuple's constructor (a resharding
     restart parses every rank's rows)."""
@@ -137,7 +143,7 @@ def _in_columns(key: tuple, item: StoredItem) -> bytes | None:
 
 
 class Section:
-    """A rank's items from its sections of INDEX.bin: tensor chunks in columns (their key
+    """A rank's items from its sections of INDEX2.bin: tensor chunks in columns (their key
     lines, ``text``, and in the same order the index of the file in ``files``, the start
     and length of the bytes, and the XXH3-128 digests, 16 bytes each) and the other items
     as ``rows``; ``layout``: the lines, files and places as stored (equal bytes, the same
@@ -206,8 +212,8 @@ def _section_bytes(body: dict, items: Items, keys: list[tuple]) -> bytes:
 
 
 def parse_section(data: bytes, where: str, columns: bool) -> tuple[dict, Section]:
-    """(head, items) of one section of INDEX.bin, already checked against its digest;
-    ``columns``: the file's layout (else a section of JSON rows)."""
+    """(head, items) of one section of INDEX2.bin (or INDEX.bin), already checked against
+    its digest; ``columns``: the file's layout (else a section of JSON rows)."""
     if not columns:
         body = json.loads(data)
         return body, rows_only(parse_rows(body.pop("items"), where))
@@ -246,13 +252,13 @@ def merged(sections: list[Section]) -> Section:
 
 
 class IndexLayout(NamedTuple):
-    """Which items go in which section of INDEX.bin (see :func:`write_index`)."""
+    """Which items go in which section of INDEX2.bin (see :func:`write_index`)."""
     shared: list[list[tuple]]             # each distinct set of items several ranks hold
     ranks: list[tuple[int, list[tuple]]]  # each rank's: its set in ``shared``, its own items
 
 
 def index_layout(needs: list[list[tuple]]) -> IndexLayout:
-    """The sections of INDEX.bin for ranks holding ``needs[rank]`` (keys of :data:`Items`,
+    """The sections of INDEX2.bin for ranks holding ``needs[rank]`` (keys of :data:`Items`,
     from each rank's own save plan, before DCP gave each replicated item to one writer).
     O(world x items): the save planner keeps it while the plans stay."""
     holders = Counter(key for keys in needs for key in keys)
@@ -269,7 +275,7 @@ def index_layout(needs: list[list[tuple]]) -> IndexLayout:
 
 
 def write_index(stream, items: Items, layout: IndexLayout) -> None:
-    """INDEX.bin, written to ``stream``: for each rank of the save, the stored items of the
+    """INDEX2.bin, written to ``stream``: for each rank of the save, the stored items of the
     state it held, so that a restart at the saved world size reads a 64-byte table entry
     and its sections: O(its own items), where ITEMS.json and ``.metadata`` list every
     rank's (O(world) bytes for each rank, O(world^2) in all).
@@ -300,13 +306,13 @@ def write_index(stream, items: Items, layout: IndexLayout) -> None:
 
 
 def entry_offset(size: int, rank: int, world: int) -> int:
-    """Where ``rank``'s table entry starts in an INDEX.bin of ``size`` bytes saved at
+    """Where ``rank``'s table entry starts in an index of ``size`` bytes saved at
     ``world`` ranks (negative: the file holds fewer entries)."""
     return size - FOOT.size - ENTRY.size * (world - rank)
 
 
 def entry(data: bytes, rank: int, world: int) -> tuple:
-    """``rank``'s table entry of a whole INDEX.bin: (shared section's offset, length,
+    """``rank``'s table entry of a whole index: (shared section's offset, length,
     digest, own section's offset, length, digest)."""
     return ENTRY.unpack_from(data, entry_offset(len(data), rank, world))
 

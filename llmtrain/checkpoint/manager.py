@@ -89,7 +89,7 @@ class IndexingPlanner(DefaultSavePlanner):
     """DCP's save planner, which also keeps, on the coordinator, the items of each rank's
     own plan (before DCP gives each replicated item to one writer) and the per-rank index
     they make (``index_layout``), so that each rank of a restart reads only its own items
-    (INDEX.bin). With plan caching a rank whose plan has not changed sends none: its items
+    (INDEX2.bin). With plan caching a rank whose plan has not changed sends none: its items
     are the last ones kept under the same cache key, and when no rank's changed, the
     layout is reused as it is (it costs O(world x items) to make). They are kept by key
     for as long as DCP keeps its plans under it (:func:`forget_plans`): kept for the
@@ -429,7 +429,7 @@ class CheckpointManager:
         part = (self.rank, self.world)
 
         def verify() -> list[str]:
-            try:  # a rank that reads its own section of INDEX.bin (checked against its
+            try:  # a rank that reads its own section of INDEX2.bin (checked against its
                 own = state.has_own_section(url)  # digest) needs no index whole
             except DamagedCheckpoint as e:
                 return e.problems

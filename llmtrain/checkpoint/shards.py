@@ -20,7 +20,7 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
   ``preadv`` per run of back-to-back pieces; object stores get the ranges in batches
   (``cat_ranges``). A restart at the world size of the save skips DCP's planning too
   (:func:`plan_in_place`, :func:`read_in_place`): each live shard is matched to its
-  saved chunk among the rank's own items (its sections of INDEX.bin, see
+  saved chunk among the rank's own items (its sections of INDEX2.bin, see
   :mod:`llmtrain.checkpoint.index`; else ITEMS.json, the places ``.metadata`` lists, as
   plain data: nothing is unpickled) and read into at that place, and checked against
   its sum once read, so a resume reads its data once, not once to verify it and again
@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import functools
 import gc
 import io
@@ -221,7 +222,7 @@ class ShardReader(FsspecReader):
     def __init__(self, path, *, threads: int = 4, rank: int | None = None,
                  world: int | None = None, **kwargs) -> None:
         """``rank`` of ``world``: the loading rank, whose own items a restart at the
-        saved world size finds in INDEX.bin (see :meth:`own_items`)."""
+        saved world size finds in INDEX2.bin (see :meth:`own_section`)."""
         super().__init__(path, **kwargs)
         self.threads, self.rank, self.world = threads, rank, world
         self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **kwargs)
@@ -254,7 +255,7 @@ class ShardReader(FsspecReader):
 
     def own_section(self) -> Section:
         """The items of the loading rank's own state when the checkpoint was saved at
-        this world size, from its sections of INDEX.bin (its table entry and the footer
+        this world size, from its sections of INDEX2.bin (its table entry and the footer
         in one request, then its sections, each checked against its digest): O(its own
         items) whatever the world size, its tensor chunks in columns. Otherwise (another
         world size, a checkpoint written before the index, no rank given) every stored
@@ -269,29 +270,34 @@ class ShardReader(FsspecReader):
         return self.own_section().items()
 
     def has_own_section(self) -> bool:
-        """Whether :meth:`own_section` comes from this rank's sections of INDEX.bin."""
+        """Whether :meth:`own_section` comes from this rank's sections of INDEX2.bin."""
         self.own_section()
         return bool(self._own)
 
     def _section(self, rank: int, world: int) -> Section | None:
-        path = posixpath.join(self._root, INDEX)
-        with self._opened(path) as (size, spans):
-            if size is None:
-                return None
-            foot, entry = size - index.FOOT.size, index.entry_offset(size, rank, world)
-            if entry < 0:  # saved at fewer ranks
-                return None
-            tail, raw_entry = spans([(foot, size), (entry, entry + index.ENTRY.size)])
-            magic, saved_world = index.FOOT.unpack(tail)
-            if magic not in (index.MAGIC, index.MAGIC_ROWS):
-                raise DamagedCheckpoint([f"{path}: not an llmtrain index (magic {magic!r})"])
-            if saved_world != world:
-                return None
-            fields = index.ENTRY.unpack(raw_entry)
-            sections = [fields[:3], fields[3:]] if fields[4] else [fields[:3]]
-            datas = spans([(s[0], s[0] + s[1]) for s in sections])
+        for name, magic in ((INDEX, index.MAGIC), (index.INDEX_ROWS, index.MAGIC_ROWS)):
+            path = posixpath.join(self._root, name)
+            with self._opened(path) as (size, spans):
+                if size is not None:
+                    return self._read_section(path, size, spans, magic, rank, world)
+        return None
+
+    def _read_section(self, path: str, size: int, spans: Callable, magic: bytes, rank: int,
+                      world: int) -> Section | None:
+        foot, entry = size - index.FOOT.size, index.entry_offset(size, rank, world)
+        if entry < 0:  # saved at fewer ranks
+            return None
+        tail, raw_entry = spans([(foot, size), (entry, entry + index.ENTRY.size)])
+        found_magic, saved_world = index.FOOT.unpack(tail)
+        if found_magic != magic:
+            raise DamagedCheckpoint([f"{path}: not an llmtrain index (magic {found_magic!r})"])
+        if saved_world != world:
+            return None
+        fields = index.ENTRY.unpack(raw_entry)
+        sections = [fields[:3], fields[3:]] if fields[4] else [fields[:3]]
         found = []
-        for (offset, length, digest), data in zip(sections, datas):
+        for (offset, length, digest), data in zip(sections, spans(
+                [(s[0], s[0] + s[1]) for s in sections])):
             if index.digest(data) != digest:
                 raise DamagedCheckpoint([f"{path}: a section of rank {rank}'s entry differs "
                                          f"from its digest (corrupted)"])
@@ -436,10 +442,10 @@ def _preadv(fd: int, iov: int, count: int, at: int) -> int:
     (rows of address and length, uint64) from byte ``at``: the bytes read. Called
     through ctypes, which lets go of the GIL, on an array: ``os.preadv`` wants a Python
     buffer object for each range."""
-    n = _libc.preadv(fd, iov, count, at)
-    if n < 0:
+    while (n := _libc.preadv(fd, iov, count, at)) < 0:
         error = ctypes.get_errno()
-        raise OSError(error, os.strerror(error))
+        if error != errno.EINTR:  # a signal: again, as os.preadv does
+            raise OSError(error, os.strerror(error))
     return n
 
 
@@ -662,7 +668,7 @@ class InPlace(NamedTuple):
 def plan_in_place(reader: ShardReader, live: LiveShards, objects: list[str]) -> InPlace | None:
     """Where each live tensor's saved chunk is (one at its offset with its shape and
     dtype, in the raw format) and where the objects named are, among the reader's own
-    items; None when some live tensor has none, or, in a section of INDEX.bin, some saved
+    items; None when some live tensor has none, or, in a section of INDEX2.bin, some saved
     chunk has no live tensor (a resharding load, a checkpoint written before the raw
     format): then DCP's planner is the way.
 

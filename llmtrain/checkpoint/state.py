@@ -83,7 +83,7 @@ class TrainState:
         return plan is not None and (plan.checked or not checked)
 
     def has_own_section(self, url: str) -> bool:
-        """Whether this rank finds its own items of ``url`` in its section of INDEX.bin (a
+        """Whether this rank finds its own items of ``url`` in its section of INDEX2.bin (a
         restart at the saved world size); raises DamagedCheckpoint when that section
         differs from its digest."""
         return self._reader(url).has_own_section()
@@ -161,10 +161,11 @@ class TrainState:
 
     def _shards(self) -> LiveShards | None:
         """:func:`_live_shards` as :class:`LiveShards`, kept for as long as the optimizer's
-        parameters and state are the same tensors over the same local shards (an in-place load writes into
-        them; a planned load, a rebuild, or FSDP resetting a parameter's shard replaces
-        them), as :meth:`_tensor_state` keeps its dicts: a resume's check that its
-        checkpoint fits in place and the load after it map the tensors once, not twice.
+        parameters and state are the same tensors over the same local shards (an in-place
+        load writes into them; a planned load, a rebuild, or FSDP resetting a parameter's
+        shard replaces them), as :meth:`_tensor_state` keeps its dicts: a resume's check
+        that its checkpoint fits in place and the load after it map the tensors once, not
+        twice, and loads after them keep the layout they found (:func:`plan_in_place`).
         Naming and placing about 300 tensors was a third of a 2-rank load's Python here.
         (The optimizer holds every parameter: the trainer builds it over all of them.)"""
         opt = self.optimizer

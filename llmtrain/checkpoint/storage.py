@@ -173,7 +173,7 @@ class CommitWriter(FsspecWriter):
     storage (:mod:`llmtrain.recovery.fence`); it is asked before every file is created,
     and before the commit. ``nice``: the write threads' added niceness. ``planner``: the
     save's planner, whose ``index_layout`` (each rank's own items, where it has one) the
-    commit writes as the per-rank index, INDEX.bin."""
+    commit writes as the per-rank index, INDEX2.bin."""
 
     def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1,
                  fence: Callable[[str], None] = no_fence, raw: bool = True, nice: int = 0,
@@ -365,7 +365,8 @@ def _damaged_items(url: str, fs, path: str, name: str, items: list, expect: str)
     return problems
 
 
-INDEXES = (".metadata", index.ITEMS, index.INDEX)  # what lists the items, not data
+# what lists the items, not data
+INDEXES = (".metadata", index.ITEMS, index.INDEX, index.INDEX_ROWS)
 
 
 def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
@@ -376,7 +377,7 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
     the sums in ``.metadata`` (``items=False`` leaves that to the reader, which checks
     each item it reads), any other file whole (``whole=False``: not, as a check of the
     items after the rest; ``indexes=False``: not the files that list every rank's items,
-    each O(world) bytes, for a resume that reads only its own section of INDEX.bin, which
+    each O(world) bytes, for a resume that reads only its own section of INDEX2.bin, which
     it checks itself). ``part=(i, n)`` checks only every n-th file starting at i, so n
     ranks can share the reading of a large checkpoint.
     """

@@ -116,14 +116,14 @@ def flip(path: Path, at: int | None = None) -> None:
 
 def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path, reference):
     """Each rank of a restart at the saved world size reads only its own section of
-    INDEX.bin, checked against its digest: damage there refuses the checkpoint, damage in
+    INDEX2.bin, checked against its digest: damage there refuses the checkpoint, damage in
     the indexes of every rank's items (ITEMS.json, .metadata) it never reads."""
     run = tmp_path / "run"
     args = ("--checkpoint.keep_last", "5", *CKPT)
     shutil.copytree(reference / "checkpoints", run / "checkpoints")  # 6, 12, 18, 24
     root = str(run / "checkpoints")
     assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 18, 24]
-    # 24: rank 1's section of INDEX.bin; 18: a flipped byte; 12: a truncated shard
+    # 24: rank 1's section of INDEX2.bin; 18: a flipped byte; 12: a truncated shard
     index_file = Path(storage.step_dir(root, 24), index.INDEX)
     own_offset, own_length = index.entry(index_file.read_bytes(), 1, 2)[3:5]
     flip(index_file, own_offset + own_length // 2)
@@ -136,7 +136,7 @@ def test_damaged_checkpoints_are_refused_and_the_previous_one_loaded(tmp_path, r
     check(llmtrain(run, "--training.steps", "30", *args, nproc=2))
     rejected = {e["step"]: " ".join(e["problems"]) for e in events(run, "checkpoint_rejected")}
     assert sorted(rejected) == [12, 18, 24]
-    assert "INDEX.bin: a section of rank 1's entry differs from its digest" in rejected[24]
+    assert "INDEX2.bin: a section of rank 1's entry differs from its digest" in rejected[24]
     # the flipped byte was found by the load, which checks each item as it reads it
     assert "__1_0.distcp: xxh3_128 differs from the manifest in " in rejected[18]
     assert "bytes, manifest says" in rejected[12] and "__0_0.distcp" in rejected[12]

@@ -373,11 +373,12 @@ def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch
 @pytest.mark.parametrize("fs,layout", [("local", "columns"), ("memory", "columns"),
                                        ("local", "rows")])
 def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, monkeypatch, fs, layout):
-    """INDEX.bin gives each rank of the saved world size the items of its own state (a
+    """INDEX2.bin gives each rank of the saved world size the items of its own state (a
     replicated item in every rank's, whoever wrote it), read from its sections alone;
     ranks holding the same items share a section; another world size gets every item; a
     damaged section is refused. Raw tensor chunks with an XXH3 sum are kept in columns,
-    other items in rows; an index written before columns (JSON rows) reads the same."""
+    other items in rows; an index written before columns (INDEX.bin, JSON rows) reads the
+    same."""
     root = str(tmp_path) if fs == "local" else f"memory://{tmp_path}"
     # 4 ranks, 2 replicas of 2 shards (HSDP): ranks r and r + 2 hold the same chunk
     summed = [RAW, checksum.label("ab" * 16)]
@@ -392,13 +393,14 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, monkeypatc
              for r in range(4)]
     stream = io.BytesIO()
     with monkeypatch.context() as m:
-        if layout == "rows":  # as written before columns: JSON rows, magic LLMIDX01
+        if layout == "rows":  # as written before columns: INDEX.bin, JSON rows, LLMIDX01
             m.setattr(index, "MAGIC", index.MAGIC_ROWS)
             m.setattr(index, "_section_bytes", lambda body, items, keys: json.dumps(
                 {**body, "items": index._rows({k: items[k] for k in keys})}).encode())
         index.write_index(stream, items, index.index_layout(needs))
     data = stream.getvalue()
-    with fsspec.open(f"{root}/{index.INDEX}", "wb") as f:
+    name = index.INDEX if layout == "columns" else index.INDEX_ROWS
+    with fsspec.open(f"{root}/{name}", "wb") as f:
         f.write(data)
     with fsspec.open(f"{root}/{index.ITEMS}", "wb") as f:
         f.write(index.items_json(items))
@@ -421,7 +423,7 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, monkeypatc
     offset, length = entries[1][3:5]  # rank 1's own section
     damaged = bytearray(data)
     damaged[offset + length // 2] ^= 0x04
-    with fsspec.open(f"{root}/{index.INDEX}", "wb") as f:
+    with fsspec.open(f"{root}/{name}", "wb") as f:
         f.write(bytes(damaged))
     assert ShardReader(root, rank=0, world=4).has_own_section()
     with pytest.raises(shards.DamagedCheckpoint, match="a section of rank 1's entry differs"):

@@ -180,7 +180,7 @@ def test_dcp_save_plan_caching_by_key(tmp_path):
     ``_cached_plans_key`` per generation of the job's groups: a second save of the same
     layout under a key sends no plan (an unusable one), and a new key plans afresh. Its
     IndexingPlanner reads ``SavePlan.usable`` to keep each rank's items of the last
-    usable plan, and their index layout (INDEX.bin), by key: a save under another key in
+    usable plan, and their index layout (INDEX2.bin), by key: a save under another key in
     between leaves them; ``forget_plans`` drops DCP's private caches
     (``SavePlanner._cached_*``) and the index's for one key, which then plans afresh."""
     import torch.distributed.checkpoint as dcp
