@@ -329,7 +329,8 @@ class Watchdog:
             return None
         # rank 0 watches every rank (through the node summaries), rank 1 watches rank 0
         if self.rank == 1:
-            for r, beat in self.plane.beats([0]).items():
+            beats = self._read_in_time(lambda: self.plane.beats([0]))
+            for r, beat in (beats or {}).items():
                 silent = time.time() - beat["wall"]
                 if silent > self.timeout:
                     return "hang", silence(r, silent, beat["step"], beat["phase"])
@@ -340,8 +341,25 @@ class Watchdog:
                         return "hang", found[0]
         if self.rank != 0:
             return None
-        return verdict(self.plane.world(), self.timeout, self.cfg.not_arrived_factor,
+        world = self._read_in_time(self.plane.world)
+        if world is None:
+            return None
+        return verdict(world, self.timeout, self.cfg.not_arrived_factor,
                        self.cfg.not_arrived_floor_s, self.plane.stale_s)
+
+    def _read_in_time(self, read):
+        """``read()``, or None when the store took longer than a heartbeat interval to
+        answer it: then the peers' beats it returns are as old as the store's stall
+        through no fault of theirs (their ticks waited on it too), so their silence
+        counts from now, and nothing is judged on them. A stall that began inside this
+        read is not seen by the check after publishing (a chaos run's store stopped for
+        6 s had a healthy rank 0 declared silent for 6 s and evicted)."""
+        asked = time.monotonic()
+        got = read()
+        if time.monotonic() - asked > self.cfg.heartbeat_interval_s:
+            self.plane.since_ns = max(self.plane.since_ns, time.time_ns())
+            return None
+        return got
 
     def _seen_with(self, rank: int, beat: dict) -> World:
         """``rank``'s silence and where this rank waits (from its flight recorder),
