@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from llmtrain.checkpoint.shards import (InPlace, LiveShards, ShardReader, no_gc,
-                                       plan_in_place, read_in_place, stored_object)
+                                       plan_in_place, read_in_place, read_objects,
+                                       stored_object)
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.checkpoint.staging import local_shard
 from llmtrain.model import global_offset, unwrapped_name
@@ -97,7 +98,8 @@ class TrainState:
         (a restart at the world size it was saved at), the shards are read straight into
         the live parameters and optimizer state with no planning at all; ``check`` (only
         where :meth:`fits_in_place` said so) compares every item with its sum as it is
-        read, and raises DamagedCheckpoint before anything is unpickled. Otherwise (a
+        read (no object is unpickled before its own sum matched), and raises
+        DamagedCheckpoint before any object's state is set. Otherwise (a
         resharding load, a checkpoint in the format before raw shards) DCP plans it: each
         rank alone (``no_dist``: a load needs no agreement between ranks, so DCP's
         exchange of pickled plans is skipped, and the caller agrees on the outcome).
@@ -115,15 +117,26 @@ class TrainState:
         reader.threads, self._opened = threads, None
         objects = self._objects(reader)
         plan = self._in_place(reader, objects)
-        values = None if plan is None else self._load_in_place(reader, plan, check=check)
-        planned = values is None
-        if planned:
-            values = self._load_planned(reader, objects)
+        if plan is None:
+            states = self._states(self._load_planned(reader, objects))
+        else:
+            # the objects first: a damaged one is found before any tensor is overwritten;
+            # nothing is set before every item is in (and, with check, checked)
+            values, groups = self._objects_in_place(reader, plan, check)
+            states = self._states(values)
+            read_in_place(reader, plan, check=check)
+            for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+                group.update(saved)
+        return states["step"], self.registry.load(states), plan is None
+
+    def _states(self, values: dict[str, bytes]) -> dict:
+        """The registry's states from the stored objects' bytes: the shared JSON record
+        (with the step), and this rank's own items."""
         states = json.loads(values["trainer"])
         suffix = f".{self.rank}"
         states.update({k.removesuffix(suffix): stored_object(v) for k, v in values.items()
                        if k.endswith(suffix)})
-        return states["step"], self.registry.load(states), planned
+        return states
 
     def _reader(self, url: str) -> ShardReader:
         """A reader of ``url``, kept from :meth:`fits_in_place` for the :meth:`load` that
@@ -178,16 +191,14 @@ class TrainState:
             mapped = self._mapped = (live, None if tensors is None else LiveShards(tensors))
         return mapped[1]
 
-    def _load_in_place(self, reader: ShardReader, plan: InPlace, *,
-                       check: bool) -> dict[str, bytes]:
-        """The load with no planning (see :meth:`load`): {name: bytes} of the objects,
-        with the optimizer's hyperparameters set."""
-        got = read_in_place(reader, plan, check=check)
-        values = {k: stored_object(v) for k, v in got.items()}  # DCP pickles every object
-        for i, group in enumerate(self.optimizer.param_groups):
-            group.update({k: values[f"optim.param_groups.{i}.{k}"] for k in group
-                          if k != "params"})
-        return {k: v.getvalue() for k, v in values.items() if not k.startswith("optim.")}
+    def _objects_in_place(self, reader: ShardReader, plan: InPlace,
+                          check: bool) -> tuple[dict[str, bytes], list[dict]]:
+        """The objects of an in-place load: {name: bytes} of the registry's, and each
+        optimizer param group's saved hyperparameters (DCP pickles every object)."""
+        values = {k: stored_object(v) for k, v in read_objects(reader, plan, check=check).items()}
+        groups = [{k: values[f"optim.param_groups.{i}.{k}"] for k in group if k != "params"}
+                  for i, group in enumerate(self.optimizer.param_groups)]
+        return {k: v.getvalue() for k, v in values.items() if not k.startswith("optim.")}, groups
 
     def _load_planned(self, reader: ShardReader, objects: list[str]) -> dict[str, bytes]:
         """The load DCP plans (see :meth:`load`). Tensors are read straight into the live
