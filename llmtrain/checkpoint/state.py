@@ -182,8 +182,11 @@ class TrainState:
         Naming and placing about 300 tensors was a third of a 2-rank load's Python here.
         (The optimizer holds every parameter: the trainer builds it over all of them.)"""
         opt = self.optimizer
-        live = [local_shard(t) for group in opt.param_groups for p in group["params"]
-                for t in (p, *opt.state.get(p, {}).values()) if isinstance(t, torch.Tensor)]
+        # the parameters, then the state's values, iterated: looked up one parameter at
+        # a time (a tensor's __hash__ is Python) this took 200 us a load here, now 85
+        live = [p for group in opt.param_groups for p in group["params"]]
+        live += [t for s in opt.state.values() for t in s.values()]
+        live = list(map(local_shard, live))
         mapped = self._mapped
         if mapped is None or len(mapped[0]) != len(live) or any(
                 map(operator.is_not, mapped[0], live)):
