@@ -20,9 +20,10 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
   ``preadv`` per run of back-to-back pieces; object stores get the ranges in batches
   (``cat_ranges``). A restart at the world size of the save skips DCP's planning too
   (:func:`plan_in_place`, :func:`read_objects`, :func:`read_in_place`): each live
-  shard is matched to its saved chunk among the rank's own items (its sections of INDEX2.bin, see
-  :mod:`llmtrain.checkpoint.index`; else ITEMS.json, the places ``.metadata`` lists, as
-  plain data: nothing is unpickled) and read into at that place, and checked against
+  shard is matched to its saved chunk among the rank's own items (its sections of
+  INDEX2.bin, see :mod:`llmtrain.checkpoint.index`; else ITEMS.json, the places
+  ``.metadata`` lists, as plain data: nothing is unpickled) and read into at that
+  place, and checked against
   its sum once read, so a resume reads its data once, not once to verify it and again
   to load it.
 
