@@ -23,9 +23,8 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
   shard is matched to its saved chunk among the rank's own items (its sections of
   INDEX2.bin, see :mod:`llmtrain.checkpoint.index`; else ITEMS.json, the places
   ``.metadata`` lists, as plain data: nothing is unpickled) and read into at that
-  place, and checked against
-  its sum once read, so a resume reads its data once, not once to verify it and again
-  to load it.
+  place, and checked against its sum once read, so a resume reads its data once, not
+  once to verify it and again to load it.
 
 Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
 written as they are). Items without the descriptor (checkpoints written before this
