@@ -313,6 +313,19 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     assert list(shards.read_objects(reader, plan, check=True)) == ["blob"]
     shards.read_in_place(reader, plan)
     assert not torch.equal(tensors[("w", (0, 0))], want["w"])
+
+    # a damaged object is named by the read that checks the objects, before any tensor
+    blob = next(i for k, i in reader.read_metadata().storage_data.items() if k.fqn == "blob")
+    data = bytearray((tmp_path / "ck" / blob.relative_path).read_bytes())
+    data[blob.offset + blob.length - 1] ^= 0x01
+    (tmp_path / "ck" / blob.relative_path).write_bytes(bytes(data))
+    with pytest.raises(shards.DamagedCheckpoint) as damaged:
+        shards.read_objects(ShardReader(url), plan, check=True)
+    assert [p.split("/")[-1] for p in damaged.value.problems] == [
+        f"{blob.relative_path}: {algorithm} differs from the manifest in blob (bytes "
+        f"{blob.offset}-{blob.offset + blob.length}; corrupted)"]
+    assert shards.read_objects(reader, plan)["blob"] == bytes(
+        data[blob.offset:blob.offset + blob.length])
     assert torch.equal(tensors[("t", (0, 0))], want["t"])
 
 
