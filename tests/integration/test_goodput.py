@@ -1,5 +1,5 @@
 """Goodput across a kill and a restart: every second of wall time is accounted for once,
-and the ETTR agrees with one computed from the outside."""
+and the productive time agrees with the one the step events show from the outside."""
 
 import statistics
 import time
@@ -34,22 +34,25 @@ def test_goodput_closes_over_a_kill_and_a_restart(tmp_path):
     assert after.wall_s <= ended - launched
     assert after.wall_s >= (ended - launched) - 5, (after.wall_s, ended - launched)
 
-    # From the outside: the mean step time, from the log events 10 steps apart in each
-    # attempt (saves included, as the ledger counts their steps; each attempt's first gap
-    # left out, as it holds its first step), times the steps the run needed, over the test's
-    # own wall clock. (The median of the finished attempt without the saves' steps was 10%
-    # short of the ledger's on one CI machine, whose steps ran slower elsewhere.)
+    # From the outside: the surviving steps' time from the step events, each attempt's
+    # from its first step's start (its event's ts less its step time) to its last event
+    # (steps 1-40, then 41-160), saves inside counted (the ledger counts their stalls apart,
+    # under 2% here); with the wall clock bracketed above, the ETTR is checked too. (An
+    # ETTR from a mean 10-step gap over the test's own clock was 6-14% short on a CI run
+    # here: slow stretches after the restart, each attempt's first steps, the exit.)
     resumed = events(run, "checkpoint_loaded")[-1]
     assert resumed["step"] == 40
-    attempts = [[e for e in events(run, "step") if (e["ts"] > resumed["ts"]) == second]
-                for second in (False, True)]
-    gaps = [(b["ts"] - a["ts"]) / 10 for steps in attempts
-            for a, b in list(zip(steps, steps[1:]))[1:] if b["step"] - a["step"] == 10]
-    step_time = statistics.mean(gaps)
-    ettr_outside = 160 * step_time / (ended - launched)
-    assert abs(after.ettr / ettr_outside - 1) < 0.08, (after.as_dict(), ettr_outside)
+    attempts = [{e["step"]: e for e in events(run, "step")
+                 if (e["ts"] > resumed["ts"]) == second} for second in (False, True)]
+    outside = sum(steps[last]["ts"] - steps[first]["ts"] + steps[first]["step_time_s"]
+                  for steps, first, last in zip(attempts, (1, 41), (40, 160)))
+    assert abs(after.productive_s / outside - 1) < 0.03, (after.as_dict(), outside)
 
-    # Steps 41..74 ran twice: their first run is lost time, about 34 step times.
+    # Steps 41..74 ran twice: their first run is lost time, about 34 of the first
+    # attempt's step times (its 10-step gaps after the first).
+    first = sorted(attempts[0].values(), key=lambda e: e["step"])
+    step_time = statistics.mean((b["ts"] - a["ts"]) / (b["step"] - a["step"])
+                                for a, b in zip(first[1:], first[2:]))
     lost = final["badput"]["lost_steps"]
     assert 20 * step_time < lost < 50 * step_time, (lost, step_time)
     assert final["badput"]["restart"] > 0 and final["badput"]["startup"] > 0
