@@ -13,6 +13,7 @@ from needs import netns
 
 from llmtrain.chaos.netns import Network
 from llmtrain.checkpoint import storage
+from llmtrain.config import CheckpointConfig
 
 STEPS = 30
 
@@ -67,9 +68,11 @@ def test_a_partitioned_rank_that_comes_back_is_fenced_out_of_the_checkpoints(clu
     fenced = wait_for_event(c.run, "fenced", c.nodes[cut_off["host"]], timeout=60,
                             where=lambda e: e["ts"] > committed["ts"])
     assert fenced["host"] == cut_off["host"] and fenced["rank"] == 1
-    # whichever of its threads asks first: the stalled writer, or its watchdog (which
-    # would otherwise answer the hang it missed, and end the process before the write)
-    assert fenced["what"] in (f"checkpoint file {step20}/__1_0.distcp",
+    # whichever of its threads asks first: one of the stalled writer's threads (one shard
+    # file each), or its watchdog (which would otherwise answer the hang it missed, and
+    # end the process before the write)
+    assert fenced["what"] in (*(f"checkpoint file {step20}/__1_{i}.distcp"
+                                for i in range(CheckpointConfig().writer_threads)),
                               "the watchdog's heartbeats and reports"), fenced
     assert "re-formed as" in fenced["reason"] and "without this rank" in fenced["reason"]
     # the step-20 checkpoint the job committed is untouched. (Without the fence the late
