@@ -470,15 +470,14 @@ def main() -> None:
         global_mean(loss)
         mgr.wait()  # the last write is in the figures
 
+    warm_step = trainer.step  # the saves before it are the I/O figures'
     if args.saves:  # align so the first timed step saves; re-warm the staging buffers
         train((n - 1 - trainer.step) % n)
         mgr.save(trainer.step, trainer.state, final=True)
-        cfg.checkpoint.interval_steps = n
         warm_step = trainer.step
+        cfg.checkpoint.interval_steps = n
         ranks.barrier()
         run(n * args.saves)
-    else:
-        warm_step = trainer.step
     trainer.close()
     if rank != 0:
         return

@@ -780,7 +780,7 @@ def read_objects(reader: ShardReader, plan: InPlace, *, check: bool = False) -> 
             else:
                 spans.append([item.offset, item.offset + item.length])
         with reader._opened(posixpath.join(reader._root, relative)) as file:
-            data = file.spans([(a, b) for a, b in spans])
+            data = file.spans(spans)
         starts = [a for a, _ in spans]
         for name, item in found:
             k = bisect.bisect_right(starts, item.offset) - 1
