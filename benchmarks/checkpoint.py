@@ -52,7 +52,9 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
   each is measured against its own neighbours: segments of steps with saves against
   segments without, which this replaced, gave 1.03 to 1.18 at 2 ranks in three runs of
   the same code here and 0.98 and 1.13 at 1 rank, its segments' step times wandering
-  from 1.84 to 2.91 s within one run.
+  from 1.84 to 2.91 s within one run. The same cost taken of a window as long half an
+  interval later, where nothing was saved (``no_save_cost_ms``, the table's "no save"
+  row), is what the method finds in this run without a save: the figure's noise.
   Goal <= 1.05. ``--saves 0`` leaves it out (the I/O figures take about a minute).
 - ``bytes_per_param``: committed checkpoint bytes (manifest) / model parameters; AdamW
   with fp32 master weights needs 12 (weights + m + v), a little more with metadata.
@@ -222,13 +224,16 @@ def drop_cache(paths: list[str]) -> None:
 
 
 def save_costs(steps: list[tuple[int, float, float]], committed: list[dict],
-               interval: int) -> tuple[list[float], float]:
-    """(training time each save took, the median step time untouched by saves) of the
-    saves among ``steps`` ((step, start, end): each step's training and save_or_stop).
-    A save touches the steps from the one that called it to the first that began after
-    it committed (the staging copy's wait, the background write beside training), and
-    the step after that one; it costs their time beyond as many steps of the untouched
-    ones within ``interval`` steps of it (see the module's docstring)."""
+               interval: int) -> tuple[list[float], list[float], float]:
+    """(training time each save took, the same for a window without a save, the median
+    step time untouched by saves) of the saves among ``steps`` ((step, start, end): each
+    step's training and save_or_stop). A save touches the steps from the one that called
+    it to the first that began after it committed (the staging copy's wait, the
+    background write beside training), and the step after that one; it costs their time
+    beyond as many steps of the untouched ones within ``interval`` steps of it (see the
+    module's docstring). Each save's control is the window of as many untouched steps
+    half an interval later, costed the same way against its own neighbours: what the
+    method finds where nothing was saved, the figure's noise in this run."""
     took = {step: end - start for step, start, end in steps}
     began = {step: start for step, start, _ in steps}
     done = {e["step"]: e["ts"] for e in committed}
@@ -239,16 +244,24 @@ def save_costs(steps: list[tuple[int, float, float]], committed: list[dict],
             after += 1
         touched[save] = [t for t in range(save, after + 2) if t in took]
     untouched = set(took) - {t for window in touched.values() for t in window}
-    costs, bases = [], []
-    for save, window in touched.items():
-        near = [took[t] for t in untouched if abs(t - save) < interval]
+
+    def cost(window: list[int]) -> tuple[float, float]:
+        near = [took[t] for t in untouched - set(window) if abs(t - window[0]) < interval]
         if not near:
-            raise SystemExit(f"every step within {interval} of the save at step {save} "
-                             f"was touched by a save: take a longer --interval")
+            raise SystemExit(f"every step within {interval} of step {window[0]} was touched "
+                             f"by a save: take a longer --interval")
         base = statistics.median(near)
-        costs.append(sum(took[t] for t in window) - len(window) * base)
+        return sum(took[t] for t in window) - len(window) * base, base
+
+    costs, controls, bases = [], [], []
+    for save, window in touched.items():
+        c, base = cost(window)
+        costs.append(c)
         bases.append(base)
-    return costs, statistics.median(bases)
+        control = [t + interval // 2 for t in window]
+        if untouched.issuperset(control):
+            controls.append(cost(control)[0])
+    return costs, controls, statistics.median(bases)
 
 
 def ckpt_files(url: str) -> list[str]:
@@ -509,8 +522,9 @@ def main() -> None:
         "bytes_per_param": ckpt_bytes / params,
     }
     if args.saves:
-        costs, step_s = save_costs(steps, committed, n)
+        costs, controls, step_s = save_costs(steps, committed, n)
         cost = statistics.median(costs)
+        control = statistics.median(controls) if controls else None
         m["without"], m["with_"] = step_s, step_s + cost / n
         figures["step_time_with_saves_over_without"] = m["with_"] / m["without"]
     goals = {"blocking_over_sync": ("<=", 0.03), "staging_over_memcpy": (">=", 0.8),
@@ -552,6 +566,8 @@ def main() -> None:
         row("step, untouched by a save", m["without"])
         row(f"step, a save every {n} steps", m["with_"])
         row(f"training time a save takes ({min(costs):.2f}-{max(costs):.2f})", cost)
+        if controls:
+            row(f"  the same, no save ({min(controls):.2f}-{max(controls):.2f})", control)
     beyond = m["load"] - m["read"]
     print(f"load beyond the raw read, warm: {beyond * 1e3:.1f} ms for {len(tensors)} tensors "
           f"a rank ({beyond / len(tensors) * 1e6:.1f} us each)")
@@ -585,7 +601,8 @@ def main() -> None:
     if args.saves:
         out.update(step_ms=round(m["without"] * 1e3, 2), interval=n,
                    step_with_saves_ms=round(m["with_"] * 1e3, 2),
-                   save_cost_ms=round(cost * 1e3, 1))
+                   save_cost_ms=round(cost * 1e3, 1),
+                   no_save_cost_ms=round(control * 1e3, 1) if controls else None)
     print(json.dumps(out))
 
 
