@@ -251,13 +251,31 @@ class ShardReader(FsspecReader):
     def __init__(self, path, *, threads: int = 4, rank: int | None = None,
                  world: int | None = None, **kwargs) -> None:
         """``rank`` of ``world``: the loading rank, whose own items a restart at the
-        saved world size finds in INDEX2.bin (see :meth:`own_section`)."""
-        super().__init__(path, **kwargs)
-        self.threads, self.rank, self.world = threads, rank, world
+        saved world size finds in INDEX2.bin (see :meth:`own_section`).
+
+        DCP's own state (FsspecReader's file systems, path and load id) is set up when
+        DCP first asks for it (:meth:`__getattr__`): a load in place never does, and
+        setting it up was a tenth of a 2-rank load's Python here."""
+        self._dcp_args = (path, kwargs)
+        self.threads, self._rank, self._world = threads, rank, world
         self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **kwargs)
         self._metadata = None
         self._items: Items | None = None
         self._own: Section | bool | None = None  # False: none
+
+    def __getattr__(self, name: str):
+        """An attribute of DCP's own state, set up on the first such miss."""
+        if name.startswith("__") or not self._set_up_dcp():
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self, name)
+
+    def _set_up_dcp(self) -> bool:
+        """Sets up DCP's own state unless it is already; whether this did."""
+        args = self.__dict__.pop("_dcp_args", None)
+        if args is None:
+            return False
+        FsspecReader.__init__(self, args[0], **args[1])
+        return True
 
     def read_metadata(self, *args, **kwargs):
         """The checkpoint's ``.metadata``, read (unpickled) once per reader: the caller
@@ -290,8 +308,8 @@ class ShardReader(FsspecReader):
         world size, a checkpoint written before the index, no rank given) every stored
         item, as rows."""
         if self._own is None:
-            known = self.rank is not None and self.world is not None
-            self._own = (known and self._section(self.rank, self.world)) or False
+            known = self._rank is not None and self._world is not None
+            self._own = (known and self._section(self._rank, self._world)) or False
         return self._own or index.rows_only(self.stored_items())
 
     def own_items(self) -> Items:
@@ -365,6 +383,7 @@ class ShardReader(FsspecReader):
             os.close(fd)
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        self._set_up_dcp()  # before DCP's fields are set, not after (it would clear them)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if self._items is None:
             self._items = metadata_items(metadata)
@@ -822,9 +841,10 @@ def read_in_place(reader: ShardReader, plan: InPlace, *, check: bool = False) ->
     # destinations read through a scratch copy: views into one host block, pinned where
     # it lies for a GPU (from torch's pinned allocator, each would be rounded up to a
     # power of two and stay cached for the rest of the run)
-    through = [t for t, at in zip(targets, pointers) if at == -1 and _needs_scratch(t)]
+    through = ([t for t, at in zip(targets, pointers) if at == -1 and _needs_scratch(t)]
+               if -1 in pointers else [])
     gpu = any(t.device.type == "cuda" for t in through)
-    scratch = dict(zip(map(id, through), host_block(through, pin=gpu)[1]))
+    scratch = dict(zip(map(id, through), host_block(through, pin=gpu)[1])) if through else {}
     address = np.array(pointers if not through else [
         scratch[id(t)].data_ptr() if id(t) in scratch else t.data_ptr() for t in targets],
         np.int64)

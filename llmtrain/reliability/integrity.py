@@ -183,7 +183,8 @@ class Integrity:
         history = [math.nan if x is None else x for x in state["history"]]
         same_window = len(history) == len(self.history)  # else its size changed: anew
         if same_window:
-            self.history.copy_(torch.tensor(history, dtype=self.history.dtype))
+            self.history = torch.tensor(history, dtype=self.history.dtype,
+                                        device=self.history.device)
         self.judged = state["judged"] if same_window else 0
         self.pending = [(step, torch.tensor([float(x) for x in row], device=self.device))
                         for step, row in state.get("pending", [])]
