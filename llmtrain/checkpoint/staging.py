@@ -6,8 +6,11 @@ state dict around them at every save (a deepcopy of every tensor and DTensor wra
 then a copy storage by storage): on 2 CPU cores that staged at 0.29-0.41 of memcpy speed
 (``benchmarks/checkpoint.py``). Here the buffers (pinned on CUDA, shared with
 ``async_process``) are made once, carved from one host allocation (``_host_buffers``),
-and again only when the state's layout changes; each save is one ``copy_`` per tensor
-into them (``_copy_state_dict``). The manager starts a save only after the previous one
+and again only when the state's layout changes; each save walks the state once, checking
+its layout against the buffers' and pairing each tensor with its buffer, then copies
+every pair in one ``torch._foreach_copy_`` (torch's ``_copy_state_dict``, a walk making
+a Python call per tensor, after another walk to compare the layouts, took 5 ms more than
+plain copies of a 143 MB rank's 300 tensors at 2 ranks here). The manager starts a save only after the previous one
 finished writing, so the buffers are never overwritten while DCP still reads them. The
 trainer has them made after its first step (``prepare``), so the first save does not
 wait for them either.
@@ -28,23 +31,41 @@ from typing import Any
 
 import torch
 import torch.cuda._pin_memory_utils as pin_memory_utils
-from torch.distributed._state_dict_utils import _copy_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 _ALIGN = 64  # bytes: each buffer starts where any dtype's vector loads are aligned
 
 
-def _layout(obj: Any, path: str = "") -> list:
-    """(path, kind, shape, dtype) of every tensor: what the buffers must match."""
+class _LayoutChanged(Exception):
+    """The state no longer has the buffers' layout."""
+
+
+def _over(obj: Any, buffers: Any, dst: list, src: list) -> Any:
+    """``obj`` with each tensor replaced by its buffer in ``buffers`` (made for the same
+    layout), adding each pair's local tensors to ``dst`` and ``src``; raises
+    _LayoutChanged where a key, a kind of tensor, a shape or a dtype differs."""
     if isinstance(obj, torch.Tensor):
-        return [(path, type(obj).__name__, tuple(obj.shape), tuple(local_shard(obj).shape),
-                 obj.dtype)]
+        if type(buffers) is not type(obj) or buffers.shape != obj.shape \
+                or buffers.dtype != obj.dtype:
+            raise _LayoutChanged
+        host, live = local_shard(buffers), local_shard(obj)
+        if host.shape != live.shape:
+            raise _LayoutChanged
+        dst.append(host)
+        src.append(live)
+        return buffers
     if isinstance(obj, dict):
-        return [e for k, v in obj.items() for e in _layout(v, f"{path}/{k}")]
+        if not isinstance(buffers, dict) or buffers.keys() != obj.keys():
+            raise _LayoutChanged
+        return {k: _over(v, buffers[k], dst, src) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [e for i, v in enumerate(obj) for e in _layout(v, f"{path}/{i}")]
-    return [(path, type(obj).__name__)]
+        if type(buffers) is not type(obj) or len(buffers) != len(obj):
+            raise _LayoutChanged
+        return type(obj)(_over(v, b, dst, src) for v, b in zip(obj, buffers))
+    if isinstance(buffers, torch.Tensor):
+        raise _LayoutChanged
+    return obj
 
 
 class ReusedBufferStager(AsyncStager):
@@ -53,7 +74,6 @@ class ReusedBufferStager(AsyncStager):
     def __init__(self, *, cuda: bool, share_memory: bool):
         """``cuda``: the state is on a CUDA device (pinned buffers, a side stream)."""
         self.pin_memory, self.share_memory = cuda, share_memory
-        self._layout: list | None = None
         self._buffers: dict | None = None
         # the rank's GPU in the staging thread too: registering memory from a thread on
         # no device would open a context on GPU 0 for every rank of the node
@@ -67,30 +87,36 @@ class ReusedBufferStager(AsyncStager):
     def prepare(self, state_dict: dict) -> Future:
         """Makes the buffers for ``state_dict``'s layout now, on the staging thread, ahead
         of the first save (pinning a GPU's state takes seconds)."""
-        return self._thread.submit(self._buffers_for, state_dict)
+        return self._thread.submit(lambda: self._staged(state_dict)[0])
 
     def stage(self, state_dict: dict) -> Future:
         if self._stream is not None:  # the copy reads what the queued work last wrote
             self._stream.wait_stream(torch.cuda.current_stream())
         return self._thread.submit(self._copy, state_dict)
 
-    def _buffers_for(self, state_dict: dict) -> dict:
-        layout = _layout(state_dict)
-        if layout != self._layout:
-            self._buffers = None  # the old block goes before the new one is made
-            self._buffers = _host_buffers(state_dict, pin=self.pin_memory,
-                                          share=self.share_memory)
-            self._layout = layout
-        return self._buffers
+    def _staged(self, state_dict: dict) -> tuple[dict, list, list]:
+        """``state_dict`` over the buffers, and the (buffer, live) local tensors to copy:
+        buffers made anew where its layout is not theirs."""
+        dst: list = []
+        src: list = []
+        if self._buffers is not None:
+            try:
+                return _over(state_dict, self._buffers, dst, src), dst, src
+            except _LayoutChanged:
+                self._buffers = None  # the old block goes before the new one is made
+                dst.clear()
+                src.clear()
+        self._buffers = _host_buffers(state_dict, pin=self.pin_memory, share=self.share_memory)
+        return _over(state_dict, self._buffers, dst, src), dst, src
 
     def _copy(self, state_dict: dict) -> dict:
         start = time.perf_counter()
-        buffers = self._buffers_for(state_dict)
-        if self._stream is None:
-            staged = _copy_state_dict(state_dict, buffers)
-        else:
+        staged, dst, src = self._staged(state_dict)
+        if dst and self._stream is None:
+            torch._foreach_copy_(dst, src)
+        elif dst:  # device to pinned host: torch copies such pairs one by one, queued
             with torch.cuda.stream(self._stream):
-                staged = _copy_state_dict(state_dict, buffers, non_blocking=True)
+                torch._foreach_copy_(dst, src, non_blocking=True)
             self._stream.synchronize()
         self.copy_s = time.perf_counter() - start
         return staged
@@ -100,7 +126,7 @@ class ReusedBufferStager(AsyncStager):
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
-        self._layout = self._buffers = None
+        self._buffers = None
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
