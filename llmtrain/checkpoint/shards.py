@@ -256,9 +256,13 @@ class ShardReader(FsspecReader):
         DCP's own state (FsspecReader's file systems, path and load id) is set up when
         DCP first asks for it (:meth:`__getattr__`): a load in place never does, and
         setting it up was a tenth of a 2-rank load's Python here."""
-        self._dcp_args = (path, kwargs)
-        self.threads, self._rank, self._world = threads, rank, world
-        self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **kwargs)
+        self._dcp_args: tuple | None = (path, kwargs)
+        self.threads, self._rank, self._world, self._options = threads, rank, world, kwargs
+        self._open(path)
+
+    def _open(self, path) -> None:
+        """Reads ``path`` from now on, its index and metadata read anew."""
+        self._fs, self._root = fsspec.core.url_to_fs(os.fspath(path), **self._options)
         self._metadata = None
         self._items: Items | None = None
         self._own: Section | bool | None = None  # False: none
@@ -271,11 +275,20 @@ class ShardReader(FsspecReader):
 
     def _set_up_dcp(self) -> bool:
         """Sets up DCP's own state unless it is already; whether this did."""
-        args = self.__dict__.pop("_dcp_args", None)
+        args = self.__dict__.get("_dcp_args")
         if args is None:
             return False
+        self._dcp_args = None
         FsspecReader.__init__(self, args[0], **args[1])
         return True
+
+    def reset(self, checkpoint_id=None) -> None:
+        """DCP's call before each load; with ``checkpoint_id`` (``dcp.load(...,
+        checkpoint_id=...)``), the reader reads that checkpoint from now on."""
+        self._set_up_dcp()
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            self._open(checkpoint_id)
 
     def read_metadata(self, *args, **kwargs):
         """The checkpoint's ``.metadata``, read (unpickled) once per reader: the caller

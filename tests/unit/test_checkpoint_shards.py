@@ -455,3 +455,20 @@ def test_index_rows_name_only_torch_dtypes():
     for name in ("save", "nn", "not_a_dtype"):
         with pytest.raises(ValueError, match=f"ITEMS.json: '{name}' is not a torch dtype"):
             index.parse_rows([[*row, name]], "ITEMS.json")
+
+
+def test_a_reader_given_another_checkpoint_by_dcp_reads_that_one(tmp_path):
+    """``dcp.load(..., checkpoint_id=B, storage_reader=reader of A)``: DCP resets the reader
+    to B, and every read (the metadata, the index, the bytes) is B's, not A's."""
+    urls = {}
+    for name, scale in (("a", 1.0), ("b", -3.0)):
+        sd = state()
+        sd["w"].mul_(scale)
+        urls[name] = (str(tmp_path / name), sd)
+        dcp.save(sd, storage_writer=storage.CommitWriter(urls[name][0], {"step": 1}),
+                 no_dist=True)
+    reader = ShardReader(urls["a"][0])
+    assert reader.stored_items()  # A's index read before the reset
+    got = empty_like(urls["b"][1])
+    dcp.load(got, checkpoint_id=urls["b"][0], storage_reader=reader, no_dist=True)
+    assert_same(got, urls["b"][1])
