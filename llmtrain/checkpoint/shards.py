@@ -256,7 +256,7 @@ class ShardReader(FsspecReader):
         DCP's own state (FsspecReader's file systems, path and load id) is set up when
         DCP first asks for it (:meth:`__getattr__`): a load in place never does, and
         setting it up was a tenth of a 2-rank load's Python here."""
-        self._dcp_args: tuple | None = (path, kwargs)
+        self._dcp_path = path  # None once DCP's state is set up
         self.threads, self._rank, self._world, self._options = threads, rank, world, kwargs
         self._open(path)
 
@@ -275,11 +275,11 @@ class ShardReader(FsspecReader):
 
     def _set_up_dcp(self) -> bool:
         """Sets up DCP's own state unless it is already; whether this did."""
-        args = self.__dict__.get("_dcp_args")
-        if args is None:
+        path = self.__dict__.get("_dcp_path")
+        if path is None:
             return False
-        self._dcp_args = None
-        FsspecReader.__init__(self, args[0], **args[1])
+        self._dcp_path = None
+        FsspecReader.__init__(self, path, **self._options)
         return True
 
     def reset(self, checkpoint_id=None) -> None:
