@@ -120,7 +120,6 @@ def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True,
     names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
     def write(name: str, items) -> list[WriteResult]:
-        lower_priority(nice)  # the pool's threads end with this save
         results, offset = [], 0
         with fs.create_stream(fs.concat_path(root, name), "wb") as stream:
             # tensors first: their places then stay from one save to the next while the
@@ -143,7 +142,10 @@ def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True,
                 offset += len(view)
         return results
 
-    with ThreadPoolExecutor(max_workers=max(1, len(buckets))) as pool:
+    # once per thread, not per file: a thread that finishes a file early takes the next
+    # one and must not lower itself again; the pool's threads end with this save
+    with ThreadPoolExecutor(max_workers=max(1, len(buckets)), initializer=lower_priority,
+                            initargs=(nice,)) as pool:
         done = list(pool.map(write, names, buckets))
     fut: Future = Future()
     fut.set_result([r for results in done for r in results])

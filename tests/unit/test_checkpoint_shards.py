@@ -361,25 +361,35 @@ def test_stored_objects_decode_as_torch_load_does_and_never_run_code(tmp_path, m
     assert not planted.exists()
 
 
-def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch):
+@pytest.mark.parametrize("one_thread", [False, True])
+def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch, one_thread):
     """A background save's write threads get checkpoint.writer_nice added to their own
-    niceness; the thread that trains keeps its priority."""
+    niceness once, however many files each writes (a pool thread that finishes its file
+    first takes the next one: forced here with one thread); the training thread keeps its
+    priority."""
     import os
     import threading
+    from concurrent.futures import ThreadPoolExecutor
     seen = []
-    real = shards.lower_priority
+    real = shards.tensor_bytes
 
-    def recording(nice: int) -> None:
-        real(nice)
-        tid = threading.get_native_id()
-        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
+    def recording(tensor):  # the niceness of the thread writing each tensor
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(tensor)
 
-    monkeypatch.setattr(shards, "lower_priority", recording)
+    class OneThread(ThreadPoolExecutor):
+        def __init__(self, max_workers=None, **kwargs):
+            super().__init__(max_workers=1, **kwargs)
+
+    monkeypatch.setattr(shards, "tensor_bytes", recording)
+    if one_thread:
+        monkeypatch.setattr(shards, "ThreadPoolExecutor", OneThread)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     dcp.save(state(), storage_writer=storage.CommitWriter(str(tmp_path / "ck"), {"step": 1},
                                                           thread_count=2, nice=5),
              no_dist=True)
-    assert seen and all(n == min(19, mine + 5) for n in seen), (mine, seen)
+    assert len(list((tmp_path / "ck").glob("*.distcp"))) == 2
+    assert len(seen) > 1 and all(n == min(19, mine + 5) for n in seen), (mine, seen)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
     assert storage.verify(str(tmp_path / "ck"), checksums=True) == []
 
