@@ -177,17 +177,27 @@ def test_a_peer_killed_during_resume_leaves_the_checkpoint_committed(tmp_path):
     assert [c.step for c in storage.list_checkpoints(root) if c.committed] == [6, 12, 14]
 
 
-# A world of one in this process: the staging copy is held back half a second, so an update
-# that did not wait for it would change the weights before they are copied.
+# A world of one in this process: the staging copy is held back until the next step asks
+# whether it is done, and half a second more, so an update that did not wait for it would
+# change the weights before they are copied (however long the step's own work took).
 STAGING_OVERLAP = """
-import sys, time
+import sys, threading, time
 import torch
 from llmtrain.checkpoint import shards, staging, storage
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.trainer import Trainer
 
-staged = staging.ReusedBufferStager._staged  # each copy 0.5 s slower
-staging.ReusedBufferStager._staged = lambda *a, **k: (time.sleep(0.5), staged(*a, **k))[1]
+asked = threading.Event()
+staged = staging.ReusedBufferStager._staged
+
+
+def held_back(*a, **k):
+    asked.wait(60)
+    time.sleep(0.5)
+    return staged(*a, **k)
+
+
+staging.ReusedBufferStager._staged = held_back
 cfg = load_config("debug_cpu", parse_overrides([
     "--training.run_dir", sys.argv[1], "--training.steps", "10", "--checkpoint.enable", "true",
     "--checkpoint.mode", "async_thread", "--checkpoint.interval_steps", "0",
@@ -196,6 +206,8 @@ trainer = Trainer(cfg)
 trainer.train_step(trainer.data.next_step())
 at_save = {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
 trainer.checkpoints.save(1, trainer.state)
+done = trainer.checkpoints.staged
+trainer.checkpoints.staged = lambda: (done(), asked.set())[0]
 start = time.perf_counter()
 trainer.train_step(trainer.data.next_step())  # its update waits for the copy
 waited = time.perf_counter() - start
