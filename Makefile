@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
+# make test runs this many tests at once: a multi-process test leaves a core idle for a
+# third of its time (starts, waits on timeouts, single-rank phases)
+TEST_JOBS ?= 2
 ARGS ?=
 
 .PHONY: train test bench gpu-check docs clean
@@ -20,7 +23,8 @@ train: $(BIN)/llmtrain
 
 test: $(BIN)/llmtrain
 	$(BIN)/python -m compileall -q llmtrain  # bytecode once, not in each of hundreds of processes
-	$(BIN)/python -m pytest tests --durations=25 $(ARGS)
+	@# a test file's tests stay on one worker, so the runs its tests share run once
+	$(BIN)/python -m pytest tests -n $(TEST_JOBS) --dist loadfile --durations=25 $(ARGS)
 
 # On a GPU node: the CUDA/NCCL/NVML/FP8 checks (tests/gpu), then the GPU figures. The venv's
 # torch==2.13.0 from PyPI is the CUDA build on Linux x86-64.

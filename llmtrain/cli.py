@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 
+from llmtrain import collector
 from llmtrain.config import (ConfigError, load_config, parse_overrides, preset_names,
                              reference_markdown)
 from llmtrain.exit_codes import ExitCode, FatalError
@@ -36,12 +37,14 @@ def _config(args: argparse.Namespace, rest: list[str]):
 
 
 def cmd_train(args: argparse.Namespace, rest: list[str]) -> int:
-    from llmtrain.launch.worker import run_worker
+    with collector.paused(freeze=True):  # a worker's start: see llmtrain.collector
+        from llmtrain.launch.worker import run_worker
     return run_worker(_config(args, rest))
 
 
 def cmd_spare(args: argparse.Namespace, rest: list[str]) -> int:
-    from llmtrain.launch.worker import run_spare
+    with collector.paused(freeze=True):
+        from llmtrain.launch.worker import run_spare
     return run_spare(_config(args, rest))
 
 
@@ -141,13 +144,16 @@ def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from llmtrain.launch import node
+    with collector.paused(freeze=True):  # torch too: its preflight, gate and store lease need it
+        import torch.distributed  # noqa: F401
+        from llmtrain.launch import node
     cfg = _config(args, rest)
     return node.launch(cfg, node.from_args(args), ["--config", args.config, *rest])
 
 
 def cmd_rdzv_store(args: argparse.Namespace, rest: list[str]) -> int:
-    from llmtrain.launch.store import serve_store
+    with collector.paused(freeze=True):
+        from llmtrain.launch.store import serve_store
     return serve_store(args.bind, args.port, args.exit_when_unused, args.lease_timeout_s)
 
 

@@ -43,7 +43,6 @@ import ctypes
 import dataclasses
 import errno
 import functools
-import gc
 import io
 import json
 import math
@@ -68,6 +67,7 @@ from torch.futures import Future
 from llmtrain.checkpoint import checksum, index
 from llmtrain.checkpoint.index import (INDEX, ITEMS, RAW, Items, Section, StoredItem,
                                        metadata_items)
+from llmtrain import collector
 from llmtrain.checkpoint.staging import host_block
 from llmtrain.fsio import is_local
 
@@ -204,21 +204,6 @@ def _readers(threads: int) -> ThreadPoolExecutor:
         return _pools[threads]
 
 
-@contextlib.contextmanager
-def no_gc():
-    """No cyclic collection inside: a load makes thousands of objects (unpickling DCP's
-    metadata, planning), and a full collection landing in it, in a process that did not
-    gc.freeze() what it imported, took 0.14-0.17 s, six times the load (one load in four
-    of a 286 MB state at 2 ranks). A load leaves no cycles for it to find."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 class _File(NamedTuple):
     """A file of a checkpoint opened for small reads (see :meth:`ShardReader._opened`)."""
     path: str
@@ -298,7 +283,7 @@ class ShardReader(FsspecReader):
         if args or kwargs.get("rank") is not None:
             return super().read_metadata(*args, **kwargs)
         if self._metadata is None:
-            with no_gc():
+            with collector.paused():
                 self._metadata = super().read_metadata()
         return self._metadata
 

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from llmtrain.checkpoint.shards import (InPlace, LiveShards, ShardReader, no_gc,
-                                       plan_in_place, read_in_place, read_objects,
-                                       stored_object)
+from llmtrain import collector
+from llmtrain.checkpoint.shards import (InPlace, LiveShards, ShardReader, plan_in_place,
+                                       read_in_place, read_objects, stored_object)
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.checkpoint.staging import local_shard
 from llmtrain.model import global_offset, unwrapped_name
@@ -108,7 +108,7 @@ class TrainState:
         did not exist at save time keeps its seeded RNG; a checkpoint older than an item
         leaves it as built), and whether DCP planned the load.
         """
-        with no_gc():
+        with collector.paused():
             return self._load(url, threads, check)
 
     def _load(self, url: str, threads: int, check: bool) -> tuple[int, list[str], bool]:

@@ -24,17 +24,20 @@ path replaces it like any dead worker. Everything else is torchrun.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
 from datetime import timedelta
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from llmtrain import collector
 
-from llmtrain.exit_codes import ExitCode
-from llmtrain.recovery.warm import EvictionWatch, Verdicts, mark_holder_gone, outside_store, owner
+with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.collector)
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from llmtrain.exit_codes import ExitCode
+    from llmtrain.recovery.warm import (EvictionWatch, Verdicts, mark_holder_gone,
+                                        outside_store, owner)
 
 
 class WarmAgent(LocalElasticAgent):
@@ -131,12 +134,12 @@ class WarmAgent(LocalElasticAgent):
 
 
 def main(argv: list[str]) -> None:
-    import torch.distributed.launcher.api as launcher
-    from torch.distributed.run import main as torchrun
+    with collector.paused(freeze=True):  # torch's modules live as long as the agent
+        import torch.distributed.launcher.api as launcher
+        from torch.distributed.run import main as torchrun
     launcher.LocalElasticAgent = WarmAgent
     WarmAgent.store_outside = any(a.startswith("--rdzv-conf") and "is_host=0" in a
                                   for a in argv)
-    gc.freeze()  # torch's modules live as long as the agent: no collection scans them again
     torchrun(argv)
 
 

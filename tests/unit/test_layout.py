@@ -19,7 +19,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "llmtrain"
 LAYERS = [
-    {"config", "configs", "events", "exit_codes", "fsio", "fault_points",  # foundations
+    {"collector", "config", "configs", "events", "exit_codes", "fsio", "fault_points",  # foundations
      "stop_request", "state_registry"},
     {"model", "optim", "sharded_model", "data", "distributed", "checkpoint", "metrics", "reliability",  # components
      "recovery", "control"},
