@@ -12,7 +12,7 @@ from llmtrain.chaos.runner import KINDS
 from llmtrain.config import ReliabilityConfig, WarmConfig
 from llmtrain.events import read_events
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 STORAGE_KINDS = ("unreadable_checkpoint", "slow_retention", "store_stall")
 RANK_KINDS = tuple(k for k in KINDS if k not in STORAGE_KINDS)
