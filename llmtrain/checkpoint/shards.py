@@ -64,10 +64,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from llmtrain import collector
 from llmtrain.checkpoint import checksum, index
 from llmtrain.checkpoint.index import (INDEX, ITEMS, RAW, Items, Section, StoredItem,
                                        metadata_items)
-from llmtrain import collector
 from llmtrain.checkpoint.staging import host_block
 from llmtrain.fsio import is_local
 
