@@ -35,7 +35,9 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
               file=sys.stderr)
         stop_agent(ExitCode.EXCLUDE_NODE)
         return ExitCode.EXCLUDE_NODE
-    gc.freeze()  # torch's modules: no full collection in the start and resume scans them
+    # what was made since the CLI froze its imports (a spare's first model build): no
+    # full collection in the start and resume scans it
+    gc.freeze()
     held = None
     while True:
         trainer = _start(cfg, plan, held, host)
