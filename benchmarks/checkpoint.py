@@ -41,7 +41,10 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
   reads it), and ``load_beyond_raw_ms``: the warm load's time beyond the raw read (its
   reads ran at the raw read's speed when timed apart; the rest is the Python that maps
   each of ``tensors_per_rank`` live tensors to its stored bytes and decodes the small
-  items, a cost per tensor, not per byte).
+  items, a cost per tensor, not per byte). Where the load reads in place, its reads are
+  also timed alone, as its plan lays them out (``load_reads_over_raw``, no goal: the raw
+  read / those reads; ``load_python_ms``: the rest of the load): they copy into the live
+  tensors wherever the allocator put them, the raw read into one buffer.
 - ``step_time_with_saves_over_without``: training steps through the trainer's own
   ``save_or_stop(step)`` path with a save (async_thread) every ``--interval`` steps, each
   step timed: each of ``--saves`` saves costs the time of the steps it touched (from the
@@ -99,6 +102,7 @@ from llmtrain.chaos.mount import BindfsMount, unmount, wait_mounted
 from llmtrain.chaos.nfs import NfsMount
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.manager import CheckpointManager
+from llmtrain.checkpoint.shards import read_in_place
 from llmtrain.config import ModelConfig, load_config, parse_overrides
 from llmtrain.distributed.process_group import global_mean
 from llmtrain.events import read_events
@@ -436,15 +440,25 @@ def main() -> None:
         assert mgr.resume(trainer.state) == save_id[0]
         sync_device(device)
 
+    # The load's own reads alone, into the live tensors, as its plan lays them out (none
+    # where DCP plans the load): what of the load's time beyond the raw read is reading,
+    # and what is the Python around it.
+    reader = trainer.state._reader(url)
+    plan = trainer.state._in_place(reader, trainer.state._objects(reader))
+
+    def load_reads() -> None:
+        read_in_place(reader, plan)
+        sync_device(device)
+
     # The raw read baseline is the faster of two ways: one 64 MiB buffer reused, or the
     # bytes read where they belong in memory the size of the checkpoint. Which one wins
     # changes from process to process here (31 against 38 ms in one, 105 against 40 in
     # another, for the same 286 MB).
     raw_read(files, buf)  # warm the page cache (the files were just written anyway)
-    load_s, reused_s, whole_s, resume_s = [], [], [], []
+    load_s, reused_s, whole_s, resume_s, reads_s = [], [], [], [], []
     for r in range(args.warm_reps):
         runs = [(load_s, load), (reused_s, raw_reads[0]), (whole_s, raw_reads[1]),
-                (resume_s, resume)]
+                (resume_s, resume), *([(reads_s, load_reads)] if plan is not None else [])]
         for times, fn in (runs if r % 2 == 0 else runs[::-1]):
             times.append(ranks.timed(fn))
     load_cold_s, reused_cold_s, whole_cold_s = [], [], []
@@ -508,7 +522,7 @@ def main() -> None:
         sync=sync_s, blocking=call_s, copy=copy_s, background=background_s, write=write_s,
 
         memcpy=memcpy_s, memcpy_fresh=memcpy_fresh_s, load=load_s, read_reused=reused_s,
-        read_whole=whole_s, load_cold=load_cold_s, read_reused_cold=reused_cold_s,
+        read_whole=whole_s, load_reads=reads_s, load_cold=load_cold_s, read_reused_cold=reused_cold_s,
         read_whole_cold=whole_cold_s, resume=resume_s).items()
         if v}
     m["read"] = min(m["read_reused"], m["read_whole"])
@@ -559,6 +573,8 @@ def main() -> None:
     row("raw read, warm cache, a 64 MiB buffer reused", m["read_reused"], ckpt_bytes)
     row("raw read, warm cache, into checkpoint-sized memory", m["read_whole"], ckpt_bytes)
     row("resume (CheckpointManager.resume: checked load), warm", m["resume"], ckpt_bytes)
+    if reads_s:
+        row("  the load's reads alone, into the live state", m["load_reads"], ckpt_bytes)
     row("load (TrainState.load), cold cache", m["load_cold"], ckpt_bytes)
     row("raw read, cold cache (fadvise DONTNEED), reused", m["read_reused_cold"], ckpt_bytes)
     row("raw read, cold cache, into checkpoint-sized", m["read_whole_cold"], ckpt_bytes)
@@ -570,7 +586,10 @@ def main() -> None:
             row(f"  the same, no save ({min(controls):.2f}-{max(controls):.2f})", control)
     beyond = m["load"] - m["read"]
     print(f"load beyond the raw read, warm: {beyond * 1e3:.1f} ms for {len(tensors)} tensors "
-          f"a rank ({beyond / len(tensors) * 1e6:.1f} us each)")
+          f"a rank ({beyond / len(tensors) * 1e6:.1f} us each)" + (
+              f"; its reads alone {(m['load_reads'] - m['read']) * 1e3:.1f} ms beyond it, "
+              f"the rest of the load {(m['load'] - m['load_reads']) * 1e3:.1f} ms"
+              if reads_s else ""))
     print(f"state {state_bytes / MB:.1f} MB (model + AdamW, all ranks); checkpoint "
           f"{ckpt_bytes / MB:.1f} MB in {len(files)} files; {params / 1e6:.2f}M params; "
           f"{len(step_saves)} saves while stepping, {len(waits)} waited for the previous one")
@@ -598,6 +617,9 @@ def main() -> None:
                raw_read_cold_mb_s=round(bw(ckpt_bytes, m["read_cold"])),
                load_beyond_raw_ms=round(beyond * 1e3, 2), tensors_per_rank=len(tensors),
                world_size=world)
+    if reads_s:
+        out.update(load_reads_over_raw=round(m["read"] / m["load_reads"], 4),
+                   load_python_ms=round((m["load"] - m["load_reads"]) * 1e3, 2))
     if args.saves:
         out.update(step_ms=round(m["without"] * 1e3, 2), interval=n,
                    step_with_saves_ms=round(m["with_"] * 1e3, 2),
