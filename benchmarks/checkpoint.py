@@ -46,6 +46,11 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
   reads copy into the live tensors wherever the allocator put them, at any offset
   within a page, the raw read into one buffer: at 2 ranks here that alone kept them at
   0.885-0.94 of the raw read.
+- ``save_cpu_s`` (no goal): CPU time, user and system, of all the process's threads over
+  one async save with nothing training beside it (median, the slowest rank's): what a
+  save takes from a training that keeps every core busy, without the step-time figure's
+  noise. Local block filesystems are written direct (``checkpoint.direct_io``), with no
+  page-cache work; ``--checkpoint.direct_io off`` shows a save with it.
 - ``step_time_with_saves_over_without``: training steps through the trainer's own
   ``save_or_stop(step)`` path with a save (async_thread) every ``--interval`` steps, each
   step timed: each of ``--saves`` saves costs the time of the steps it touched (from the
@@ -363,10 +368,12 @@ def main() -> None:
     def save_sync() -> float:
         return ranks.timed(lambda: sync_mgr.save(next_step(), trainer.state))
 
-    def save_async() -> tuple[float, float, float]:
+    def save_async() -> tuple[float, float, float, float]:
         """Staging and writing alone, no training meanwhile: (call s, staging copy s,
-        background write s), the slowest rank's each."""
+        background write s, CPU s of all the process's threads), the slowest rank's each.
+        That CPU is what a save takes from a training that keeps every core busy."""
         ranks.barrier()
+        cpu = sum(os.times()[:2])
         start = time.perf_counter()
         async_steps.add(next_step())
         mgr.save(save_id[0], trainer.state)
@@ -376,7 +383,7 @@ def main() -> None:
         mgr.wait()
         done = time.perf_counter()
         return (ranks.reduce(returned - start), ranks.reduce(mgr.stager.copy_s),
-                ranks.reduce(done - staged))
+                ranks.reduce(done - staged), ranks.reduce(sum(os.times()[:2]) - cpu))
 
     def save_then_step() -> float:
         """What a save costs the training thread in a real step: the save call, then
@@ -389,7 +396,7 @@ def main() -> None:
         mgr.wait()
         return ranks.reduce(called + mgr.staging_wait_s)
 
-    first_blocking, first_copy, _ = save_async()  # allocates the staging buffers
+    first_blocking, first_copy, _, _ = save_async()  # allocates the staging buffers
     first_sync = save_sync()
     manifest = storage.read_manifest(saved[-1]) or {}
     ckpt_bytes = manifest.get("bytes", 0)
@@ -403,7 +410,7 @@ def main() -> None:
         raw_paths.append(os.path.join(ckpt_dir, f"raw-write-bench.rank{rank}.{len(raw_paths)}"))
         return ranks.timed(lambda: raw_write(raw_paths[-1], raw_share, block))
 
-    sync_s, call_s, copy_s, background_s, write_s = [], [], [], [], []
+    sync_s, call_s, copy_s, background_s, save_cpu_s, write_s = [], [], [], [], [], []
     memcpy_s, memcpy_fresh_s = [], []
     for r in range(args.reps):
         order = ["sync", "async", "overlap", "raw", "memcpy"]
@@ -411,9 +418,10 @@ def main() -> None:
             if what == "sync":
                 sync_s.append(save_sync())
             elif what == "async":
-                _, c, bg = save_async()
+                _, c, bg, cpu = save_async()
                 copy_s.append(c)
                 background_s.append(bg)
+                save_cpu_s.append(cpu)
             elif what == "overlap":
                 call_s.append(save_then_step())
             elif what == "raw":
@@ -520,7 +528,8 @@ def main() -> None:
              if e["step"] in async_steps and e["step"] != BENCH_STEP + 1]
     bw = lambda nbytes, s: nbytes / s / MB  # noqa: E731
     m = {k: med(v) for k, v in dict(
-        sync=sync_s, blocking=call_s, copy=copy_s, background=background_s, write=write_s,
+        sync=sync_s, blocking=call_s, copy=copy_s, background=background_s,
+        save_cpu=save_cpu_s, write=write_s,
 
         memcpy=memcpy_s, memcpy_fresh=memcpy_fresh_s, load=load_s, read_reused=reused_s,
         read_whole=whole_s, load_reads=reads_s, load_cold=load_cold_s,
@@ -565,6 +574,7 @@ def main() -> None:
     row("async save: background write to commit", m["background"], ckpt_bytes)
     if ev_bg:
         row("  copy + write, from checkpoint_committed", med(ev_bg), ckpt_bytes)
+    row("async save: CPU of all its threads", m["save_cpu"])
     row("sync save: total", m["sync"], ckpt_bytes)
     row("sync save: total, first save", first_sync, ckpt_bytes)
     row("raw write + fsync, same dir, new files", m["write"], ckpt_bytes)
@@ -616,6 +626,7 @@ def main() -> None:
                resume_mb_s=round(bw(ckpt_bytes, m["resume"])),
                load_cold_mb_s=round(bw(ckpt_bytes, m["load_cold"])),
                raw_read_cold_mb_s=round(bw(ckpt_bytes, m["read_cold"])),
+               save_cpu_s=round(m["save_cpu"], 3),
                load_beyond_raw_ms=round(beyond * 1e3, 2), tensors_per_rank=len(tensors),
                world_size=world)
     if reads_s:

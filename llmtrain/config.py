@@ -164,6 +164,12 @@ class CheckpointConfig:
                           doc="CPU niceness added to the write threads (Linux, per thread): "
                               "a background save hashes and writes with what training leaves "
                               "idle instead of taking cores from it; 0: the same priority")
+    direct_io: str = _f("auto", choices=("auto", "on", "off"),
+                        doc="write local checkpoint files around the page cache (O_DIRECT): "
+                            "no kernel copy, dirty pages or writeback taken from training, "
+                            "nothing of the page cache evicted. auto: on local block "
+                            "filesystems (ext4, xfs, btrfs, f2fs); on: any local path that "
+                            "takes it (Lustre, GPFS); off: never")
     reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when "
                              "loading (from local files, at most the rank's share of the "
                              "node's CPUs)")

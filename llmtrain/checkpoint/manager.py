@@ -239,7 +239,8 @@ class CheckpointManager:
                 thread_count=self.cfg.writer_threads, fence=self.fence,
                 raw=self.cfg.format == "raw",
                 # a sync save is the training thread's own wait: nothing to leave room for
-                nice=self.cfg.writer_nice if self.cfg.mode != "sync" else 0, planner=planner)
+                nice=self.cfg.writer_nice if self.cfg.mode != "sync" else 0,
+                direct_io=self.cfg.direct_io, planner=planner)
             state_dict = state.state_dict(step)
             if self.cfg.mode == "sync":
                 dcp.save(state_dict, storage_writer=writer, planner=planner,

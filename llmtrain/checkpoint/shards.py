@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from llmtrain import collector
-from llmtrain.checkpoint import checksum, index
+from llmtrain.checkpoint import checksum, direct_io, index
 from llmtrain.checkpoint.index import (INDEX, ITEMS, RAW, Items, Section, StoredItem,
                                        metadata_items)
 from llmtrain.checkpoint.staging import host_block
@@ -122,9 +122,7 @@ def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True,
     def write(name: str, items) -> list[WriteResult]:
         results, offset = [], 0
         with fs.create_stream(fs.concat_path(root, name), "wb") as stream:
-            # tensors first: their places then stay from one save to the next while the
-            # objects' sizes change (a load keeps its layout for as long, plan_in_place)
-            for item in sorted(items, key=lambda item: item.type == WriteItemType.BYTE_IO):
+            for item in sorted(items, key=_file_order):
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     view, descriptors = data.getbuffer(), []
@@ -150,6 +148,19 @@ def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True,
     fut: Future = Future()
     fut.set_result([r for results in done for r in results])
     return fut
+
+
+def _file_order(item) -> tuple[bool, bool]:
+    """Where an item goes in its file. Tensors first: their places then stay from one
+    save to the next while the objects' sizes change (a load keeps its layout for as long,
+    plan_in_place). Of those, the ones of whole pages first: each then starts a page of
+    the file as it starts one of the staging buffers, which a direct write takes as it
+    lies, with no copy, up to the first tensor of another size (direct_io)."""
+    if item.type == WriteItemType.BYTE_IO:
+        return True, True
+    data = item.tensor_data
+    nbytes = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+    return False, nbytes % direct_io.ALIGN != 0
 
 
 def lower_priority(nice: int) -> None:

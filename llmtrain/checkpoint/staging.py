@@ -24,6 +24,7 @@ nothing when it ends within forward and backward.
 
 from __future__ import annotations
 
+import mmap
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +35,9 @@ import torch.cuda._pin_memory_utils as pin_memory_utils
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-_ALIGN = 64  # bytes: each buffer starts where any dtype's vector loads are aligned
+# bytes: each buffer starts a page, where a direct write takes its bytes as they lie
+# (llmtrain.checkpoint.direct_io); a few KB more a state than at 64
+_ALIGN = 4096
 
 
 def _paired(state_dict: dict, buffers: dict) -> tuple[dict, list, list]:
@@ -166,7 +169,9 @@ def host_block(tensors: list[torch.Tensor], *, pin: bool,
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + -(-n // _ALIGN) * _ALIGN)
-    block = torch.empty(max(starts[-1], 1), dtype=torch.uint8)
+    # anonymous memory, which starts on a page (torch's allocator aligns to 64 bytes),
+    # and shared memory too, both at no offset into their storage (see _dtensor)
+    block = torch.frombuffer(mmap.mmap(-1, max(starts[-1], 1)), dtype=torch.uint8)
     if share:
         block.share_memory_()
     if pin:

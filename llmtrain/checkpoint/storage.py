@@ -58,7 +58,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.futures import Future
 
 from llmtrain import fault_points
-from llmtrain.checkpoint import checksum, index, shards
+from llmtrain.checkpoint import checksum, direct_io, index, shards
 from llmtrain.fsio import (FILE_MODE, create_atomic, is_local, join, makedirs, set_mode, sync_dir,
                            write_atomic)
 
@@ -133,12 +133,14 @@ class _HashingFileSystem(FileSystem):
     """DCP's fsspec filesystem, recording {file name: size, sha256} of what it writes and
     fsyncing each file it wrote where the storage needs it: local disks and NFS/FUSE
     mounts. Object stores need none (an object is durable once its upload completes), and
-    DCP's own ``sync_files`` would fall back to ``os.sync()`` of the whole node there."""
+    DCP's own ``sync_files`` would fall back to ``os.sync()`` of the whole node there.
+    Local files are written around the page cache where ``direct_io`` says
+    (:mod:`llmtrain.checkpoint.direct_io`)."""
 
-    def __init__(self, fence: Callable[[str], None]) -> None:
+    def __init__(self, fence: Callable[[str], None], direct_io: str = "auto") -> None:
         super().__init__()
         self.sums: dict[str, dict[str, Any]] = {}
-        self.fence = fence
+        self.fence, self.direct_io = fence, direct_io
 
     def mkdir(self, path) -> None:
         makedirs(os.fspath(path), self.fs)
@@ -147,19 +149,25 @@ class _HashingFileSystem(FileSystem):
     def create_stream(self, path, mode: str):
         if "w" in mode:  # the last moment a rank cut off from the job can be stopped
             self.fence(f"checkpoint file {os.fspath(path)}")
-        with super().create_stream(path, mode) as stream:
+        local, target = is_local(self.fs), os.fspath(path)
+        direct = None
+        if "w" in mode and local and direct_io.wanted(target, self.direct_io):
+            direct = direct_io.open_direct(target, FILE_MODE)
+        with direct or super().create_stream(path, mode) as stream:
             if "w" not in mode:
                 yield stream
                 return
-            local = is_local(self.fs)
             if local:
-                set_mode(os.fspath(path), FILE_MODE)
-            hashed = _HashingStream(stream, local=local)
+                set_mode(target, FILE_MODE)
+            # nothing of a direct file is in the page cache to start writing back
+            hashed = _HashingStream(stream, local=local and direct is None)
             yield hashed
+            if direct is not None:
+                direct.finish()
             if local:
                 stream.flush()
                 os.fsync(stream.fileno())
-            self.sums[posixpath.basename(os.fspath(path))] = hashed.sums()
+            self.sums[posixpath.basename(target)] = hashed.sums()
 
 
 def no_fence(what: str) -> None:
@@ -171,16 +179,17 @@ class CommitWriter(FsspecWriter):
     (:mod:`llmtrain.checkpoint.shards`), whose ``finish`` also commits the checkpoint's
     manifest. ``fence(what)`` raises when this rank may no longer write into the job's
     storage (:mod:`llmtrain.recovery.fence`); it is asked before every file is created,
-    and before the commit. ``nice``: the write threads' added niceness. ``planner``: the
-    save's planner, whose ``index_layout`` (each rank's own items, where it has one) the
-    commit writes as the per-rank index, INDEX2.bin."""
+    and before the commit. ``nice``: the write threads' added niceness. ``direct_io``:
+    where local files go around the page cache (``checkpoint.direct_io``). ``planner``:
+    the save's planner, whose ``index_layout`` (each rank's own items, where it has one)
+    the commit writes as the per-rank index, INDEX2.bin."""
 
     def __init__(self, url: str, manifest: dict[str, Any], *, thread_count: int = 1,
                  fence: Callable[[str], None] = no_fence, raw: bool = True, nice: int = 0,
-                 planner: object = None):
+                 direct_io: str = "auto", planner: object = None):
         super().__init__(url, thread_count=thread_count, sync_files=False, overwrite=True)
         self.fence, self.raw, self.nice, self.planner = fence, raw, nice, planner
-        hashing = _HashingFileSystem(fence)
+        hashing = _HashingFileSystem(fence, direct_io)
         hashing.fs = self.fs.fs
         self.fs = hashing
         self.url = url

@@ -1,6 +1,6 @@
 """Staging into reused buffers (checkpoint/staging.py): a snapshot, not a view of the
 live state; the same buffers from save to save; new ones when the layout changes; made
-ahead of the first save, as views of one block."""
+ahead of the first save, as views of one block, each starting a page."""
 
 from __future__ import annotations
 
@@ -48,6 +48,8 @@ for share in (False, True):
     assert staged["w"].placements == live["w"].placements and staged["w"].shape == (2, 3)
     assert torch.equal(staged["w"].to_local(), live["w"].to_local())
     assert staged["m"].is_shared() == share
+    # each buffer starts a page, which a direct write takes as it lies
+    assert all(t.data_ptr() % 4096 == 0 for t in (staged["w"].to_local(), staged["m"]))
     ForkingPickler.dumps(staged)  # what async_process sends (it crashed on offset wrappers)
 print("ok")
 """
