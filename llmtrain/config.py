@@ -161,9 +161,10 @@ class CheckpointConfig:
                          "loads, checksummed per file in the manifest. llmtrain loads both")
     writer_threads: int = _f(2, ge=1, doc="write threads per rank, one shard file each")
     writer_nice: int = _f(10, ge=0, le=19,
-                          doc="CPU niceness added to the write threads (Linux, per thread): "
-                              "a background save hashes and writes with what training leaves "
-                              "idle instead of taking cores from it; 0: the same priority")
+                          doc="CPU niceness added to an async save's staging and write "
+                              "threads (Linux, per thread): a background save copies, hashes "
+                              "and writes with what training leaves idle instead of taking "
+                              "cores from it; 0: the same priority")
     direct_io: str = _f("auto", choices=("auto", "on", "off"),
                         doc="write local checkpoint files around the page cache (O_DIRECT): "
                             "no kernel copy, dirty pages or writeback taken from training, "

@@ -141,7 +141,8 @@ class CheckpointManager:
         self.stager = None
         if cfg.mode != "sync":
             cuda = device.type == "cuda"
-            self.stager = ReusedBufferStager(cuda=cuda, share_memory=cfg.mode == "async_process")
+            self.stager = ReusedBufferStager(cuda=cuda, share_memory=cfg.mode == "async_process",
+                                             nice=cfg.writer_nice)
         self.inflight: Future | None = None
         self.staging: Future | None = None  # the copy of the save in flight
         self.staging_wait_s = 0.0  # how long the training thread waited for that copy

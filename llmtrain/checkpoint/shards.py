@@ -68,7 +68,7 @@ from llmtrain import collector
 from llmtrain.checkpoint import checksum, direct_io, index
 from llmtrain.checkpoint.index import (INDEX, ITEMS, RAW, Items, Section, StoredItem,
                                        metadata_items)
-from llmtrain.checkpoint.staging import host_block
+from llmtrain.checkpoint.staging import host_block, lower_priority
 from llmtrain.fsio import is_local
 
 READ_PIECE = 16 << 20   # the unit several threads share a large tensor's reading in
@@ -115,7 +115,7 @@ def write_shards(fs, root, plan, planner, thread_count: int, raw: bool = True,
     (:class:`llmtrain.checkpoint.storage.CommitWriter`). ``raw`` False writes DCP's own
     items instead (a tensor as ``torch.save`` of it, no descriptors), which stock DCP
     readers load; each file's sha256 is then in the manifest only. ``nice``: added to
-    each writer thread's niceness (:func:`lower_priority`)."""
+    each writer thread's niceness (:func:`.staging.lower_priority`)."""
     buckets = [b for b in _split_by_size_and_type(thread_count, plan.items) if b]
     names = [f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
@@ -161,21 +161,6 @@ def _file_order(item) -> tuple[bool, bool]:
     data = item.tensor_data
     nbytes = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
     return False, nbytes % direct_io.ALIGN != 0
-
-
-def lower_priority(nice: int) -> None:
-    """Adds ``nice`` to the calling thread's niceness. On Linux each thread is a task with
-    its own nice value, so a writer thread gets less CPU than the training threads only
-    while they compete for it (at 10: about a tenth of a busy core's share), and all of
-    an idle one. Elsewhere, or where refused, the thread keeps its priority."""
-    if nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid)
-                                                 + nice))
-    except (AttributeError, OSError):
-        pass
 
 
 def stock_item(tensor: torch.Tensor) -> memoryview:

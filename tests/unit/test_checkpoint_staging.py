@@ -84,3 +84,29 @@ def test_a_pinned_block_is_unpinned_with_its_last_view_not_before(monkeypatch):
     del views
     gc.collect()
     assert calls == [("pin", ptr), ("unpin", ptr)]
+
+
+def test_the_staging_copy_runs_nicer_than_the_training_thread(monkeypatch):
+    """checkpoint.writer_nice is added to the staging thread's niceness too: its copy
+    takes the CPU training leaves idle, and the save call's own Python is not held back
+    by the copy's time slices."""
+    import os
+    import threading
+
+    import torch
+
+    from llmtrain.checkpoint.staging import ReusedBufferStager
+    seen = []
+    copy = torch._foreach_copy_
+
+    def recording(dst, src, **kwargs):  # the niceness of the thread copying
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return copy(dst, src, **kwargs)
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+    stager = ReusedBufferStager(cuda=False, share_memory=False, nice=3)
+    try:
+        staged = stager.stage({"m": torch.ones(4)}).result()
+        assert torch.equal(staged["m"], torch.ones(4))
+    finally:
+        stager.close()
+    assert seen == [min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 3)]
