@@ -254,6 +254,7 @@ class CheckpointManager:
                 response = dcp.async_save(state_dict, storage_writer=writer,
                                           planner=planner, process_group=self.io_group,
                                           async_checkpointer_type=kind, async_stager=self.stager)
+                self.stager.start()
                 self.staging, future = response.staging_completion, response.upload_completion
                 self.staging_wait_s = 0.0
         except SAVE_ERRORS as e:

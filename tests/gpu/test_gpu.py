@@ -153,7 +153,9 @@ def test_pinned_prefetch_and_pinned_staging():
     from llmtrain.checkpoint.staging import ReusedBufferStager
     stager = ReusedBufferStager(cuda=True, share_memory=False)
     state = {"w": torch.randn(1024, 1024, device="cuda"), "step": 3}
-    staged = stager.stage(state).result()
+    done = stager.stage(state)
+    stager.start()
+    staged = done.result()
     assert staged["w"].is_pinned() and torch.equal(staged["w"], state["w"].cpu())
     stager.close()
 

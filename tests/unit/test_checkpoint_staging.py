@@ -1,6 +1,7 @@
 """Staging into reused buffers (checkpoint/staging.py): a snapshot, not a view of the
 live state; the same buffers from save to save; new ones when the layout changes; made
-ahead of the first save, as views of one block, each starting a page."""
+ahead of the first save, as views of one block, each starting a page; the copy begun by
+``start``, not by ``stage``."""
 
 from __future__ import annotations
 
@@ -22,19 +23,25 @@ live = {"w": distribute_tensor(torch.arange(6.0).reshape(2, 3), mesh, [Shard(0)]
         "step": distribute_tensor(torch.tensor(7.0), mesh, [Replicate()]),
         "m": torch.ones(4), "lr": 0.1, "blob": io.BytesIO(b"a")}
 stager = ReusedBufferStager(cuda=False, share_memory=False)
-first = stager.stage(live).result()
+
+def staged_by(stager, state):  # as the manager does: the copy begins after DCP's call
+    done = stager.stage(state)
+    assert not done.done()
+    stager.start()
+    return done.result()
+first = staged_by(stager, live)
 with torch.no_grad():
     for t in (live["w"], live["step"], live["m"]):
         t.add_(100)
 assert torch.equal(first["w"].to_local(), torch.arange(6.0).reshape(2, 3))
 assert first["step"].to_local().item() == 7.0 and torch.equal(first["m"], torch.ones(4))
 live["lr"], live["blob"] = 0.2, io.BytesIO(b"b")
-second = stager.stage(live).result()
+second = staged_by(stager, live)
 assert second["w"].to_local().data_ptr() == first["w"].to_local().data_ptr()
 assert torch.equal(second["m"], torch.ones(4) + 100) and second["m"] is first["m"]
 assert second["lr"] == 0.2 and second["blob"].getvalue() == b"b"
 live["m"] = torch.ones(5)
-third = stager.stage(live).result()
+third = staged_by(stager, live)
 assert third["m"].shape == (5,) and third["m"] is not first["m"]
 
 def storage(t):
@@ -43,7 +50,7 @@ for share in (False, True):
     ahead = ReusedBufferStager(cuda=False, share_memory=share)
     made = ahead.prepare(live).result()  # the trainer's call after its first step
     assert len({storage(made[k]) for k in ("w", "step", "m")}) == 1  # one block
-    staged = ahead.stage(live).result()
+    staged = staged_by(ahead, live)
     assert staged["w"].to_local().data_ptr() == made["w"].to_local().data_ptr()
     assert staged["w"].placements == live["w"].placements and staged["w"].shape == (2, 3)
     assert torch.equal(staged["w"].to_local(), live["w"].to_local())
@@ -105,7 +112,9 @@ def test_the_staging_copy_runs_nicer_than_the_training_thread(monkeypatch):
     monkeypatch.setattr(torch, "_foreach_copy_", recording)
     stager = ReusedBufferStager(cuda=False, share_memory=False, nice=3)
     try:
-        staged = stager.stage({"m": torch.ones(4)}).result()
+        done = stager.stage({"m": torch.ones(4)})
+        stager.start()
+        staged = done.result()
         assert torch.equal(staged["m"], torch.ones(4))
     finally:
         stager.close()
