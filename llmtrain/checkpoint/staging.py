@@ -17,12 +17,12 @@ first step (``prepare``), so the first save does not wait for them either.
 
 ``stage`` pairs the tensors with their buffers on the caller's thread (that walk is
 Python, which would hold the GIL against it) and returns with a future (DCP's
-``AsyncSaveResponse.staging_completion``): the copy runs on the staging thread, niced as
-the writers are, on CUDA on a side stream ordered after the work already queued. The
-buffers start pages, so a direct write takes them as they lie
-(:mod:`llmtrain.checkpoint.direct_io`). Only the optimizer step changes what is copied, so the trainer waits for
-the future before it (``CheckpointManager.wait_staged``), and the copy costs the step
-nothing when it ends within forward and backward.
+``AsyncSaveResponse.staging_completion``); ``start`` then begins the copy, on the staging
+thread, niced as the writers are, on CUDA on a side stream ordered after the work already
+queued. The buffers start pages, so a direct write takes them as they lie
+(:mod:`llmtrain.checkpoint.direct_io`). Only the optimizer step changes what is copied,
+so the trainer waits for the future before it (``CheckpointManager.wait_staged``), and
+the copy costs the step nothing when it ends within forward and backward.
 """
 
 from __future__ import annotations
@@ -90,8 +90,7 @@ class ReusedBufferStager(AsyncStager):
     def __init__(self, *, cuda: bool, share_memory: bool, nice: int = 0):
         """``cuda``: the state is on a CUDA device (pinned buffers, a side stream).
         ``nice``: added to the staging thread's niceness (:func:`lower_priority`): its
-        copy then takes the CPU the training threads leave, not theirs (at 2 ranks on 2
-        cores, the save call's own Python waited 2-5 ms a save for the copy's time slice)."""
+        copy then takes the CPU the training threads leave idle, not theirs."""
         self.pin_memory, self.share_memory = cuda, share_memory
         self._buffers: dict | None = None
         # the rank's GPU in the staging thread too: registering memory from a thread on
@@ -172,9 +171,9 @@ class ReusedBufferStager(AsyncStager):
 
 def lower_priority(nice: int) -> None:
     """Adds ``nice`` to the calling thread's niceness. On Linux each thread is a task with
-    its own nice value, so a staging or writer thread gets less CPU than the training threads only
-    while they compete for it (at 10: about a tenth of a busy core's share), and all of
-    an idle one. Elsewhere, or where refused, the thread keeps its priority."""
+    its own nice value, so a staging or writer thread gets less CPU than the training
+    threads only while they compete for it (at 10: about a tenth of a busy core's share),
+    and all of an idle one. Elsewhere, or where refused, the thread keeps its priority."""
     if nice <= 0:
         return
     try:
