@@ -84,7 +84,7 @@ class DirectFile:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         at = 0
-        if not self._filled and len(view) >= ALIGN and _address(view) % ALIGN == 0:
+        if not self._filled and len(view) >= ALIGN and address(view) % ALIGN == 0:
             at = len(view) - len(view) % ALIGN  # whole blocks that start a page: as they
             self._write_out(view[:at])          # lie, no copy (a staged save's buffers)
         while at < len(view):
@@ -133,9 +133,9 @@ class DirectFile:
         self.close()
 
 
-def _address(view: memoryview) -> int:
-    """Where ``view``'s bytes are in memory (writable or not)."""
-    return np.frombuffer(view, np.uint8).ctypes.data
+def address(buffer) -> int:
+    """Where a buffer's bytes are in memory, writable or not (0 when empty)."""
+    return np.frombuffer(buffer, np.uint8).ctypes.data if len(buffer) else 0
 
 
 def open_direct(path: str, mode: int) -> DirectFile | None:

@@ -398,7 +398,7 @@ class ShardReader(FsspecReader):
             info = self.storage_data[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:
                 buf = bytearray(info.length)
-                reads.add(info.relative_path, info.offset, info.length, _address(buf))
+                reads.add(info.relative_path, info.offset, info.length, direct_io.address(buf))
                 after.append((req, None, None, buf))
                 continue
             stored = self._items[(req.storage_index.fqn, tuple(req.storage_index.offset))]
@@ -463,11 +463,6 @@ class _Reads:
         file, start, length, address = np.array(self.rows, np.int64).reshape(-1, 4).T
         return Places([posixpath.join(root, f) for f in self.files], file, start,
                       length), address
-
-
-def _address(buffer: bytearray) -> int:
-    """The address of a bytearray's memory (0 when empty)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if buffer else 0
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
