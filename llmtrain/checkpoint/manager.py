@@ -143,6 +143,12 @@ class CheckpointManager:
             cuda = device.type == "cuda"
             self.stager = ReusedBufferStager(cuda=cuda, share_memory=cfg.mode == "async_process",
                                              nice=cfg.writer_nice)
+            if cuda:
+                events.emit_once("checkpoint_path_unproven",
+                                 reason="the staging block as anonymous memory pinned where "
+                                        "it lies (cudaHostRegister), and local files written "
+                                        "from it with O_DIRECT (checkpoint.direct_io), have "
+                                        "not run on a GPU")
         self.inflight: Future | None = None
         self.staging: Future | None = None  # the copy of the save in flight
         self.staging_wait_s = 0.0  # how long the training thread waited for that copy
