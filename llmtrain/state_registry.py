@@ -17,6 +17,7 @@ for itself, and allowed to hold bytes).
 from __future__ import annotations
 
 import random
+import struct
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -114,21 +115,26 @@ class RngState:
     """This rank's random generators: Python's, the CPU's and its own GPU's only (every
     rank sees all the node's GPUs but draws only on its own; a list of all of them would
     not restore on a node showing fewer). Generator states are bytes, so the item is
-    plain values that a load decodes without torch.load."""
+    plain values that a load decodes without torch.load; Python's 625 state words too,
+    packed, where a tuple of ints took ``torch.save`` a Python call each (0.2 ms of
+    every save's blocking time, of 0.06 for the whole item packed)."""
     name, per_rank = "rng", True
 
     def __init__(self, device: torch.device):
         self.device = device
 
     def state_dict(self) -> dict:
-        state = {"python": random.getstate(), "torch": _as_bytes(torch.get_rng_state())}
+        version, words, gauss = random.getstate()
+        state = {"python": (version, struct.pack(f"<{len(words)}I", *words), gauss),
+                 "torch": _as_bytes(torch.get_rng_state())}
         if self.device.type == "cuda":
             state["cuda"] = _as_bytes(torch.cuda.get_rng_state(self.device))
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        version, numbers, gauss = state["python"]  # a list once it went through JSON
-        random.setstate((version, tuple(numbers), gauss))
+        version, words, gauss = state["python"]  # ints in checkpoints written before
+        random.setstate((version, struct.unpack(f"<{len(words) // 4}I", words)
+                         if isinstance(words, bytes) else tuple(words), gauss))
         torch.set_rng_state(_as_tensor(state["torch"]))
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(_as_tensor(_own_gpu_rng(state["cuda"], self.device.index)),

@@ -1,7 +1,8 @@
 """Staging into reused buffers (checkpoint/staging.py): a snapshot, not a view of the
 live state; the same buffers from save to save; new ones when the layout changes; made
 ahead of the first save, as views of one block, each starting a page; the copy begun by
-``start``, not by ``stage``."""
+``start``, not by ``stage``; the pairing of one save taken up by the next, holding no
+live tensor alive."""
 
 from __future__ import annotations
 
@@ -43,6 +44,17 @@ assert second["lr"] == 0.2 and second["blob"].getvalue() == b"b"
 live["m"] = torch.ones(5)
 third = staged_by(stager, live)
 assert third["m"].shape == (5,) and third["m"] is not first["m"]
+# a local shard FSDP replaced and a state tensor replaced: neither kept alive by the
+# pairing the next save starts from, and the next save copies the new ones
+import gc, weakref
+gone = [weakref.ref(live["w"]._local_tensor), weakref.ref(live["m"])]
+live["w"]._local_tensor = torch.full((2, 3), 50.0)
+live["m"] = torch.full((5,), 3.0)
+gc.collect()
+assert [ref() for ref in gone] == [None, None]
+fourth = staged_by(stager, live)
+assert torch.equal(fourth["w"].to_local(), torch.full((2, 3), 50.0))
+assert torch.equal(fourth["m"], torch.full((5,), 3.0)) and fourth["m"] is third["m"]
 
 def storage(t):
     return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr()

@@ -64,6 +64,7 @@ def _same(saved: dict, fresh: dict) -> bool:
 def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model[2].register_buffer("scale", torch.ones(1))  # in the state dict, not the optimizer
     fully_shard(model, mesh=group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
@@ -84,6 +85,8 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     assert saved["model"] is not first["model"]
     fresh = dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
     assert _same({k: saved[k] for k in fresh}, fresh)
+    model[2].scale = torch.full((1,), 2.0)  # a buffer replaced, the optimizer unchanged
+    assert state.state_dict(5)["model"]["2.scale"].item() == 2.0
 
 
 def _saved_at_step_1(group, tmp_path):
@@ -117,7 +120,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
     from llmtrain.checkpoint import shards
     from llmtrain.checkpoint import state as state_module
     model, optimizer, scheduler, state, manager = _saved_at_step_1(group, tmp_path)
-    saved = [t.detach().clone() for t in state_module._live_objects(model, optimizer)]
+    saved = [t.detach().clone() for t in state_module._live_objects(optimizer, [])]
     _step(model, optimizer, scheduler)
     opened, unpickled = [], []
 
@@ -131,7 +134,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
                         lambda *a, **k: unpickled.append(1) or 1 / 0)
     assert manager.resume(state) == 1
     assert len(opened) == 1 and unpickled == [], (opened, unpickled)
-    assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved))
+    assert all(map(torch.equal, state_module._live_objects(optimizer, []), saved))
     monkeypatch.undo()
 
     url = storage.step_dir(str(tmp_path / "ckpt"), 1)
@@ -147,7 +150,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
     _step(model, optimizer, scheduler)
     assert state.load(url) == (1, [], False)  # step, nothing missing, not planned: in place
     assert collecting == [False] and gc.isenabled()
-    assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved))
+    assert all(map(torch.equal, state_module._live_objects(optimizer, []), saved))
     manager.close()
 
 
@@ -178,7 +181,7 @@ def test_a_later_checkpoint_takes_the_kept_layout_and_loads_its_own_bytes(group,
     checked against that checkpoint's own sum."""
     from llmtrain.checkpoint import state as state_module
     model, optimizer, scheduler, state, manager = _saved_at_step_1(group, tmp_path)
-    live = lambda: [t.detach().clone() for t in state_module._live_objects(model, optimizer)]
+    live = lambda: [t.detach().clone() for t in state_module._live_objects(optimizer, [])]
     saved = {1: live()}
     for _ in range(3):
         _step(model, optimizer, scheduler)
@@ -198,6 +201,6 @@ def test_a_later_checkpoint_takes_the_kept_layout_and_loads_its_own_bytes(group,
         _step(model, optimizer, scheduler)
         # in place, every item checked against this checkpoint's sums
         assert state.load(urls[step], check=True) == (step, [], False)
-        assert all(map(torch.equal, state_module._live_objects(model, optimizer), saved[step]))
+        assert all(map(torch.equal, state_module._live_objects(optimizer, []), saved[step]))
         kept.append(state._mapped[1].kept[1])
     assert kept[0] is kept[1] is kept[2]  # found once, taken twice

@@ -46,3 +46,18 @@ def test_cpu_state_round_trips_as_plain_values(monkeypatch):
     expected = torch.rand(3), random.random()
     RngState(torch.device("cpu")).load_state_dict(saved)
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+
+def test_pythons_state_is_packed_words_and_an_older_tuple_of_ints_still_restores():
+    cpu = torch.device("cpu")
+    saved = _saved(cpu)
+    words = saved["python"][1]
+    assert isinstance(words, bytes) and len(words) == 4 * len(random.getstate()[1])
+    expected = random.random()
+    RngState(cpu).load_state_dict(saved)
+    assert random.random() == expected
+    older = random.getstate()  # its words a tuple of ints, as checkpoints before held them
+    expected = random.random()
+    RngState(cpu).load_state_dict({**saved, "python": older})
+    assert random.random() == expected
