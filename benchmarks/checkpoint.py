@@ -12,9 +12,12 @@ so drift in machine speed hits both sides alike; each figure is a ratio of media
   write, fsync, commit). The first is the save call plus the wait of the next training
   step's update for the staging copy, which runs beside that step's forward and backward
   (it slows them where they share the CPU: ``step_time_with_saves_over_without`` says
-  by how much). Goal <= 0.03. At 2 ranks on 2 cores its samples in one run spread from
-  4.9 to 18.9 ms (time slices, the other rank's Python; the JSON's ``blocking_range_s``):
-  medians of 3 gave 0.024-0.044 for the same code, hence 7 repetitions by default.
+  by how much), each save called right after a training step, as in training (after
+  the raw write's bytes had gone through the caches, the call took 17-19.5 ms at 2 ranks
+  here, against 4.4-14.5 ms after a save). Goal <= 0.03. At 2 ranks on 2 cores its
+  samples spread widely (time slices, the other rank's Python; the JSON's
+  ``blocking_range_s``): medians of 3 gave 0.024-0.044 for the same code, hence 7
+  repetitions by default.
 - ``staging_over_memcpy``: staging bandwidth (model + optimizer state bytes / time of the
   staging copy on its thread, nothing else running) / bandwidth of a plain copy of the
   same tensors into preallocated host buffers (pinned on GPU). Goal >= 0.8.
@@ -395,7 +398,9 @@ def main() -> None:
 
     def save_then_step() -> float:
         """What a save costs the training thread in a real step: the save call, then
-        the next step's wait for the staging copy before its update (the slowest rank's)."""
+        the next step's wait for the staging copy before its update (the slowest rank's),
+        called after a step, as in training."""
+        train(1)
         ranks.barrier()
         start = time.perf_counter()
         mgr.save(next_step(), trainer.state)
