@@ -50,8 +50,8 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
             code = _train(trainer, host)
         except Resized as shrunk:
             plan, held = shrunk.assignment, shrunk.held
-            os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),
-                              GROUP_RANK=str(plan["rank"] // plan["local_world_size"]))
+            # LOCAL_RANK (its GPU) stays: a shrink drops whole nodes, a grow adds them
+            os.environ.update(place(plan))
             del trainer, shrunk
             gc.unfreeze()  # the old trainer's model and optimizer hold cycles: freed here
             gc.collect()
@@ -115,9 +115,19 @@ def run_spare(cfg: JobConfig) -> ExitCode:
     if not line:
         return ExitCode.CLEAN
     plan = json.loads(line)
-    os.environ.update(RANK=str(plan["rank"]), WORLD_SIZE=str(plan["world_size"]),
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    per_node = plan["local_world_size"]
+    # its place on a node, as torchrun numbers a node's workers: the spares of one standby
+    # host that take a node's ranks (a grow, a lost node) each take their own GPU
+    os.environ.update(place(plan), LOCAL_RANK=str(plan["rank"] % per_node),
+                      LOCAL_WORLD_SIZE=str(per_node))
     return run_worker(cfg, plan)
+
+
+def place(plan: dict) -> dict[str, str]:
+    """The environment that names the rank ``plan`` assigns: its rank, the world's size
+    and its node's number."""
+    return {"RANK": str(plan["rank"]), "WORLD_SIZE": str(plan["world_size"]),
+            "GROUP_RANK": str(plan["rank"] // plan["local_world_size"])}
 
 
 def stop_agent(code: int) -> None:

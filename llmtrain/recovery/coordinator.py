@@ -17,7 +17,8 @@ from the snapshots and replicas the survivors hold, resharded in memory
 (:mod:`llmtrain.recovery.reshard`). A job below its size grows the same way
 (``warm.grow``): when rank 0 sees a node's worth of spares waiting, the ranks vote to take
 them in at a step boundary (:mod:`llmtrain.control`), copy the state of that step into
-memory, and re-form with the spares, whose shards are resharded from the others' copies.
+memory, and re-form with the spares, whose shards are resharded from the others' copies
+(not while a checkpoint's write is in flight: the grow waits for a later vote).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain import fault_points
+from llmtrain.checkpoint.manager import CheckpointManager, NoCheckpoints
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
                                            capture, shares_cores, state_entries,
                                            state_tensors)
@@ -70,6 +72,7 @@ class Resized(Exception):
 class Job(Protocol):
     """What a recovery asks of the trainer."""
     registry: StateRegistry
+    checkpoints: CheckpointManager | NoCheckpoints  # writing(): a save's write in flight
 
     def leave_group(self, deadline: float) -> None:
         """Ends this generation: waits (bounded) for checkpoint work, abandons its groups."""
@@ -211,6 +214,8 @@ class WarmRecovery:
             shares_cores=shares_cores(resolve_device(cfg.parallelism, world.local_rank),
                                       path.local_world_size))
         self.replication: dist.ProcessGroup | None = None  # the generation's, once formed
+        self.control: dist.ProcessGroup | None = None  # the generation's, once started
+        self.left = False  # this generation's groups were left (never twice)
         self.recovered: dict | None = None  # the last recovery, until its first step is done
         self.watch: FailureWatch | None = None  # this generation's, on NCCL
 
@@ -238,6 +243,7 @@ class WarmRecovery:
     def start(self, step: int, control: dist.ProcessGroup) -> None:
         """Replicates snapshots from ``step`` on, every group of the generation formed;
         on NCCL, watches for the generation's failure (see FailureWatch)."""
+        self.control, self.left = control, False
         self.snapshots.start(self.replication, control, step)
         publish_endpoints(self.path.store, self.world.rank)
         if dist.get_backend() == "nccl":
@@ -273,8 +279,15 @@ class WarmRecovery:
         """Every rank voted to grow after ``step``: with a plan (rank 0 claimed the
         spares), each copies the state of ``step`` into memory, leaves the group, and
         raises Resized, for the worker to build the larger trainer; without one (the
-        spares went meanwhile), training goes on as it was."""
+        spares went meanwhile), training goes on as it was. While a checkpoint's write is
+        in flight on any rank, the grow waits for a later vote: leaving the group would
+        wait for the write (on slow storage, past ``warm.budget_s``) or lose it."""
         decided, deadline = time.time(), time.monotonic() + self.cfg.budget_s
+        if self._writing_anywhere():
+            self.events.emit_once("grow_postponed", step=step,
+                                  reason="a checkpoint write is in flight: the grow waits "
+                                         "for a vote after it ends")
+            return
         try:
             plan = self.path.grow(step, deadline)
         except ColdPath as e:
@@ -284,10 +297,28 @@ class WarmRecovery:
             return
         snap = self._captured(step)
         self.snapshots.stop(self.cfg.settle_s)
-        self.job.leave_group(deadline)
+        self._leave(deadline)
         plan.marks = {"grow_decided": decided, "agreed": time.time(), "failed_at": step,
                       "snapshot_interval": self.snapshots.schedule.interval}
         raise Resized({**asdict(plan), "rank": self.world.rank}, {self.world.rank: snap})
+
+    def _writing_anywhere(self) -> bool:
+        """Whether a checkpoint's write is in flight on any rank; every rank asks at once,
+        on the generation's control group."""
+        writing = torch.tensor([int(self.job.checkpoints.writing())])
+        dist.all_reduce(writing, op=dist.ReduceOp.MAX, group=self.control)
+        return bool(writing.item())
+
+    def _leave(self, deadline: float) -> None:
+        """Leaves this generation's groups, once (an error raised while leaving is not
+        left again by the recovery it reaches). Its failure watch is disarmed first: a
+        late mark of this generation's failure (a preempted leaver's agent saying it is
+        gone) must not abort the next generation's groups."""
+        if self.watch is not None:
+            self.watch.disarm()
+        if not self.left:
+            self.left = True
+            self.job.leave_group(deadline)
 
     def _captured(self, step: int) -> Snapshot:
         """This rank's whole state at ``step``, copied into memory: what a resize that
@@ -322,7 +353,7 @@ class WarmRecovery:
         snap = self._captured(step)
         self.snapshots.stop(self.cfg.settle_s)
         self.fence.expect(membership(self.round_id, plan.gen))
-        self.job.leave_group(time.monotonic() + self.cfg.budget_s)
+        self._leave(time.monotonic() + self.cfg.budget_s)
         plan.marks = {"preempt_decided": decided, "agreed": time.time(), "failed_at": step,
                       "snapshot_interval": self.snapshots.schedule.interval}
         raise Resized({**asdict(plan), "rank": plan.kept.index(rank)}, {rank: snap})
@@ -386,7 +417,7 @@ class WarmRecovery:
     def leave_broken(self, deadline: float, gloo: bool) -> None:
         """Leaves the broken generation; on gloo, also shuts this rank's connections to
         its peers, so that one blocked on this rank fails and reports in time."""
-        self.job.leave_group(deadline)
+        self._leave(deadline)
         if gloo:
             self.path.cut_from_peers()
 
@@ -414,7 +445,7 @@ class WarmRecovery:
         it with a spare); the error ends the process."""
         self.snapshots.stop(0.0)
         self.path.leave()
-        self.job.leave_group(min(deadline, time.monotonic() + self.cfg.settle_s))
+        self._leave(min(deadline, time.monotonic() + self.cfg.settle_s))
 
     def join_as_spare(self, plan: Plan) -> int:
         """A spare's start, once its groups are formed: the lost rank's state from its

@@ -2,12 +2,16 @@
 abandoned (NCCL communicators aborted) after any exception, where destroying can hang."""
 
 import gc
+import io
+import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 
 from llmtrain.config import JobConfig
+from llmtrain.distributed.process_group import WorldInfo
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch import worker
 from llmtrain.recovery.coordinator import Resized
@@ -93,3 +97,30 @@ def test_a_shrink_closes_the_trainer_and_trains_on_at_the_smaller_size(tmp_path,
     assert worker.run_worker(cfg) == ExitCode.CLEAN
     assert calls == [True, False]
     assert starts == [(None, None, "1", "2"), (assignment, held, "0", "1")]
+
+
+def test_spares_of_one_standby_host_take_their_ranks_places_on_a_node(tmp_path, monkeypatch):
+    """Two spares of one standby host take the two ranks of a grown node: each takes its
+    rank's place on a node, as torchrun numbers a node's workers (its local rank, the GPU
+    its process group binds, and the node's size and number). Every spare took local rank
+    0 of a one-rank node: both bound cuda:0."""
+    cfg = JobConfig()
+    cfg.training.run_dir = str(tmp_path)
+    places = []
+
+    def run_worker(cfg, plan):
+        places.append((WorldInfo.from_env(), os.environ["LOCAL_WORLD_SIZE"],
+                       os.environ["GROUP_RANK"]))
+        return ExitCode.CLEAN
+    monkeypatch.setattr(worker, "run_worker", run_worker)
+    monkeypatch.setenv("LLMTRAIN_RDZV_ENDPOINT", "127.0.0.1:29400")
+    monkeypatch.delenv("LLMTRAIN_SPARE_READY_FD", raising=False)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.setenv(name, "0")  # as the standby launcher left them; put back after
+    for rank in (2, 3):  # a job of one 2-rank node grows by one
+        plan = {"kind": "grow", "rank": rank, "world_size": 4, "local_world_size": 2,
+                "gen": 1, "step": 10}
+        monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(plan) + "\n"))
+        assert worker.run_spare(cfg) == ExitCode.CLEAN
+    assert [(w.rank, w.world_size, w.local_rank, per_node, node)
+            for w, per_node, node in places] == [(2, 4, 0, "2", "1"), (3, 4, 1, "2", "1")]

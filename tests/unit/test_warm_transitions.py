@@ -1,0 +1,219 @@
+"""The warm path's transitions that nothing broke, a grow and a preemption's shrink, on
+real gloo groups and a real store: a grow voted while a checkpoint's write is still in
+flight waits for a later vote instead of ending the job, a generation is left once, and
+the failure watch of a generation left behind never acts on the next one."""
+
+import json
+import os
+import time
+from concurrent.futures import Future
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from llmtrain.config import JobConfig
+from llmtrain.distributed.failure import FailureWatch
+from llmtrain.distributed.process_group import WorldInfo, side_group
+from llmtrain.events import EventLog
+from llmtrain.metrics.goodput import GoodputLedger
+from llmtrain.recovery.coordinator import Resized, WarmRecovery
+from llmtrain.recovery.fence import Fence
+from llmtrain.recovery.warm import WarmPath, job_namespace, mark_gone
+from llmtrain.state_registry import SchedulerState, StateRegistry
+
+
+class Saves:
+    """A checkpoint manager as a transition sees it: one write, in flight until
+    ``ended``."""
+
+    def __init__(self, writing: bool):
+        self.write: Future = Future()
+        if not writing:
+            self.ended()
+
+    def writing(self) -> bool:
+        return not self.write.done()
+
+    def ended(self) -> None:
+        if not self.write.done():
+            self.write.set_result(None)
+
+
+class Job:
+    """The trainer's side (coordinator.Job): a small model's state, its checkpoints, and
+    a leave that waits for the write in flight until the deadline, as Trainer.leave_group
+    does (TimeoutError after it), counted."""
+
+    def __init__(self, writing: bool = False, fails_to_leave: BaseException | None = None):
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        self.registry = StateRegistry()
+        self.registry.bind(model, optimizer, SchedulerState(
+            torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)))
+        self.checkpoints = Saves(writing)
+        self.fails_to_leave, self.left = fails_to_leave, 0
+
+    def leave_group(self, deadline: float) -> None:
+        self.left += 1
+        if self.fails_to_leave is not None:
+            raise self.fails_to_leave
+        self.checkpoints.write.result(max(0.0, deadline - time.monotonic()))
+
+
+def client(port: int) -> dist.Store:
+    """A connection to the rendezvous store, in the job's namespace, as the warm path's."""
+    return job_namespace(dist.TCPStore("127.0.0.1", port, is_master=False, use_libuv=True,
+                                       timeout=timedelta(seconds=30)), "test")
+
+
+def served() -> tuple[dist.TCPStore, dist.Store]:
+    """The rendezvous store, and the job's namespace in it."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True,
+                           wait_for_workers=False)
+    return server, job_namespace(server, "test")
+
+
+def recovery(run_dir: str, store: dist.Store, rank: int, world: int,
+             job: Job) -> tuple[WarmRecovery, dist.ProcessGroup]:
+    """Rank ``rank``'s recovery in generation 0 of a job of one-rank nodes, started as
+    the trainer starts it (its groups formed), and the generation's control group."""
+    cfg = JobConfig()
+    cfg.parallelism.device = "cpu"
+    cfg.warm.settle_s, cfg.warm.budget_s = 0.2, 1.0
+    path = WarmPath(cfg.warm, store, "round", rank, world, 1, shapes=lambda n: (n, 1))
+    events = EventLog(run_dir, rank)
+    rec = WarmRecovery(cfg, path, job, world=WorldInfo(rank, world, 0, "host"),
+                       events=events, ledger=GoodputLedger(events, enabled=False),
+                       fence=Fence(None, events, 1.0))
+    rec.group_formed()
+    control = side_group(30)
+    rec.start(0, control)
+    return rec, control
+
+
+def watch(rec: WarmRecovery, port: int, acted: list) -> None:
+    """The generation's failure watch (the one start() arms on NCCL), acting into
+    ``acted``; waiting in the store once this returns."""
+    rec.watch = FailureWatch(lambda: client(port), rec.path.failed_key(),
+                             on_failure=lambda: acted.append(rec.world.rank))
+    time.sleep(0.2)
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [e for f in (run_dir / "events").glob("*.jsonl")
+            for e in map(json.loads, f.read_text().splitlines()) if e["event"] == name]
+
+
+def _grow_during_a_save(rank: int, port: int, run_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
+                            world_size=2)
+    store = client(port)
+    job = Job(writing=rank == 1)  # rank 1's write is still going; rank 0's has ended
+    rec, control = recovery(run_dir, store, rank, 2, job)
+    acted: list[int] = []
+    watch(rec, port, acted)
+    told = {}
+    for vote in ("first", "second"):
+        try:
+            rec.grow(5 if vote == "first" else 10)
+            told[vote] = "trained on"
+        except Resized as e:
+            told[vote] = f"resized to {e.assignment['world_size']}"
+        except TimeoutError:
+            told[vote] = "TimeoutError"
+        told[f"claimed after the {vote}"] = store.add("spares/claimed", 0)
+        job.checkpoints.ended()
+        dist.barrier(group=control)  # both ranks are past this vote
+    # a worker of generation 0 said gone late (its agent saw it die after the grow)
+    mark_gone(store, rank, prefix="round/g0/")
+    rec.watch._thread.join(5)
+    told |= {"left": job.left, "acted": acted}
+    with open(f"{run_dir}/told-{rank}.json", "w") as f:
+        json.dump(told, f)
+    os._exit(0)
+
+
+def test_a_grow_during_a_save_waits_for_a_later_vote_and_then_grows(tmp_path):
+    """Every rank voted to grow while one rank's checkpoint write was still in flight:
+    leaving the group then waited for it, and on slow storage raised TimeoutError past
+    warm.budget_s, which the job took for its own failure and every rank exited. The grow
+    waits instead, on every rank (no spare claimed, the write goes on, training goes on),
+    and the next vote's grow, the write ended, leaves the group once and grows. A late mark
+    of the old generation's failure then wakes no watch (its rank left it)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    server, namespace = served()
+    namespace.add("spares/registered", 1)
+    mp.spawn(_grow_during_a_save, args=(server.port, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        told = json.loads((tmp_path / f"told-{rank}.json").read_text())
+        assert told == {"first": "trained on", "claimed after the first": 0,
+                        "second": "resized to 3", "claimed after the second": 1,
+                        "left": 1, "acted": []}, rank
+    (postponed,) = events(tmp_path, "grow_postponed")
+    assert postponed["step"] == 5 and "write is in flight" in postponed["reason"]
+
+
+def _preemption_shrink(rank: int, port: int, run_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
+                            world_size=2)
+    store = client(port)
+    job = Job()
+    rec, control = recovery(run_dir, store, rank, 2, job)
+    acted: list[int] = []
+    watch(rec, port, acted)
+    told = {}
+    try:
+        rec.let_go(7, signalled=rank == 1, group=control)
+        told["let go"] = "stops"
+    except Resized as e:
+        told["let go"] = f"resized to {e.assignment['world_size']}"
+    dist.barrier(group=control)
+    if rank == 1:  # the preempted rank exits; its agent says so, late
+        mark_gone(store, 1)
+    dist.barrier(group=control)
+    if rank == 0:
+        rec.watch._thread.join(5)
+    told |= {"left": job.left, "acted": acted}
+    with open(f"{run_dir}/told-{rank}.json", "w") as f:
+        json.dump(told, f)
+    os._exit(0)
+
+
+def test_a_preempted_leavers_late_gone_mark_does_not_abort_the_shrunk_jobs_groups(tmp_path):
+    """After a preemption's save, rank 1 (preempted) stops and rank 0 goes on alone. The
+    agent of the leaver marks it gone in the generation it left, which sets that
+    generation's ``failed``: the stayer's watch of it, left armed, aborted the shrunk
+    job's new NCCL groups. Leaving a generation disarms its watch."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    server, namespace = served()
+    mp.spawn(_preemption_shrink, args=(server.port, str(tmp_path)), nprocs=2)
+    stayer, leaver = (json.loads((tmp_path / f"told-{r}.json").read_text()) for r in (0, 1))
+    assert namespace.check(["round/g0/failed"])  # the mark came, and woke the watch
+    assert stayer == {"let go": "resized to 1", "left": 1, "acted": []}
+    assert leaver["let go"] == "stops" and leaver["left"] == 0
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_generation_is_left_once_even_when_leaving_it_failed(tmp_path, one_rank):
+    """Leaving the group in a grow raised (as a write that outlasted warm.budget_s did):
+    the recovery that the error reaches takes it for this rank's own failure and leaves,
+    but must not leave the generation a second time."""
+    _, store = served()
+    store.add("spares/registered", 1)
+    job = Job(fails_to_leave=TimeoutError("the write outlasted warm.budget_s"))
+    rec, _ = recovery(str(tmp_path), store, 0, 1, job)
+    with pytest.raises(TimeoutError) as raised:
+        rec.grow(3)
+    assert rec.recover(raised.value, 3) is None  # the process ends with its error
+    assert job.left == 1
+    assert store.check(["round/g0/seen/0"])  # it said it is gone, as a local failure does
