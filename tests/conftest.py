@@ -1,4 +1,5 @@
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -9,6 +10,19 @@ import pytest
 from llmtrain.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The job's secret, as a scheduler's job script gives it to every node (every launcher,
+# worker and spare the tests start inherits it); tests of a missing one clear it.
+os.environ.setdefault("LLMTRAIN_JOB_SECRET", secrets.token_hex(32))
+
+
+def signed_store(store=None, context: str = "test"):
+    """A view of ``store`` (default: a new HashStore) with values signed by the tests' job
+    secret, as llmtrain's components get theirs."""
+    import torch.distributed as dist
+
+    from llmtrain.distributed.signed_store import signed
+    return signed(store if store is not None else dist.HashStore(), context)
 
 
 def llmtrain_command(run_dir: Path, *overrides: str, nproc: int | None = None,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from llmtrain.chaos.netns import Network
 from llmtrain.distributed.process_group import free_port
+from llmtrain.distributed.signed_store import SECRET_ENV, new_secret
 from llmtrain.launch.node import child_pids
 
 
@@ -47,6 +48,8 @@ class LocalCluster:
         self.port = free_port()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                     **(env or {})}
+        # the job's secret, as a scheduler's job script gives it to every node
+        self.env.setdefault(SECRET_ENV, new_secret())
         if network:  # gloo's sockets on the node's own link, not its loopback
             self.env["GLOO_SOCKET_IFNAME"] = "eth0"
         store = [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", self.address,

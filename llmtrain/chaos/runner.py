@@ -289,7 +289,7 @@ class Chaos:
             self._wait(lambda: self._latest("step"), "the first step", 300)
             for name in self.names[self.cfg.nodes:]:
                 self._start(name)
-            self.spares = job_namespace(self.cluster.store_client(), "local")
+            self.spares = job_namespace(self.cluster.store_client(), "local", self.cluster.env)
             kinds = [k for k in FAULT_KINDS.values() if k in self.kinds
                      and (self.cfg.mix is None or k.name in self.cfg.mix)
                      and k.name not in self.left_out]

@@ -33,6 +33,7 @@ Waking blocked ranks (item 2) works differently on each backend:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, MutableMapping
@@ -42,6 +43,9 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.distributed.nccl_env import env_problems
+from llmtrain.distributed.signed_store import SignedStore
+
+log = logging.getLogger(__name__)
 
 # NCCL releases nvidia-resiliency-ext's in-process restart refuses (first, last,
 # inclusive); followed here, the reason not verified on a GPU.
@@ -114,7 +118,8 @@ def abandon() -> None:
 
 class FailureWatch:
     """Wakes this rank when a peer of its generation reports a failure: one thread, on
-    its own store connection, waiting on the server's side for one key (no polling), that
+    its own store connection, waiting on the server's side for one key (no polling) whose
+    value is signed with the job's secret (a forged one wakes nothing), that
     runs ``on_failure`` (:func:`abort_groups` on NCCL) while the watch is armed.
 
     The thread ends when the key appears. A generation ends only in a failure or at the
@@ -122,7 +127,7 @@ class FailureWatch:
     recovery, before it leaves the group itself) keeps a watch that wakes late from
     acting on the next generation's groups."""
 
-    def __init__(self, connect: Callable[[], dist.Store], key: str,
+    def __init__(self, connect: Callable[[], SignedStore], key: str,
                  on_failure: Callable[[], object] = abort_groups):
         self.key, self.on_failure = key, on_failure
         self._lock = threading.Lock()
@@ -132,17 +137,15 @@ class FailureWatch:
                                         name="llmtrain-failure-watch")
         self._thread.start()
 
-    def _watch(self, connect: Callable[[], dist.Store]) -> None:
+    def _watch(self, connect: Callable[[], SignedStore]) -> None:
         try:
             store = connect()
-            while True:
-                try:
-                    store.wait([self.key], timedelta(minutes=10))
-                    break
-                except dist.DistStoreError as e:  # a wait's timeout: wait again
-                    if "timeout" not in str(e).lower():
-                        raise
-        except (RuntimeError, OSError):  # the store is gone: the run is ending
+            while store.wait_genuine(self.key, timedelta(minutes=10)) is None:
+                pass  # a wait's timeout, or a forged value (reported): wait again
+        except (RuntimeError, OSError) as e:  # the store is gone or lost its keys
+            log.warning("the failure watch on %s ended: the rendezvous store failed (%s); "
+                        "a peer's failure now wakes this rank only through its own "
+                        "collectives' errors or timeouts", self.key, e)
             return
         with self._lock:
             if self._armed:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmtrain.config import ParallelismConfig, ReliabilityConfig
+from llmtrain.distributed.signed_store import SignedStore, job_store_view, signed
 
 
 def node_name() -> str:
@@ -104,7 +105,7 @@ def _attempt_namespace() -> str:
     return f"llmtrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-def open_store(name: str, timeout: timedelta, round_id: str | None = None) -> dist.Store:
+def open_store(name: str, timeout: timedelta, round_id: str | None = None) -> SignedStore:
     """A new store client under ``name`` for a thread that must reach a store while the
     main thread may be stuck: the watchdog's.
 
@@ -114,6 +115,8 @@ def open_store(name: str, timeout: timedelta, round_id: str | None = None) -> di
     stopped (SIGSTOP, a kernel hang) would take the watchdogs' meeting point along. The
     keys go under a name the round's ranks agree on through the job's store at start, or
     under ``round_id`` when they already agree on one (a warm spare has no job store).
+    Values in the rendezvous store are signed with the job's secret
+    (:mod:`llmtrain.distributed.signed_store`); in the job's own store, when one is given.
     """
     outside = rendezvous_store(timeout)
     if round_id is None:
@@ -121,9 +124,10 @@ def open_store(name: str, timeout: timedelta, round_id: str | None = None) -> di
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
             timeout=timeout, use_libuv=True))
         if outside is None:
-            return dist.PrefixStore(name, job)
+            return job_store_view(dist.PrefixStore(name, job), name)
         round_id = job.compare_set(f"{name}/round", "", uuid.uuid4().hex).decode()
-    return dist.PrefixStore(f"llmtrain/rounds/{round_id}/{name}", outside)
+    where = f"llmtrain/rounds/{round_id}/{name}"
+    return signed(dist.PrefixStore(where, outside), where)
 
 
 def rendezvous_store(timeout: timedelta) -> dist.Store | None:

@@ -24,6 +24,8 @@ path replaces it like any dead worker. Everything else is torchrun.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import sys
@@ -35,9 +37,13 @@ with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
+    from llmtrain.distributed.signed_store import report_forged_to
+    from llmtrain.events import EventLog
     from llmtrain.exit_codes import ExitCode
     from llmtrain.recovery.warm import (EvictionWatch, Verdicts, mark_holder_gone,
                                         outside_store, owner)
+
+log = logging.getLogger(__name__)
 
 
 class WarmAgent(LocalElasticAgent):
@@ -48,7 +54,19 @@ class WarmAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup):
         started = super()._start_workers(worker_group)
         budget = float(os.environ.get("LLMTRAIN_WARM_BUDGET_S", 30))
-        self._warm_store = outside_store(timedelta(seconds=budget))
+        if os.environ.get("LLMTRAIN_RUN_DIR"):  # where forged control keys are reported
+            report_forged_to(EventLog(os.environ["LLMTRAIN_RUN_DIR"], rank=None))
+        try:
+            self._warm_store = outside_store(timedelta(seconds=budget))
+            return self._watch_workers(budget, started)
+        except (RuntimeError, OSError) as e:  # DistError: the store is out
+            log.warning("the rendezvous store did not answer as the workers started (%s): "
+                        "this node's workers are supervised as torchrun does, without the "
+                        "warm path's verdicts", e)
+            self._warm_store, self._replacements = None, 0
+            return started
+
+    def _watch_workers(self, budget: float, started):
         self._replaced: set[int] = set()  # local ranks
         # each worker by its process, not its rank: a shrink or a grow renumbers the ranks
         self._holders = {lr: owner(h.proc.pid)
@@ -74,10 +92,25 @@ class WarmAgent(LocalElasticAgent):
             if code in (None, 0, ExitCode.RETRYABLE) or local_rank in self._said_gone:
                 continue
             self._said_gone.add(local_rank)
-            mark_holder_gone(self._warm_store, self._holders[local_rank])
+            with self._store_may_fail("saying a dead worker's rank is gone"):
+                mark_holder_gone(self._warm_store, self._holders[local_rank])
+
+    @contextlib.contextmanager
+    def _store_may_fail(self, doing: str):
+        """A store that errs or stalls (a reset connection, a restart) must not reach
+        torchrun's loop, which would stop every worker of the node: what needed the store
+        is skipped, and said in a log line."""
+        try:
+            yield
+        except (RuntimeError, OSError, ValueError) as e:  # DistError, a broken reply
+            log.warning("the rendezvous store failed while %s (%s: %s); the workers go on",
+                        doing, type(e).__name__, e)
 
     def _count(self, key: str) -> int:
-        return self._warm_store.add(key, 0) if self._warm_store is not None else 0
+        if self._warm_store is not None:
+            with self._store_may_fail(f"reading {key}"):
+                return self._warm_store.add(key, 0)
+        return 0
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         handlers = getattr(self._pcontext, "subprocess_handlers", None)
@@ -106,7 +139,9 @@ class WarmAgent(LocalElasticAgent):
     def _kill_evicted(self, worker_group: WorkerGroup, handlers: dict) -> None:
         """Kills the workers (and their children) a hang's watchdog asked to evict, and
         says so; their deaths then take the usual way to a warm verdict."""
-        asked = self._evictions.asked()
+        asked = []
+        with self._store_may_fail("looking for evictions"):
+            asked = self._evictions.asked()
         for lr, holder in self._holders.items():
             if holder in asked and lr not in self._replaced:
                 self._evictions.kill(holder, handlers[lr].proc.pid)
@@ -127,9 +162,12 @@ class WarmAgent(LocalElasticAgent):
 
     def _was_replaced(self, local_rank: int) -> bool:
         """Waits for the warm path's verdict on a dead worker's rank."""
-        if local_rank not in self._replaced and self._verdicts.replaced(
-                self._holders[local_rank]):
-            self._replaced.add(local_rank)
+        if local_rank not in self._replaced:
+            # a store that fails now gives no verdict: the worker is dead, so the node
+            # goes cold as torchrun would
+            with self._store_may_fail("waiting for the warm path's verdict"):
+                if self._verdicts.replaced(self._holders[local_rank]):
+                    self._replaced.add(local_rank)
         return local_rank in self._replaced
 
 

@@ -35,23 +35,30 @@ when a round has waited for nodes for ``STANDBY_GRACE_S``: a node is gone.
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import logging
 import math
 import os
+import pickle
 import select
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.distributed.nccl_env import warm_worker_env
+from llmtrain.distributed.signed_store import SECRET_ENV, job_secret, new_secret, require_secret
 from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.gate import run_gate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -169,6 +176,7 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     host = lc.host or socket.gethostname()
     run_dir = cfg.training.run_dir
     preflight(cfg, lc)
+    ensure_secret(lc)
     gate = run_gate(cfg, host)
     if gate != ExitCode.CLEAN:
         return gate
@@ -215,6 +223,20 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     return code
 
 
+def ensure_secret(lc: LaunchConfig, env: MutableMapping[str, str] = os.environ) -> None:
+    """Makes sure this node's launcher and workers hold the job's secret, with which
+    every control key in the rendezvous store is signed
+    (:mod:`llmtrain.distributed.signed_store`). The scheduler's job script gives it, the
+    same on every node; a launcher that is its job's only one (one node, no spare) makes
+    its own. Without a store outside the workers nothing is signed and none is needed.
+    ConfigError when several launchers must share one that nobody gave."""
+    if not lc.external_store or job_secret(env) is not None:
+        return
+    if lc.node_range[1] > 1 or lc.standby:
+        require_secret(env)  # raises, naming what to set
+    env[SECRET_ENV] = new_secret()
+
+
 def warm_off_reason(cfg: JobConfig, lc: LaunchConfig, env: dict[str, str]) -> str:
     """Why the warm path, on by default, cannot work for this node's workers, with what to
     change (empty when it can, or when the user turned it off)."""
@@ -242,6 +264,7 @@ def worker_env(cfg: JobConfig, lc: LaunchConfig, host: str) -> dict[str, str]:
     the user has not set them (:func:`llmtrain.distributed.failure.warm_worker_env`)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LLMTRAIN_HOST": host,
            "LLMTRAIN_RDZV_ID": lc.rdzv_id, "LLMTRAIN_WARM_BUDGET_S": str(cfg.warm.budget_s),
+           "LLMTRAIN_RUN_DIR": cfg.training.run_dir,  # where the agent reports to
            # how far a warm shrink and grow may go
            "LLMTRAIN_MIN_NODES": str(lc.node_range[0]),
            "LLMTRAIN_MAX_NODES": str(lc.node_range[1])}
@@ -336,9 +359,8 @@ class Vacancies:
 
     def _missing(self):
         """(the round's ticket key, nodes it lacks) or None."""
-        import pickle
         got = self.backend.get_state()
-        state = pickle.loads(got[0]) if got else None  # torch's own rendezvous state
+        state = rendezvous_state(got[0]) if got else None
         if state is None or state.closed or (self.restarts_only and state.round == 0):
             return None
         have = len(state.participants)
@@ -360,6 +382,31 @@ class Vacancies:
             return True
         self.refused = key
         return False
+
+
+class _RendezvousStateOnly(pickle.Unpickler):
+    """torchrun keeps its rendezvous state in the store as a pickle, which anyone who
+    reaches the store's port can replace: read here, it may build torch's state classes
+    and datetimes, nothing else (a pickle that names any other callable is refused)."""
+
+    ALLOWED = {("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+               ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+               ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}")
+        return super().find_class(module, name)
+
+
+def rendezvous_state(data: bytes):
+    """torchrun's rendezvous state from its pickle in the store; None (said in a log line)
+    when it is not one, such as a value a stranger wrote there to run code."""
+    try:
+        return _RendezvousStateOnly(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001 - any malformed pickle: not torch's state
+        log.warning("the rendezvous state in the store is not torchrun's (%s): ignored", e)
+        return None
 
 
 def standby_vacancies(cfg: JobConfig, lc: LaunchConfig) -> Vacancies:

@@ -10,7 +10,9 @@ events would read as the job's.
 
 The job's membership has one name at a time, its token (``<round>/g<generation>``: the
 torchrun round, numbered by the store as it forms, and the warm generation within it),
-kept in the rendezvous store outside the workers. Every member names it before its group
+kept in the rendezvous store outside the workers, signed with the job's secret
+(:mod:`llmtrain.distributed.signed_store`): a value nobody with the secret wrote names no
+membership, is reported, and is replaced by the reader's own. Every member names it before its group
 forms, so no member trains before the token names its membership. A token only ever moves
 forward, by compare-and-set from the one it replaces: a member that comes late (a warm
 spare that outlasted its budget while a new round formed) finds a newer token there and is
@@ -36,8 +38,8 @@ import threading
 from datetime import timedelta
 from typing import Callable
 
-import torch.distributed as dist
 
+from llmtrain.distributed.signed_store import Forged, SignedStore
 from llmtrain.events import EventLog
 from llmtrain.recovery.warm import outside_store
 
@@ -68,8 +70,8 @@ class Fence:
     not answer in time is dropped (its thread left to end when the store does answer),
     and the next request opens a new one."""
 
-    def __init__(self, store: dist.Store | None, events: EventLog, timeout_s: float,
-                 connect: Callable[[], dist.Store | None] | None = None):
+    def __init__(self, store: SignedStore | None, events: EventLog, timeout_s: float,
+                 connect: Callable[[], SignedStore | None] | None = None):
         self.store, self.events, self.timeout_s = store, events, timeout_s
         self.connect = connect or (lambda: outside_store(timedelta(seconds=timeout_s)))
         self.token = ""
@@ -98,7 +100,7 @@ class Fence:
         self.token, self.expected = token, None
         if self.store is None:
             return
-        current = self._ask(lambda store: store.compare_set(KEY, "", token)).decode()
+        current = self._ask(lambda store: store.claim(KEY, token)).decode()
         while current != token:
             if order(current) > order(token):
                 with self._lock:
@@ -106,7 +108,8 @@ class Fence:
                                  f"this rank joined {token}: it came too late")
                 raise Fenced(f"joining {token} refused: {self.refused}")
             seen = current
-            current = self._ask(lambda store: store.compare_set(KEY, seen, token)).decode()
+            current = self._ask(lambda store: store.compare_set(KEY, seen, token)
+                                if seen else store.claim(KEY, token)).decode()
 
     def expect(self, token: str) -> None:
         """This rank agreed to join ``token``'s membership (a warm recovery): a peer that
@@ -120,7 +123,7 @@ class Fence:
         with self._lock:
             if self.refused is None:
                 try:
-                    current = self._ask(lambda store: store.get(KEY)).decode()
+                    current = self._ask(self._current).decode()
                 except (RuntimeError, OSError) as e:  # DistError, TimeoutError
                     self._unreachable(what, e)
                     raise Fenced(f"{what} refused: the rendezvous store could not be reached "
@@ -154,12 +157,21 @@ class Fence:
             return None
         with self._lock:
             try:
-                current = self._ask(lambda store: store.get(KEY)).decode()
+                current = self._ask(self._current).decode()
             except (RuntimeError, OSError):
                 return None
             return None if current == self.expected else self._other(current)
 
-    def _ask(self, request: Callable[[dist.Store], bytes]) -> bytes:
+    def _current(self, store: SignedStore) -> bytes:
+        """The membership the store names. A forged value (no holder of the job's secret
+        wrote it: reported) names none, and this rank's own is put back in its place, so
+        a stranger can neither fence the job out nor keep it from proving membership."""
+        try:
+            return store.get(KEY)
+        except Forged as e:
+            return store.replace(KEY, e.raw, self.token)
+
+    def _ask(self, request: Callable[[SignedStore], bytes]) -> bytes:
         """``request(store)``'s answer within ``timeout_s``; else TimeoutError, or the
         store's error, and the client is dropped for a new one."""
         answer: dict = {}

@@ -50,7 +50,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import node_name, rendezvous_store
+from llmtrain.distributed.signed_store import SignedStore, signed
 from llmtrain.recovery.sockets import cut, endpoints
 
 
@@ -111,7 +112,7 @@ def ward_of(rank: int, world_size: int, local_world_size: int) -> int | None:
     return (rank - local_world_size) % world_size
 
 
-def outside_store(timeout: timedelta, client: dist.Store | None = None) -> dist.Store | None:
+def outside_store(timeout: timedelta, client: dist.Store | None = None) -> SignedStore | None:
     """The job's warm-path namespace in the rendezvous store, or None without one
     (``llmtrain launch`` passes ``LLMTRAIN_RDZV_ENDPOINT`` and ``LLMTRAIN_RDZV_ID``);
     through ``client`` (a connection to that store a thread already has), else a new
@@ -122,17 +123,21 @@ def outside_store(timeout: timedelta, client: dist.Store | None = None) -> dist.
     return job_namespace(store, os.environ.get("LLMTRAIN_RDZV_ID", "job"))
 
 
-def job_namespace(store: dist.Store, rdzv_id: str) -> dist.Store:
-    return dist.PrefixStore(f"llmtrain/warm/{rdzv_id}", store)
+def job_namespace(store: dist.Store, rdzv_id: str,
+                  env: Mapping[str, str] = os.environ) -> SignedStore:
+    """The job's keys in the rendezvous store, their values signed with the job's secret
+    (``env``'s, :mod:`llmtrain.distributed.signed_store`)."""
+    name = f"llmtrain/warm/{rdzv_id}"
+    return signed(dist.PrefixStore(name, store), name, env)
 
 
-def spares_waiting(store: dist.Store) -> int:
+def spares_waiting(store: SignedStore) -> int:
     """Spares in a job's pool, neither claimed nor withdrawn."""
     return (store.add("spares/registered", 0) - store.add("spares/claimed", 0)
             - store.add("spares/left", 0))
 
 
-def spares_ready(store: dist.Store, wanted: int) -> bool:
+def spares_ready(store: SignedStore, wanted: int) -> bool:
     """Whether the next ``wanted`` spares a claim would take have said they are ready
     (imports done, the model built once): a grow waits for that, while a lost rank takes
     any spare, ready or not."""
@@ -141,7 +146,7 @@ def spares_ready(store: dist.Store, wanted: int) -> bool:
     while found < wanted and number < registered:
         number += 1
         state = f"spares/{number}/state"
-        if store.check([state]) and store.get(state) == b"left":
+        if store.genuine(state) == b"left":
             continue
         if not store.check([f"spares/{number}/ready"]):
             return False
@@ -149,30 +154,30 @@ def spares_ready(store: dist.Store, wanted: int) -> bool:
     return found == wanted
 
 
-def join_pool(store: dist.Store) -> int:
+def join_pool(store: SignedStore) -> int:
     """A spare's number in the job's pool; its plan will come to ``spares/<number>/plan``."""
     return store.add("spares/registered", 1)
 
 
-def leave_pool(store: dist.Store, number: int) -> bool:
+def leave_pool(store: SignedStore, number: int) -> bool:
     """Takes spare ``number`` out of the pool (the job ended, or a cold restart needs it as
     a node). False when a survivor claimed it first: its plan is on the way."""
-    if store.compare_set(f"spares/{number}/state", "", "left").decode() != "left":
+    if store.claim(f"spares/{number}/state", "left").decode() != "left":
         return False
     store.add("spares/left", 1)
     return True
 
 
-def assignment(store: dist.Store, number: int) -> dict | None:
+def assignment(store: SignedStore, number: int) -> dict | None:
     """Spare ``number``'s plan (with its ``rank``) once a survivor has written it."""
-    key = f"spares/{number}/plan"
-    return json.loads(store.get(key)) if store.check([key]) else None
+    text = store.genuine(f"spares/{number}/plan")
+    return json.loads(text) if text else None
 
 
-def _where(store: dist.Store, rank: int) -> str | None:
+def _where(store: SignedStore, rank: int) -> str | None:
     """The key prefix of the generation ``rank`` reports to now."""
-    key = f"where/{rank}"
-    return store.get(key).decode() if store.check([key]) else None
+    where = store.genuine(f"where/{rank}")
+    return where.decode() if where else None
 
 
 def owner(pid: int | None = None, host: str | None = None) -> str:
@@ -180,15 +185,15 @@ def owner(pid: int | None = None, host: str | None = None) -> str:
     return f"{host or node_name()}:{pid or os.getpid()}"
 
 
-def rank_of(store: dist.Store, holder: str) -> int | None:
+def rank_of(store: SignedStore, holder: str) -> int | None:
     """The rank process ``holder`` (see :func:`owner`) holds now. A shrink or a grow
     renumbers the ranks: a supervisor that acted on the number its worker started with
     killed, or counted gone, another rank's process."""
-    key = f"rank_of/{holder}"
-    return int(store.get(key)) if store.check([key]) else None
+    rank = store.genuine(f"rank_of/{holder}")
+    return int(rank) if rank else None
 
 
-def mark_holder_gone(store: dist.Store, holder: str) -> None:
+def mark_holder_gone(store: SignedStore, holder: str) -> None:
     """:func:`mark_gone` for the rank process ``holder`` holds now (its supervisor saw it
     die); nothing if it never held one."""
     rank = rank_of(store, holder)
@@ -196,7 +201,7 @@ def mark_holder_gone(store: dist.Store, holder: str) -> None:
         mark_gone(store, rank, holder=holder)
 
 
-def mark_gone(store: dist.Store, rank: int, prefix: str | None = None,
+def mark_gone(store: SignedStore, rank: int, prefix: str | None = None,
               holder: str | None = None) -> None:
     """Tells the survivors of ``rank``'s generation (``prefix``; default: its current one)
     that it will not report, once however many say so (the rank as it leaves, its agent
@@ -207,30 +212,29 @@ def mark_gone(store: dist.Store, rank: int, prefix: str | None = None,
     prefix = prefix or _where(store, rank)
     if prefix is None:
         return
-    if holder is not None:
-        key = f"{prefix}owner/{rank}"
-        if not store.check([key]) or store.get(key).decode() != holder:
-            return
+    if holder is not None and store.genuine(f"{prefix}owner/{rank}") != holder.encode():
+        return
+    size = store.genuine(f"{prefix}size")
     store.set(f"{prefix}failed", "1")
-    if _claim(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
-        _tally(store, prefix, int(store.get(f"{prefix}size")))
+    if size and _claim(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
+        _tally(store, prefix, int(size))
         store.add(f"{prefix}gone", 1)
 
 
-def _claim(store: dist.Store, prefix: str, rank: int, token: str) -> bool:
+def _claim(store: SignedStore, prefix: str, rank: int, token: str) -> bool:
     """Whether ``rank`` is counted in its generation by this call: by whichever comes
     first, its report or a mark that it is gone (False: the other came first)."""
-    return store.compare_set(f"{prefix}seen/{rank}", "", token).decode() == token
+    return store.claim(f"{prefix}seen/{rank}", token).decode() == token
 
 
-def _tally(store: dist.Store, prefix: str, world_size: int) -> None:
+def _tally(store: SignedStore, prefix: str, world_size: int) -> None:
     """Counts one more rank in (after its report is stored); whoever completes the tally
     sets ``all_in``, which the decider waits for in the store: nobody polls."""
     if store.add(f"{prefix}accounted", 1) == world_size:
         store.set(f"{prefix}all_in", "1")
 
 
-def agreements(store: dist.Store) -> tuple[int, int]:
+def agreements(store: SignedStore) -> tuple[int, int]:
     """How many agreements survivors have entered and left, job-wide. An agent compares
     them with their values when it started its workers: more entered than left since is
     someone agreeing now (a warm recovery that ended earlier does not count)."""
@@ -249,7 +253,7 @@ class Verdicts:
     restart). Counts from when the workers started, so an earlier recovery's verdict
     does not count."""
 
-    def __init__(self, store: dist.Store, holders: list[str], budget_s: float):
+    def __init__(self, store: SignedStore, holders: list[str], budget_s: float):
         self.store, self.budget_s = store, budget_s
         self._seen = {h: store.add(f"replaced/{h}", 0) for h in holders}
         self._cold = store.add("cold", 0)
@@ -275,7 +279,7 @@ class Verdicts:
         return False
 
 
-def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[str]]:
+def evict(store: SignedStore, ranks: list[int], wait_s: float) -> dict[int, list[str]]:
     """Has ``ranks`` (a hang's stuck ranks) leave, for the warm path to replace them.
 
     Each one's agent is asked to kill it (:class:`llmtrain.launch.agent.WarmAgent`): its
@@ -287,13 +291,13 @@ def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[
     from elsewhere), a spare may take its rank, and that spare must not be cut or marked
     gone in its stead; a rank a spare already holds counts as answered."""
     done = {r: store.add(f"evicted/{r}", 0) for r in ranks}
-    was = {r: (_where(store, r), json.loads(store.get(f"endpoints/{r}"))
-               if store.check([f"endpoints/{r}"]) else []) for r in ranks}
+    was = {r: (_where(store, r), json.loads(store.genuine(f"endpoints/{r}") or "[]"))
+           for r in ranks}
     for r in ranks:  # asked of the process that holds it, which its supervisor knows
-        holder = f"{was[r][0]}owner/{r}"
-        if was[r][0] is not None and store.check([holder]):
-            # its agent still kills it, should it come back
-            store.add(f"evict/{store.get(holder).decode()}", 1)
+        holder = store.genuine(f"{was[r][0]}owner/{r}") if was[r][0] is not None else None
+        if holder is not None:  # its agent still kills it, should it come back
+            key = f"evict/{holder.decode()}"
+            store.set(key, str(_evictions_asked(store, key) + 1))
     store.add("evictions", 1)  # what agents poll: one key, however many ranks
     deadline = time.monotonic() + wait_s
 
@@ -307,6 +311,12 @@ def evict(store: dist.Store, ranks: list[int], wait_s: float) -> dict[int, list[
     return {r: was[r][1] for r in silent}
 
 
+def _evictions_asked(store: SignedStore, key: str) -> int:
+    """How many evictions of one process were asked: a signed count, so that an ask
+    replayed from earlier is not a new one, and nobody without the job's secret asks."""
+    return int(store.genuine(key) or 0)
+
+
 class EvictionWatch:
     """What a supervisor of workers (an agent, a standby launcher whose spare holds a rank)
     reads to learn that the watchdog asked it to kill one (:func:`evict`): one store read
@@ -315,10 +325,10 @@ class EvictionWatch:
     after the watch began count, so a key from an earlier round never kills a later
     worker."""
 
-    def __init__(self, store: dist.Store, holders: list[str]):
+    def __init__(self, store: SignedStore, holders: list[str]):
         self.store = store
         self._evictions = store.add("evictions", 0)
-        self._asked = {h: store.add(f"evict/{h}", 0) for h in holders}
+        self._asked = {h: _evictions_asked(store, f"evict/{h}") for h in holders}
 
     def asked(self) -> list[str]:
         """The processes whose eviction was asked since the last call."""
@@ -328,7 +338,7 @@ class EvictionWatch:
         self._evictions = evictions
         new = []
         for h, seen in self._asked.items():
-            if (now := self.store.add(f"evict/{h}", 0)) != seen:
+            if (now := _evictions_asked(self.store, f"evict/{h}")) > seen:
                 self._asked[h] = now
                 new.append(h)
         return new
@@ -345,7 +355,7 @@ class EvictionWatch:
             self.store.add(f"evicted/{rank}", 1)
 
 
-def publish_endpoints(store: dist.Store, rank: int) -> None:
+def publish_endpoints(store: SignedStore, rank: int) -> None:
     """This rank's connection ends, once its groups are formed: what its peers cut should
     it stop answering with its agent out of reach (:func:`evict`)."""
     store.set(f"endpoints/{rank}", json.dumps(endpoints()))
@@ -363,7 +373,7 @@ def round_of(job_store: dist.Store, outside: dist.Store | None) -> str:
 class WarmPath:
     """One rank's side of the agreement; ``gen`` moves on with each warm recovery."""
 
-    def __init__(self, cfg: WarmConfig, store: dist.Store, round_id: str, rank: int,
+    def __init__(self, cfg: WarmConfig, store: SignedStore, round_id: str, rank: int,
                  world_size: int, local_world_size: int, gen: int = 0,
                  shapes: Callable[[int], tuple[int, int] | str] | None = None):
         """``shapes``: the mesh the job trains at with a given number of ranks, or why it
@@ -390,8 +400,8 @@ class WarmPath:
         peers = set()
         for r in range(self.world_size):
             key = f"endpoints/{r}"
-            if r != self.rank and self.store.check([key]):
-                peers |= set(json.loads(self.store.get(key)))
+            if r != self.rank:
+                peers |= set(json.loads(self.store.genuine(key) or "[]"))
         return cut(peers)
 
     def failed_key(self) -> str:
@@ -416,7 +426,7 @@ class WarmPath:
 
     def group_store(self) -> dist.Store:
         """Where this generation's process groups meet."""
-        return dist.PrefixStore(self._key("pg"), self.store)
+        return dist.PrefixStore(self._key("pg"), self.store.raw)  # gloo's and NCCL's keys
 
     def agree(self, holdings: dict, deadline: float,
               leave: Callable[[], None] = lambda: None) -> Plan:
@@ -453,11 +463,11 @@ class WarmPath:
         the spares. The ranks that did not report are lost."""
         self._settle()
         reports = {}
-        for line in self.store.get(self._key("reports")).decode().splitlines():
+        for line in self.store.records(self._key("reports")):
             report = json.loads(line)
             reports.setdefault(report.pop("rank"), report)
         proposal = self._propose(reports)
-        if self.store.compare_set(self._key("plan"), "", proposal).decode() == proposal:
+        if self.store.claim(self._key("plan"), proposal).decode() == proposal:
             self._claim_spares(proposal)
 
     def _settle(self) -> None:
@@ -468,13 +478,11 @@ class WarmPath:
         began, half = time.monotonic(), self.cfg.settle_s / 2
         tally = self.store.add(self._key("accounted"), 0)
         while True:
-            try:
-                self.store.wait([self._key("all_in")], timedelta(seconds=half))
+            if self.store.wait_genuine(self._key("all_in"), timedelta(seconds=half)):
                 return
-            except dist.DistStoreError:  # the half's timeout
-                before, tally = tally, self.store.add(self._key("accounted"), 0)
-                if tally == before and time.monotonic() - began >= self.cfg.settle_s:
-                    return
+            before, tally = tally, self.store.add(self._key("accounted"), 0)  # half passed
+            if tally == before and time.monotonic() - began >= self.cfg.settle_s:
+                return
 
     def _plan(self, deadline: float) -> Plan:
         plan_text = self._wait(self._key("spares"), deadline)
@@ -535,7 +543,7 @@ class WarmPath:
                     self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"))
                     return
                 key = f"spares/{number}/state"
-                if self.store.compare_set(key, "", "claimed").decode() == "claimed":
+                if self.store.claim(key, "claimed").decode() == "claimed":
                     taken.append(number)
                     plan.spares[str(r)] = number
                 else:  # withdrawn: it went to join a cold restart, or the job ended
@@ -553,8 +561,8 @@ class WarmPath:
         lost = Plan.from_json(plan).lost
         for r in lost:  # the lost rank's agent must not restart it
             holder = self._key(f"owner/{r}")
-            if self.store.check([holder]):
-                self.store.add(f"replaced/{self.store.get(holder).decode()}", 1)
+            if (process := self.store.genuine(holder)) is not None:
+                self.store.add(f"replaced/{process.decode()}", 1)
         self.store.add("replacements", len(lost))  # no agent waits for the lost at the end
         self.store.set(self._key("spares"), plan)
 
@@ -633,8 +641,7 @@ class WarmPath:
             if number > self.store.add("spares/registered", 0):
                 self._unclaim(taken, skipped)
                 return "none:too few spares wait"
-            if self.store.compare_set(f"spares/{number}/state", "", "claimed").decode() \
-                    == "claimed":
+            if self.store.claim(f"spares/{number}/state", "claimed").decode() == "claimed":
                 taken.append(number)
             else:  # withdrawn meanwhile
                 skipped += 1
@@ -670,7 +677,9 @@ class WarmPath:
         if left <= 0:
             raise ColdPath("the warm path ran out of its time budget (warm.budget_s)")
         try:
-            self.store.wait([key], timedelta(seconds=left))
-        except (dist.DistStoreError, RuntimeError):
-            raise ColdPath(f"no plan within warm.budget_s={self.cfg.budget_s}") from None
-        return self.store.get(key).decode()
+            value = self.store.wait_genuine(key, timedelta(seconds=left))
+        except RuntimeError:  # DistError: the store went away
+            value = None
+        if value is None:
+            raise ColdPath(f"no plan within warm.budget_s={self.cfg.budget_s}")
+        return value.decode()

@@ -35,7 +35,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch.distributed as dist
+from llmtrain.distributed.signed_store import SignedStore
 
 from llmtrain.reliability import flightrec
 
@@ -229,9 +229,9 @@ def _bin(slowdown: float) -> int:
 class ControlPlane:
     """One rank's part in the aggregation: ``publish`` on every rank, ``summarize`` and
     ``reduce_arrivals`` on a block's leader, ``world`` and ``stragglers`` on rank 0. Works
-    on any ``dist.Store`` and needs no process group."""
+    on any store (a :class:`SignedStore` view) and needs no process group."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, local_world_size: int,
+    def __init__(self, store: SignedStore, rank: int, world_size: int, local_world_size: int,
                  heartbeat_interval_s: float):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.block = local_world_size if 0 < local_world_size < world_size else world_size
@@ -248,15 +248,17 @@ class ControlPlane:
         return range(leader, min(leader + self.block, self.world_size))
 
     def _read(self, keys: list[str]) -> dict[str, bytes]:
-        """The keys that exist: a ``check`` and a ``multi_get`` per ``_CHUNK`` keys once all
-        do (TCPStore's grow faster than their keys beyond about a thousand)."""
+        """The keys that exist, with their signed values (a forged one reads as absent,
+        and is reported): a ``check`` and a ``multi_get`` per ``_CHUNK`` keys once all do
+        (TCPStore's grow faster than their keys beyond about a thousand)."""
         out: dict[str, bytes] = {}
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i:i + _CHUNK]
             if not self.store.check(chunk):  # start-up, or a rank gone: find which exist
                 chunk = [k for k in chunk if self.store.check([k])]
             if chunk:
-                out.update(zip(chunk, self.store.multi_get(chunk)))
+                out.update((k, v) for k, v in zip(chunk, self.store.genuine_values(chunk))
+                           if v is not None)
         return out
 
     def beats(self, ranks) -> dict[int, dict]:

@@ -301,8 +301,8 @@ class Watchdog:
             self._store_out = False
         if self.plane.leader:
             self.plane.summarize()
-        if self.store.check(["event"]):
-            self._respond(json.loads(self.store.get("event")), leader=False)
+        if (event := self.store.genuine("event")) is not None:  # a forged one: reported
+            self._respond(json.loads(event), leader=False)
         found = self._detect()
         if found:
             kind, reason = found
@@ -424,7 +424,7 @@ class Watchdog:
                  "kind": kind, "reason": reason, "leader": self.rank,
                  "detected_wall": time.time(),
                  "progress_age": time.monotonic() - self.progress}
-        claimed = json.loads(self.store.compare_set("event", "", json.dumps(event)))
+        claimed = json.loads(self.store.claim("event", json.dumps(event)))
         self._respond(claimed, leader=claimed["id"] == event["id"])
 
     def _respond(self, event: dict, leader: bool) -> None:
@@ -444,7 +444,8 @@ class Watchdog:
         if leader:
             self.store.set(done, json.dumps(self._evicted(event, self._report(event, url))))
         no_word = not leader and self._await([done], self.cfg.dump_timeout_s + 60)
-        verdict = {"evicted": [], "cut": []} if no_word else json.loads(self.store.get(done))
+        said = None if no_word else self.store.genuine(done)
+        verdict = json.loads(said) if said else {"evicted": [], "cut": []}
         evicted = verdict["evicted"]
         while self.rank in evicted:  # its agent kills this process (or it is cut off)
             time.sleep(3600)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import signed_store
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch, broke_a_collective, nccl_problems
 from llmtrain.distributed.nccl_env import WARM_NCCL_ENV
@@ -121,8 +122,8 @@ def test_the_watch_wakes_its_rank_once_its_generation_fails(tmp_path):
                            wait_for_workers=False)
 
     def connect():
-        return dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True,
-                             timeout=timedelta(seconds=30))
+        return signed_store(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                          use_libuv=True, timeout=timedelta(seconds=30)))
     acted = []
     watch = FailureWatch(connect, "g1/failed", on_failure=lambda: acted.append("g1"))
     late = FailureWatch(connect, "g1/failed", on_failure=lambda: acted.append("disarmed"))
@@ -130,7 +131,7 @@ def test_the_watch_wakes_its_rank_once_its_generation_fails(tmp_path):
     time.sleep(0.3)  # both are waiting in the store
     assert not watch.woke.is_set() and acted == []
     set_at = time.monotonic()
-    server.set("g1/failed", "1")
+    signed_store(server).set("g1/failed", "1")
     assert watch.woke.wait(5)
     assert time.monotonic() - set_at < 2  # woken by the store, not a poll
     for t in (watch._thread, late._thread):

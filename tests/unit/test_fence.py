@@ -14,14 +14,16 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from conftest import signed_store
+from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventLog, read_events
 from llmtrain.recovery.fence import Fence, Fenced
 from llmtrain.recovery.warm import outside_store
 
 
-def client(server: dist.TCPStore, timeout_s: float = 2.0) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True,
-                         timeout=timedelta(seconds=timeout_s))
+def client(server: dist.TCPStore, timeout_s: float = 2.0) -> SignedStore:
+    return signed_store(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                      use_libuv=True, timeout=timedelta(seconds=timeout_s)))
 
 
 @pytest.fixture
@@ -124,7 +126,7 @@ def test_a_late_member_cannot_roll_the_membership_back(server, tmp_path):
     with pytest.raises(Fenced, match="re-formed as 2-b/g0 before this rank joined 1-a/g1"):
         late.join("1-a/g1")
     current.check("checkpoint file __0_0.distcp")  # still the job's membership
-    assert server.get("fence/token") == b"2-b/g0"
+    assert signed_store(server).get("fence/token") == b"2-b/g0"
     (fenced,) = read_events(str(tmp_path), "fenced")
     assert fenced["rank"] == 1 and fenced["what"] == "joining the job"
 
@@ -161,8 +163,8 @@ def test_a_store_that_stalls_refuses_writes_only_while_it_does(tmp_path):
     server = subprocess.Popen([sys.executable, "-c", STORE], stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline())
-        connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False,  # noqa: E731
-                                        use_libuv=True, timeout=timedelta(seconds=0.5))
+        connect = lambda: signed_store(dist.TCPStore(  # noqa: E731
+            "127.0.0.1", port, is_master=False, use_libuv=True, timeout=timedelta(seconds=0.5)))
         events = EventLog(str(tmp_path), rank=0)
         fence = Fence(connect(), events, 0.5, connect=connect)
         fence.join("1-a/g0")

@@ -8,12 +8,13 @@ import torch.distributed as dist
 
 from llmtrain.reliability.heartbeats import (LISTED, ControlPlane, awaited, desync_in,
                                              not_arrived, positions, verdict)
+from conftest import signed_store
 
 ALL_REDUCE, ALL_GATHER = "gloo:all_reduce sizes=[[16]]", "gloo:all_gather sizes=[[16]]"
 
 
 def planes(world: int, block: int, interval: float = 1.0) -> list[ControlPlane]:
-    store = dist.HashStore()
+    store = signed_store()
     return [ControlPlane(store, r, world, block, interval) for r in range(world)]
 
 

@@ -15,6 +15,7 @@ from llmtrain.recovery import sockets
 from llmtrain.launch.node import supervise_spare
 from llmtrain.recovery.warm import (EvictionWatch, WarmPath, evict, owner, publish_endpoints,
                                     rank_of)
+from conftest import signed_store
 
 
 def _pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
@@ -47,7 +48,7 @@ def test_a_receive_stuck_on_a_silent_peer_ends_when_its_connection_is_cut():
 
 
 def test_an_agent_that_does_not_answer_has_its_rank_marked_gone_and_cut_off():
-    store = dist.HashStore()
+    store = signed_store()
     cfg = WarmConfig(enable=True)
     WarmPath(cfg, store, "round", 1, 2, 1)  # rank 1 says where it would report
     publish_endpoints(store, 1)
@@ -56,12 +57,12 @@ def test_an_agent_that_does_not_answer_has_its_rank_marked_gone_and_cut_off():
     assert evict(store, [1], wait_s=0.3) == {1: sockets.endpoints()}  # no agent answered
     assert 0.3 <= time.monotonic() - start < 2
     # should its agent come back, it kills the rank's process
-    assert store.add(f"evict/{owner()}", 0) == 1
+    assert int(store.get(f"evict/{owner()}")) == 1
     assert store.add("round/g0/gone", 0) == 1  # its generation's survivors need not wait
 
     # an agent that answers: nobody is cut off
     def agent():
-        while store.add(f"evict/{owner()}", 0) < 2:
+        while int(store.get(f"evict/{owner()}")) < 2:
             time.sleep(0.01)
         store.add("evicted/1", 1)
     threading.Thread(target=agent).start()
@@ -72,13 +73,13 @@ def test_a_spare_that_took_the_rank_meanwhile_is_neither_cut_nor_marked_gone():
     """The stuck rank dies by another hand while its agent is silent, and a spare takes its
     rank before the wait ends: the old holder is gone, so nobody is cut off (in a soak, the
     spare's own connections were cut and its generation counted it gone)."""
-    store = dist.HashStore()
+    store = signed_store()
     cfg = WarmConfig(enable=True)
     WarmPath(cfg, store, "round", 1, 2, 1)
     store.set("endpoints/1", json.dumps(["10.0.0.2:4000"]))
 
     def spare_takes_rank_1():
-        while store.add(f"evict/{owner()}", 0) < 1:
+        while not store.check([f"evict/{owner()}"]):
             time.sleep(0.01)
         WarmPath(cfg, store, "round", 1, 2, 1, gen=1)
         store.set("endpoints/1", json.dumps(["10.0.0.3:5000"]))
@@ -92,10 +93,10 @@ def test_a_spare_that_took_the_rank_meanwhile_is_neither_cut_nor_marked_gone():
 def test_a_spare_holding_a_rank_is_killed_by_its_launcher_when_evicted():
     """A spare that took a rank runs under its standby launcher, not an agent: the launcher
     answers the watchdog's eviction as an agent does, killing the spare's session."""
-    store = dist.HashStore()
+    store = signed_store()
     spare = subprocess.Popen(["sleep", "60"], start_new_session=True)
     holder = owner(spare.pid, "node3")
-    store.add(f"evict/{holder}", 1)  # an earlier eviction of this process id: not this spare's
+    store.set(f"evict/{holder}", "1")  # an earlier eviction of this process id: not this spare's
     store.add("evictions", 1)
     # the spare holds rank 3, where its peers report now
     store.set("where/3", "round/g1/")
@@ -117,7 +118,7 @@ def test_an_eviction_asks_the_process_that_holds_the_rank_after_a_shrink_renumbe
     """A shrink made the process that started as rank 1 rank 0: asking to evict rank 0
     must reach it, and not the supervisor that started a worker as rank 0 (in a soak, both
     nodes' supervisors killed their workers, and nobody was left to recover)."""
-    store = dist.HashStore()
+    store = signed_store()
     cfg = WarmConfig(enable=True)
     survivor = WarmPath(cfg, store, "round", 0, 1, 1, gen=1)  # was rank 1 in generation 0
     before = owner(4242, "node-of-old-rank-0")

@@ -12,6 +12,7 @@ from llmtrain.config import WarmConfig
 from llmtrain.recovery.warm import (ColdPath, Verdicts, WarmPath, agreements, assignment,
                                     buddy_of, join_pool, leave_pool, mark_gone, owner,
                                     spares_ready, spares_waiting)
+from conftest import signed_store
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
@@ -44,7 +45,7 @@ def test_buddies_are_on_the_next_node():
 
 
 def test_a_lost_rank_gets_a_spare_and_the_newest_common_step():
-    store = dist.HashStore()
+    store = signed_store()
     assert store.add("spares/registered", 1) == 1
     # 3 nodes of one rank; rank 1 lost; its buddy is rank 2
     store.set("round/g0/owner/1", "node2:4242")  # the process that held it
@@ -62,7 +63,7 @@ def test_an_agreement_is_open_from_its_start_until_it_is_decided():
     """An agent whose workers all died waits for a warm verdict only while a survivor is
     agreeing. An agreement that ended before must not count: it did, and a cold restart
     after any earlier warm recovery waited out the agent's whole budget (35 s, not 10)."""
-    store = dist.HashStore()
+    store = signed_store()
     store.add("spares/registered", 1)
     start = agreements(store)
     decided = agree_all(store, {0: held([10], [10], 2), 2: held([10], [10], 1)}, 3)
@@ -86,7 +87,7 @@ def test_a_rank_said_gone_is_not_waited_for_and_saying_it_twice_counts_once():
     once, rank 3 a second later: the survivors wait for rank 3 (one "gone" counted twice
     would make them stop before it and count it lost), then agree without waiting out
     the rest of warm.settle_s."""
-    store = dist.HashStore()
+    store = signed_store()
     store.add("spares/registered", 1)
     cfg = WarmConfig(enable=True, settle_s=10.0, budget_s=20)
     paths = {r: WarmPath(cfg, store, "round", r, 4, 1) for r in range(4)}
@@ -113,7 +114,7 @@ def test_a_rank_said_gone_is_not_waited_for_and_saying_it_twice_counts_once():
     ({0: held([4], [4], 2), 2: held([5], [5], 1)}, 3, "no snapshot step"),
 ])
 def test_what_cannot_go_warm_goes_cold_for_every_survivor(holdings, world, why):
-    store = dist.HashStore()
+    store = signed_store()
     store.add("spares/registered", 2)
     out = agree_all(store, holdings, world)
     assert all(isinstance(v, ColdPath) and why in str(v) for v in out.values()), out
@@ -121,7 +122,7 @@ def test_what_cannot_go_warm_goes_cold_for_every_survivor(holdings, world, why):
 
 
 def test_without_a_spare_it_goes_cold_and_the_next_spare_is_used():
-    store = dist.HashStore()
+    store = signed_store()
     out = agree_all(store, {0: held([3], [3], 1)}, 2)
     assert "no warm spare" in str(out[0])
     assert spares_waiting(store) == 0  # the failed claim took nothing
@@ -135,7 +136,7 @@ def test_a_spare_is_claimed_or_withdrawn_never_both():
     """A spare leaves the pool to join a cold restart (or at the job's end) by the same
     compare-and-set that claims it: the claim skips a withdrawn spare, a claimed spare
     cannot withdraw, and a claim that finds too few spares leaves the pool as it was."""
-    store = dist.HashStore()
+    store = signed_store()
     first = join_pool(store)
     assert leave_pool(store, first) and spares_waiting(store) == 0
     out = agree_all(store, {0: held([3], [3], 1)}, 2)
@@ -153,7 +154,7 @@ def test_a_dead_workers_late_gone_mark_does_not_count_the_spare_that_took_its_ra
     """An agent sees its worker (rank 1) dead only after a spare took rank 1 in the next
     generation: its mark names the dead process, so the spare is not counted gone there
     (it was, and the spare could not report in the next recovery: that went cold)."""
-    store = dist.HashStore()
+    store = signed_store()
     cfg = WarmConfig(enable=True)
     WarmPath(cfg, store, "round", 1, 2, 1)  # the worker, in generation 0
     dead = owner()  # (this process stands for it)
@@ -170,7 +171,7 @@ def test_reports_still_coming_in_keep_the_agreement_open_past_the_settle_time():
     rank is lost. With warm.settle_s = 0.5 the last reports come after it: the agreement
     stays open while they come, counts none of them lost, then closes about half a settle
     time after the last one."""
-    store = dist.HashStore()
+    store = signed_store()
     store.add("spares/registered", 1)
     cfg = WarmConfig(enable=True, settle_s=0.5, budget_s=10)
     paths = {r: WarmPath(cfg, store, "round", r, 6, 1) for r in range(5)}
@@ -192,7 +193,7 @@ def test_reports_still_coming_in_keep_the_agreement_open_past_the_settle_time():
 def test_a_grow_waits_until_the_spares_it_would_take_say_they_are_ready():
     """A lost rank takes any spare (waiting for its imports beats going cold); a grow, which
     nothing forces, only the next ones in the pool that are ready."""
-    store = dist.HashStore()
+    store = signed_store()
     first, second = join_pool(store), join_pool(store)
     assert spares_waiting(store) == 2 and not spares_ready(store, 1)
     store.set(f"spares/{second}/ready", "1")
@@ -206,7 +207,7 @@ def test_a_supervisor_learns_whether_its_dead_workers_rank_was_replaced_or_the_j
     its worker dies: replaced (the job goes on without it) or cold (it restarts it, or joins
     the restart as a node: once every rank ran in a spare, a job that went cold waited for
     a restart nobody started). Verdicts given before it started do not count."""
-    store = dist.HashStore()
+    store = signed_store()
     store.add("replaced/node1:7", 1)
     store.add("cold", 1)
     verdicts = Verdicts(store, ["node1:7", "node2:8"], budget_s=5)
@@ -227,7 +228,7 @@ def test_a_preemption_drops_whole_replicas_and_nothing_else():
     """Every rank computes the same plan without the preempted nodes: with whole HSDP
     replicas (2 shards a node) the other node goes on; a node preempted in part, or a
     plain FSDP job whose leavers hold shards nobody else has, cannot."""
-    store = dist.HashStore()
+    store = signed_store()
     cfg = WarmConfig(enable=True)
 
     def path(shard: int) -> WarmPath:

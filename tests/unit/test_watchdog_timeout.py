@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from llmtrain.config import ReliabilityConfig
 from llmtrain.reliability.watchdog import Watchdog
+from conftest import signed_store
 
 
 def steps(w: Watchdog, n: int, seconds: float) -> None:
@@ -18,7 +19,7 @@ def test_the_timeout_is_learned_from_the_pace_within_floor_and_ceiling(tmp_path)
     """hang_timeout_s until 3 steps are seen (the first, start-up's, does not count), then
     10x the slowest recent step, but never under the floor nor over hang_timeout_s."""
     def watchdog(**cfg) -> Watchdog:
-        return Watchdog(ReliabilityConfig(**cfg), dist.HashStore(), str(tmp_path),
+        return Watchdog(ReliabilityConfig(**cfg), signed_store(), str(tmp_path),
                         events=None, rank=0, world_size=1)
     fixed, learned = watchdog(hang_timeout_step_factor=0), watchdog(hang_timeout_floor_s=0.1)
     capped = watchdog(hang_timeout_s=0.2, hang_timeout_floor_s=0.1)
@@ -37,7 +38,7 @@ def test_the_timeout_is_learned_from_the_pace_within_floor_and_ceiling(tmp_path)
 def test_long_phases_have_their_own_limit_until_the_next_step(tmp_path):
     """Start-up to the first step, and a declared long phase (resume, a blocking save),
     may go without progress for phase_timeout_s; a training phase may not."""
-    w = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), dist.HashStore(),
+    w = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), signed_store(),
                  str(tmp_path), events=None, rank=0, world_size=1)
     assert w.progress_timeout == 60 and w.timeout == 5  # start-up; silent heartbeats: 5 s
     w.beat(0, "resume", long=True)
@@ -56,7 +57,7 @@ def test_long_phases_have_their_own_limit_until_the_next_step(tmp_path):
 
 
 def test_waiting_for_a_peer_in_a_declared_long_phase_is_no_hang(tmp_path):
-    store = dist.HashStore()
+    store = signed_store()
     w = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), store,
                  str(tmp_path), events=None, rank=1, world_size=2)
     peer = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), store,
@@ -75,7 +76,7 @@ def test_waiting_for_a_peer_in_a_declared_long_phase_is_no_hang(tmp_path):
 def test_a_silent_peer_is_no_hang_while_this_rank_recovers_it_warm(tmp_path):
     """Rank 1 watches rank 0's heartbeat; while rank 1 is in a warm recovery, rank 0's
     silence is what it recovers from (the spare taking its place may be slow to beat)."""
-    store = dist.HashStore()
+    store = signed_store()
     cfg = ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60, heartbeat_interval_s=0.1)
     w = Watchdog(cfg, store, str(tmp_path), events=None, rank=1, world_size=2)
     peer = Watchdog(cfg, store, str(tmp_path), events=None, rank=0, world_size=2)
