@@ -9,7 +9,6 @@ state registry (:mod:`llmtrain.state_registry`), which checkpoints and snapshots
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -55,6 +54,7 @@ class Summary:
     final_loss: float
     memory_gb: float
     stopped: bool = False  # ended early on a stop request (llmtrain stop)
+    complete: bool = False  # ended at training.steps: a later start extends the run
 
 
 class Trainer:
@@ -206,8 +206,11 @@ class Trainer:
                 self.wait_staged(step)
             fault_points.point("step", step, self.model)
             micro_batches = self.data.next_step()
-            loss = (self.skip_step(step) if step in self.integrity.skips
-                    else self.train_step(micro_batches))
+            if step in self.integrity.skips:
+                self.skip_step(step)
+                loss = None  # nothing trained: no loss to report
+            else:
+                loss = self.train_step(micro_batches)
         self.step = step
         self.watchdog.beat(step, "step")
         self.after_first_steps(step, first_step, time.perf_counter() - began)
@@ -239,9 +242,13 @@ class Trainer:
         self.reporter.resume_at(step)
         return False
 
-    def report(self, step: int, local_loss: torch.Tensor) -> None:
-        # The only host sync of the step (integrity's verdicts were read with it).
-        loss = self.integrity.loss if self.cfg.integrity.enable else global_mean(local_loss)
+    def report(self, step: int, local_loss: torch.Tensor | None) -> None:
+        """``local_loss``: None for a skipped step, which has no loss (nor a gradient
+        norm) to report."""
+        if local_loss is None:
+            loss = None
+        else:  # the only host sync of the step (integrity's verdicts were read with it)
+            loss = self.integrity.loss if self.cfg.integrity.enable else global_mean(local_loss)
         advice = self.reporter.step(step, loss, lr=self.scheduler.get_last_lr()[0],
                                     grad_norm=self.grad_norm, device=self.device,
                                     watchdog=self.watchdog)
@@ -320,12 +327,13 @@ class Trainer:
             with self.ledger.span("checkpoint_stall", f"staging before step {step}"):
                 self.checkpoints.wait_staged()
 
-    def skip_step(self, step: int) -> torch.Tensor:
+    def skip_step(self, step: int) -> None:
         """A step of ``integrity.skip_steps`` (or one a rollback learned): its batch is
-        consumed, the schedule moves on, nothing is trained; as a judged-bad step does."""
+        consumed, the schedule moves on, nothing is trained; as a judged-bad step does.
+        It has no loss and no gradient norm (None: not the last trained step's)."""
+        self.grad_norm = None
         self.scheduler.step()
         self.events.emit_once("step_skipped", step=step, reason="skip_steps")
-        return torch.full((), math.nan, device=self.device)  # NCCL reduces GPU tensors only
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
         # Asynchronous from pinned memory; the batch is never written to, so nothing can race.
@@ -349,8 +357,9 @@ class Trainer:
             * self.cfg.data.seq_len
         s = Summary(steps=self.step, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
                     first_loss=self.reporter.first_loss, final_loss=self.reporter.loss,
-                    memory_gb=memory_gb(self.device), stopped=self.control.finishing)
-        self.control.run_ended(complete=s.steps == self.cfg.training.steps)
+                    memory_gb=memory_gb(self.device), stopped=self.control.finishing,
+                    complete=self.step == self.cfg.training.steps)
+        self.control.run_ended(complete=s.complete)
         self.reporter.run_end(s)
         return s
 

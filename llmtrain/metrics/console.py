@@ -19,6 +19,7 @@ class StepReport:
     grad_norm: float | None
     mfu: float | None
     memory_gb: float
+    skipped: bool = False  # nothing trained (integrity.skip_steps): no loss, no grad norm
 
 
 def _duration(seconds: float) -> str:
@@ -36,15 +37,16 @@ class ConsoleReporter:
     def step(self, r: StepReport) -> None:
         eta = _duration((self.total - r.step) * r.step_time_s)
         mfu = f" | mfu {r.mfu:.1%}" if r.mfu is not None else ""
+        loss = "skipped, not trained" if r.skipped else f"loss {r.loss:.4f}"
         if self.bar:
             done = int(30 * r.step / self.total)
             line = (f"\r[{'#' * done}{'.' * (30 - done)}] {r.step}/{self.total} "
-                    f"loss {r.loss:.4f} | {r.tokens_per_s:,.0f} tok/s{mfu} | ETA {eta}  ")
+                    f"{loss} | {r.tokens_per_s:,.0f} tok/s{mfu} | ETA {eta}  ")
             self.stream.write(line)
         else:
             gnorm = f" | gnorm {r.grad_norm:.3f}" if r.grad_norm is not None else ""
             self.stream.write(
-                f"step {r.step}/{self.total} | loss {r.loss:.4f} | lr {r.lr:.2e}{gnorm} | "
+                f"step {r.step}/{self.total} | {loss} | lr {r.lr:.2e}{gnorm} | "
                 f"{r.tokens_per_s:,.0f} tok/s | {r.step_time_s * 1000:.0f} ms/step{mfu} | "
                 f"mem {r.memory_gb:.2f} GB | ETA {eta}\n")
         self.stream.flush()

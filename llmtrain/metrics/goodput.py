@@ -318,14 +318,19 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     recorded progress to the failure's detection (a rank's collective failing, or a
     watchdog/health verdict), on to the new processes' start (rendezvous and spawn), the
     process group, the checkpoint load, and the first step at ``first_step_at``; and the
-    ranks of the previous attempt that died without a word (killed, or crashed hard)."""
+    ranks of the previous attempt that died without a word (killed, or crashed hard).
+
+    None when the previous attempt ended at the run's last step (its ``run_end`` is
+    ``complete``): this start extends the run, and no failure came before. After one that
+    ended early on an agreed stop (a failed GPU's vote, a signal, a request), it is a
+    recovery."""
     attempts = _attempts(events)
     if len(attempts) < 2:
         return None
     previous, current = attempts[-2], attempts[-1]
-    if any(e["event"] == "run_end" and not e.get("stopped") for e in previous) and \
-            not any(e["event"] == "preempted" for e in previous):
-        return None  # it had finished: this start extends the run, no failure came before
+    ends = [e for e in previous if e["event"] == "run_end"]
+    if any(e.get("complete") for e in ends):
+        return None
     progress = max((e["end"] for e in previous if e["event"] == "span"
                     and e["category"] != "other"), default=previous[0]["ts"])
     detected = min((e["ts"] for e in previous if e["event"] in _FAILURE_SIGNS
@@ -338,8 +343,10 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
              "first_step": first_step_at}
     known = [(k, v) for k, v in marks.items() if v is not None]
     # A rank that was killed or crashed says nothing; its peers report their failure.
+    # Ranks that stopped together (a run_end) lost none.
     spoke = {e["rank"] for e in previous if e["event"] in _FAILURE_SIGNS}
-    silent = sorted(set(range(previous[0].get("world_size", 0))) - spoke) if spoke else []
+    silent = (sorted(set(range(previous[0].get("world_size", 0))) - spoke)
+              if spoke and not ends else [])
     return {"marks": marks, "total_s": first_step_at - (detected or progress),
             "parts_s": {f"{a}->{b}": t1 - t0 for (a, t0), (b, t1) in zip(known, known[1:])},
             "silent_ranks": silent}

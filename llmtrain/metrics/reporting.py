@@ -113,7 +113,8 @@ class Reporter:
             return
         self.events.emit("run_end", **asdict(s))
         self.account(final=True)
-        ended = "done, stopped on request" if s.stopped else "done"
+        ended = ("done, stopped on request" if s.stopped else "done" if s.complete
+                 else "stopped early")
         self.console.line(
             f"{ended}: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
             f"({s.tokens_per_s:,.0f} tok/s); loss {s.first_loss:.3f} -> {s.final_loss:.3f}; "
@@ -156,24 +157,30 @@ class Reporter:
         """Steps are timed from ``step``, now (a start, a rollback, a warm restore)."""
         self.last_step, self.last_time = step, time.perf_counter()
 
-    def step(self, step: int, loss: float, *, lr: float, grad_norm: torch.Tensor | None,
-             device: torch.device, watchdog) -> IntervalAdvice | None:
+    def step(self, step: int, loss: float | None, *, lr: float,
+             grad_norm: torch.Tensor | None, device: torch.device,
+             watchdog) -> IntervalAdvice | None:
         """The step's loss and time since the last report; on rank 0 also its line,
         event and figures, and, at most every ``metrics.goodput_every_s``, the goodput so
-        far and the checkpoint interval it suggests."""
+        far and the checkpoint interval it suggests. ``loss`` None: the step was skipped
+        (nothing trained), its report says so and the run's losses stay as they were."""
         now = time.perf_counter()
         step_time = (now - self.last_time) / (step - self.last_step)
-        self.last_step, self.last_time, self.loss = step, now, loss
-        self.first_loss = loss if math.isnan(self.first_loss) else self.first_loss
+        self.last_step, self.last_time = step, now
+        if loss is not None:
+            self.loss = loss
+            self.first_loss = loss if math.isnan(self.first_loss) else self.first_loss
         if not self.is_rank0:
             return None
         self.ledger.steps_done(step)
         tokens_per_s = self.tokens_per_step / step_time
         peak = self.peak_flops
-        r = StepReport(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
-                       lr=lr, grad_norm=None if grad_norm is None else grad_norm.item(),
+        r = StepReport(step=step, loss=math.nan if loss is None else loss,
+                       tokens_per_s=tokens_per_s, step_time_s=step_time, lr=lr,
+                       grad_norm=None if grad_norm is None else grad_norm.item(),
                        mfu=(self.flops_per_token * tokens_per_s / self.world.world_size / peak
-                            if peak else None), memory_gb=memory_gb(device))
+                            if peak else None), memory_gb=memory_gb(device),
+                       skipped=loss is None)
         self.events.emit("step", **asdict(r))
         self.console.step(r)
         self.exporter.stragglers(watchdog.slowdowns)

@@ -2,6 +2,7 @@
 bit in one replica is found, named and rolled back, a diverging run stops (exit 78), and
 no committed checkpoint ever holds a non-finite value."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,28 @@ def skip7(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("integrity") / "skip7"
     check(llmtrain(run, *ARGS, "--integrity.skip_steps", "7", nproc=2))
     return run
+
+
+def test_a_skipped_step_reports_no_loss_and_no_grad_norm(run_dir):
+    """One rank whose first step is a skip (a resume whose next step a rollback learned
+    bad starts the same way) trains on; each skipped step's report says it was skipped,
+    with no loss and no gradient norm: not the last trained step's (nor a missing one's
+    crash)."""
+    proc = check(llmtrain(run_dir, "--training.steps", "4", "--integrity.skip_steps", "1,3",
+                          "--metrics.log_every", "1", "--metrics.prometheus", "false",
+                          "--metrics.progress", "plain", timeout=120))
+    steps = {e["step"]: e for e in events(run_dir, "step")}
+    assert sorted(steps) == [1, 2, 3, 4]
+    for step in (1, 3):
+        assert steps[step]["skipped"] and steps[step]["grad_norm"] is None, steps[step]
+        assert math.isnan(steps[step]["loss"]), steps[step]
+        assert f"step {step}/4 | skipped, not trained | lr" in proc.stdout, proc.stdout
+    for step in (2, 4):
+        e = steps[step]
+        assert not e["skipped"] and e["grad_norm"] > 0 and math.isfinite(e["loss"]), e
+    (end,) = events(run_dir, "run_end")
+    assert end["complete"] and end["first_loss"] == steps[2]["loss"], end
+    assert end["final_loss"] == steps[4]["loss"], end
 
 
 @pytest.mark.parametrize("policy", ["skip", "rollback"])

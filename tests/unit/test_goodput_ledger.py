@@ -147,6 +147,11 @@ def test_a_process_start_is_read_to_the_clock_tick():
         child.wait()
 
 
+def run_end(ts, steps, *, complete, stopped=False):
+    return {"ts": ts, "event": "run_end", "rank": 0, "steps": steps, "stopped": stopped,
+            "complete": complete}
+
+
 def test_a_start_after_a_finished_run_is_no_recovery():
     """A hang, then a restart: a recovery with its parts. A run that had finished and is
     launched again (more steps) recovered from nothing; one stopped on request, or
@@ -154,10 +159,38 @@ def test_a_start_after_a_finished_run_is_no_recovery():
     events = two_attempts_with_a_hang()
     hang = recovery(events[:-2], 10.5)
     assert hang["total_s"] == pytest.approx(2.5) and hang["marks"]["failure_detected"] == 8.0
-    finished = events[:6] + [{"ts": 7.5, "event": "run_end", "rank": 0, "stopped": False},
+    finished = events[:6] + [run_end(7.5, 20, complete=True),
                              *events[7:-2]]  # the hang replaced by the run's end
     assert recovery(finished, 10.5) is None
-    stopped = [{**e, "stopped": True} if e["event"] == "run_end" else e for e in finished]
+    early = events[:6] + [run_end(7.5, 20, complete=False), *events[7:-2]]
+    stopped = [{**e, "stopped": True} if e["event"] == "run_end" else e for e in early]
     assert recovery(stopped, 10.5)["total_s"] == pytest.approx(3.5)  # since the last step
-    preempted = [*finished[:6], {"ts": 7.2, "event": "preempted", "rank": 0}, *finished[6:]]
+    preempted = [*early[:6], {"ts": 7.2, "event": "preempted", "rank": 0}, *early[6:]]
     assert recovery(preempted, 10.5)["marks"]["failure_detected"] == 7.2
+    assert recovery(preempted, 10.5)["silent_ranks"] == []  # rank 1 ended with rank 0
+
+
+def test_a_restart_after_a_failed_gpus_stop_vote_is_a_recovery():
+    """Rank 1's GPU fails a check at 5.5 (its node excluded); the ranks vote to stop at
+    step 15, save it (6.5-7) and end the attempt early: rank 0's run_end (not stopped on
+    request, not preempted) at 7.2. The restart with a spare in rank 1's place is a
+    recovery from the last progress, the save, to the first step; nobody died silently."""
+    events = [
+        attempt(0.6, 0.0, 0.5),
+        span("startup", 0.5, 3.0),
+        span("productive", 3.0, 5.0, steps=[1, 10]),
+        {"ts": 5.5, "event": "node_excluded", "rank": 1, "host": "node2", "step": 12},
+        span("productive", 5.0, 6.5, steps=[11, 15]),
+        {"ts": 6.5, "event": "stop_vote", "rank": 1, "step": 15},
+        span("checkpoint_stall", 6.5, 7.0),
+        run_end(7.2, 15, complete=False),
+        attempt(9.5, 0.0, 9.0),
+        {"ts": 10.0, "event": "checkpoint_loaded", "rank": 0, "step": 15},
+        span("checkpoint_load", 9.5, 10.0, name="resume"),
+    ]
+    rec = recovery(events, 10.5)
+    assert rec is not None, "the restart after the stop vote was taken for a finished run"
+    assert rec["total_s"] == pytest.approx(3.5)  # last progress (the save) at 7 to 10.5
+    assert rec["marks"]["last_progress"] == 7.0 and rec["marks"]["checkpoint_loaded"] == 10.0
+    assert rec["silent_ranks"] == []
+    assert account(events, now=10.5).failures == 1
