@@ -50,11 +50,13 @@ from store_scale import (fit, in_private_netns, lane_slices, raise_fd_limit,  # 
                          start_server, stop_all)
 
 from llmtrain.config import WarmConfig  # noqa: E402
+from llmtrain.distributed.signed_store import SignedStore  # noqa: E402
 from llmtrain.recovery.warm import WarmPath, mark_gone, ward_of  # noqa: E402
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT = timedelta(seconds=600)
 WARM = WarmConfig(enable=True, settle_s=60.0, budget_s=120.0)
+SECRET = b"a benchmark's job secret, 32+ chars"
 
 
 class Store(Counted):
@@ -93,16 +95,16 @@ def lane(ranks: list[int], n: int, block: int, port: int, sync, shared, results,
     barrier, the failure: each reports (the lost one's agent marks it gone instead); the
     decider decides on a thread of its own; then each waits for the plan."""
     try:
-        paths = {r: WarmPath(WARM, Store(dist.TCPStore(
+        paths = {r: WarmPath(WARM, SignedStore(Store(dist.TCPStore(  # signed, as in a job
             HOST, port, n, is_master=False, wait_for_workers=False, timeout=STORE_TIMEOUT,
-            use_libuv=True)), "round", r, n, block) for r in ranks}
+            use_libuv=True)), SECRET, "bench"), "round", r, n, block) for r in ranks}
         sync.wait()  # connected, every rank in generation 0
         sync.wait()  # the failure
         deadline = time.monotonic() + WARM.budget_s
         out = {"plain": None, "decider": None, "plans": [], "got_plan_at": 0.0}
         decider, before = None, {}
         for r, path in paths.items():
-            before[r] = path.store.snapshot()
+            before[r] = path.store.raw.snapshot()
             if r == lost_rank(n):
                 mark_gone(path.store, r)
                 continue
@@ -117,12 +119,12 @@ def lane(ranks: list[int], n: int, block: int, port: int, sync, shared, results,
             out["got_plan_at"] = max(out["got_plan_at"], time.time())
             out["plans"].append([plan.lost, plan.spares])
             if out["plain"] is None and r in before:
-                requests, nbytes = (a - b for a, b in zip(path.store.snapshot(), before[r]))
+                requests, nbytes = (a - b for a, b in zip(path.store.raw.snapshot(), before[r]))
                 out["plain"] = {"requests": requests, "bytes": nbytes}
         if decider is not None:
             decider.join()
-        out["requests"] = sum(p.store.requests for p in paths.values())
-        out["bytes"] = sum(p.store.bytes for p in paths.values())
+        out["requests"] = sum(p.store.raw.requests for p in paths.values())
+        out["bytes"] = sum(p.store.raw.bytes for p in paths.values())
         if naive:
             out["naive"] = all_read_all(paths, n, sync)
         results.put(out)
@@ -137,7 +139,7 @@ def all_read_all(paths: dict[int, WarmPath], n: int, sync) -> dict:
     a get each; its polling of a count at 100 Hz meanwhile is left out, to its favour).
     Returns this lane's requests, bytes and finish time."""
     survivors = [r for r in range(n) if r != lost_rank(n)]
-    before = {r: p.store.snapshot() for r, p in paths.items()}
+    before = {r: p.store.raw.snapshot() for r, p in paths.items()}
     sync.wait()  # the failure, again
     for r, p in paths.items():
         if r != lost_rank(n):
@@ -148,7 +150,7 @@ def all_read_all(paths: dict[int, WarmPath], n: int, sync) -> dict:
             for other in survivors:
                 if p.store.check([f"naive/report/{other}"]):
                     p.store.get(f"naive/report/{other}")
-    after = {r: p.store.snapshot() for r, p in paths.items()}
+    after = {r: p.store.raw.snapshot() for r, p in paths.items()}
     return {"requests": sum(after[r][0] - before[r][0] for r in paths),
             "bytes": sum(after[r][1] - before[r][1] for r in paths), "done": time.time()}
 
@@ -156,11 +158,11 @@ def all_read_all(paths: dict[int, WarmPath], n: int, sync) -> dict:
 def decide(path: WarmPath, deadline: float, shared, out: dict) -> None:
     """The decider's part, then, as every survivor, the plan (its one store client is
     this thread's alone meanwhile)."""
-    before = path.store.snapshot()
+    before = path.store.raw.snapshot()
     path.decide()
     shared["planned"].value = time.time()
     out["plans"].append([(plan := path._plan(deadline)).lost, plan.spares])
-    requests, nbytes = (a - b for a, b in zip(path.store.snapshot(), before))
+    requests, nbytes = (a - b for a, b in zip(path.store.raw.snapshot(), before))
     out["decider"] = {"requests": requests, "bytes": nbytes}
 
 
@@ -198,7 +200,7 @@ def run_point(n: int, args) -> dict:
             sync.wait()  # its reports stored
             naive_from = time.time()
         outs = [results.get(timeout=900) for _ in range(lanes)]
-        stored = json.loads(pool.get("round/g0/spares"))
+        stored = json.loads(SignedStore(pool, SECRET, "bench").get("round/g0/spares"))
     finally:
         stop_all(workers, stop, server, grace_s=10)
     errors = [o for o in outs if isinstance(o, str)]

@@ -61,10 +61,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from store_scale import (fit, in_private_netns, lane_slices, raise_fd_limit,  # noqa: E402
                          start_server, stop_all)
 
+from llmtrain.distributed.signed_store import SignedStore  # noqa: E402
 from llmtrain.reliability.heartbeats import ControlPlane, verdict  # noqa: E402
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT = timedelta(seconds=600)
+SECRET = b"a benchmark's job secret, 32+ chars"
 CALL = "gloo:all_reduce sizes=[[4096]] dtypes=['Float']"
 FACTOR, FLOOR_S = 10.0, 3.0  # reliability.not_arrived_* defaults
 
@@ -131,7 +133,9 @@ class Lane:
             client = Counted(dist.TCPStore(HOST, port, n, is_master=False,
                                            wait_for_workers=False, timeout=STORE_TIMEOUT,
                                            use_libuv=True))
-            self.planes[r] = ControlPlane(client, r, n, args.block, args.interval_s)
+            # signed as in a job: the secret's HMAC is part of each beat's cost
+            self.planes[r] = ControlPlane(SignedStore(client, SECRET, "bench"), r, n,
+                                          args.block, args.interval_s)
         self.out: dict = {"requests": 0, "bytes": 0, "costs": {}, "named_slowest": None}
 
     def _round(self, skip: int | None = None) -> None:
@@ -139,7 +143,7 @@ class Lane:
         for r, p in self.planes.items():
             if r != skip:
                 p.publish(heartbeat(time.time()))
-                p.store.check(["event"])
+                p.store.raw.check(["event"])
         self.sync.wait()
         for p in self.planes.values():
             if p.leader:
@@ -158,13 +162,13 @@ class Lane:
         machine only adds) and its store requests and bytes per call."""
         if rank in self.planes:
             p = self.planes[rank]
-            before, times, cpu = p.store.snapshot(), [], []
+            before, times, cpu = p.store.raw.snapshot(), [], []
             for _ in range(self.args.reps):
                 start, start_cpu = time.perf_counter(), time.thread_time()
                 call(p)
                 times.append(time.perf_counter() - start)
                 cpu.append(time.thread_time() - start_cpu)
-            after = p.store.snapshot()
+            after = p.store.raw.snapshot()
             self.out["costs"][name] = {"s": min(times), "cpu_s": min(cpu),
                                        "requests": (after[0] - before[0]) / self.args.reps,
                                        "bytes": (after[1] - before[1]) / self.args.reps}
@@ -175,10 +179,10 @@ class Lane:
         self.sync.wait()  # connected
         for _ in range(a.rounds):  # the store's load per round, counted on every rank
             self._round()
-        self.out["requests"] = sum(p.store.requests for p in self.planes.values())
-        self.out["bytes"] = sum(p.store.bytes for p in self.planes.values())
+        self.out["requests"] = sum(p.store.raw.requests for p in self.planes.values())
+        self.out["bytes"] = sum(p.store.raw.bytes for p in self.planes.values())
         self.sync.wait()
-        beat = lambda p: (p.publish(heartbeat(time.time())), p.store.check(["event"]))  # noqa: E731
+        beat = lambda p: (p.publish(heartbeat(time.time())), p.store.raw.check(["event"]))  # noqa: E731
         self._alone("plain", 1, beat)
         self._alone("leader", block, lambda p: p.summarize())
         self._alone("rank0", 0, lambda p: verdict(p.world(), a.interval_s * 6, FACTOR, FLOOR_S,

@@ -24,6 +24,7 @@ imports torchx, so it can be used from a machine without llmtrain installed.
 """
 
 import re
+import secrets
 import shlex
 from typing import Dict, List, Optional
 
@@ -128,7 +129,8 @@ def train(
         cpu: CPUs per replica
         gpu: GPUs per replica
         memMB: memory per replica in MB
-        env: environment variables for every replica (e.g. NCCL_DEBUG=WARN)
+        env: environment variables for every replica (e.g. NCCL_DEBUG=WARN); without
+            LLMTRAIN_JOB_SECRET or LLMTRAIN_JOB_SECRET_FILE, a new secret is made for the app
         mounts: mounts for container schedulers
             (type=bind,src=/host,dst=/job[,readonly] or type=volume,src=name,dst=/job)
     """
@@ -168,9 +170,16 @@ def train(
            # of the replica's network; `-- --metrics.address ADDR` narrows it.
            "--metrics.address", "0.0.0.0",
            *(shlex.quote(a) for a in (args[1:] if args[:1] == ("--",) else args))]
+    # The job's secret, with which every control key in the store is signed: one for the
+    # app, made here unless the caller gives one (it travels in the app's spec, readable by
+    # whoever may read the job's definition on its scheduler).
+    given = {"LLMTRAIN_JOB_SECRET", "LLMTRAIN_JOB_SECRET_FILE"} & set(env or {})
+    secret = {} if given else {"LLMTRAIN_JOB_SECRET": secrets.token_hex(32)}
+
     def role(role_name: str, command: str, **kwargs) -> specs.Role:
         return specs.Role(name=role_name, image=image, entrypoint="bash", args=["-c", command],
-                          max_retries=max_retries, env={"PYTHONUNBUFFERED": "1", **(env or {})},
+                          max_retries=max_retries,
+                          env={"PYTHONUNBUFFERED": "1", **secret, **(env or {})},
                           mounts=specs.parse_mounts(mounts) if mounts else [], **kwargs)
 
     roles = [role(STORE_ROLE, f"exec llmtrain rdzv-store --bind {shlex.quote(rdzv_bind)} "
