@@ -624,10 +624,13 @@ class WarmPath:
     def grow(self, step: int, deadline: float) -> Plan | None:
         """The plan to take in waiting spares at ``step`` (every rank voted for it): rank 0
         claims a node's worth of them and stores it, the others wait for it. None when
-        too few spares are left by then, or the config cannot train at the larger size."""
+        too few spares are left by then, or the config cannot train at the larger size.
+        Each grow has a key of its own (the step it was voted at): a generation may try
+        more than once, and an earlier try's answer must not answer a later one."""
+        key = self._key(f"grow/{step}")
         if self.rank == 0:
-            self.store.set(self._key("grow"), self._claim_growth(step))
-        text = self._wait(self._key("grow"), deadline)
+            self.store.set(key, self._claim_growth(step))
+        text = self._wait(key, deadline)
         return None if text.startswith("none:") else Plan.from_json(text)
 
     def _claim_growth(self, step: int) -> str:

@@ -240,3 +240,29 @@ def test_a_preemption_drops_whole_replicas_and_nothing_else():
     assert "live on a node that loses others" in path(2).without([0], step=40)
     assert "do not hold every shard" in path(4).without([0, 1], step=40)
     assert "no shrink to 0 ranks" in path(2).without([0, 1, 2, 3], step=40)
+
+
+def test_a_second_grow_in_a_generation_is_not_answered_by_the_first_ones_none():
+    """The first grow of a generation finds too few spares (one left between the vote and
+    the claim): every rank trains on. A node's worth of spares comes, and the next grow's
+    followers must follow rank 0's plan, not read the first one's answer (they trained on
+    while rank 0 grew alone)."""
+    store = signed_store()
+    cfg = WarmConfig(enable=True, budget_s=5)
+    paths = [WarmPath(cfg, store, "round", r, 2, 1, shapes=lambda n: (1, n)) for r in (0, 1)]
+
+    def grow_all(step: int) -> list:
+        out: dict[int, object] = {}
+        threads = [threading.Thread(target=lambda p=p: out.__setitem__(
+            p.rank, p.grow(step, time.monotonic() + 5))) for p in reversed(paths)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [out[0], out[1]]
+    assert grow_all(10) == [None, None]  # no spare waits
+    spare = join_pool(store)
+    store.set(f"spares/{spare}/ready", "1")
+    plans = grow_all(20)
+    assert plans[0] is not None and plans[1] == plans[0]
+    assert plans[0].world_size == 3 and plans[0].spares == {"2": spare}
