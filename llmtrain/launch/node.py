@@ -443,8 +443,8 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     without it, and None when a cold restart's round lacks a node (the warm path could
     not replace one): the spare left the pool, and this node holds a place in that
     round."""
-    from llmtrain.recovery.warm import (EvictionWatch, Verdicts, assignment, job_namespace,
-                                        join_pool, leave_pool, owner)
+    from llmtrain.recovery.warm import (EvictionWatch, PoolPlace, Verdicts, assignment,
+                                        job_namespace, leave_pool, owner)
     vacancies = Vacancies(lc, restarts_only=True)
     pool = job_namespace(vacancies.store, lc.rdzv_id)
     ready, says_ready = os.pipe()
@@ -456,7 +456,8 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
                              pass_fds=(says_ready,))
     os.close(says_ready)
     signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
-    number = join_pool(pool)
+    place = PoolPlace(pool, cfg.warm.budget_s)
+    number, vacancy = place.number, False
     ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
     looked = time.monotonic()
     with open(ready, "rb", buffering=0) as ready:
@@ -480,7 +481,8 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
             if time.monotonic() - looked > 0.5:
                 looked = time.monotonic()
                 done = finished(ends.read(), cfg.training.steps, since)
-                if (done or vacancies.claim()) and leave_pool(pool, number):
+                vacancy = vacancy or (not done and vacancies.claim())  # a ticket, held
+                if (done or vacancy) and place.leave():
                     spare.stdin.close()  # end of input: the spare exits CLEAN
                     spare.wait()
                     return (ExitCode.CLEAN if done else None), signalled, False

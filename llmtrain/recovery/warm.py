@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import time
@@ -60,6 +61,8 @@ from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import node_name, rendezvous_store
 from llmtrain.distributed.signed_store import SignedStore, signed
 from llmtrain.recovery.sockets import cut, endpoints
+
+log = logging.getLogger(__name__)
 
 
 class ColdPath(RuntimeError):
@@ -166,6 +169,35 @@ def leave_pool(store: SignedStore, number: int) -> bool:
         return False
     store.add("spares/left", 1)
     return True
+
+
+class PoolPlace:
+    """A spare's place in the job's pool, as its standby launcher holds it."""
+
+    def __init__(self, store: SignedStore, budget_s: float):
+        self.store, self.budget_s = store, budget_s
+        self.number = join_pool(store)
+        self._claimed_seen: float | None = None
+
+    def leave(self) -> bool:
+        """Takes this spare out of the pool (the job ended, or a cold restart needs it as a
+        node); False while a survivor's claim on it stands, its plan on the way. A claim
+        whose plan has not come within ``warm.budget_s`` of this spare first finding it
+        is void (its decider died between claiming and writing the plan, and the
+        survivors went cold): the spare leaves all the same, where it waited claimed for
+        ever, never joining the restart."""
+        if leave_pool(self.store, self.number):
+            return True
+        now = time.monotonic()
+        self._claimed_seen = self._claimed_seen or now
+        if now - self._claimed_seen < self.budget_s or assignment(self.store, self.number):
+            return False
+        key = f"spares/{self.number}/state"
+        if self.store.compare_set(key, "claimed", "left").decode() != "left":
+            return False
+        log.warning("spare %d was claimed but no plan came within warm.budget_s=%g s: its "
+                    "decider died; the spare leaves the pool", self.number, self.budget_s)
+        return True  # the claim counted it out of the pool already (spares/claimed)
 
 
 def assignment(store: SignedStore, number: int) -> dict | None:

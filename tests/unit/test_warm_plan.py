@@ -9,9 +9,9 @@ import pytest
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.recovery.warm import (ColdPath, Verdicts, WarmPath, agreements, assignment,
-                                    buddy_of, join_pool, leave_pool, mark_gone, owner,
-                                    spares_ready, spares_waiting)
+from llmtrain.recovery.warm import (ColdPath, PoolPlace, Verdicts, WarmPath, agreements,
+                                    assignment, buddy_of, join_pool, leave_pool, mark_gone,
+                                    owner, spares_ready, spares_waiting)
 from conftest import signed_store
 
 
@@ -266,3 +266,23 @@ def test_a_second_grow_in_a_generation_is_not_answered_by_the_first_ones_none():
     plans = grow_all(20)
     assert plans[0] is not None and plans[1] == plans[0]
     assert plans[0].world_size == 3 and plans[0].spares == {"2": spare}
+
+
+def test_a_spare_claimed_by_a_decider_that_died_before_its_plan_leaves_after_the_budget():
+    """The decider claimed the spare and died before writing the plan; the survivors went
+    cold. The spare's launcher, asked to join the restart, may not leave while a plan may
+    still come, and leaves once the warm budget has passed without one (it waited claimed
+    for ever). A spare whose plan came stays."""
+    store = signed_store()
+    place = PoolPlace(store, budget_s=0.3)
+    number = store.add("spares/claimed", 1)  # the decider's claim, and nothing after it
+    assert store.claim(f"spares/{number}/state", "claimed") == b"claimed"
+    assert not place.leave()  # its plan may be on the way
+    time.sleep(0.35)
+    assert place.leave()
+    assert store.get(f"spares/{number}/state") == b"left" and spares_waiting(store) == 0
+    served = PoolPlace(store, budget_s=0.0)  # claimed, and its plan written
+    assert store.claim(f"spares/{store.add('spares/claimed', 1)}/state", "claimed")
+    store.set(f"spares/{served.number}/plan", json.dumps({"rank": 1}))
+    time.sleep(0.05)
+    assert not served.leave() and not served.leave()
