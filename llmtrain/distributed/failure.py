@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 
@@ -122,10 +123,13 @@ class FailureWatch:
     value is signed with the job's secret (a forged one wakes nothing), that
     runs ``on_failure`` (:func:`abort_groups` on NCCL) while the watch is armed.
 
-    The thread ends when the key appears. A generation ends only in a failure or at the
-    run's end, and the thread is a daemon, so it needs no stopping. :meth:`disarm` (the
-    recovery, before it leaves the group itself) keeps a watch that wakes late from
-    acting on the next generation's groups."""
+    The thread ends when the key appears, or once disarmed. A store that restarts or
+    goes away does not end it: it connects again every ``RETRY_S`` (said once), and waits
+    on. The thread is a daemon, so it needs no stopping. :meth:`disarm` (whenever this
+    rank leaves the generation itself: a recovery, a grow, a preemption's shrink) keeps a
+    watch that wakes late from acting on the next generation's groups."""
+
+    RETRY_S = 1.0
 
     def __init__(self, connect: Callable[[], SignedStore], key: str,
                  on_failure: Callable[[], object] = abort_groups):
@@ -138,15 +142,22 @@ class FailureWatch:
         self._thread.start()
 
     def _watch(self, connect: Callable[[], SignedStore]) -> None:
-        try:
-            store = connect()
-            while store.wait_genuine(self.key, timedelta(minutes=10)) is None:
-                pass  # a wait's timeout, or a forged value (reported): wait again
-        except (RuntimeError, OSError) as e:  # the store is gone or lost its keys
-            log.warning("the failure watch on %s ended: the rendezvous store failed (%s); "
-                        "a peer's failure now wakes this rank only through its own "
-                        "collectives' errors or timeouts", self.key, e)
-            return
+        said = False
+        while True:
+            try:
+                store = connect()
+                while store.wait_genuine(self.key, timedelta(minutes=10)) is None:
+                    pass  # a wait's timeout, or a forged value (reported): wait again
+                break
+            except (RuntimeError, OSError) as e:  # the store restarted, or went away
+                with self._lock:
+                    if not self._armed:
+                        return
+                if not said:
+                    said = True
+                    log.warning("the failure watch on %s lost the rendezvous store (%s); it "
+                                "connects again every %g s", self.key, e, self.RETRY_S)
+                time.sleep(self.RETRY_S)
         with self._lock:
             if self._armed:
                 self.on_failure()

@@ -24,7 +24,12 @@ every later one; the rank writes one ``fenced`` event, naming what it was refuse
 and no event after it. A store it cannot reach within ``reliability.fence_timeout_s``
 proves nothing either way: that write is refused (the rank cannot show it is a member),
 said once per outage, and the next one asks again, so a store that comes back (a restart,
-a stalled host) costs at most the saves it missed, never the rest of the run.
+a stalled host) costs at most the saves it missed, never the rest of the run. A store that
+restarted empty has lost the token: the first member to look puts its own back (a
+``fence_restored`` event), and a newer membership is always put back over an older one,
+so a member cut off before the restart is still refused (it may write in the moment
+between the two looks, the one window a restart leaves); :func:`llmtrain.recovery.warm.round_of`
+numbers later rounds past a restored token.
 
 Without a store outside the workers (a plain ``torchrun --standalone`` job) nothing
 outlives a round to compare against, and nothing is fenced: such a job has no way to go
@@ -33,6 +38,7 @@ on without one of its nodes anyway.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from datetime import timedelta
@@ -41,16 +47,11 @@ from typing import Callable
 
 from llmtrain.distributed.signed_store import Forged, SignedStore
 from llmtrain.events import EventLog
-from llmtrain.recovery.warm import outside_store
+from llmtrain.recovery.warm import FENCE_KEY, order, outside_store
 
-KEY = "fence/token"
+KEY = FENCE_KEY
 
-
-def order(token: str) -> tuple[int, int]:
-    """Where a membership stands in the job's history: (the round's number, the
-    generation); see :func:`llmtrain.recovery.warm.round_of`."""
-    round_id, _, gen = token.rpartition("/g")
-    return int(round_id.partition("-")[0]), int(gen)
+log = logging.getLogger(__name__)
 
 
 class Fenced(RuntimeError):
@@ -163,13 +164,32 @@ class Fence:
             return None if current == self.expected else self._other(current)
 
     def _current(self, store: SignedStore) -> bytes:
-        """The membership the store names. A forged value (no holder of the job's secret
-        wrote it: reported) names none, and this rank's own is put back in its place, so
-        a stranger can neither fence the job out nor keep it from proving membership."""
-        try:
+        """The membership the store names, this rank's own put back where it names none
+        or an older one:
+
+        - a forged value (no holder of the job's secret wrote it: reported) names none,
+          so a stranger can neither fence the job out nor keep it from proving membership;
+        - no value: the store restarted and lost its keys (a ``fence_restored`` event);
+        - an older membership: a rank cut off before the restart put its own back first.
+          A membership only moves forward, so the newer one is put back over it, and that
+          rank finds itself superseded at its next look.
+        """
+        if not self.token:
             return store.get(KEY)
+        try:
+            current = store.get(KEY) if store.check([KEY]) else b""
         except Forged as e:
             return store.replace(KEY, e.raw, self.token)
+        if not current:
+            restored = store.claim(KEY, self.token)
+            if restored.decode() == self.token:
+                log.warning("the rendezvous store had lost the fence's token: %s restored",
+                            self.token)
+                self.events.emit("fence_restored", mine=self.token, host=socket.gethostname())
+            return restored
+        while order(current.decode()) < order(self.token):
+            current = store.compare_set(KEY, current, self.token)
+        return current
 
     def _ask(self, request: Callable[[SignedStore], bytes]) -> bytes:
         """``request(store)``'s answer within ``timeout_s``; else TimeoutError, or the

@@ -393,12 +393,28 @@ def publish_endpoints(store: SignedStore, rank: int) -> None:
     store.set(f"endpoints/{rank}", json.dumps(endpoints()))
 
 
-def round_of(job_store: dist.Store, outside: dist.Store | None) -> str:
+# The job's membership token, which :class:`llmtrain.recovery.fence.Fence` keeps.
+FENCE_KEY = "fence/token"
+
+
+def order(token: str) -> tuple[int, int]:
+    """Where a membership stands in the job's history: (the round's number, the
+    generation); see :func:`round_of`."""
+    round_id, _, gen = token.rpartition("/g")
+    return int(round_id.partition("-")[0]), int(gen)
+
+
+def round_of(job_store: dist.Store, outside: SignedStore | None) -> str:
     """This torchrun round's name, agreed through the round's own store:
     ``<number>-<id>``, numbered by the store ``outside`` the workers (its counter only
     grows, and every rank of a later round draws after this round formed), so rounds
-    order as they came (:func:`llmtrain.recovery.fence.order`); 0 without one."""
+    order as they came (:func:`order`); 0 without one. A store that restarted counts
+    from 1 again while the fence's token restored from before may name a later round:
+    the count moves past it, or this round would order before the one it follows."""
     number = outside.add("rounds", 1) if outside is not None else 0
+    held = outside.genuine(FENCE_KEY) if outside is not None else None
+    if held and order(held.decode())[0] >= number:
+        number = outside.add("rounds", order(held.decode())[0] - number + 1)
     return job_store.compare_set("warm/round", "", f"{number}-{uuid.uuid4().hex[:12]}").decode()
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -185,3 +186,107 @@ def test_a_store_that_stalls_refuses_writes_only_while_it_does(tmp_path):
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.kill()
+
+
+STORE_AT = """
+import sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      use_libuv=True)
+print("up", flush=True)
+time.sleep(300)
+"""
+
+
+class RestartableStore:
+    """A store in a process of its own, on a port that stays the same when it is killed
+    (SIGKILL) and started again: empty, as a restarted ``llmtrain rdzv-store`` is."""
+
+    def __init__(self):
+        from llmtrain.distributed.process_group import free_port
+        self.port, self.proc = free_port(), None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", STORE_AT, str(self.port)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "up"
+
+    def restart(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.start()
+
+    def connect(self) -> SignedStore:
+        return signed_store(dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                                          use_libuv=True, timeout=timedelta(seconds=1)))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _answered(call, seconds: float = 10.0):
+    """``call()`` once the store answers again: a look that meets the dead connection is
+    refused as unreachable, and the next one connects anew."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except Fenced as e:
+            if "could not be reached" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_store_restarted_empty_has_the_membership_restored_and_the_old_still_fenced(
+        tmp_path):
+    """The store is killed and started again with no keys. Saves go on (the token put
+    back, said once): before, every later write was refused for the rest of the run. A
+    member cut off before the restart is still refused, whichever looks first; the next
+    round is numbered past the restored token (or the cold restart's members would all
+    be refused as late)."""
+    store = RestartableStore()
+    try:
+        old = Fence(store.connect(), EventLog(str(tmp_path), rank=1), 1.0, store.connect)
+        old.join("5-a/g0")
+        member = Fence(store.connect(), EventLog(str(tmp_path), rank=0), 1.0, store.connect)
+        member.join("5-a/g1")  # the job re-formed without `old`, which has not looked since
+        store.restart()
+        _answered(lambda: member.check("checkpoint file __0_0.distcp"))
+        assert store.connect().get("fence/token") == b"5-a/g1"
+        (restored,) = read_events(str(tmp_path), "fence_restored")
+        assert restored["mine"] == "5-a/g1" and restored["rank"] == 0
+        with pytest.raises(Fenced, match="re-formed as 5-a/g1"):
+            _answered(lambda: old.check("checkpoint file __1_0.distcp"))
+
+        store.restart()  # again, and this time the cut-off member looks first
+        later = Fence(store.connect(), EventLog(str(tmp_path), rank=2), 1.0, store.connect)
+        later.token = "5-a/g0"  # as `old` was, before it was refused
+        _answered(lambda: later.check("checkpoint file __2_0.distcp"))  # the one window
+        _answered(lambda: member.check("checkpoint file __0_1.distcp"))  # puts g1 back
+        with pytest.raises(Fenced, match="re-formed as 5-a/g1"):
+            later.check("checkpoint file __2_1.distcp")
+
+        from llmtrain.recovery.warm import round_of
+        job = dist.HashStore()
+        assert round_of(job, store.connect()).startswith("6-")  # past round 5, restored
+    finally:
+        store.close()
+
+
+def test_the_failure_watch_outlives_a_store_restart():
+    """The store restarts under a waiting watch: it connects again and a failure reported
+    after the restart still wakes it (it ended without a word, and a rank blocked behind a
+    healthy peer waited for its collective's timeout)."""
+    from llmtrain.distributed.failure import FailureWatch
+    store = RestartableStore()
+    try:
+        watch = FailureWatch(store.connect, "round/g0/failed")
+        time.sleep(0.3)
+        store.restart()
+        time.sleep(1.5)  # the watch meets the dead connection, and connects again
+        assert watch._thread.is_alive() and not watch.woke.is_set()
+        store.connect().set("round/g0/failed", "1")
+        assert watch.woke.wait(5)
+    finally:
+        store.close()
