@@ -3,6 +3,7 @@ import secrets
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -16,13 +17,56 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("LLMTRAIN_JOB_SECRET", secrets.token_hex(32))
 
 
-def signed_store(store=None, context: str = "test"):
+def signed_store(store=None, context: str = "test", reconnect=None):
     """A view of ``store`` (default: a new HashStore) with values signed by the tests' job
     secret, as llmtrain's components get theirs."""
     import torch.distributed as dist
 
     from llmtrain.distributed.signed_store import signed
-    return signed(store if store is not None else dist.HashStore(), context)
+    return signed(store if store is not None else dist.HashStore(), context,
+                  reconnect=reconnect)
+
+
+STORE_AT = """
+import sys, time, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      use_libuv=True)
+print("up", flush=True)
+time.sleep(300)
+"""
+
+
+class RestartableStore:
+    """A store in a process of its own, on a port that stays the same when it is killed
+    (SIGKILL) and started again: empty, as a restarted ``llmtrain rdzv-store`` is."""
+
+    def __init__(self):
+        from llmtrain.distributed.process_group import free_port
+        self.port, self.proc = free_port(), None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", STORE_AT, str(self.port)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "up"
+
+    def restart(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.start()
+
+    def client(self):
+        import torch.distributed as dist
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, use_libuv=True,
+                             timeout=timedelta(seconds=1))
+
+    def connect(self):
+        """A signed view that connects again after a restart."""
+        return signed_store(self.client(), reconnect=self.client)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 def llmtrain_command(run_dir: Path, *overrides: str, nproc: int | None = None,

@@ -127,7 +127,8 @@ def open_store(name: str, timeout: timedelta, round_id: str | None = None) -> Si
             return job_store_view(dist.PrefixStore(name, job), name)
         round_id = job.compare_set(f"{name}/round", "", uuid.uuid4().hex).decode()
     where = f"llmtrain/rounds/{round_id}/{name}"
-    return signed(dist.PrefixStore(where, outside), where)
+    return signed(dist.PrefixStore(where, outside), where,
+                  reconnect=lambda: dist.PrefixStore(where, rendezvous_store(timeout)))
 
 
 def rendezvous_store(timeout: timedelta) -> dist.Store | None:

@@ -30,6 +30,7 @@ rendezvous state are not llmtrain's: ``raw`` is the unsigned store beneath, for 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import logging
@@ -37,11 +38,9 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Protocol
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from llmtrain.config import ConfigError
 
@@ -134,6 +133,21 @@ def require_secret(env: Mapping[str, str] = os.environ) -> bytes:
     return secret
 
 
+def _notes_broken(method: Callable) -> Callable:
+    """Marks the store view broken when ``method`` meets a closed connection, so that the
+    next request connects again (see :class:`SignedStore`)."""
+    @functools.wraps(method)
+    def call(self: SignedStore, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as e:
+            import torch.distributed as dist
+            if isinstance(e, dist.DistNetworkError):
+                self._broken = True
+            raise
+    return call
+
+
 class SignedStore:
     """A store client whose ``set``, ``get``, ``multi_get``, ``compare_set`` and
     ``append`` values are signed and verified; ``add``, ``check``, ``wait`` and
@@ -146,9 +160,22 @@ class SignedStore:
     are and nothing is verified: :func:`job_store_view`.
     """
 
-    def __init__(self, store: dist.Store, secret: bytes | None, context: str):
-        self.raw, self.context = store, context
+    def __init__(self, store: dist.Store, secret: bytes | None, context: str,
+                 reconnect: Callable[[], dist.Store] | None = None):
+        """``reconnect``: how to open the same store view anew. A TCPStore client whose
+        server restarted fails every request for good; with it, the request after one
+        that met a broken connection connects again (and raises what connecting raises
+        while the store is still out)."""
+        self._raw, self.context, self._reconnect = store, context, reconnect
         self._key = secret
+        self._broken = False
+
+    @property
+    def raw(self) -> dist.Store:
+        """The unsigned store beneath, connected again if the last request broke."""
+        if self._broken and self._reconnect is not None:
+            self._raw, self._broken = self._reconnect(), False
+        return self._raw
 
     @property
     def underlying_store(self) -> dist.Store:
@@ -201,12 +228,15 @@ class SignedStore:
         return values
 
     # -- the store's interface ----------------------------------------------------------
+    @_notes_broken
     def set(self, key: str, value: str | bytes) -> None:
         self.raw.set(key, self.seal(key, value))
 
+    @_notes_broken
     def get(self, key: str) -> bytes:
         return self.open(key, self.raw.get(key))
 
+    @_notes_broken
     def genuine(self, key: str) -> bytes | None:
         """The value at ``key`` if it exists and is signed; None when absent or forged
         (reported)."""
@@ -236,9 +266,11 @@ class SignedStore:
             time.sleep(0.05)
         return None
 
+    @_notes_broken
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return [self.open(k, raw) for k, raw in zip(keys, self.raw.multi_get(list(keys)))]
 
+    @_notes_broken
     def genuine_values(self, keys: Sequence[str]) -> list[bytes | None]:
         """``multi_get`` of keys that exist, a forged value (reported) read as None."""
         values: list[bytes | None] = []
@@ -249,6 +281,7 @@ class SignedStore:
                 values.append(None)
         return values
 
+    @_notes_broken
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """Sets ``desired`` if ``key`` holds ``expected`` (empty: absent); returns what it
         holds after, verified. Forged (with ``raw``, for :meth:`replace`) when that is a
@@ -256,11 +289,13 @@ class SignedStore:
         return self.open(key, self.raw.compare_set(key, self.seal(key, expected),
                                                    self.seal(key, desired)))
 
+    @_notes_broken
     def replace(self, key: str, forged: bytes, desired: str | bytes) -> bytes:
         """Puts ``desired`` where a forged value ``forged`` stands, unless another write
         came first; returns what the key holds after, verified."""
         return self.open(key, self.raw.compare_set(key, forged, self.seal(key, desired)))
 
+    @_notes_broken
     def claim(self, key: str, desired: str | bytes) -> bytes:
         """``compare_set(key, "", desired)``, where a forged value counts as absent."""
         try:
@@ -268,42 +303,49 @@ class SignedStore:
         except Forged as e:
             return self.replace(key, e.raw, desired)
 
+    @_notes_broken
     def append(self, key: str, value: str | bytes) -> None:
         """Appends one signed record, on a line of its own whatever a stranger appended
         before it; :meth:`records` reads them back."""
         self.raw.append(key, b"\n" + self.seal(key, value))
 
+    @_notes_broken
     def records(self, key: str) -> list[bytes]:
         """The signed records appended at ``key``, in order; forged ones are dropped and
         reported."""
         return self._records(key, self.raw.get(key), strict=False)
 
+    @_notes_broken
     def add(self, key: str, amount: int) -> int:
         return self.raw.add(key, amount)
 
+    @_notes_broken
     def check(self, keys: list[str]) -> bool:
         return self.raw.check(keys)
 
+    @_notes_broken
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         if timeout is None:
             self.raw.wait(keys)
         else:
             self.raw.wait(keys, timeout)
 
+    @_notes_broken
     def delete_key(self, key: str) -> bool:
         return self.raw.delete_key(key)
 
 
-def signed(store: dist.Store, context: str,
-           env: Mapping[str, str] = os.environ) -> SignedStore:
+def signed(store: dist.Store, context: str, env: Mapping[str, str] = os.environ,
+           reconnect: Callable[[], dist.Store] | None = None) -> SignedStore:
     """``store`` with signed values under the job's secret (ConfigError without one);
-    ``context``: where its keys live, naming the job."""
-    return SignedStore(store, require_secret(env), context)
+    ``context``: where its keys live, naming the job; ``reconnect``: see
+    :class:`SignedStore`."""
+    return SignedStore(store, require_secret(env), context, reconnect)
 
 
-def job_store_view(store: dist.Store, context: str,
-                   env: Mapping[str, str] = os.environ) -> SignedStore:
+def job_store_view(store: dist.Store, context: str, env: Mapping[str, str] = os.environ,
+                   reconnect: Callable[[], dist.Store] | None = None) -> SignedStore:
     """``store`` signed with the job's secret when one is given, else as it is: for the
     job's own store (torchrun's, in its agent or rank 0), which a job launched without
     ``llmtrain launch`` has, and which torchrun itself trusts its network to keep."""
-    return SignedStore(store, job_secret(env), context)
+    return SignedStore(store, job_secret(env), context, reconnect)

@@ -50,12 +50,14 @@ class WarmAgent(LocalElasticAgent):
     # set by main(): the rendezvous store is an `llmtrain rdzv-store`, not this agent's, so
     # this agent may end before the job does
     store_outside = False
+    _store_out = False  # the last request to the store failed
 
     def _start_workers(self, worker_group: WorkerGroup):
         started = super()._start_workers(worker_group)
         budget = float(os.environ.get("LLMTRAIN_WARM_BUDGET_S", 30))
         if os.environ.get("LLMTRAIN_RUN_DIR"):  # where forged control keys are reported
             report_forged_to(EventLog(os.environ["LLMTRAIN_RUN_DIR"], rank=None))
+        tolerate_store_outages(worker_group.spec.rdzv_handler)
         try:
             self._warm_store = outside_store(timedelta(seconds=budget))
             return self._watch_workers(budget, started)
@@ -65,6 +67,7 @@ class WarmAgent(LocalElasticAgent):
                         "warm path's verdicts", e)
             self._warm_store, self._replacements = None, 0
             return started
+
 
     def _watch_workers(self, budget: float, started):
         self._replaced: set[int] = set()  # local ranks
@@ -103,8 +106,12 @@ class WarmAgent(LocalElasticAgent):
         try:
             yield
         except (RuntimeError, OSError, ValueError) as e:  # DistError, a broken reply
-            log.warning("the rendezvous store failed while %s (%s: %s); the workers go on",
-                        doing, type(e).__name__, e)
+            if not self._store_out:  # once an outage: the monitor looks every second
+                log.warning("the rendezvous store failed while %s (%s: %s); the workers go "
+                            "on", doing, type(e).__name__, e)
+            self._store_out = True
+        else:
+            self._store_out = False
 
     def _count(self, key: str) -> int:
         if self._warm_store is not None:
@@ -169,6 +176,32 @@ class WarmAgent(LocalElasticAgent):
                 if self._verdicts.replaced(self._holders[local_rank]):
                     self._replaced.add(local_rank)
         return local_rank in self._replaced
+
+
+def tolerate_store_outages(handler) -> None:
+    """torchrun's agent asks its rendezvous ``handler`` every monitor interval whether
+    nodes wait to join; a store that stalls or restarts made that raise, and torchrun then
+    stopped every worker of the node (SIGTERM: they took it for a preemption). While the
+    store is out, no node waits as far as the agent can know: it says so, once an outage.
+    (torch's client of a store that restarted stays broken: the agent's next rendezvous,
+    a cold restart, fails, and its launcher exits RETRYABLE for the scheduler.)"""
+    if getattr(handler, "_llmtrain_tolerant", False):
+        return
+    asked, out = handler.num_nodes_waiting, [False]
+
+    def num_nodes_waiting() -> int:
+        try:
+            waiting = asked()
+        except Exception as e:  # noqa: BLE001 - RendezvousError, DistError, ...
+            if not out[0]:
+                log.warning("the rendezvous store did not answer torchrun's look for waiting "
+                            "nodes (%s: %s); the workers go on", type(e).__name__, e)
+            out[0] = True
+            return 0
+        out[0] = False
+        return waiting
+    handler.num_nodes_waiting = num_nodes_waiting
+    handler._llmtrain_tolerant = True
 
 
 def main(argv: list[str]) -> None:

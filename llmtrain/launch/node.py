@@ -35,6 +35,7 @@ when a round has waited for nodes for ``STANDBY_GRACE_S``: a node is gone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -342,20 +343,30 @@ class Vacancies:
     recovery may have left with a dead node's agent missing)."""
 
     def __init__(self, lc: LaunchConfig, restarts_only: bool = False):
-        import datetime
-
-        import torch.distributed as dist
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-            C10dRendezvousBackend,
-        )
-        host, _, port = lc.rdzv_endpoint.rpartition(":")
-        self.store = dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
-                                   timeout=datetime.timedelta(seconds=lc.join_timeout_s))
-        self.backend = C10dRendezvousBackend(self.store, lc.rdzv_id)
+        self.endpoint, self.timeout_s = lc.rdzv_endpoint, lc.join_timeout_s
         self.rdzv_id, self.restarts_only = lc.rdzv_id, restarts_only
+        self._connect()
         self.min_nodes, self.max_nodes = lc.node_range
         self.short_since: float | None = None
         self.refused: str | None = None  # the round whose places other spares took
+
+    def client(self):
+        """A new client of the rendezvous store."""
+        import datetime
+
+        import torch.distributed as dist
+        host, _, port = self.endpoint.rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                             timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def _connect(self) -> None:
+        """Connects (again: a TCPStore client whose server restarted stays broken)."""
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        self.store = self.client()
+        self.backend = C10dRendezvousBackend(self.store, self.rdzv_id)
+        self.broken = False
 
     def _missing(self):
         """(the round's ticket key, nodes it lacks) or None."""
@@ -371,17 +382,55 @@ class Vacancies:
 
     def claim(self) -> bool:
         """True once a round has been short for the grace and this spare holds one of
-        the places it lacks."""
-        missing = self._missing()
+        the places it lacks. A store error is raised; the next call connects again."""
+        if self.broken:
+            self._connect()
+        try:
+            missing = self._missing()
+        except store_errors():
+            self.broken = True
+            raise
         now = time.monotonic()
         self.short_since = (self.short_since or now) if missing else None
         if not missing or now - self.short_since < STANDBY_GRACE_S or missing[0] == self.refused:
             return False
         key, lack = missing
-        if self.store.add(key, 1) <= lack:
+        try:
+            ticket = self.store.add(key, 1)
+        except store_errors():
+            self.broken = True
+            raise
+        if ticket <= lack:
             return True
         self.refused = key
         return False
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a request to the rendezvous store raises when the store is out (stalled,
+    restarting, gone): torch's DistError (a RuntimeError), a socket's OSError, and
+    torchrun's RendezvousError for requests through its rendezvous backend."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    return (RuntimeError, OSError, RendezvousError)
+
+
+class _StoreOutage:
+    """Says once an outage, in a log line, that the rendezvous store is out (and once that
+    it is back), where a launcher looks at the store every half second."""
+
+    def __init__(self, who: str):
+        self.who, self.out = who, False
+
+    def failed(self, error: BaseException) -> None:
+        if not self.out:
+            log.warning("%s: the rendezvous store is out (%s: %s); waiting for it",
+                        self.who, type(error).__name__, str(error).splitlines()[0][:200])
+        self.out = True
+
+    def answered(self) -> None:
+        if self.out:
+            log.warning("%s: the rendezvous store answers again", self.who)
+        self.out = False
 
 
 class _RendezvousStateOnly(pickle.Unpickler):
@@ -421,9 +470,14 @@ def await_vacancy(vacancies: Vacancies, run_dir: str, steps: int, since: float) 
     """Waits, as a spare, until the job's rendezvous is short of nodes (True), or the job
     has finished (False)."""
     ends = EventTail(run_dir, keep=frozenset({"run_end"}))  # each poll reads what is new
+    outage = _StoreOutage("standby")
     while True:
-        if vacancies.claim():
-            return True
+        try:
+            if vacancies.claim():
+                return True
+            outage.answered()
+        except store_errors() as e:
+            outage.failed(e)
         if finished(ends.read(), steps, since):
             return False
         time.sleep(0.5)
@@ -446,7 +500,7 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     from llmtrain.recovery.warm import (EvictionWatch, PoolPlace, Verdicts, assignment,
                                         job_namespace, leave_pool, owner)
     vacancies = Vacancies(lc, restarts_only=True)
-    pool = job_namespace(vacancies.store, lc.rdzv_id)
+    pool = job_namespace(vacancies.store, lc.rdzv_id, reconnect=vacancies.client)
     ready, says_ready = os.pipe()
     # in a session of its own, as torchrun's workers are: an eviction kills its children too
     spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
@@ -457,14 +511,21 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     os.close(says_ready)
     signalled = forward_signals(spare)  # once it holds a rank, preemption must reach it
     place = PoolPlace(pool, cfg.warm.budget_s)
-    number, vacancy = place.number, False
+    vacancy, outage = False, _StoreOutage("warm spare")
     ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))
     looked = time.monotonic()
     with open(ready, "rb", buffering=0) as ready:
         while spare.poll() is None:
             if select.select([ready], [], [], 0)[0] and ready.read(64):
-                pool.set(f"spares/{number}/ready", "1")
-            plan = assignment(pool, number)
+                place.ready = True
+            try:
+                place.keep()  # in the pool, ready when the spare is, after a restart too
+                plan = assignment(pool, place.number)
+                outage.answered()
+            except store_errors() as e:  # no plan can come meanwhile: look again
+                outage.failed(e)
+                time.sleep(0.5)
+                continue
             if plan is not None:
                 holder = owner(spare.pid, host)
                 evictions = EvictionWatch(pool, [holder])
@@ -477,27 +538,49 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
                 rc = supervise_spare(spare, evictions)
                 ended = rc in (ExitCode.CLEAN, ExitCode.FATAL, ExitCode.EXCLUDE_NODE)
                 return rc, signalled, not (ended or signalled) and (
-                    rc == ExitCode.RETRYABLE or not verdicts.replaced(holder))
+                    rc == ExitCode.RETRYABLE or not _replaced(verdicts, holder))
             if time.monotonic() - looked > 0.5:
                 looked = time.monotonic()
                 done = finished(ends.read(), cfg.training.steps, since)
-                vacancy = vacancy or (not done and vacancies.claim())  # a ticket, held
-                if (done or vacancy) and place.leave():
-                    spare.stdin.close()  # end of input: the spare exits CLEAN
-                    spare.wait()
-                    return (ExitCode.CLEAN if done else None), signalled, False
+                try:
+                    vacancy = vacancy or (not done and vacancies.claim())  # a ticket, held
+                    if (done or vacancy) and place.leave():
+                        spare.stdin.close()  # end of input: the spare exits CLEAN
+                        spare.wait()
+                        return (ExitCode.CLEAN if done else None), signalled, False
+                except store_errors() as e:
+                    outage.failed(e)
             time.sleep(0.05)
-    leave_pool(pool, number)  # it died waiting (a signal): no survivor may count on it
+    with contextlib.suppress(*store_errors()):  # it died waiting (a signal): no survivor
+        leave_pool(pool, place.number)  # may count on it
     return spare.returncode, signalled, False
+
+
+def _replaced(verdicts, holder: str) -> bool:
+    """The warm path's verdict on the rank a spare held; a store that is out gives none,
+    and this node joins the cold restart, as a dead worker's agent would restart it."""
+    try:
+        return verdicts.replaced(holder)
+    except store_errors() as e:
+        _StoreOutage("warm spare's launcher").failed(e)
+        return False
 
 
 def supervise_spare(spare: subprocess.Popen, evictions) -> int:
     """Waits for a spare that took a rank, doing for it what an agent does for its
     workers: it is killed when a hang's watchdog asks (:func:`llmtrain.recovery.warm.evict`;
     without this, a stopped spare went unanswered and its peers cut a later one)."""
+    outage = _StoreOutage("warm spare's launcher")
     while (rc := spare.poll()) is None:
-        for holder in evictions.asked():  # it watches this spare alone
-            evictions.kill(holder, spare.pid)
+        try:
+            asked = evictions.asked()
+            outage.answered()
+        except store_errors() as e:  # nobody can ask while the store is out
+            outage.failed(e)
+            asked = []
+        for holder in asked:  # it watches this spare alone
+            with contextlib.suppress(*store_errors()):  # killed first, then said
+                evictions.kill(holder, spare.pid)
             return spare.wait()
         time.sleep(0.1)
     return rc

@@ -119,19 +119,22 @@ def outside_store(timeout: timedelta, client: dist.Store | None = None) -> Signe
     """The job's warm-path namespace in the rendezvous store, or None without one
     (``llmtrain launch`` passes ``LLMTRAIN_RDZV_ENDPOINT`` and ``LLMTRAIN_RDZV_ID``);
     through ``client`` (a connection to that store a thread already has), else a new
-    connection."""
+    connection. It connects again after the store restarted."""
     store = client if client is not None else rendezvous_store(timeout)
     if store is None:
         return None
-    return job_namespace(store, os.environ.get("LLMTRAIN_RDZV_ID", "job"))
+    return job_namespace(store, os.environ.get("LLMTRAIN_RDZV_ID", "job"),
+                         reconnect=lambda: rendezvous_store(timeout))
 
 
-def job_namespace(store: dist.Store, rdzv_id: str,
-                  env: Mapping[str, str] = os.environ) -> SignedStore:
+def job_namespace(store: dist.Store, rdzv_id: str, env: Mapping[str, str] = os.environ,
+                  reconnect: Callable[[], dist.Store] | None = None) -> SignedStore:
     """The job's keys in the rendezvous store, their values signed with the job's secret
-    (``env``'s, :mod:`llmtrain.distributed.signed_store`)."""
+    (``env``'s, :mod:`llmtrain.distributed.signed_store`); ``reconnect``: a new client
+    of that store, for after it restarted."""
     name = f"llmtrain/warm/{rdzv_id}"
-    return signed(dist.PrefixStore(name, store), name, env)
+    return signed(dist.PrefixStore(name, store), name, env,
+                  reconnect and (lambda: dist.PrefixStore(name, reconnect())))
 
 
 def spares_waiting(store: SignedStore) -> int:
@@ -174,10 +177,34 @@ def leave_pool(store: SignedStore, number: int) -> bool:
 class PoolPlace:
     """A spare's place in the job's pool, as its standby launcher holds it."""
 
+    KEEP_EVERY_S = 0.5
+
     def __init__(self, store: SignedStore, budget_s: float):
         self.store, self.budget_s = store, budget_s
-        self.number = join_pool(store)
+        self.me = uuid.uuid4().hex
+        self.ready = False  # set once the spare says it is (imports done, model built)
+        self._join()
         self._claimed_seen: float | None = None
+
+    def _join(self) -> None:
+        self.number = join_pool(self.store)
+        self.store.set(f"spares/{self.number}/who", self.me)
+        self._said_ready, self._kept = False, time.monotonic()
+
+    def keep(self) -> None:
+        """Keeps this spare in the pool: says it is ready once :attr:`ready`, and every
+        ``KEEP_EVERY_S`` looks that its place still names it. A store that restarted
+        empty has lost the pool (and may have given the number to another spare since):
+        the spare joins it again, under a new number."""
+        if time.monotonic() - self._kept > self.KEEP_EVERY_S:
+            self._kept = time.monotonic()
+            if self.store.genuine(f"spares/{self.number}/who") != self.me.encode():
+                log.warning("spare %d is no longer in the pool (the rendezvous store lost "
+                            "it): it joins again", self.number)
+                self._join()
+        if self.ready and not self._said_ready:
+            self.store.set(f"spares/{self.number}/ready", "1")
+            self._said_ready = True
 
     def leave(self) -> bool:
         """Takes this spare out of the pool (the job ended, or a cold restart needs it as a
@@ -367,6 +394,8 @@ class EvictionWatch:
         evictions = self.store.add("evictions", 0)
         if evictions == self._evictions:
             return []
+        if evictions < self._evictions:  # the store restarted: its counts begin again
+            self._asked = dict.fromkeys(self._asked, 0)
         self._evictions = evictions
         new = []
         for h, seen in self._asked.items():

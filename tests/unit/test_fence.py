@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from conftest import signed_store
+from conftest import RestartableStore, signed_store
 from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventLog, read_events
 from llmtrain.recovery.fence import Fence, Fenced
@@ -186,43 +186,6 @@ def test_a_store_that_stalls_refuses_writes_only_while_it_does(tmp_path):
     finally:
         os.kill(server.pid, signal.SIGCONT)
         server.kill()
-
-
-STORE_AT = """
-import sys, time, torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
-                      use_libuv=True)
-print("up", flush=True)
-time.sleep(300)
-"""
-
-
-class RestartableStore:
-    """A store in a process of its own, on a port that stays the same when it is killed
-    (SIGKILL) and started again: empty, as a restarted ``llmtrain rdzv-store`` is."""
-
-    def __init__(self):
-        from llmtrain.distributed.process_group import free_port
-        self.port, self.proc = free_port(), None
-        self.start()
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", STORE_AT, str(self.port)],
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline().strip() == "up"
-
-    def restart(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.start()
-
-    def connect(self) -> SignedStore:
-        return signed_store(dist.TCPStore("127.0.0.1", self.port, is_master=False,
-                                          use_libuv=True, timeout=timedelta(seconds=1)))
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
 
 
 def _answered(call, seconds: float = 10.0):

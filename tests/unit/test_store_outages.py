@@ -1,0 +1,77 @@
+"""A rendezvous store that restarts empty under a running job, on a real store process
+killed with SIGKILL and started again on its port: the store views llmtrain holds connect
+again, torchrun's agent no longer stops its workers over the outage, and a warm spare's
+launcher takes its place in the pool again (it had died with a DistNetworkError)."""
+
+import pytest
+import torch.distributed as dist
+from conftest import RestartableStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from llmtrain.launch.agent import tolerate_store_outages
+from llmtrain.launch.node import LaunchConfig, Vacancies, store_errors
+from llmtrain.recovery.warm import PoolPlace, job_namespace, spares_waiting
+
+
+@pytest.fixture
+def store():
+    restartable = RestartableStore()
+    yield restartable
+    restartable.close()
+
+
+def test_a_signed_store_view_connects_again_after_the_store_restarted(store):
+    """torch's TCPStore client fails every request for good once its server restarted;
+    the view's request after a broken one connects anew."""
+    view = store.connect()
+    view.set("a", "1")
+    store.restart()
+    with pytest.raises(dist.DistNetworkError):
+        view.get("a")
+    view.set("b", "2")
+    assert view.get("b") == b"2" and not view.check(["a"])  # a new store: empty
+
+
+def test_torchruns_look_for_waiting_nodes_does_not_stop_the_workers(store):
+    """torchrun's agent asks its rendezvous every monitor interval whether nodes wait;
+    with the store out, that raised, and the agent shut down every worker (SIGTERM, which
+    they logged as a preemption). Tolerated, it answers that none waits."""
+    client = store.client()
+    params = RendezvousParameters("c10d", f"127.0.0.1:{store.port}", "job", 1, 1,
+                                  join_timeout=10, last_call_timeout=1)
+    handler = create_handler(client, C10dRendezvousBackend(client, "job"), params)
+    handler.next_rendezvous()
+    store.restart()
+    with pytest.raises(Exception):  # torchrun's own: what ended the node's workers
+        handler.num_nodes_waiting()
+    tolerate_store_outages(handler)
+    assert handler.num_nodes_waiting() == 0
+    assert handler.num_nodes_waiting() == 0  # said once; still none
+
+
+def test_a_warm_spare_joins_the_pool_again_after_the_store_lost_it(store):
+    """The pool lives in the store: after a restart nobody counts the spare, and its
+    number may go to another spare. Its launcher finds its place no longer names it and
+    joins again, ready as it was; its look for a vacancy raises once and then connects
+    again (the launcher died of that DistNetworkError)."""
+    lc = LaunchConfig(nnodes="2:2", rdzv_endpoint=f"127.0.0.1:{store.port}", rdzv_id="job",
+                      standby=True, external_store=True, join_timeout_s=2)
+    vacancies = Vacancies(lc, restarts_only=True)
+    pool = job_namespace(vacancies.store, "job", reconnect=vacancies.client)
+    place = PoolPlace(pool, budget_s=5)
+    place.ready = True
+    place.keep()
+    assert spares_waiting(pool) == 1
+    store.restart()
+    with pytest.raises(store_errors()):
+        vacancies.claim()
+    assert vacancies.claim() is False  # connected again: no round is short
+    with pytest.raises(store_errors()):
+        place.keep()
+    other = PoolPlace(job_namespace(store.client(), "job"), budget_s=5)  # took number 1
+    place.KEEP_EVERY_S = 0.0
+    place.keep()
+    assert place.number == 2 and other.number == 1 and spares_waiting(pool) == 2
+    assert pool.get(f"spares/{place.number}/ready") == b"1"
