@@ -24,7 +24,10 @@ memory, and re-form with the spares, whose shards are resharded from the others'
 from __future__ import annotations
 
 import base64
+import logging
+import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -52,6 +55,8 @@ from llmtrain.recovery.reshard import Mesh, reshard
 from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
                                     publish_endpoints, round_of, spares_ready, spares_waiting)
 from llmtrain.state_registry import StateRegistry
+
+log = logging.getLogger(__name__)
 
 # Noted on an error the warm path already reported as a ``failure`` event.
 REPORTED = "llmtrain: reported as a failure event; the warm path could not recover from it"
@@ -190,6 +195,33 @@ class NoWarmRecovery:
         pass
 
 
+class BackgroundLook:
+    """A yes-or-no look at the store, made on a thread of its own: :meth:`latest` starts
+    one when none is under way and returns at once the last answer, if it is no older
+    than ``fresh_s`` (else no). A store that stalls holds up the look's thread only, and
+    one that errs answers no."""
+
+    def __init__(self, look: Callable[[], bool], fresh_s: float):
+        self.look, self.fresh_s = look, fresh_s
+        self._answer, self._at = False, -math.inf
+        self._thread: threading.Thread | None = None
+
+    def latest(self) -> bool:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="llmtrain-store-look")
+            self._thread.start()
+        return self._answer and time.monotonic() - self._at <= self.fresh_s
+
+    def _run(self) -> None:
+        try:
+            answer = bool(self.look())
+        except (RuntimeError, OSError) as e:  # DistError: the store is out
+            log.debug("a look at the rendezvous store failed: %s", e)
+            answer = False
+        self._answer, self._at = answer, time.monotonic()
+
+
 class WarmRecovery:
     """This rank's part in warm recoveries: its snapshots, its buddy's replica of them,
     and the agreement with the other survivors (:mod:`llmtrain.recovery.warm`)."""
@@ -203,6 +235,7 @@ class WarmRecovery:
         self.held = held or {}
         self.cfg, self.path, self.job, self.world = w, path, job, world
         self.events, self.ledger, self.fence = events, ledger, fence
+        self._spares_look: BackgroundLook | None = None  # rank 0's, made at its first vote
         self.round_id = self.namespace = path.round_id  # the watchdog's keys outlive generations
         self.timeout_s = cfg.reliability.collective_timeout_s
         # never further apart than checkpoints: warm must not redo more than cold
@@ -269,11 +302,18 @@ class WarmRecovery:
 
     def can_grow(self) -> bool:
         """Rank 0's look at each vote it casts: a node's worth of spares waits, ready,
-        while the job runs below the launcher's ``--nnodes`` maximum."""
+        while the job runs below the launcher's ``--nnodes`` maximum. The pool is read
+        off the training thread (:class:`BackgroundLook`): every rank waits for rank 0's
+        vote, and a store that stalled froze them all, or raised into the vote, which
+        took the error for a lost peer and sent the job cold."""
         top, per_node = os.environ.get("LLMTRAIN_MAX_NODES"), self.path.local_world_size
-        return (self.cfg.grow and top is not None and self.path.shapes is not None
-                and self.world.world_size < int(top) * per_node
-                and spares_ready(self.path.store, per_node))
+        if not (self.cfg.grow and top is not None and self.path.shapes is not None
+                and self.world.world_size < int(top) * per_node):
+            return False
+        if self._spares_look is None:
+            self._spares_look = BackgroundLook(
+                lambda: spares_ready(self.path.store, per_node), self.cfg.warm.budget_s)
+        return self._spares_look.latest()
 
     def grow(self, step: int) -> None:
         """Every rank voted to grow after ``step``: with a plan (rank 0 claimed the

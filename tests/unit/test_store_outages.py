@@ -75,3 +75,39 @@ def test_a_warm_spare_joins_the_pool_again_after_the_store_lost_it(store):
     place.keep()
     assert place.number == 2 and other.number == 1 and spares_waiting(pool) == 2
     assert pool.get(f"spares/{place.number}/ready") == b"1"
+
+
+def test_rank_0s_look_for_spares_neither_waits_for_a_stalled_store_nor_raises(store):
+    """Rank 0 asks at every vote whether spares wait to grow the job, and every rank waits
+    for its vote: a stopped store held them all (a TCPStore request waits for ever), and an
+    error went into the vote as a lost peer. The look runs off the training thread now."""
+    import os
+    import signal
+    import time
+
+    from llmtrain.recovery.coordinator import BackgroundLook
+    from llmtrain.recovery.warm import join_pool, spares_ready
+
+    pool = store.connect()
+    look = BackgroundLook(lambda: spares_ready(pool, 1), fresh_s=30)
+    number = join_pool(pool)
+    pool.set(f"spares/{number}/ready", "1")
+    deadline = time.monotonic() + 5
+    while not look.latest():  # the first answer comes from a thread
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(store.proc.pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        for _ in range(3):
+            look.latest()
+        assert time.monotonic() - began < 0.5  # the votes go on
+        assert look._thread.is_alive()  # its look waits on the stopped store
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+    failing = BackgroundLook(lambda: pool.raw.get("no/such/key/after/kill"), fresh_s=30)
+    store.proc.kill()
+    store.proc.wait()
+    failing.latest()
+    failing._thread.join(10)
+    assert failing.latest() is False
