@@ -631,9 +631,14 @@ class WarmPath:
         self._publish(plan.to_json())
 
     def _publish(self, plan: str) -> None:
-        """The decision every survivor waits for: a plan, or the cold verdict."""
+        """The decision every survivor waits for: a plan, or the cold verdict. Published
+        by compare-and-set, so a generation has one decision even with two deciders (a
+        store that restarted mid-agreement lost the key that made the first one); the
+        later one's is dropped, and says so."""
         if plan.startswith("cold:"):
             self._go_cold(plan)
+            return
+        if not self._decided(plan):
             return
         lost = Plan.from_json(plan).lost
         for r in lost:  # the lost rank's agent must not restart it
@@ -641,7 +646,14 @@ class WarmPath:
             if (process := self.store.genuine(holder)) is not None:
                 self.store.add(f"replaced/{process.decode()}", 1)
         self.store.add("replacements", len(lost))  # no agent waits for the lost at the end
-        self.store.set(self._key("spares"), plan)
+
+    def _decided(self, decision: str) -> bool:
+        """Whether ``decision`` is the generation's (no other came first)."""
+        if self.store.claim(self._key("spares"), decision).decode() == decision:
+            return True
+        log.warning("rank %d's decision for generation %d was not published: another "
+                    "decider's came first", self.rank, self.gen)
+        return False
 
     def _staying(self, leaving: list[int]) -> tuple[list[int], tuple[int, int]] | str:
         """The ranks that stay when the nodes of ``leaving`` go, and the mesh they train
@@ -749,8 +761,8 @@ class WarmPath:
         self.store.add("cold", 1)
 
     def _go_cold(self, verdict: str) -> None:
-        self.store.set(self._key("spares"), verdict)
-        self.store.add("cold", 1)  # agents waiting on a dead worker restart it
+        if self._decided(verdict):
+            self.store.add("cold", 1)  # agents waiting on a dead worker restart it
 
     def _wait(self, key: str, deadline: float) -> str:
         left = deadline - time.monotonic()

@@ -286,3 +286,20 @@ def test_a_spare_claimed_by_a_decider_that_died_before_its_plan_leaves_after_the
     store.set(f"spares/{served.number}/plan", json.dumps({"rank": 1}))
     time.sleep(0.05)
     assert not served.leave() and not served.leave()
+
+
+def test_a_generation_has_one_decision_even_with_two_deciders():
+    """A store that restarted mid-agreement lost the counter that made one rank the first
+    reporter, and a second rank decides too: the first decision published stands for
+    every survivor (each published its own over the other's), and the agents count one
+    cold verdict."""
+    store = signed_store()
+    cfg = WarmConfig(enable=True, budget_s=2)
+    first, second = (WarmPath(cfg, store, "round", r, 2, 1) for r in (0, 1))
+    first._publish("cold:rank 1 was lost with its buddy")
+    second._publish("cold:no warm spare waits for rank 0")
+    deadline = time.monotonic() + 2
+    for path in (first, second):
+        with pytest.raises(ColdPath, match="rank 1 was lost with its buddy"):
+            path._plan(deadline)
+    assert store.add("cold", 0) == 1
