@@ -29,6 +29,7 @@ from llmtrain.distributed.parallelize import precompute_fp8_scales
 from llmtrain.distributed.failure import abandon, shutdown
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
                                                 global_mean, init_process_group, side_group)
+from llmtrain.distributed.signed_store import report_forged_to
 from llmtrain.events import EventLog
 from llmtrain.fsio import require_writable
 from llmtrain.metrics.goodput import GoodputLedger
@@ -71,6 +72,7 @@ class Trainer:
         if cfg.checkpoint.enable:
             require_writable("checkpoint.url", cfg.checkpoint_url)
         self.events = EventLog(t.run_dir, rank)
+        report_forged_to(self.events)  # a control key in the store nobody with the secret wrote
         self.ledger = GoodputLedger(self.events, enabled=rank == 0)
         if plan is None:  # a warm spare joins the running attempt; its waiting costs nothing
             self.ledger.launched(world_size=self.world.world_size, host=self.world.host,

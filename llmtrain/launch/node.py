@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.distributed.nccl_env import warm_worker_env
-from llmtrain.distributed.signed_store import SECRET_ENV, job_secret, new_secret, require_secret
+from llmtrain.distributed.signed_store import (SECRET_ENV, job_secret, new_secret,
+                                               report_forged_to, require_secret)
 from llmtrain.events import EventLog, EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
@@ -183,6 +184,7 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
         return gate
     started = time.time()
     events = EventLog(run_dir, rank=None)
+    report_forged_to(events)
     off = warm_off_reason(cfg, lc, worker_env(cfg, lc, host))
     if off:  # said once, here; the workers then go cold without saying it again
         print(f"llmtrain launch: warm recovery is off: {off}", file=sys.stderr, flush=True)
