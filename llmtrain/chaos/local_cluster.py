@@ -8,9 +8,11 @@ the recovery benchmark and chaos runs use it."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -52,11 +54,33 @@ class LocalCluster:
         self.env.setdefault(SECRET_ENV, new_secret())
         if network:  # gloo's sockets on the node's own link, not its loopback
             self.env["GLOO_SOCKET_IFNAME"] = "eth0"
-        store = [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", self.address,
-                 "--port", str(self.port)]
-        self.store = subprocess.Popen(network.in_hub(store) if network else store,
-                                      env=self.env, stdout=subprocess.DEVNULL)
+        self.store = self._serve()
         self.nodes: dict[str, subprocess.Popen] = {}
+
+    def _serve(self) -> subprocess.Popen:
+        """The rendezvous store's process (``llmtrain rdzv-store``), on the cluster's
+        address and port: in the hub's namespace when the nodes have their own. It says
+        one line on stdout once it serves (and nothing more: it stays in the pipe)."""
+        argv = [sys.executable, "-m", "llmtrain", "rdzv-store", "--bind", self.address,
+                "--port", str(self.port)]
+        return subprocess.Popen(self.network.in_hub(argv) if self.network else argv,
+                                env=self.env, stdout=subprocess.PIPE, text=True)
+
+    def restart_store(self, down_s: float = 3.0, timeout: float = 60) -> None:
+        """The store's process dies at once (SIGKILL: every key it held is gone, every
+        connection to it reset) and, ``down_s`` later, a new one serves on the same
+        address and port, empty, as a store restarted by its supervisor would. Returns
+        once the new one serves. (Its listening socket is bound with SO_REUSEADDR, so
+        the old one's connections, closed by the kernel, do not keep the port.)"""
+        self.store.kill()
+        self.store.wait()
+        time.sleep(down_s)
+        self.store = self._serve()
+        ready, _, _ = select.select([self.store.stdout], [], [], timeout)
+        line = self.store.stdout.readline() if ready else ""
+        if not line.startswith("llmtrain rdzv-store: serving"):
+            raise RuntimeError(f"the rendezvous store did not serve again on {self.address}:"
+                               f"{self.port} within {timeout:g} s (exit {self.store.poll()})")
 
     def start(self, name: str, *extra: str, env: dict | None = None,
               spare: bool = False) -> subprocess.Popen:

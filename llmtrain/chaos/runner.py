@@ -35,8 +35,14 @@ checkpoint          retention must leave it and go on; then the storage heals
 slow_retention      every manifest read takes 1.5 s: rank 0's write ends seconds after
                     the others', and the saves due meanwhile are skipped by all ranks
                     together (``if_busy = skip``)
-store_stall         the rendezvous store's process is stopped for three fence timeouts:
-                    saves meanwhile are refused, none after, and nobody restarts
+store_stall         the rendezvous store's process is stopped (SIGSTOP) for 30 s, fifteen
+                    fence timeouts: saves meanwhile are refused, none after, nobody
+                    restarts, and nothing prints a traceback
+store_restart       the rendezvous store's process is killed (SIGKILL) and started again
+                    3 s later, empty, on the same address and port: the fence puts its
+                    token back (``fence_restored``), saves commit again, nobody restarts
+                    or takes it for a preemption, no launcher prints a traceback, and the
+                    standby launchers are back in the spare pool
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
 truncated_shard     a shard of the newest committed checkpoint is cut short, then every
                     rank is killed so that the restart must notice and fall back
@@ -109,7 +115,13 @@ MIXES = Path(__file__).parent / "mixes"
 # what the job did about a lost node, by recovery path (a verdict's action)
 WENT_ON = {"warm": "a spare took its place, state from memory",
            "shrink": "the others went on without it, state from memory"}
-FENCE_TIMEOUT_S = 2.0  # the job's: a store stall three times as long refuses its saves
+FENCE_TIMEOUT_S = 2.0  # the job's: a store stall longer than this refuses its saves
+STORE_DOWN_S = 3.0     # a restarted store is back this long after its process died
+# what a store fault must not cause (while it lasts, and until the next fault or the end):
+# a rank fenced for good, a watchdog taking the silence for a hang, a collective failing,
+# a restart, a preemption the scheduler never sent
+STORE_TROUBLE = ("fenced", "hang", "failure", "collective_error", "attempt_start",
+                 "preempted")
 
 
 @dataclass(frozen=True)
@@ -163,6 +175,8 @@ class ChaosConfig:
     spares: int | None = None      # spare nodes waiting (None: two warm, one cold); 0: the
                                    # job shrinks without the lost node until it returns
     repair_s: float = 20.0         # with no spares: a lost node returns this long after
+    store_stall_s: float = 30.0    # how long store_stall stops the store: more than the
+                                   # fence's timeout (and torchrun's keep-alive's 15 s)
     mix: dict[str, float] | None = None  # kind -> weight (``load_mix``): draws by weight
     mix_source: str = ""
     netns: bool = True             # nodes in network namespaces where the machine allows
@@ -249,6 +263,10 @@ class Chaos:
         self.spare_nodes = 1 + cfg.warm if cfg.spares is None else cfg.spares
         self.names = [f"node{i + 1}" for i in range(cfg.nodes + self.spare_nodes)]
         self.verdicts: list[Verdict] = []
+        self.no_room: list[str] = []  # kinds of the schedule the job's steps left no room for
+        self.log_marks: list[dict[str, int]] = []  # each verdict's: the nodes' log sizes
+        # verdicts judged again at the end (what a fault caused may come late), by index
+        self.rejudge: dict[int, Callable[[], None]] = {}
         self.truncated: set[int] = set()
         self.train_args = (
             # 128-token sequences: steps as long as the fault schedule's timing assumes
@@ -297,9 +315,12 @@ class Chaos:
             schedule = self.rng.sample(kinds, len(kinds))
             last = self.cfg.steps - 3 * self.cfg.checkpoint_every
             while schedule or self.cfg.repeat:
+                scheduled = bool(schedule)
                 kind = schedule.pop(0) if schedule else self.rng.choices(kinds, weights)[0]
                 self._settle(spare=not kind.keeps_ranks)
-                if self._step() >= last:
+                if self._step() >= last or not self._room_for(kind, last):
+                    # the kinds of the schedule that never ran: the table says so
+                    self.no_room = [k.name for k in [kind] * scheduled + schedule]
                     break
                 before = len(self.verdicts)
                 try:
@@ -382,6 +403,17 @@ class Chaos:
         if not ended():
             time.sleep(self.cfg.interval_s * self.rng.uniform(0.5, 1.5))
 
+    def _room_for(self, kind: FaultKind, last: int) -> bool:
+        """Whether the job, at its present pace, trains long enough for ``kind``: a store
+        stall lasts ``store_stall_s`` while the job trains on, and must end before the
+        last ``last`` step (a job that ended while its store stood still had its last
+        save refused), with a commit after it."""
+        if kind.name != "store_stall":
+            return True
+        times = sorted(e["step_time_s"] for e in self._events("step")[-10:])
+        pace = times[len(times) // 2] if times else 0.0
+        return (last - self._step()) * pace > self.cfg.store_stall_s
+
     def _pick_rank(self) -> tuple[int, dict]:
         ranks = self._ranks()
         rank = self.cfg.rank if self.cfg.rank is not None else self.rng.choice(sorted(ranks))
@@ -390,7 +422,62 @@ class Chaos:
     def _verdict(self, kind: str, target: str, at_step: int | None = None) -> Verdict:
         v = Verdict(kind, target, self._step() if at_step is None else at_step, time.time())
         self.verdicts.append(v)
+        self.log_marks.append(self._log_sizes())
         return v
+
+    def _log_sizes(self) -> dict[str, int]:
+        """How far each node's log (its launcher, agent and workers) has been written."""
+        sizes = {}
+        for name in self.names:
+            with contextlib.suppress(FileNotFoundError):
+                sizes[name] = (self.dir / f"{name}.log").stat().st_size
+        return sizes
+
+    def _index(self, v: Verdict) -> int:
+        return next(i for i, x in enumerate(self.verdicts) if x is v)
+
+    def _window(self, v: Verdict) -> tuple[float, dict[str, int], dict[str, int] | None]:
+        """What belongs to fault ``v``: from its injection to the next fault's (or the
+        end): that time, and the nodes' log marks at both ends (None: to the end)."""
+        i = self._index(v)
+        if i + 1 < len(self.verdicts):
+            return self.verdicts[i + 1].injected_at, self.log_marks[i], self.log_marks[i + 1]
+        return float("inf"), self.log_marks[i], None
+
+    def _tracebacks(self, since: dict[str, int], until: dict[str, int] | None) -> list[str]:
+        """``node: Exception: message`` for each Python traceback printed in a node's
+        log between the two marks (a launcher's, an agent's or a worker's)."""
+        found = []
+        for name in self.names:
+            # (a log not there yet at a mark had nothing written by then)
+            start, end = since.get(name, 0), None if until is None else until.get(name, 0)
+            try:
+                with open(self.dir / f"{name}.log", "rb") as f:
+                    f.seek(start)
+                    text = f.read(-1 if end is None else max(0, end - start))
+            except FileNotFoundError:
+                continue
+            lines = text.decode(errors="replace").splitlines()
+            for i, line in enumerate(lines):
+                at = line.find("Traceback (most recent call last)")
+                if at < 0:
+                    continue
+                prefix = line[:at]  # torchrun's per-rank prefix, if any
+                last = next((rest for rest in (ln[len(prefix):] if ln.startswith(prefix)
+                                               else ln for ln in lines[i + 1:i + 400])
+                             if rest and not rest[0].isspace()), "?")
+                kind, colon, message = last.strip().partition(":")  # the class, unqualified
+                found.append(f"{name}: {kind.rpartition('.')[2]}{colon}{message}"[:120])
+        return found
+
+    def _store_trouble(self, v: Verdict) -> tuple[list[str], list[str]]:
+        """What store fault ``v`` caused in its window: STORE_TROUBLE events ("event
+        (rank r)") and tracebacks."""
+        until, since_logs, until_logs = self._window(v)
+        events = [f"{e['event']}" + (f" (rank {e['rank']})" if "rank" in e else "")
+                  for e in self._events(None, v.injected_at)
+                  if e["event"] in STORE_TROUBLE and e["ts"] < until]
+        return events, self._tracebacks(since_logs, until_logs)
 
     def _recovered(self, v: Verdict, since: float, node: str | None = None,
                    timeout: float = 240) -> dict:
@@ -762,13 +849,33 @@ class Chaos:
         v.recover_s, v.steps_lost = 0.0, 0
         return v
 
+    def _judge_store_fault(self, v: Verdict, action: str, ok: bool) -> None:
+        """A store fault's verdict: right if ``ok`` (detected, and whatever the kind
+        checks) and nothing in its window was trouble (STORE_TROUBLE, a traceback).
+        Judged now, and again at the end: a launcher may fail a while after (the issue
+        that made store_restart a kind: nodes exited 75 half a minute after a restart)."""
+        def judge() -> None:
+            trouble, tracebacks = self._store_trouble(v)
+            until = self._window(v)[0]
+            rec = [e for e in self._events(None, v.injected_at) if e["ts"] < until
+                   and e["event"] in ("warm_recovery", "recovery")][:1]
+            v.path = "" if not rec else "cold" if rec[0]["event"] == "recovery" else (
+                "shrink" if rec[0]["kind"] == "shrink" else "warm")  # a needless recovery
+            seen = sorted(set(trouble))
+            v.correct = ok and not trouble and not tracebacks
+            v.action = action + (f"; then {', '.join(seen)}" if seen else "") + (
+                f"; tracebacks: {'; '.join(tracebacks[:3])}" if tracebacks else "")
+        judge()
+        self.rejudge[self._index(v)] = judge
+
     @fault_kind("store_stall", keeps_ranks=True)
     def _store_stall(self) -> Verdict:
         """The rendezvous store's process stops (SIGSTOP: its connections stay up, nothing
-        answers) for longer than the fence's timeout, then goes on. Saves meanwhile are
-        refused (the ranks cannot prove they are members); once it answers, saves commit
-        again and nobody was fenced for good, nor restarted."""
-        stall_s = 3 * FENCE_TIMEOUT_S
+        answers) for ``store_stall_s`` (30 s: fifteen fence timeouts, twice torchrun's
+        keep-alive window), then goes on. Saves meanwhile are refused (the ranks cannot
+        prove they are members); once it answers, saves commit again and nobody was
+        fenced for good, nor restarted, and nothing printed a traceback."""
+        stall_s = self.cfg.store_stall_s
         v = self._verdict("store_stall", f"the rendezvous store, {stall_s:.0f} s")
         os.kill(self.cluster.store.pid, signal.SIGSTOP)
         try:
@@ -786,13 +893,51 @@ class Chaos:
             v.detected, v.detect_s = True, seen["ts"] - v.injected_at
             v.at_step = self._latest("step", seen["ts"] - 5)["step"]
             v.diagnosis = f"rank {seen['rank']}: {seen['what']} refused ({seen['error'][:60]})"
-        trouble = [e["event"] for e in self._events(None, v.injected_at)
-                   if e["event"] in ("fenced", "hang", "failure", "attempt_start")]
-        v.correct = bool(seen) and not trouble
-        v.action = (f"writes refused while it lasted; commit at step {after['step']} "
-                    f"{after['ts'] - resumed:.1f}s after" + (f"; {', '.join(trouble)}"
-                                                             if trouble else ""))
         v.recover_s, v.steps_lost = after["ts"] - resumed, 0
+        self._judge_store_fault(v, f"writes refused while it lasted; commit at step "
+                                   f"{after['step']} {after['ts'] - resumed:.1f}s after",
+                                bool(seen))
+        return v
+
+    @fault_kind("store_restart", keeps_ranks=True)
+    def _store_restart(self) -> Verdict:
+        """The rendezvous store's process is killed (SIGKILL) and started again
+        ``STORE_DOWN_S`` later, empty, on the same address and port: the fence's token,
+        the spare pool, torchrun's rendezvous state and every failure watch's key are
+        gone, and every connection to it was reset. Detected when a rank finds the
+        fence's token gone and puts its own back (``fence_restored``); right if a save
+        commits after that, nobody restarts, is fenced, or takes the reset connections
+        for a preemption, no launcher, agent or worker prints a traceback (until the next
+        fault, or the end), and the standby launchers are back in the (new) spare pool."""
+        v = self._verdict("store_restart", f"the rendezvous store, down {STORE_DOWN_S:.0f} s")
+        self.cluster.restart_store(STORE_DOWN_S)
+        # the harness's own connection died with the old store
+        self.spares = job_namespace(self.cluster.store_client(), "local", self.cluster.env)
+        with contextlib.suppress(TimeoutError):  # (then a verdict of "not detected")
+            seen = None
+            seen = self._wait(lambda: self._latest("fence_restored", v.injected_at),
+                              "fence_restored", 120)
+        since = seen["ts"] if seen else time.time()
+        after = self._wait(lambda: self._latest("checkpoint_committed", since),
+                           "a commit after the restart", 180)
+        pool_back = True
+        if self.cfg.warm and self.spare_nodes:  # the next fault may need a spare
+            try:
+                self._wait(lambda: spares_waiting(self.spares) > 0, "a spare back in the pool",
+                           60)
+            except TimeoutError:
+                pool_back = False
+        if seen:
+            v.detected, v.detect_s = True, seen["ts"] - v.injected_at
+            v.at_step = self._latest("step", seen["ts"] - 5)["step"]
+            v.diagnosis = (f"rank {seen['rank']} ({seen.get('host', '?')}): the fence's "
+                           f"token was gone; put back")
+        # from the kill: the store was out STORE_DOWN_S of it
+        v.recover_s, v.steps_lost = after["ts"] - v.injected_at, 0
+        action = (f"control state restored; commit at step {after['step']} "
+                  f"{v.recover_s:.1f}s after the kill"
+                  + ("" if pool_back else "; no spare back in the pool within 60 s"))
+        self._judge_store_fault(v, action, bool(seen) and pool_back)
         return v
 
     @fault_kind("gpu_bad")
@@ -896,8 +1041,10 @@ class Chaos:
         """Lets the job run to its end (its last step, or the step a stop request ended
         it at), then judges it."""
         def ended() -> dict | None:
-            end = self._latest("run_end")
-            return end if end and (end["steps"] == self.cfg.steps or end["stopped"]) else None
+            end, start = self._latest("run_end"), self._latest("attempt_start")
+            if end is None or (start is not None and start["ts"] > end["ts"]):
+                return None  # not ended, or an attempt began after (a restart)
+            return end if end["steps"] == self.cfg.steps or end["stopped"] else None
         # every node's launcher exits once the job has ended, a waiting spare released;
         # one that has not a minute after is killed and named in the verdict
         with contextlib.suppress(TimeoutError):  # (then the verdict says it did not finish)
@@ -911,6 +1058,8 @@ class Chaos:
             except subprocess.TimeoutExpired:  # what the pool held, for the verdict
                 killed[name] = self._pool_state()
                 self.cluster.kill(name)
+        for judge in self.rejudge.values():  # the faults whose effects may come late
+            judge()
         end = ended()
         finished = end is not None
         last = self._latest("run_end")
@@ -921,6 +1070,11 @@ class Chaos:
                   "correct": sum(v.correct for v in self.verdicts),
                   "committed_checkpoints_lost": self._lost_checkpoints()}
         result["left_out"] = self.left_out
+        result["no_room"] = self.no_room
+        # the job's last step, committed: a job that ended with its last save refused
+        # (its store stalled) has trained steps that no restart gets back
+        result["final_checkpoint_committed"] = finished and storage.read_manifest(
+            storage.step_dir(str(self.mount.root), end["steps"])) is not None
         result["nodes_killed_after_the_end"] = killed
         recoveries = [v.recover_s for v in self.verdicts if v.recover_s]
         events = self._events()
@@ -932,6 +1086,9 @@ class Chaos:
         if self.cfg.reference and finished and resized:  # other reduction orders
             result["reference"] = ("not compared: the job trained at other world sizes "
                                    "(its sums ran in other orders)")
+        elif self.cfg.reference and finished and not result["final_checkpoint_committed"]:
+            result["reference"] = f"not compared: the job's last step {end['steps']} was not saved"
+            result["bitwise_equal_to_reference"] = False
         elif self.cfg.reference and finished:
             result["bitwise_equal_to_reference"] = self._compare(end["steps"])
         result["verdicts"] = [asdict(v) for v in self.verdicts]
@@ -1055,8 +1212,13 @@ def table(result: dict) -> str:
                f"faults detected: {result['detected']}/{result['faults']}, diagnosed right: "
                f"{result['correct']}/{result['faults']}",
                f"committed checkpoints lost: {len(result['committed_checkpoints_lost'])}"]
+    if result["finished"] and not result.get("final_checkpoint_committed", True):
+        summary.append(f"the job's last step ({result['steps']}) has no committed checkpoint")
     for kind, why in result.get("left_out", {}).items():
         summary.append(f"left out: {kind} ({why})")
+    if result.get("no_room"):
+        summary.append(f"no room for: {', '.join(result['no_room'])} (the job neared its "
+                       f"last step first: give more --steps)")
     if result.get("nodes_killed_after_the_end"):
         summary.append(f"launchers still running a minute after the job ended, killed: "
                        f"{', '.join(result['nodes_killed_after_the_end'])} (see their logs; "
@@ -1117,5 +1279,6 @@ def weighted(verdicts: list[dict], mix: dict[str, float]) -> dict:
 
 def passed(result: dict) -> bool:
     return (result["finished"] and result["detected"] == result["correct"] == result["faults"]
-            and not result["committed_checkpoints_lost"]
+            and not result["committed_checkpoints_lost"] and not result.get("no_room")
+            and result.get("final_checkpoint_committed", True)
             and result.get("bitwise_equal_to_reference", True))
