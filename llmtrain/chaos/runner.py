@@ -318,10 +318,13 @@ class Chaos:
                 scheduled = bool(schedule)
                 kind = schedule.pop(0) if schedule else self.rng.choices(kinds, weights)[0]
                 self._settle(spare=not kind.keeps_ranks)
-                if self._step() >= last or not self._room_for(kind, last):
-                    # the kinds of the schedule that never ran: the table says so
-                    self.no_room = [k.name for k in [kind] * scheduled + schedule]
+                # the kinds of the schedule that never ran: the table says so
+                if self._step() >= last:
+                    self.no_room += [k.name for k in [kind] * scheduled + schedule]
                     break
+                if not self._room_for(kind, last):  # (others may still fit)
+                    self.no_room += [kind.name] * scheduled
+                    continue
                 before = len(self.verdicts)
                 try:
                     kind.inject(self)
@@ -360,6 +363,10 @@ class Chaos:
 
     def _latest(self, kind: str, since: float = 0.0) -> dict | None:
         found = self._events(kind, since)
+        return found[-1] if found else None
+
+    def _latest_before(self, kind: str, since: float, until: float) -> dict | None:
+        found = [e for e in self._events(kind, since) if e["ts"] < until]
         return found[-1] if found else None
 
     def _wait(self, probe, what: str, timeout: float):
@@ -861,6 +868,13 @@ class Chaos:
                    and e["event"] in ("warm_recovery", "recovery")][:1]
             v.path = "" if not rec else "cold" if rec[0]["event"] == "recovery" else (
                 "shrink" if rec[0]["kind"] == "shrink" else "warm")  # a needless recovery
+            if rec:  # what it cost: the steps from the one it failed at to the restored one
+                failed = max((e["step"] for e in self._events("step", v.injected_at)
+                              if e["ts"] < rec[0]["ts"]), default=v.at_step)
+                loaded = self._latest_before("checkpoint_loaded", v.injected_at, until)
+                v.restored = (rec[0]["step"] if v.path != "cold" else
+                              loaded["step"] if loaded else 0)
+                v.steps_lost = max(0, failed - v.restored)
             seen = sorted(set(trouble))
             v.correct = ok and not trouble and not tracebacks
             v.action = action + (f"; then {', '.join(seen)}" if seen else "") + (
