@@ -40,7 +40,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from llmtrain.checkpoint.staging import host_block  # noqa: E402
+from llmtrain.distributed.signed_store import SECRET_ENV, new_secret  # noqa: E402
 from llmtrain.events import read_events  # noqa: E402
+
+# the job's secret, as a job script gives it: the run dir's compile cache is signed with
+# it, and loaded only where it is (the same in every start of the check)
+os.environ.setdefault(SECRET_ENV, new_secret())
 
 LLAMA_1B = dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=32768,
                 ffn_dim_multiplier=1.5, multiple_of=256, max_seq_len=2048)

@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import resource
+import secrets
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+# the job's secret, as a job script gives it: the run dir's compile cache is signed with
+# it, and loaded only where it is (the same in every start of a benchmark)
+os.environ.setdefault("LLMTRAIN_JOB_SECRET", secrets.token_hex(32))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # llmtrain's start-up spans, grouped into the parts the stock sequence also has; any
 # other span (data, components, ...) falls into "rest" with the first step.

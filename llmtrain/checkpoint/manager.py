@@ -386,8 +386,10 @@ class CheckpointManager:
         Every rank checks a share of the files (sizes, and the sums of whatever is not
         checked as it is loaded), and all agree before anything is unpickled. When every
         rank loads in place, each checks the sum of every item it reads, so the data is
-        read once; otherwise the shares are checked whole first. Only a verified mismatch
-        (a size, a sum, a missing file) demotes a checkpoint: it is quarantined with its
+        read once; otherwise the shares are checked whole first, then DCP's index
+        (``.metadata``, which DCP's planning needs) is read through an unpickler that
+        builds DCP's index classes only. Only a verified mismatch (a size, a sum, a missing
+        file, an index that is not DCP's) demotes a checkpoint: it is quarantined with its
         reasons and the previous one is tried. A read error on any rank (EIO, a timeout)
         is no verdict: the checkpoint is read again ``checkpoint.read_retries`` times, then
         passed over for the previous one (an event says so) and left committed; a
@@ -451,6 +453,8 @@ class CheckpointManager:
             if checksums and not in_place:  # the items, before DCP reads parts of them
                 problems = self._problems(lambda: storage.verify(
                     url, checksums=True, part=part, whole=False), step)
+            if not in_place and not problems:  # DCP's index, refused unless it is one
+                problems = self._problems(lambda: state.index_problems(url), step)
         if problems:
             self._quarantine(step, problems)
             return None

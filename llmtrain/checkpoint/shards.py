@@ -27,7 +27,10 @@ file in the item's ``_StorageInfo``, which also carries the descriptor :data:`RA
   once to verify it and again to load it.
 
 Everything else is DCP's: planners, resharding, ``.metadata``, non-tensor items (bytes,
-written as they are). Items without the descriptor (checkpoints written before this
+written as they are); but where DCP unpickles ``.metadata`` and the non-tensor items as
+they are, which runs whatever a pickle names, llmtrain reads them through unpicklers of
+DCP's index and of plain values (:meth:`ShardReader.read_metadata`,
+:class:`PlainObjectsPlanner`). Items without the descriptor (checkpoints written before this
 format) are read by DCP's stock reader, so old checkpoints load. Stock
 ``FileSystemReader``/``FsspecReader`` refuse the new files (unknown extension
 ``llmtrain-raw``) rather than misread them: pass a :class:`ShardReader` to
@@ -58,8 +61,11 @@ import fsspec
 import numpy as np
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, _split_by_size_and_type,
                                                      _StorageInfo)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -99,8 +105,9 @@ def item_sum(info: _StorageInfo | StoredItem) -> tuple[str, str] | None:
 
 
 class DamagedCheckpoint(Exception):
-    """Items read back whose bytes differ from their recorded sums: a verified verdict on
-    the checkpoint (not a read error), one problem per item."""
+    """Items read back whose bytes differ from their recorded sums, or an index that is not
+    one DCP writes: a verified verdict on the checkpoint (not a read error), one problem
+    per item."""
 
     def __init__(self, problems: list[str]):
         super().__init__("; ".join(problems))
@@ -273,15 +280,29 @@ class ShardReader(FsspecReader):
         if checkpoint_id:
             self._open(checkpoint_id)
 
-    def read_metadata(self, *args, **kwargs):
-        """The checkpoint's ``.metadata``, read (unpickled) once per reader: the caller
-        looks at it before DCP does."""
-        if args or kwargs.get("rank") is not None:
-            return super().read_metadata(*args, **kwargs)
-        if self._metadata is None:
-            with collector.paused():
-                self._metadata = super().read_metadata()
-        return self._metadata
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        """The checkpoint's ``.metadata`` (with ``rank``, DCP's fallback: that rank's own
+        ``__<rank>.metadata``), as DCP's reader reads it but unpickled by
+        :class:`_MetadataUnpickler`: a pickle that names anything else than what DCP's
+        index is made of is refused (DamagedCheckpoint) and runs nothing. The whole
+        checkpoint's is read once per reader: the caller looks at it before DCP does."""
+        rank = kwargs.get("rank")
+        if rank is None and self._metadata is not None:
+            return self._metadata
+        path = posixpath.join(self._root, ".metadata" if rank is None else f"__{rank}.metadata")
+        with collector.paused(), self._fs.open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise DamagedCheckpoint([f"{path}: not DCP's index ({e}): refused"]) from None
+        if not isinstance(metadata, Metadata):
+            raise DamagedCheckpoint([f"{path}: not DCP's index (a {type(metadata).__name__})"])
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if rank is None:
+            self._metadata = metadata
+        return metadata
 
     def stored_items(self) -> Items:
         """Every stored item (:data:`Items`), read once per reader: from ITEMS.json, or
@@ -898,6 +919,37 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("a tensor is not a plain value")
 
 
+class _MetadataUnpickler(_PlainUnpickler):
+    """DCP's ``.metadata``: plain values and the classes its index is made of (dataclasses
+    of plain fields, ``torch.Size``, a dtype or layout by its name, an enum; the path DCP's
+    stock ``FileSystemWriter`` records), nothing else. DCP itself unpickles it with
+    ``pickle.load``, which calls whatever a pickle names."""
+
+    ALLOWED = _PlainUnpickler.ALLOWED | {
+        ("torch.distributed.checkpoint.metadata", name) for name in (
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+            "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "_MEM_FORMAT_ENCODING")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath")} | {
+        ("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
+class PlainObjectsPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but the stored objects (the registry's items, the optimizer's
+    hyperparameters) are decoded by :func:`stored_object`, as a load in place decodes
+    them, where DCP's runs ``torch.load(weights_only=False)``, which calls whatever a
+    pickle names."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        decoded = stored_object(value.getvalue())
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        decoded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = decoded
+
+
 _DECODED: dict[bytes, object] = {}  # plain immutable values decoded, by their stored bytes
 _DECODED_MAX = 4096
 _PLAIN = (int, float, complex, bool, str, bytes, type(None))
@@ -955,7 +1007,11 @@ def load_unsharded(url: str, threads: int = 4) -> dict:
     this process (no process group). Call only after ``storage.verify`` passed."""
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-    state: dict = {}  # filled from the metadata by the planner, as dcp_to_torch_save does
+
+    class Planner(PlainObjectsPlanner, _EmptyStateDictLoadPlanner):
+        """Fills the state from the metadata, as ``dcp_to_torch_save`` does."""
+
+    state: dict = {}
     _load_state_dict(state, storage_reader=ShardReader(url, threads=threads),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+                     planner=Planner(), no_dist=True)
     return state

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from llmtrain import collector
-from llmtrain.checkpoint.shards import (InPlace, LiveShards, ShardReader, plan_in_place,
+from llmtrain.checkpoint.shards import (DamagedCheckpoint, InPlace, LiveShards,
+                                       PlainObjectsPlanner, ShardReader, plan_in_place,
                                        read_in_place, read_objects, stored_object)
 from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
 from llmtrain.checkpoint.staging import local_shard
@@ -87,6 +88,16 @@ class TrainState:
         plan = self._in_place(reader, self._objects(reader))
         return plan is not None and (plan.checked or not checked)
 
+    def index_problems(self, url: str) -> list[str]:
+        """Why DCP cannot plan a load of ``url`` (empty when it can): its ``.metadata``, read
+        here through llmtrain's unpickler of DCP's index, is not one (a pickle that would
+        build or call anything else). The load takes it from the same reader, read once."""
+        try:
+            self._reader(url).read_metadata()
+        except DamagedCheckpoint as e:
+            return e.problems
+        return []
+
     def has_own_section(self, url: str) -> bool:
         """Whether this rank finds its own items of ``url`` in its section of INDEX2.bin (a
         restart at the saved world size); raises DamagedCheckpoint when that section
@@ -104,9 +115,10 @@ class TrainState:
         where :meth:`fits_in_place` said so) compares every item with its sum as it is
         read (no object is unpickled before its own sum matched), and raises
         DamagedCheckpoint before any object's state is set. Otherwise (a
-        resharding load, a checkpoint in the format before raw shards) DCP plans it: each
-        rank alone (``no_dist``: a load needs no agreement between ranks, so DCP's
-        exchange of pickled plans is skipped, and the caller agrees on the outcome).
+        resharding load, a checkpoint in the dcp format or the format before raw shards)
+        DCP plans it: each rank alone (``no_dist``: a load needs no agreement between
+        ranks, so DCP's exchange of pickled plans is skipped, and the caller agrees on the
+        outcome); check its index first (:meth:`index_problems`).
 
         Returns the step it was saved at, the registered items it lacked (a rank that
         did not exist at save time keeps its seeded RNG; a checkpoint older than an item
@@ -203,13 +215,16 @@ class TrainState:
         return {k: v.getvalue() for k, v in values.items() if not k.startswith("optim.")}, groups
 
     def _load_planned(self, reader: ShardReader, objects: list[str]) -> dict[str, bytes]:
-        """The load DCP plans (see :meth:`load`). Tensors are read straight into the live
+        """The load DCP plans (see :meth:`load`), ``.metadata`` and the objects decoded by
+        llmtrain's unpicklers of DCP's index and of plain values, never by ``pickle.load``
+        or ``torch.load(weights_only=False)``. Tensors are read straight into the live
         parameters and optimizer state where the state dict shares their memory
         (``set_state_dict``, which would copy each onto itself, runs only where not)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         in_place = _shares_storage([model_sd, optim_sd["state"]], self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, **{k: io.BytesIO() for k in objects}}
-        _load_state_dict(state, storage_reader=reader, no_dist=True)  # dcp.load, no warning
+        _load_state_dict(state, storage_reader=reader, planner=PlainObjectsPlanner(),
+                         no_dist=True)  # dcp.load, no warning
         if in_place:  # only the hyperparameters are left to set
             for group, saved in zip(self.optimizer.param_groups, state["optim"]["param_groups"],
                                     strict=True):

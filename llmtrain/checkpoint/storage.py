@@ -24,15 +24,20 @@ without a manifest is incomplete and never loaded. Creating, committing, removin
 quarantining are each fenced (:mod:`llmtrain.recovery.fence`): a rank cut off from the job
 does none of them.
 
-Security rule: a restart at the saved world size reads ITEMS.json and decodes the
-non-tensor items with an unpickler that builds plain values only
-(:func:`llmtrain.checkpoint.shards.stored_object`), so it runs no code from the
-checkpoint. A resharding load, and any load of a checkpoint written before ITEMS.json,
-goes through DCP, which unpickles ``.metadata`` (and the tensors of checkpoints written
-before the raw format), and that can run code. :func:`verify` checks every file against
-the manifest before any of them is opened, which protects against corruption and files
-swapped in from elsewhere; it cannot protect against someone able to rewrite the
-manifest too. Only resume from storage the job's own identity controls.
+Security rule: no load runs code from the checkpoint. A restart at the saved world size
+in the raw format reads INDEX2.bin (or ITEMS.json) and decodes the non-tensor items with
+an unpickler that builds plain values only
+(:func:`llmtrain.checkpoint.shards.stored_object`). A load DCP plans (the dcp format, a
+resharding load, a checkpoint written before ITEMS.json) reads ``.metadata`` through an
+unpickler of DCP's index classes only (``ShardReader.read_metadata``), where DCP calls
+``pickle.load``, and its items through the same plain-values decoder
+(:class:`llmtrain.checkpoint.shards.PlainObjectsPlanner`), where DCP calls
+``torch.load(weights_only=False)``; tensors stored as ``torch.save`` records are read
+with ``torch.load(weights_only=True)``. :func:`verify` checks every file against the
+manifest before any of them is opened, which protects against corruption and files
+swapped in from elsewhere; someone able to rewrite the manifest too can have a resume
+load other values, not run code. Stock DCP tools outside llmtrain unpickle ``.metadata``
+and the items as they are.
 
 Item sums let a reader check exactly the bytes it reads: a restart at the saved world size
 checks each item as it loads it (:func:`llmtrain.checkpoint.shards.read_in_place`) and
@@ -425,8 +430,8 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
 
 
 def tensor_index(url: str) -> dict[str, str]:
-    """Saved entries and their global shapes; call only after :func:`verify` passed, as
-    it unpickles DCP's metadata."""
+    """Saved entries and their global shapes, from DCP's metadata (DamagedCheckpoint when
+    it is not DCP's index); call only after :func:`verify` passed."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     out = {}
     for name, meta in shards.ShardReader(url).read_metadata().state_dict_metadata.items():

@@ -1,7 +1,9 @@
 """Compile once per job: the second start of a compiled run, on a "node" whose own inductor
-cache is empty, loads what rank 0 compiled at the first start from the run dir, compiles
-nothing, and trains bitwise as the first did."""
+cache is empty, loads what rank 0 compiled at the first start from the run dir (its record
+signed with the job's secret), compiles nothing, and trains bitwise as the first did; both
+starts compile into and load into the job's own inductor cache, not the node's."""
 
+import os
 import shutil
 
 import pytest
@@ -26,10 +28,12 @@ def start(run, node_cache, compiler) -> tuple[list[dict], dict[int, float]]:
 
 
 def builds(log, node) -> list[str]:
-    """The host compiler's calls that built into ``node``'s inductor cache: the model's
-    kernels and inductor's probes of the CPU's vector ISA."""
+    """What the host compiler's calls built into ``node``'s inductor cache (the model's
+    kernels and inductor's probes of the CPU's vector ISA), relative to it: each call's
+    ``-o``, whether it built or failed (``--version`` and other queries build nothing)."""
     calls = log.read_text().splitlines() if log.exists() else []
-    return [c for c in calls if str(node) in c]
+    outputs = [args[args.index("-o") + 1] for args in map(str.split, calls) if "-o" in args]
+    return [os.path.relpath(out, node) for out in outputs if out.startswith(f"{node}/")]
 
 
 def test_a_restart_on_a_fresh_node_loads_the_runs_compile_cache(tmp_path):
@@ -49,8 +53,13 @@ def test_a_restart_on_a_fresh_node_loads_the_runs_compile_cache(tmp_path):
         assert e["loaded"] > 0 and e["ignored"] is None, e
         assert e["graph_misses"] == e["autograd_misses"] == 0 and e["graph_hits"] > 0, e
     # the C++ kernels too (torch's blob holds no CPU kernels): rank 0's bundle put them
-    # on node b, ISA probes included, and the host compiler never ran there
+    # on node b, ISA probes included, and the host compiler built none there; it only
+    # tried again the probes it failed to build on node a too (an ISA it does not know)
     assert sum(e["kernels"] for e in second) > 0
-    assert builds(log, tmp_path / "node-b") == []
+    again = builds(log, tmp_path / "node-b")
+    assert not [out for out in again if (tmp_path / "node-a" / out).exists()], again
+    # all of it in the job's own inductor cache, none in the node's that other jobs load from
+    assert all(out.startswith("llmtrain-job-") for out in builds(log, tmp_path / "node-a") + again)
+    assert not list((tmp_path / "node-b").glob("??/*.so"))
     assert not second[0]["saved"]  # nothing new to keep
     assert second_losses == first_losses and len(first_losses) == 2

@@ -7,6 +7,7 @@ import ctypes
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import ROOT
 from llmtrain.checkpoint import checksum, index, shards, storage
@@ -358,6 +360,36 @@ def test_stored_objects_decode_as_torch_load_does_and_never_run_code(tmp_path, m
     planted = tmp_path / "ran"
     with pytest.raises(Exception, match="system|Unsupported|not allowed|global"):
         shards.stored_object(stored(_RunsCode(planted)))
+    assert not planted.exists()
+
+
+def test_planned_loads_read_the_index_and_objects_as_plain_data_and_never_run_code(tmp_path):
+    """What DCP itself unpickles with ``pickle.load`` (``.metadata``) and
+    ``torch.load(weights_only=False)`` (every stored object), a load llmtrain has DCP plan
+    (a resharding or dcp-format resume, ``load_unsharded``) reads through unpicklers of
+    DCP's index and of plain values: a dcp-format checkpoint loads as before, and a pickle
+    that would call anything else, in either place, is refused and runs nothing."""
+    url, planted = str(tmp_path / "ck"), tmp_path / "ran"
+    want = {"w": torch.arange(4.0), "b": torch.ones(2, dtype=torch.bfloat16), "lr": 1e-3,
+            "betas": (0.9, 0.95)}
+    dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, raw=False),
+             no_dist=True)
+    stock = str(tmp_path / "stock")  # DCP's own writer, which records its path
+    dcp.save(want, storage_writer=dcp.FileSystemWriter(stock), no_dist=True)
+    for saved in (url, stock):
+        got = load_unsharded(saved)
+        assert got["lr"] == 1e-3 and got["betas"] == (0.9, 0.95)
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+
+    evil = str(tmp_path / "evil")
+    dcp.save({**want, "lr": _RunsCode(planted)}, no_dist=True,
+             storage_writer=storage.CommitWriter(evil, {"step": 1}, raw=False))
+    with pytest.raises(CheckpointException, match="posix.system"):  # DCP's, around the refusal
+        load_unsharded(evil)
+    with open(os.path.join(url, ".metadata"), "wb") as f:
+        f.write(pickle.dumps(_RunsCode(planted)))
+    with pytest.raises(shards.DamagedCheckpoint, match="not DCP's index.*posix.system"):
+        ShardReader(url).read_metadata()
     assert not planted.exists()
 
 

@@ -2,6 +2,8 @@
 the live tensors are the same, always equal to a fresh ``get_state_dict``."""
 
 import gc
+import hashlib
+import json
 import os
 
 import pytest
@@ -89,10 +91,10 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     assert state.state_dict(5)["model"]["2.scale"].item() == 2.0
 
 
-def _saved_at_step_1(group, tmp_path):
+def _saved_at_step_1(group, tmp_path, **checkpoint):
     """A one-rank FSDP model, its AdamW and schedule after one step, saved as step 1 by a
-    sync CheckpointManager under tmp_path/ckpt: (model, optimizer, scheduler, state,
-    manager)."""
+    sync CheckpointManager (``checkpoint``: more of its config) under tmp_path/ckpt:
+    (model, optimizer, scheduler, state, manager); its events under tmp_path/run."""
     from llmtrain.checkpoint.manager import CheckpointManager
     from llmtrain.config import CheckpointConfig
     from llmtrain.events import EventLog
@@ -103,7 +105,7 @@ def _saved_at_step_1(group, tmp_path):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     state = _train_state(model, optimizer, scheduler)
     _step(model, optimizer, scheduler)
-    manager = CheckpointManager(CheckpointConfig(mode="sync"), str(tmp_path / "ckpt"),
+    manager = CheckpointManager(CheckpointConfig(mode="sync", **checkpoint), str(tmp_path / "ckpt"),
                                 manifest_base={}, events=EventLog(str(tmp_path / "run"), 0),
                                 device=torch.device("cpu"), control_group=dist.group.WORLD)
     manager.save(1, state)
@@ -130,7 +132,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(state_module, "ShardReader", Counted)
-    monkeypatch.setattr(shards.FsspecReader, "read_metadata",
+    monkeypatch.setattr(shards.ShardReader, "read_metadata",
                         lambda *a, **k: unpickled.append(1) or 1 / 0)
     assert manager.resume(state) == 1
     assert len(opened) == 1 and unpickled == [], (opened, unpickled)
@@ -204,3 +206,31 @@ def test_a_later_checkpoint_takes_the_kept_layout_and_loads_its_own_bytes(group,
         assert all(map(torch.equal, state_module._live_objects(optimizer, []), saved[step]))
         kept.append(state._mapped[1].kept[1])
     assert kept[0] is kept[1] is kept[2]  # found once, taken twice
+
+
+def test_a_dcp_format_resume_refuses_a_metadata_pickle_that_would_run_code(group, tmp_path):
+    """Whoever can write the checkpoint storage replaces a dcp-format checkpoint's
+    ``.metadata`` (which a resume of that format reads, as DCP plans its load) with a
+    pickle that runs a command, and the manifest's sum with its own: llmtrain's unpickler
+    of DCP's index refuses it, the checkpoint is moved aside as damaged, the run starts
+    from step 0, and the command never ran."""
+    from llmtrain.events import read_events
+    *_, state, manager = _saved_at_step_1(group, tmp_path, format="dcp")
+    url = storage.step_dir(str(tmp_path / "ckpt"), 1)
+    marker = tmp_path / "ran"
+    payload = b"cposix\nsystem\n(S'touch %s'\ntR." % str(marker).encode()
+    with open(os.path.join(url, ".metadata"), "wb") as f:
+        f.write(payload)
+    manifest_path = os.path.join(url, storage.MANIFEST)
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["files"][".metadata"] = {"size": len(payload),
+                                      "sha256": hashlib.sha256(payload).hexdigest()}
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    assert manager.resume(state) == 0
+    assert not marker.exists()
+    [rejected] = read_events(str(tmp_path / "run"), "checkpoint_rejected")
+    assert rejected["step"] == 1 and "not DCP's index" in rejected["problems"][0]
+    assert "posix.system" in rejected["problems"][0]
+    manager.close()
