@@ -97,8 +97,10 @@ class ParallelismConfig:
     compile: bool = _f(False, doc="torch.compile each transformer block")
     compile_cache: bool = _f(True, doc="with compile: rank 0 keeps what its first step "
                              "compiled in <run_dir>/compile-cache/ (torch's Mega-Cache), and "
-                             "every later start loads it, checked against its key (config, "
-                             "torch, Triton, device) and sha256, instead of compiling again")
+                             "every later start of the same job secret loads it, its record "
+                             "signed with LLMTRAIN_JOB_SECRET and checked against its key "
+                             "(config, torch, Triton, device) and sha256, instead of compiling "
+                             "again; without a secret nothing is kept")
     deterministic: bool = _f(False, doc="CUDA: deterministic kernels (cuBLAS, cuDNN, "
                              "torch.use_deterministic_algorithms) and NCCL pinned to "
                              "NCCL_ALGO=Ring, NCCL_PROTO=Simple (unless set), so a resume on "
