@@ -1059,11 +1059,19 @@ class Chaos:
             if end is None or (start is not None and start["ts"] > end["ts"]):
                 return None  # not ended, or an attempt began after (a restart)
             return end if end["steps"] == self.cfg.steps or end["stopped"] else None
+
+        def gone() -> bool:
+            """Every launcher that ran a rank has exited (75 after a failure it could not
+            restart from): nothing restarts the job, and the spares' launchers would wait
+            for it for ever."""
+            hosts = [h for h in self._hosts() if h in self.cluster.nodes]
+            return bool(hosts) and all(self.cluster.nodes[h].poll() is not None
+                                       for h in hosts)
         # every node's launcher exits once the job has ended, a waiting spare released;
         # one that has not a minute after is killed and named in the verdict
         with contextlib.suppress(TimeoutError):  # (then the verdict says it did not finish)
-            self._wait(lambda: ended() or all(p.poll() is not None
-                                              for p in self.cluster.nodes.values()),
+            self._wait(lambda: ended() or gone() or all(p.poll() is not None
+                                                        for p in self.cluster.nodes.values()),
                        "the job's end", 1800)
         deadline, killed = time.time() + 60, {}
         for name, proc in self.cluster.nodes.items():
