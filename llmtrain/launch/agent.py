@@ -163,9 +163,19 @@ class WarmAgent(LocalElasticAgent):
 
     def _exit_barrier(self) -> None:
         """torchrun's barrier waits (300 s) for every agent of the round; after a warm
-        recovery in this round, a lost node's agent never comes, so it is skipped."""
-        if self._count("replacements") == self._replacements:
-            super()._exit_barrier()
+        recovery in this round, a lost node's agent never comes, so it is skipped. So it
+        is when the store restarted during the run: torch's client of it stays broken,
+        and the barrier would end in a traceback."""
+        if self._count("replacements") != self._replacements:
+            return
+        try:
+            self._store.check(["llmtrain/exit-barrier"])
+        except (RuntimeError, OSError) as e:  # DistNetworkError
+            log.warning("torchrun's connection to the rendezvous store broke during the run "
+                        "(the store restarted: %s); its exit barrier is skipped",
+                        str(e).splitlines()[0][:200])
+            return
+        super()._exit_barrier()
 
     def _was_replaced(self, local_rank: int) -> bool:
         """Waits for the warm path's verdict on a dead worker's rank."""
