@@ -117,6 +117,9 @@ WENT_ON = {"warm": "a spare took its place, state from memory",
            "shrink": "the others went on without it, state from memory"}
 FENCE_TIMEOUT_S = 2.0  # the job's: a store stall longer than this refuses its saves
 STORE_DOWN_S = 3.0     # a restarted store is back this long after its process died
+# what a store fault causes may show only once the store answers again (a watchdog reading
+# old heartbeats, a hang timeout of 5 s): its verdict waits this long after it
+AFTERMATH_S = 10.0
 # what a store fault must not cause (while it lasts, and until the next fault or the end):
 # a rank fenced for good, a watchdog taking the silence for a hang, a collective failing,
 # a restart, a preemption the scheduler never sent
@@ -856,9 +859,11 @@ class Chaos:
         v.recover_s, v.steps_lost = 0.0, 0
         return v
 
-    def _judge_store_fault(self, v: Verdict, action: str, ok: bool) -> None:
+    def _judge_store_fault(self, v: Verdict, action: str, ok: bool, hosts: set[str]) -> None:
         """A store fault's verdict: right if ``ok`` (detected, and whatever the kind
         checks) and nothing in its window was trouble (STORE_TROUBLE, a traceback).
+        ``hosts``: the nodes that ran ranks before it; those a needless recovery left out
+        are started again as spares, as after any recovery.
         Judged now, and again at the end: a launcher may fail a while after (the issue
         that made store_restart a kind: nodes exited 75 half a minute after a restart)."""
         def judge() -> None:
@@ -881,6 +886,12 @@ class Chaos:
                 f"; tracebacks: {'; '.join(tracebacks[:3])}" if tracebacks else "")
         judge()
         self.rejudge[self._index(v)] = judge
+        if v.path in ("warm", "shrink"):  # a needless recovery: the nodes it left out
+            for node in sorted(hosts - self._hosts()):  # come back as spares
+                if self.cluster.nodes[node].poll() is None:
+                    self.cluster.kill(node)
+                    self.cluster.nodes[node].wait()
+                self._back(v, node)
 
     @fault_kind("store_stall", keeps_ranks=True)
     def _store_stall(self) -> Verdict:
@@ -890,6 +901,7 @@ class Chaos:
         prove they are members); once it answers, saves commit again and nobody was
         fenced for good, nor restarted, and nothing printed a traceback."""
         stall_s = self.cfg.store_stall_s
+        hosts = self._hosts()
         v = self._verdict("store_stall", f"the rendezvous store, {stall_s:.0f} s")
         os.kill(self.cluster.store.pid, signal.SIGSTOP)
         try:
@@ -903,6 +915,7 @@ class Chaos:
         resumed = time.time()
         after = self._wait(lambda: self._latest("checkpoint_committed", resumed),
                            "a commit after the stall", 180)
+        time.sleep(max(0.0, resumed + AFTERMATH_S - time.time()))
         if seen:
             v.detected, v.detect_s = True, seen["ts"] - v.injected_at
             v.at_step = self._latest("step", seen["ts"] - 5)["step"]
@@ -910,7 +923,7 @@ class Chaos:
         v.recover_s, v.steps_lost = after["ts"] - resumed, 0
         self._judge_store_fault(v, f"writes refused while it lasted; commit at step "
                                    f"{after['step']} {after['ts'] - resumed:.1f}s after",
-                                bool(seen))
+                                bool(seen), hosts)
         return v
 
     @fault_kind("store_restart", keeps_ranks=True)
@@ -923,6 +936,10 @@ class Chaos:
         commits after that, nobody restarts, is fenced, or takes the reset connections
         for a preemption, no launcher, agent or worker prints a traceback (until the next
         fault, or the end), and the standby launchers are back in the (new) spare pool."""
+        hosts = self._hosts()
+        # the pool must come back only if a spare was in it (a needless recovery before may
+        # have used them all)
+        waiting = self.cfg.warm and self.spare_nodes and spares_waiting(self.spares) > 0
         v = self._verdict("store_restart", f"the rendezvous store, down {STORE_DOWN_S:.0f} s")
         self.cluster.restart_store(STORE_DOWN_S)
         # the harness's own connection died with the old store
@@ -934,8 +951,9 @@ class Chaos:
         since = seen["ts"] if seen else time.time()
         after = self._wait(lambda: self._latest("checkpoint_committed", since),
                            "a commit after the restart", 180)
+        time.sleep(max(0.0, v.injected_at + STORE_DOWN_S + AFTERMATH_S - time.time()))
         pool_back = True
-        if self.cfg.warm and self.spare_nodes:  # the next fault may need a spare
+        if waiting:  # the next fault may need a spare
             try:
                 self._wait(lambda: spares_waiting(self.spares) > 0, "a spare back in the pool",
                            60)
@@ -951,7 +969,7 @@ class Chaos:
         action = (f"control state restored; commit at step {after['step']} "
                   f"{v.recover_s:.1f}s after the kill"
                   + ("" if pool_back else "; no spare back in the pool within 60 s"))
-        self._judge_store_fault(v, action, bool(seen) and pool_back)
+        self._judge_store_fault(v, action, bool(seen) and pool_back, hosts)
         return v
 
     @fault_kind("gpu_bad")
