@@ -951,14 +951,15 @@ class Chaos:
         since = seen["ts"] if seen else time.time()
         after = self._wait(lambda: self._latest("checkpoint_committed", since),
                            "a commit after the restart", 180)
-        time.sleep(max(0.0, v.injected_at + STORE_DOWN_S + AFTERMATH_S - time.time()))
         pool_back = True
-        if waiting:  # the next fault may need a spare
+        if waiting:  # the next fault may need a spare (a job that ended released them)
             try:
-                self._wait(lambda: spares_waiting(self.spares) > 0, "a spare back in the pool",
+                self._wait(lambda: spares_waiting(self.spares) > 0
+                           or self._latest("run_end", v.injected_at), "a spare back in the pool",
                            60)
             except TimeoutError:
                 pool_back = False
+        time.sleep(max(0.0, v.injected_at + STORE_DOWN_S + AFTERMATH_S - time.time()))
         if seen:
             v.detected, v.detect_s = True, seen["ts"] - v.injected_at
             v.at_step = self._latest("step", seen["ts"] - 5)["step"]
