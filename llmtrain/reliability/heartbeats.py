@@ -277,9 +277,15 @@ class ControlPlane:
     def publish(self, beat: dict) -> None:
         self.store.set(f"hb/{self.rank}", json.dumps(beat))
 
-    def summarize(self) -> None:
-        """Leader: the block's heartbeats as one summary."""
-        beats = self.beats(self._members(self.rank))
+    @property
+    def members(self) -> range:
+        """The ranks whose heartbeats this rank summarizes as their block's leader."""
+        return self._members(self.rank)
+
+    def summarize(self, beats: dict[int, dict] | None = None) -> None:
+        """Leader: the block's heartbeats (``beats``, read now if not given) as one
+        summary."""
+        beats = self.beats(self.members) if beats is None else beats
         self.store.set(f"node/{self.rank}", json.dumps(summarize(beats, time.time(),
                                                                  self.stale_s)))
 

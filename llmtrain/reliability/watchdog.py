@@ -293,16 +293,14 @@ class Watchdog:
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress, "long": long,
              "at": positions(flight_recorder()["entries"], time.time_ns()) if self.quiet else None})
-        if self._store_out or time.monotonic() - began > self.cfg.heartbeat_interval_s:
-            # The store did not answer for a while (it stalled or restarted): every peer's
-            # watchdog waited on it as this one did, so their beats are old through no fault
-            # of theirs. Their silence counts from now, as from a new generation's start.
-            self.plane.since_ns = max(self.plane.since_ns, time.time_ns())
-            self._store_out = False
-        if self.plane.leader:
-            self.plane.summarize()
+        self._after_store_stall(began)
+        if self.plane.leader:  # a summary of beats the store held back would name them silent
+            beats = self._read_in_time(lambda: self.plane.beats(self.plane.members))
+            if beats is not None:
+                self.plane.summarize(beats)
         if (event := self.store.genuine("event")) is not None:  # a forged one: reported
             self._respond(json.loads(event), leader=False)
+        self._after_store_stall(began)  # any of this tick's requests may have met it
         found = self._detect()
         if found:
             kind, reason = found
@@ -314,6 +312,17 @@ class Watchdog:
                 self.plane.reduce_arrivals()
             if self.rank == 0:
                 self._find_stragglers()
+
+    def _after_store_stall(self, began: float) -> None:
+        """When the store did not answer for a while this tick (it stalled or restarted),
+        every peer's watchdog waited on it as this one did, so their beats are old through
+        no fault of theirs: their silence counts from now, as from a new generation's
+        start. (A chaos run's 30 s stall met the check for the event key, after this was
+        looked at once: both ranks named the other silent, and a warm recovery evicted a
+        healthy rank.)"""
+        if self._store_out or time.monotonic() - began > self.cfg.heartbeat_interval_s:
+            self.plane.since_ns = max(self.plane.since_ns, time.time_ns())
+            self._store_out = False
 
     def _detect(self) -> tuple[str, str] | None:
         """(kind, reason) of a hang or desync seen from here, or None."""

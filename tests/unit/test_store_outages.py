@@ -111,3 +111,48 @@ def test_rank_0s_look_for_spares_neither_waits_for_a_stalled_store_nor_raises(st
     failing.latest()
     failing._thread.join(10)
     assert failing.latest() is False
+
+
+def test_a_store_stall_longer_than_the_hang_timeout_is_not_taken_for_a_hang(store, tmp_path):
+    """Two ranks' watchdogs beat through the store; it stops (SIGSTOP) for longer than
+    the hang timeout, then answers again. Every watchdog waited on it, so nobody is
+    silent: before, a tick whose wait fell on the check for a hang event (after the stall
+    check) judged the stale beats, and both ranks named rank 0 stopped or dead (a chaos
+    run's 30 s stall evicted a healthy rank)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from llmtrain.config import ReliabilityConfig
+    from llmtrain.reliability.watchdog import Watchdog
+
+    cfg = ReliabilityConfig(hang_timeout_s=2, heartbeat_interval_s=0.5)
+    dogs = [Watchdog(cfg, store.connect(), str(tmp_path), events=None, rank=r, world_size=2)
+            for r in range(2)]
+    declared = []
+    for dog in dogs:
+        dog._declare = lambda reason, kind="hang", r=dog.rank: declared.append((r, reason))
+        dog.beat(1, "step")
+        dog.start()
+    training = threading.Event()
+
+    def train() -> None:  # both ranks make progress all along: only the store stops
+        step = 2
+        while not training.is_set():
+            for dog in dogs:
+                dog.beat(step, "step")
+            step += 1
+            time.sleep(0.1)
+    threading.Thread(target=train, daemon=True).start()
+    try:
+        time.sleep(1.5)
+        os.kill(store.proc.pid, signal.SIGSTOP)
+        time.sleep(4)
+        os.kill(store.proc.pid, signal.SIGCONT)
+        time.sleep(3)  # the ticks after the stall judge fresh beats
+    finally:
+        training.set()
+        for dog in dogs:
+            dog.close()
+    assert declared == []
