@@ -137,6 +137,8 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.generation = -1  # of the groups this manager is bound to (bind_groups)
+        self.replans = 0  # saves that failed midway, agreed: each makes the plans afresh
+        self.last_failed = False  # this rank's last save failed (see _why_not)
         self.bind_groups(control_group)
         self.stager = None
         if cfg.mode != "sync":
@@ -171,7 +173,7 @@ class CheckpointManager:
         self.generation = next(_GROUPS_BOUND)
 
     def _plans_key(self) -> str:
-        return f"llmtrain-{self.world}-{self.generation}"
+        return f"llmtrain-{self.world}-{self.generation}-{self.replans}"
 
     def planner(self) -> DefaultSavePlanner:
         """DCP's planner, caching its plans while the state's layout stays (every save of
@@ -292,14 +294,22 @@ class CheckpointManager:
         a verified absence (no manifest, or bytes that are no manifest) says there is
         nothing to lose. Rank 0 reads the manifest."""
         found, error = 0, ""
+        failed, self.last_failed = self.last_failed, False
         if self.rank == 0:
             try:
                 manifest = storage.read_manifest(storage.step_dir(self.url, step))
                 found = int(manifest is not None and not manifest.get("unreadable"))
             except OSError as e:  # says nothing of the checkpoint: it may be committed
                 found, error = 2, describe(e)
-        flags = torch.tensor([int(busy), found])
+        flags = torch.tensor([int(busy), found, int(failed)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control_group)
+        if flags[2]:
+            # A save that failed midway (refused by the fence while DCP planned it) leaves
+            # DCP's plan cache half filled on some ranks, and the next save, sending no plan
+            # where nothing changed, failed with a KeyError, as every later one did: every
+            # rank plans afresh, under a new key, once any rank's save failed.
+            forget_plans(self._plans_key())
+            self.replans += 1
         if flags[0]:
             return "previous still writing" + ("" if busy else " on another rank")
         return {0: None, 1: "committed already (a warm recovery went back to a step before "
@@ -333,6 +343,7 @@ class CheckpointManager:
                  f"stay: {describe(e)}")
 
     def _failed(self, step: int, error: BaseException) -> None:
+        self.last_failed = True
         self.events.emit("checkpoint_failed", step=step, error=describe(error))
         shared = isinstance(error, CheckpointException)  # every rank has it: rank 0 says it
         if self.rank == 0 or not shared:

@@ -234,3 +234,37 @@ def test_a_dcp_format_resume_refuses_a_metadata_pickle_that_would_run_code(group
     assert rejected["step"] == 1 and "not DCP's index" in rejected["problems"][0]
     assert "posix.system" in rejected["problems"][0]
     manager.close()
+
+
+def test_a_save_refused_midway_costs_only_itself_not_every_later_save(group, tmp_path):
+    """The first save is refused while DCP plans it (the fence could not prove membership:
+    the store restarted): DCP's plan cache kept half a plan, and every later save failed
+    with a KeyError in its planner, the job training on without a checkpoint. The next
+    save plans afresh on every rank, and commits."""
+    from llmtrain.checkpoint.manager import CheckpointManager
+    from llmtrain.config import CheckpointConfig
+    from llmtrain.events import EventLog, read_events
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = _train_state(model, optimizer, scheduler)
+    _step(model, optimizer, scheduler)
+    refusing = [True]
+
+    def fence(what: str) -> None:
+        if refusing[0] and "clearing" in what:
+            raise RuntimeError(f"{what} refused: the rendezvous store could not be reached")
+    run = str(tmp_path / "run")
+    manager = CheckpointManager(CheckpointConfig(mode="sync"), str(tmp_path / "ckpt"),
+                                manifest_base={}, events=EventLog(run, 0),
+                                device=torch.device("cpu"), control_group=dist.group.WORLD,
+                                fence=fence)
+    manager.save(1, state)
+    refusing[0] = False
+    for step in (2, 3):
+        _step(model, optimizer, scheduler)
+        manager.save(step, state)
+    assert [e["step"] for e in read_events(run, "checkpoint_failed")] == [1]
+    assert [e["step"] for e in read_events(run, "checkpoint_committed")] == [2, 3]
