@@ -312,7 +312,7 @@ class WarmRecovery:
             return False
         if self._spares_look is None:
             self._spares_look = BackgroundLook(
-                lambda: spares_ready(self.path.store, per_node), self.cfg.warm.budget_s)
+                lambda: spares_ready(self.path.store, per_node), self.cfg.budget_s)
         return self._spares_look.latest()
 
     def grow(self, step: int) -> None:
