@@ -526,6 +526,10 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
                 outage.answered()
             except store_errors() as e:  # no plan can come meanwhile: look again
                 outage.failed(e)
+                if finished(ends.read(), cfg.training.steps, since):  # the job ended
+                    spare.stdin.close()  # without it, and without its store perhaps
+                    spare.wait()
+                    return ExitCode.CLEAN, signalled, False
                 time.sleep(0.5)
                 continue
             if plan is not None:
