@@ -148,6 +148,22 @@ def _notes_broken(method: Callable) -> Callable:
     return call
 
 
+def _retried(method: Callable) -> Callable:
+    """For a request that may be made twice to the same effect (not ``add`` nor
+    ``append``, whose effect a broken connection leaves unknown): one that meets a closed
+    connection connects again at once and is made once more."""
+    @functools.wraps(method)
+    def call(self: SignedStore, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as e:
+            import torch.distributed as dist
+            if not isinstance(e, dist.DistNetworkError) or self._reconnect is None:
+                raise
+        return method(self, *args, **kwargs)  # through ``raw``, connected again
+    return call
+
+
 class SignedStore:
     """A store client whose ``set``, ``get``, ``multi_get``, ``compare_set`` and
     ``append`` values are signed and verified; ``add``, ``check``, ``wait`` and
@@ -163,8 +179,9 @@ class SignedStore:
     def __init__(self, store: dist.Store, secret: bytes | None, context: str,
                  reconnect: Callable[[], dist.Store] | None = None):
         """``reconnect``: how to open the same store view anew. A TCPStore client whose
-        server restarted fails every request for good; with it, the request after one
-        that met a broken connection connects again (and raises what connecting raises
+        server restarted fails every request for good; with it, a request that meets a
+        broken connection connects again: at once, and is made again, where making it
+        twice does no harm; else at the next request (connecting raises what it raises
         while the store is still out)."""
         self._raw, self.context, self._reconnect = store, context, reconnect
         self._key = secret
@@ -228,19 +245,24 @@ class SignedStore:
         return values
 
     # -- the store's interface ----------------------------------------------------------
+    @_retried
     @_notes_broken
     def set(self, key: str, value: str | bytes) -> None:
         self.raw.set(key, self.seal(key, value))
 
-    @_notes_broken
     def get(self, key: str) -> bytes:
-        return self.open(key, self.raw.get(key))
+        return self.open(key, self._fetch(key))
+
+    @_retried
+    @_notes_broken
+    def _fetch(self, key: str) -> bytes:
+        return self.raw.get(key)
 
     @_notes_broken
     def genuine(self, key: str) -> bytes | None:
         """The value at ``key`` if it exists and is signed; None when absent or forged
         (reported)."""
-        if not self.raw.check([key]):
+        if not self.check([key]):
             return None
         try:
             return self.get(key) or None
@@ -266,10 +288,12 @@ class SignedStore:
             time.sleep(0.05)
         return None
 
+    @_retried
     @_notes_broken
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         return [self.open(k, raw) for k, raw in zip(keys, self.raw.multi_get(list(keys)))]
 
+    @_retried
     @_notes_broken
     def genuine_values(self, keys: Sequence[str]) -> list[bytes | None]:
         """``multi_get`` of keys that exist, a forged value (reported) read as None."""
@@ -281,6 +305,7 @@ class SignedStore:
                 values.append(None)
         return values
 
+    @_retried
     @_notes_broken
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """Sets ``desired`` if ``key`` holds ``expected`` (empty: absent); returns what it
@@ -289,6 +314,7 @@ class SignedStore:
         return self.open(key, self.raw.compare_set(key, self.seal(key, expected),
                                                    self.seal(key, desired)))
 
+    @_retried
     @_notes_broken
     def replace(self, key: str, forged: bytes, desired: str | bytes) -> bytes:
         """Puts ``desired`` where a forged value ``forged`` stands, unless another write
@@ -313,16 +339,18 @@ class SignedStore:
     def records(self, key: str) -> list[bytes]:
         """The signed records appended at ``key``, in order; forged ones are dropped and
         reported."""
-        return self._records(key, self.raw.get(key), strict=False)
+        return self._records(key, self._fetch(key), strict=False)
 
     @_notes_broken
     def add(self, key: str, amount: int) -> int:
         return self.raw.add(key, amount)
 
+    @_retried
     @_notes_broken
     def check(self, keys: list[str]) -> bool:
         return self.raw.check(keys)
 
+    @_retried
     @_notes_broken
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         if timeout is None:
@@ -330,6 +358,7 @@ class SignedStore:
         else:
             self.raw.wait(keys, timeout)
 
+    @_retried
     @_notes_broken
     def delete_key(self, key: str) -> bool:
         return self.raw.delete_key(key)

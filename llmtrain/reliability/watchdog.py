@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -69,6 +70,8 @@ from llmtrain.reliability import flightrec
 from llmtrain.recovery import sockets
 from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, positions, silence,
                                              summarize, verdict)
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from llmtrain.recovery.fence import Fence
@@ -467,7 +470,11 @@ class Watchdog:
             self._responding.release()
             return
         self.events.close()
-        self.on_exit()
+        try:
+            self.on_exit()
+        except Exception as e:  # noqa: BLE001 - the store may be out: leaving comes first
+            log.warning("rank %d leaves without telling the agents (%s: %s)", self.rank,
+                        type(e).__name__, str(e).splitlines()[0][:200])
         os._exit(ExitCode.RETRYABLE)
 
     def _evicted(self, event: dict, culprits: list[int]) -> dict[str, list]:
