@@ -91,6 +91,17 @@ def test_the_saved_state_dict_follows_training_and_a_replaced_state(group):
     assert state.state_dict(5)["model"]["2.scale"].item() == 2.0
 
 
+def _after_one_step(group):
+    """A one-rank FSDP model, its AdamW and schedule after one step, and their TrainState."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=group)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = _train_state(model, optimizer, scheduler)
+    _step(model, optimizer, scheduler)
+    return model, optimizer, scheduler, state
+
+
 def _saved_at_step_1(group, tmp_path, **checkpoint):
     """A one-rank FSDP model, its AdamW and schedule after one step, saved as step 1 by a
     sync CheckpointManager (``checkpoint``: more of its config) under tmp_path/ckpt:
@@ -99,12 +110,7 @@ def _saved_at_step_1(group, tmp_path, **checkpoint):
     from llmtrain.config import CheckpointConfig
     from llmtrain.events import EventLog
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    fully_shard(model, mesh=group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    state = _train_state(model, optimizer, scheduler)
-    _step(model, optimizer, scheduler)
+    model, optimizer, scheduler, state = _after_one_step(group)
     manager = CheckpointManager(CheckpointConfig(mode="sync", **checkpoint), str(tmp_path / "ckpt"),
                                 manifest_base={}, events=EventLog(str(tmp_path / "run"), 0),
                                 device=torch.device("cpu"), control_group=dist.group.WORLD)
@@ -245,12 +251,7 @@ def test_a_save_refused_midway_costs_only_itself_not_every_later_save(group, tmp
     from llmtrain.config import CheckpointConfig
     from llmtrain.events import EventLog, read_events
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    fully_shard(model, mesh=group)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    state = _train_state(model, optimizer, scheduler)
-    _step(model, optimizer, scheduler)
+    model, optimizer, scheduler, state = _after_one_step(group)
     refusing = [True]
 
     def fence(what: str) -> None:
