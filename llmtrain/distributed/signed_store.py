@@ -165,8 +165,8 @@ def _retried(method: Callable) -> Callable:
 
 
 class SignedStore:
-    """A store client whose ``set``, ``get``, ``multi_get``, ``compare_set`` and
-    ``append`` values are signed and verified; ``add``, ``check``, ``wait`` and
+    """A store client whose ``set``, ``get``, ``compare_set`` and ``append`` values are
+    signed and verified (``genuine_values`` reads several); ``add``, ``check``, ``wait`` and
     ``delete_key`` pass through (see the module's docstring).
 
     ``context`` names where the keys live (the job and the namespace): it is part of every
@@ -198,9 +198,6 @@ class SignedStore:
     def underlying_store(self) -> dist.Store:
         """The connection beneath (a PrefixStore's, or the store itself)."""
         return getattr(self.raw, "underlying_store", self.raw)
-
-    def timeout(self) -> timedelta:
-        return self.raw.timeout
 
     # -- the signature ------------------------------------------------------------------
     def _mac(self, key: str, value: bytes) -> bytes:
@@ -287,11 +284,6 @@ class SignedStore:
                 return value
             time.sleep(0.05)
         return None
-
-    @_retried
-    @_notes_broken
-    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        return [self.open(k, raw) for k, raw in zip(keys, self.raw.multi_get(list(keys)))]
 
     @_retried
     @_notes_broken
