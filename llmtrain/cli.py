@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,9 @@ from llmtrain import collector
 from llmtrain.config import (ConfigError, load_config, parse_overrides, preset_names,
                              reference_markdown)
 from llmtrain.exit_codes import ExitCode, FatalError
+from llmtrain.log import log_to_stderr
+
+log = logging.getLogger(__name__)
 
 
 class MissingExtra(Exception):
@@ -93,8 +97,7 @@ def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
         for name in written:
             print(f"{out.rstrip('/')}/{name}")
         if no_tokenizer:
-            print(f"llmtrain ckpt export: no tokenizer written: {no_tokenizer}",
-                  file=sys.stderr)
+            log.warning("llmtrain ckpt export: no tokenizer written: %s", no_tokenizer)
         return ExitCode.CLEAN
     if rest:
         raise ConfigError(f"unexpected arguments {rest}")
@@ -114,7 +117,7 @@ def cmd_ckpt(args: argparse.Namespace, rest: list[str]) -> int:
     urls = ([args.url] if manifest is not None or args.action == "inspect"
             else [c.url for c in storage.list_checkpoints(args.url) if c.committed])
     if not urls:
-        print(f"no committed checkpoints under {args.url}", file=sys.stderr)
+        log.error("no committed checkpoints under %s", args.url)
         return 1
     failed = False
     for url in urls:
@@ -165,7 +168,7 @@ def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         print(write_report(args.run_dir, args.out))
     except (FileNotFoundError, ValueError) as e:
-        print(f"llmtrain report: {e}", file=sys.stderr)
+        log.error("llmtrain report: %s", e)
         return 1
     return ExitCode.CLEAN
 
@@ -244,7 +247,7 @@ def cmd_analyze(args: argparse.Namespace, rest: list[str]) -> int:
     from llmtrain.reliability import flightrec
     dumps = flightrec.load_dumps(args.dir)
     if not dumps:
-        print(f"no flight-recorder dumps in {args.dir}", file=sys.stderr)
+        log.error("no flight-recorder dumps in %s", args.dir)
         return 1
     report = flightrec.analyze(dumps, args.world_size)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.to_markdown())
@@ -252,6 +255,7 @@ def cmd_analyze(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    log_to_stderr()  # the library's messages, on stderr as they are (llmtrain.log)
     parser = argparse.ArgumentParser(
         prog="llmtrain", description="FSDP2 + FP8 Llama training that survives failures.",
         epilog="Any config field can be overridden as --section.field VALUE, "
@@ -378,11 +382,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args, rest))
     except ConfigError as e:
-        print(f"llmtrain: configuration error: {e}", file=sys.stderr)
+        log.error("llmtrain: configuration error: %s", e)
         return ExitCode.FATAL
     except FatalError as e:
-        print(f"llmtrain: {e.what}{e}", file=sys.stderr)
+        log.error("llmtrain: %s%s", e.what, e)
         return ExitCode.FATAL
     except MissingExtra as e:
-        print(f"llmtrain {args.command}: {e}", file=sys.stderr)
+        log.error("llmtrain %s: %s", args.command, e)
         return ExitCode.FATAL

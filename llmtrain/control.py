@@ -20,8 +20,8 @@ replica), CLEAN otherwise.
 
 from __future__ import annotations
 
+import logging
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -37,6 +37,8 @@ from llmtrain.stop_request import StopRequestWatch, clear_request
 
 # How long ranks stopped by a peer's failed health check wait before exiting, so the
 # launcher sees the failed node's EXCLUDE_NODE before our RETRYABLE.
+log = logging.getLogger(__name__)
+
 PEER_STOP_GRACE_S = 2.0
 
 
@@ -166,8 +168,7 @@ class RunControl:
         exclude_host(self.run_dir, self.host, reason, findings=list(findings), rank=self.rank)
         self.events.emit("node_excluded", host=self.host, reason=reason, source=source,
                          step=step)
-        print(f"llmtrain: rank {self.rank} stops with EXCLUDE_NODE: {reason}",
-              file=sys.stderr, flush=True)
+        log.error("llmtrain: rank %s stops with EXCLUDE_NODE: %s", self.rank, reason)
 
     def name_corrupt(self, ranks: list[int], reason: str, step: int) -> None:
         """Ranks found computing or holding state unlike their peers': the named one's

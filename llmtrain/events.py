@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -42,6 +42,8 @@ from typing import Any, Callable
 import fsspec
 
 from llmtrain.fsio import is_local, join
+
+log = logging.getLogger(__name__)
 
 UPLOAD_EVERY_S = 1.0
 SEGMENT_BYTES = 256 << 10
@@ -150,9 +152,8 @@ class _Uploader:
                 with self.lock:
                     self.dirty = True
                 if not self.failing:  # once per outage, not once a second
-                    print(f"llmtrain: event log upload to {url} failed "
-                          f"({type(e).__name__}: {e}); retrying every {UPLOAD_EVERY_S:g} s",
-                          file=sys.stderr, flush=True)
+                    log.warning("llmtrain: event log upload to %s failed (%s: %s); retrying "
+                                "every %g s", url, type(e).__name__, e, UPLOAD_EVERY_S)
                 self.failing = True
                 return
             self.failing = False

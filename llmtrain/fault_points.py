@@ -11,10 +11,12 @@ says ``reliability.faults = "env"``: a stray variable never faults a run.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
-import sys
 
 from llmtrain.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 HARNESS = "llmtrain.chaos.faults"
 FROM_ENV = "env"
@@ -31,9 +33,8 @@ def install(spec: str, rank: int) -> None:
     if spec == FROM_ENV:
         spec, faults_file = os.environ.get(ENV_VARS[0], ""), os.environ.get(ENV_VARS[1])
     elif stray := [f"${v}" for v in ENV_VARS if os.environ.get(v)]:
-        print(f"llmtrain: warning: ignoring {' and '.join(stray)}: faults are injected from "
-              f"the environment only with reliability.faults = \"{FROM_ENV}\"",
-              file=sys.stderr, flush=True)
+        log.warning(f"llmtrain: warning: ignoring {' and '.join(stray)}: faults are injected "
+                    f"from the environment only with reliability.faults = \"{FROM_ENV}\"")
     if not (spec or faults_file):
         return
     try:

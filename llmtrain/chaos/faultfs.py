@@ -50,14 +50,19 @@ import ctypes
 import errno
 import fnmatch
 import json
+import logging
 import os
 import random
 import stat
-import sys
 import threading
 import time
 
 import mfusepy as fuse
+
+from llmtrain.log import log_to_stderr
+
+# by name: run as ``python -m llmtrain.chaos.faultfs``, __name__ is "__main__"
+log = logging.getLogger("llmtrain.chaos.faultfs")
 
 OPS = ("getattr", "access", "readlink", "opendir", "readdir", "mkdir", "rmdir", "unlink", "rename",
        "link", "symlink", "chmod", "chown", "utimens", "truncate", "open", "create", "read",
@@ -79,7 +84,7 @@ def _errno_of(value) -> int:
 
 
 def _log(msg: str) -> None:
-    print(f"faultfs[{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
+    log.info("faultfs[%d]: %s", os.getpid(), msg)
 
 
 class Rule:
@@ -429,6 +434,7 @@ def main(argv=None) -> None:
     ap.add_argument("--allow-other", action="store_true", help="let other users see the mount")
     ap.add_argument("--debug", action="store_true", help="libfuse debug trace")
     a = ap.parse_args(argv)
+    log_to_stderr()
     control = os.path.realpath(a.control)
     fired = os.path.realpath(a.fired or os.path.join(os.path.dirname(control), "fired.jsonl"))
     if not os.path.isdir(a.root):

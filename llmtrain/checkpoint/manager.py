@@ -21,7 +21,7 @@ failed retention pass a ``checkpoint_retention_failed`` one, both with the error
 from __future__ import annotations
 
 import itertools
-import sys
+import logging
 import time
 import traceback
 from concurrent import futures
@@ -46,6 +46,8 @@ from llmtrain.config import CheckpointConfig, ConfigError, JobConfig
 from llmtrain.events import EventLog
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
+log = logging.getLogger(__name__)
+
 SAVE_ERRORS = (Exception, CheckpointException)
 
 
@@ -82,7 +84,7 @@ def _at(frames: traceback.StackSummary) -> str:
 def warn(text: str) -> None:
     """A checkpoint problem that training outlives, said on stderr as well as in events:
     a run whose saves all fail must not look healthy."""
-    print(f"llmtrain: warning: {text}", file=sys.stderr, flush=True)
+    log.warning("llmtrain: warning: %s", text)
 
 
 class IndexingPlanner(DefaultSavePlanner):

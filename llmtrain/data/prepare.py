@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import posixpath
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -31,6 +31,8 @@ from llmtrain import fault_points
 from llmtrain.data import (CORPUS_MANIFEST, PREPARE_DIR, TOKENIZER_FILE, ShardError,
                            write_shard)
 from llmtrain.fsio import is_local, join, write_atomic
+
+log = logging.getLogger(__name__)
 
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "jsonl",
            ".parquet": "parquet"}
@@ -243,7 +245,7 @@ def prepare(cfg: Config) -> dict:
         raise PrepareError(f"--out {cfg.out} already holds a corpus that this command did "
                            f"not write; give a new --out")
     if done is not None:
-        print(f"llmtrain data prepare: {cfg.out} is already prepared", file=sys.stderr)
+        log.info("llmtrain data prepare: %s is already prepared", cfg.out)
         return done
     if started is None:
         write_atomic(job_url, json.dumps(job).encode())
@@ -299,9 +301,9 @@ class _Progress:
         self.done += 1
         self.tokens += sum(s["tokens"] for s in record["shards"])
         rate = self.tokens / max(time.monotonic() - self.start, 1e-9)
-        print(f"prepare: {self.done}/{self.files} files, {self.tokens:,} tokens, "
-              f"{rate:,.0f} tokens/s ({record['input']})", file=sys.stderr, flush=True)
+        log.info(f"prepare: {self.done}/{self.files} files, {self.tokens:,} tokens, "
+                 f"{rate:,.0f} tokens/s ({record['input']})")
 
     def finish(self, manifest: dict) -> None:
-        print(f"prepare: done: {manifest['tokens']:,} tokens of {manifest['documents']:,} "
-              f"documents in {len(manifest['shards'])} shards", file=sys.stderr, flush=True)
+        log.info(f"prepare: done: {manifest['tokens']:,} tokens of {manifest['documents']:,} "
+                 f"documents in {len(manifest['shards'])} shards")

@@ -32,6 +32,7 @@ import sys
 from datetime import timedelta
 
 from llmtrain import collector
+from llmtrain.log import log_to_stderr
 
 with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.collector)
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -43,7 +44,8 @@ with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.
     from llmtrain.recovery.warm import (EvictionWatch, Verdicts, mark_holder_gone,
                                         outside_store, owner)
 
-log = logging.getLogger(__name__)
+# by name: run as ``python -m llmtrain.launch.agent``, __name__ is "__main__"
+log = logging.getLogger("llmtrain.launch.agent")
 
 
 class WarmAgent(LocalElasticAgent):
@@ -215,6 +217,7 @@ def tolerate_store_outages(handler) -> None:
 
 
 def main(argv: list[str]) -> None:
+    log_to_stderr()
     with collector.paused(freeze=True):  # torch's modules live as long as the agent
         import torch.distributed.launcher.api as launcher
         from torch.distributed.run import main as torchrun

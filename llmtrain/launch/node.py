@@ -187,7 +187,7 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     report_forged_to(events)
     off = warm_off_reason(cfg, lc, worker_env(cfg, lc, host))
     if off:  # said once, here; the workers then go cold without saying it again
-        print(f"llmtrain launch: warm recovery is off: {off}", file=sys.stderr, flush=True)
+        log.warning("llmtrain launch: warm recovery is off: %s", off)
         events.emit("warm_path_off", host=host, reason=off)
         cfg.warm.enable = False
         train_args = [*train_args, "--warm.enable", "false"]

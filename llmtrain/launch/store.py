@@ -13,15 +13,17 @@ node died with it), no launcher needs the store, and ``--exit-when-unused`` ends
 from __future__ import annotations
 
 import datetime
+import logging
 import signal
 import socket
-import sys
 import threading
 import time
 
 import torch.distributed as dist
 
 from llmtrain.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 LEASES = "llmtrain/leases"
 LEASE_BEAT_S = 2.0
@@ -74,8 +76,8 @@ def serve_store(host: str, port: int, exit_when_unused: bool = False,
                   flush=True)
             break
         if not leases.taken and time.monotonic() - started > first_within_s:
-            print(f"llmtrain rdzv-store: no llmtrain launch came within {first_within_s:g} s; "
-                  f"exiting (check the nodes' logs)", file=sys.stderr, flush=True)
+            log.error("llmtrain rdzv-store: no llmtrain launch came within %g s; exiting "
+                      "(check the nodes' logs)", first_within_s)
             return 1
     del store
     return 0

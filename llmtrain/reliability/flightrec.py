@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import pickle
 import posixpath
 import re
-import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,6 +42,8 @@ from typing import Any
 import fsspec
 
 from llmtrain.fsio import join, write_atomic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -532,7 +534,7 @@ def load_dumps(url: str) -> dict[int, dict[str, Any]]:
             try:
                 dump = _DataOnly(io.BytesIO(raw)).load()  # PyTorch's own format
             except _Refused as e:
-                print(f"llmtrain: refused {path}: {e}", file=sys.stderr)
+                log.warning("llmtrain: refused %s: %s", path, e)
                 continue
             except Exception:  # noqa: BLE001 - not a dump at all
                 continue
@@ -542,12 +544,12 @@ def load_dumps(url: str) -> dict[int, dict[str, Any]]:
         if rank is None:
             match = _RANK_IN_NAME.search(name)
             if not match:
-                print(f"llmtrain: skipped {path}: no rank in the dump or at the end of its "
-                      f"name", file=sys.stderr)
+                log.warning("llmtrain: skipped %s: no rank in the dump or at the end of its "
+                            "name", path)
                 continue
             rank = int(match.group(1))
         if int(rank) in dumps:
-            print(f"llmtrain: skipped {path}: a second dump of rank {rank}", file=sys.stderr)
+            log.warning("llmtrain: skipped %s: a second dump of rank %s", path, rank)
             continue
         dumps[int(rank)] = dump
     return dumps

@@ -273,8 +273,8 @@ class Watchdog:
                 self._tick()
             except Exception as e:  # the store itself may be gone; keep watching
                 self._store_out = True
-                print(f"llmtrain watchdog (rank {self.rank}): {type(e).__name__}: {e}",
-                      file=sys.stderr, flush=True)
+                log.warning("llmtrain watchdog (rank %s): %s: %s", self.rank,
+                            type(e).__name__, e)
 
     def _tick(self) -> None:
         began = time.monotonic()
@@ -419,8 +419,8 @@ class Watchdog:
                 self.events.emit("straggler", straggler_rank=r, host=beat.get("host"),
                                  slowdown=top[r], collectives=scores.collectives,
                                  step=beat["step"])
-                print(f"llmtrain watchdog: rank {r} on {beat.get('host')} is a straggler, "
-                      f"{top[r]:.1f}x slower than the others", file=sys.stderr, flush=True)
+                log.warning("llmtrain watchdog: rank %s on %s is a straggler, %.1fx slower "
+                            "than the others", r, beat.get("host"), top[r])
 
     # -- hangs ------------------------------------------------------------------------
 
@@ -527,8 +527,8 @@ class Watchdog:
                          culprits=report.culprits, collective=report.collective,
                          report=join(url, "report.md"), timeout_s=self.timeout,
                          detected_after_s=detected_after, reported_after_s=reported_after)
-        print(f"llmtrain watchdog: {event['reason']}\n  verdict: {report.verdict}\n"
-              f"  report: {join(url, 'report.md')}", file=sys.stderr, flush=True)
+        log.error("llmtrain watchdog: %s\n  verdict: %s\n  report: %s", event["reason"],
+                  report.verdict, join(url, "report.md"))
         return report.culprits
 
 

@@ -15,6 +15,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from llmtrain import events
 from llmtrain.events import EventLog, EventTail, read_events
+from logs import logged
 
 
 def line(ts: float, step: int) -> bytes:
@@ -94,7 +95,7 @@ def test_object_store_segments_grow_then_roll_over_and_are_followed(monkeypatch)
         fs.rm(run_dir.removeprefix("memory://"), recursive=True)
 
 
-def test_a_failed_upload_is_retried_and_said_once(monkeypatch, capsys):
+def test_a_failed_upload_is_retried_and_said_once(monkeypatch):
     fs, errors = fsspec.filesystem("memory"), [OSError("503 Slow Down")] * 3
     pipe_file = type(fs).pipe_file
 
@@ -108,13 +109,14 @@ def test_a_failed_upload_is_retried_and_said_once(monkeypatch, capsys):
     run_dir = f"memory://runs/{uuid.uuid4().hex}"
     log, tail, seen = EventLog(run_dir, rank=0), EventTail(run_dir), []
     try:
-        log.emit("tick")
-        deadline = time.monotonic() + 10
-        while not seen and time.monotonic() < deadline:
-            seen += tail.read()
-        log.close()
+        with logged() as said:
+            log.emit("tick")
+            deadline = time.monotonic() + 10
+            while not seen and time.monotonic() < deadline:
+                seen += tail.read()
+            log.close()
         assert [e["event"] for e in seen] == ["tick"] and not errors
-        assert capsys.readouterr().err.count("503 Slow Down") == 1
+        assert "\n".join(said).count("503 Slow Down") == 1, said
     finally:
         fs.rm(run_dir.removeprefix("memory://"), recursive=True)
 

@@ -5,6 +5,7 @@ import torch
 
 from llmtrain import fault_points
 from llmtrain.chaos.faults import Fault, collective_device
+from logs import logged
 
 
 @pytest.fixture(autouse=True)
@@ -13,26 +14,31 @@ def disarm():
     fault_points._injector = None
 
 
-def test_environment_alone_arms_nothing_and_says_so(monkeypatch, capsys):
+def test_environment_alone_arms_nothing_and_says_so(monkeypatch):
     monkeypatch.setenv("LLMTRAIN_FAULTS", "kill@step:rank=0,step=1")
     monkeypatch.setenv("LLMTRAIN_FAULTS_FILE", "/tmp/faults.txt")
-    fault_points.install("", rank=0)
+    with logged() as said:
+        fault_points.install("", rank=0)
     assert fault_points._injector is None
     fault_points.point("step", 1)  # would SIGKILL this process if armed
-    err = capsys.readouterr().err
-    assert "ignoring $LLMTRAIN_FAULTS and $LLMTRAIN_FAULTS_FILE" in err
-    assert 'reliability.faults = "env"' in err
+    (warning,) = said
+    assert warning.startswith("llmtrain: warning: ignoring $LLMTRAIN_FAULTS and "
+                              "$LLMTRAIN_FAULTS_FILE")
+    assert 'reliability.faults = "env"' in warning
 
-    fault_points.install("hang@step:rank=1,step=3", rank=0)  # the config's own, only
+    with logged() as said:
+        fault_points.install("hang@step:rank=1,step=3", rank=0)  # the config's own, only
     assert fault_points._injector.faults == [Fault("hang", "step", rank=1, step=3)]
     assert fault_points._injector.faults_file is None
-    assert "ignoring $LLMTRAIN_FAULTS " in capsys.readouterr().err
+    assert "ignoring $LLMTRAIN_FAULTS " in said[0]
 
 
 def test_config_env_takes_the_faults_from_the_environment(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("LLMTRAIN_FAULTS", "kill@step:rank=1,step=7")
     monkeypatch.setenv("LLMTRAIN_FAULTS_FILE", str(tmp_path / "faults.txt"))
-    fault_points.install("env", rank=0)
+    with logged() as said:
+        fault_points.install("env", rank=0)
+    assert said == []
     injector = fault_points._injector
     assert injector.faults == [Fault("kill", "step", rank=1, step=7)]
     (tmp_path / "faults.txt").write_text("hang@step:rank=0,id=late\n")
@@ -43,10 +49,11 @@ def test_config_env_takes_the_faults_from_the_environment(monkeypatch, capsys, t
 def test_nothing_set_nothing_armed_nothing_said(monkeypatch, capsys):
     monkeypatch.delenv("LLMTRAIN_FAULTS", raising=False)
     monkeypatch.delenv("LLMTRAIN_FAULTS_FILE", raising=False)
-    for spec in ("", "env"):
-        fault_points.install(spec, rank=0)
-        assert fault_points._injector is None
-    assert capsys.readouterr().err == ""
+    with logged() as said:
+        for spec in ("", "env"):
+            fault_points.install(spec, rank=0)
+            assert fault_points._injector is None
+    assert capsys.readouterr().err == "" and said == []
 
 
 def test_desync_tensors_live_where_the_groups_backend_takes_them(monkeypatch):

@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from logs import logged
 from nvml_states import node, write_script
 from llmtrain.cli import main
 from llmtrain.config import ConfigError, HealthConfig
@@ -310,7 +311,7 @@ def test_monitor_sees_an_xid_event_and_reports_changes_once(tmp_path):
         monitor.close()
 
 
-def test_monitor_without_xid_events_reads_the_kernel_log(tmp_path, capsys):
+def test_monitor_without_xid_events_reads_the_kernel_log(tmp_path):
     """Under MIG or vGPU NVML refuses event registration: the monitor starts anyway and
     reads XIDs from the kernel log at each pass."""
     path = tmp_path / "gpus.json"
@@ -320,10 +321,11 @@ def test_monitor_without_xid_events_reads_the_kernel_log(tmp_path, capsys):
     checker = HealthChecker(HealthConfig(), Backend(ScriptedNVML(str(path), HOST), "scripted"),
                             host=HOST)
     monitor = HealthMonitor(checker, [1], interval_s=3600, node_checks=False, events=_Events())
-    monitor.start()
+    with logged() as said:
+        monitor.start()
     try:
         assert checker.event_set is None and monitor.fatal is None
-        assert "XID events unavailable" in capsys.readouterr().err
+        assert "XID events unavailable" in "\n".join(said), said
         state["kernel_log"] = ["NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=python, "
                                "GPU has fallen off the bus."]
         write_script(path, state)

@@ -20,7 +20,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "llmtrain"
 LAYERS = [
     {"collector", "config", "configs", "events", "exit_codes", "fsio", "fault_points",  # foundations
-     "stop_request", "state_registry"},
+     "log", "stop_request", "state_registry"},
     {"model", "optim", "sharded_model", "data", "distributed", "checkpoint", "metrics", "reliability",  # components
      "recovery", "control"},
     {"trainer"},

@@ -32,8 +32,8 @@ import json
 import os
 import re
 import socket
+import logging
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -45,6 +45,8 @@ from llmtrain.config import ConfigError, HealthConfig
 from llmtrain.fsio import is_local, probe_writable
 from llmtrain.reliability.health.nvml import UNKNOWN, read_gpu, readings, recovery_name
 from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
+
+log = logging.getLogger(__name__)
 
 SEVERITIES = ("ok", "unknown", "warn", "fatal")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -196,8 +198,8 @@ class HealthChecker:
                 nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(i),
                                               nvml.nvmlEventTypeXidCriticalError, event_set)
         except pynvml.NVMLError as e:
-            print(f"llmtrain health: NVML XID events unavailable ({e}); XIDs are read from "
-                  f"the kernel log at each check instead", file=sys.stderr)
+            log.warning("llmtrain health: NVML XID events unavailable (%s); XIDs are read from "
+                        "the kernel log at each check instead", e)
             return False
         self.event_set = event_set
         return True

@@ -4,7 +4,7 @@ runs it alone."""
 
 from __future__ import annotations
 
-import sys
+import logging
 from dataclasses import asdict
 
 from llmtrain.config import JobConfig
@@ -13,6 +13,8 @@ from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.checks import (Backend, Finding, HealthChecker, open_backend,
                                                 table, to_json)
 from llmtrain.reliability.health.exclusion import exclude_host, excluded_hosts
+
+log = logging.getLogger(__name__)
 
 
 def check_node(cfg: JobConfig, host: str) -> tuple[list[Finding], dict[int, dict], Backend | None]:
@@ -30,9 +32,9 @@ def run_gate(cfg: JobConfig, host: str, as_json: bool = False) -> ExitCode:
     recorded in the run's excluded_hosts.json. Warnings let it join."""
     run_dir = cfg.training.run_dir
     if host in (excluded := excluded_hosts(run_dir)):
-        print(f"llmtrain health: {host} was excluded from this run earlier: "
-              f"{excluded[host]['reason']}; remove it from {run_dir}/excluded_hosts.json "
-              f"once it is repaired", file=sys.stderr)
+        log.error("llmtrain health: %s was excluded from this run earlier: %s; remove it "
+                  "from %s/excluded_hosts.json once it is repaired", host,
+                  excluded[host]["reason"], run_dir)
         return ExitCode.EXCLUDE_NODE
     findings, values, backend = check_node(cfg, host)
     print(to_json(findings, values, backend) if as_json else table(findings))
@@ -44,5 +46,5 @@ def run_gate(cfg: JobConfig, host: str, as_json: bool = False) -> ExitCode:
     events = EventLog(run_dir, rank=None)
     events.emit("node_excluded", host=host, reason=reason, source="gate")
     events.close()
-    print(f"llmtrain health: {host} excluded from the run: {reason}", file=sys.stderr)
+    log.error("llmtrain health: %s excluded from the run: %s", host, reason)
     return ExitCode.EXCLUDE_NODE

@@ -3,14 +3,16 @@ re-checked every ``health.interval_s`` and on NVML XID events while the job runs
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 from dataclasses import asdict, replace
 from typing import Callable
 
 from llmtrain.config import HealthConfig
 from llmtrain.reliability.health.checks import Backend, Finding, HealthChecker, open_backend
+
+log = logging.getLogger(__name__)
 
 
 class HealthMonitor:
@@ -41,7 +43,7 @@ class HealthMonitor:
             try:
                 self.check()
             except Exception as e:  # noqa: BLE001 - a broken check must not kill training
-                print(f"llmtrain health: check failed: {type(e).__name__}: {e}", file=sys.stderr)
+                log.warning("llmtrain health: check failed: %s: %s", type(e).__name__, e)
 
     def check(self) -> list[Finding]:
         findings, values = (self.checker.gpus(self.gpus) if self.gpus and self.checker.backend
@@ -56,7 +58,7 @@ class HealthMonitor:
             self.last[key] = f.severity
             if f.severity == "fatal" and self.fatal is None:
                 self.fatal = f
-                print(f"llmtrain health: {f.sentence()}", file=sys.stderr, flush=True)
+                log.error("llmtrain health: %s", f.sentence())
         if self.on_pass is not None:
             self.on_pass(findings, values)
         return findings
