@@ -15,7 +15,8 @@ def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optim
     # Norm gains and other vectors are not decayed: shrinking them only hurts.
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    # Fused: one kernel per step, and it takes the integrity verdict as ``found_inf``.
+    # Fused: one kernel per step, and it takes the integrity verdict as ``found_inf``, with
+    # no host sync (any optimizer trains and restores: reliability.integrity.optimizer_step).
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
 
 

@@ -6,8 +6,9 @@ restore (:mod:`llmtrain.recovery.coordinator`) all serialize this one registry, 
 resume from storage and a warm restore from memory restore the same things: adding an
 item here adds it to both.
 
-Two kinds of state. The model's parameters and the optimizer's moments are sharded
-tensors, large, held by ``model`` and ``optimizer`` (DCP saves and reshards them; a
+Two kinds of state. The model's parameters and the optimizer's state (any optimizer's:
+moments, momentum, step counts) are sharded tensors, large, held by ``model`` and
+``optimizer``, listed once, by :func:`state_entries` (DCP saves and reshards them; a
 snapshot copies this rank's shards). Everything else is a small :class:`Stateful` item of
 plain values: the LR schedule, the data position, the integrity window, the RNGs. An item
 is either the same on every rank (saved once, as JSON) or ``per_rank`` (saved by each rank
@@ -61,17 +62,15 @@ class StateRegistry:
                              f"already (or the name is reserved)")
         self.items[item.name] = item
 
+    def entries(self) -> list[torch.Tensor]:
+        """Every tensor a failure must not lose, as the model and optimizer hold them
+        (:func:`state_entries`): what a snapshot copies and restores, a reshard moves, and
+        the check before a save fingerprints."""
+        return state_entries(self.model, self.optimizer)
+
     def tensors(self) -> list[torch.Tensor]:
-        """This rank's share of every tensor a checkpoint saves: the parameters, then each
-        parameter's optimizer state (its moments: two thirds of the state) by key, in
-        parameter order, the same on every rank."""
-        out = [local_shard(p.detach()) for p in self.model.parameters()]
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p, {})
-                out += [local_shard(state[k]) for k in sorted(state)
-                        if isinstance(state[k], torch.Tensor)]
-        return out
+        """This rank's share of :meth:`entries` (:func:`state_tensors`)."""
+        return state_tensors(self.model, self.optimizer)
 
     def shared(self) -> dict:
         """Every item that is the same on all ranks: {name: its state}."""
@@ -141,9 +140,104 @@ class RngState:
                                      self.device)
 
 
+def state_entries(model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The training state's tensors, the one list of them: the parameters (DTensors where
+    sharded), then each parameter's optimizer state tensors by key (AdamW's: exp_avg,
+    exp_avg_sq, step; SGD's momentum_buffer; Adafactor's col_var, row_var, step or
+    variance), in parameter order, the same on every rank and every rebuild. State that
+    is no tensor (a None momentum buffer) is left out. An optimizer that has not stepped
+    yet has its state created first (:func:`materialize`), to be restored or read into:
+    a snapshot, a reshard and a load need the tensors to exist."""
+    materialize(optimizer)
+    out = [p.detach() for p in model.parameters()]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            out += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    return out
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  extra: list[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """This rank's share of the training state (:func:`state_entries`' local shards:
+    what a snapshot's buffer holds, in order), then ``extra``."""
+    return [local_shard(t) for t in state_entries(model, optimizer)] + list(extra)
+
+
+def materialize(optimizer: torch.optim.Optimizer) -> None:
+    """Creates the state of every parameter ``optimizer`` has not stepped yet (a freshly
+    built one's: all of them) as the optimizer itself creates it, whatever the optimizer:
+    one step of those parameters alone, with zero gradients, learning rate and weight
+    decay 0, after which their values are put back bit for bit and each ``step`` count
+    set to 0 again (an optimizer may move them even at lr 0). Parameters with state, and
+    those that take no gradient, are left alone; the gradients and hyperparameters are
+    put back.
+
+    torch's ``_init_optim_state`` (what ``get_state_dict`` calls) is the same step, but
+    for the whole optimizer only, and it leaves state that training would go on from
+    wrongly: every step count at 1 (Adam's bias correction then runs a step ahead), and
+    with weight decay that adds to the gradient (Adam's, SGD's) moments of ``wd * p``;
+    and it creates nothing where any parameter has a gradient. Here the state is the
+    optimizer's own first: zeros for Adam's, AdamW's and Adafactor's moments and SGD's
+    momentum, Adagrad's initial sum; so training on from it is training from scratch, bit
+    for bit (tests/unit/test_any_optimizer.py; RAdam, Adamax, RMSprop and Adadelta too).
+    An optimizer whose state after one zero step is not its initial one (NAdam's
+    mu_product, ASGD's eta, Rprop's step sizes; SGD with dampening, whose first step takes
+    a momentum buffer that exists for a later one's) gets tensors of the right layout to
+    be restored or loaded into, which is what they are made for. A
+    parameter the optimizer keeps no state for (SGD without momentum) is recorded with
+    an empty one, so that it is not stepped again. The step reads neither ``found_inf``
+    nor ``grad_scale``: a verdict left on the optimizer would leave fused SGD's momentum
+    uninitialized."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [p for p in params if p.requires_grad and p not in optimizer.state]
+    if not missing:
+        return
+    grads = [p.grad for p in params]
+    with torch.no_grad():
+        values = [p.detach().clone() for p in missing]
+    hyper = [(g, {k: g[k] for k in ("lr", "weight_decay") if k in g})
+             for g in optimizer.param_groups]
+    verdicts = {a: optimizer.__dict__.pop(a) for a in ("found_inf", "grad_scale")
+                if a in optimizer.__dict__}
+    try:
+        for p in params:
+            p.grad = None
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        for group, saved in hyper:
+            group.update({k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0.0
+                          for k, v in saved.items()})
+        optimizer.step()
+        for p in missing:
+            state = optimizer.state[p]  # created empty where the optimizer keeps none
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                state["step"] = type(step)(0)
+    except BaseException:
+        for p in missing:  # half made: made again by the next call, if it can be
+            optimizer.state.pop(p, None)
+        raise
+    finally:
+        for group, saved in hyper:
+            group.update(saved)
+        optimizer.__dict__.update(verdicts)
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        with torch.no_grad():
+            for p, value in zip(missing, values):
+                p.detach().copy_(value)
+
+
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; a plain tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's shard of a DTensor, the local tensor itself; a plain tensor as it is.
+    Not ``to_local()``: with grad mode on, that wraps the shard anew at each call, in an
+    autograd view, so that neither identity (what staging and the in-place load key
+    their caches on) nor the cost of a plain attribute read would hold."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _as_bytes(generator_state: torch.Tensor) -> bytes:

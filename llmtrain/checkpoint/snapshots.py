@@ -10,9 +10,11 @@ The interval is ``warm.snapshot_every`` steps, stretched where snapshots would t
 than ``warm.snapshot_budget`` of the training time (:class:`Schedule`): every step on a
 node with cores to spare, every few where the replication competes with training for them.
 
-A snapshot is one flat byte buffer (this rank's model and optimizer shards) plus a small
-JSON header (the step, every other item of the run's state registry, the buffer's layout
-and a checksum of the bytes and the rest of the header, :mod:`llmtrain.checkpoint.checksum`).
+A snapshot is one flat byte buffer (this rank's model and optimizer shards, any
+optimizer's, in the order of the registry's one list of them,
+:func:`llmtrain.state_registry.state_tensors`) plus a small JSON header (the step, every
+other item of the run's state registry, the buffer's layout and a checksum of the bytes
+and the rest of the header, :mod:`llmtrain.checkpoint.checksum`).
 Nothing is pickled: a replica from a peer is data, never code. Buffers are reused: two
 slots of our own, two of our ward's (the rank whose buddy we are). The copy runs on the
 training thread (a memcpy; from a GPU, into pinned memory on a side stream); the checksum
@@ -45,45 +47,14 @@ import torch.distributed as dist
 from llmtrain import fault_points
 from llmtrain.checkpoint import checksum
 from llmtrain.events import EventLog
-from llmtrain.state_registry import local_shard
+# the state's one list, defined by the registry; imported from here too
+from llmtrain.state_registry import state_entries, state_tensors  # noqa: F401
 
 _ALIGN = 64
 
 
 class SnapshotError(RuntimeError):
     """A snapshot that cannot be used: missing, or failing its checksum."""
-
-
-def state_entries(model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The training state's tensors as the model holds them (DTensors where sharded), in
-    an order every rebuild repeats: parameters, then each parameter's optimizer state by
-    key. Missing optimizer state (a freshly built optimizer) is created, zeroed, to be
-    copied into."""
-    tensors = [p.data for p in model.parameters()]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer_state(optimizer, p)
-            tensors += [state[k] for k in sorted(state)]
-    return tensors
-
-
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  extra: list[torch.Tensor]) -> list[torch.Tensor]:
-    """This rank's share of the training state (:func:`state_entries`' local shards),
-    then ``extra``."""
-    return [local_shard(t) for t in state_entries(model, optimizer)] + extra
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
-    """``optimizer.state[p]``; a freshly built optimizer has none yet, so it is created,
-    zeroed, as fused AdamW creates it at its first step, to be copied or read into."""
-    state = optimizer.state[p]
-    if not state:
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
 
 
 def _layout(tensors: list[torch.Tensor]) -> list[list]:

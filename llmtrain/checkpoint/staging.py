@@ -41,6 +41,8 @@ import torch.cuda._pin_memory_utils as pin_memory_utils
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from llmtrain.state_registry import local_shard
+
 # bytes: each buffer starts a page, where a direct write takes its bytes as they lie
 # (llmtrain.checkpoint.direct_io); a few KB more a state than at 64
 _ALIGN = 4096
@@ -206,12 +208,6 @@ def _staging_thread(device: int | None, nice: int) -> None:
     lower_priority(nice)
     if device is not None:
         torch.cuda.set_device(device)
-
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard itself (``to_local`` wraps a parameter's anew each call),
-    or ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _host_buffers(state_dict: dict, *, pin: bool, share: bool) -> dict:

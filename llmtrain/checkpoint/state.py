@@ -23,10 +23,8 @@ from llmtrain import collector
 from llmtrain.checkpoint.shards import (DamagedCheckpoint, InPlace, LiveShards,
                                        PlainObjectsPlanner, ShardReader, plan_in_place,
                                        read_in_place, read_objects, stored_object)
-from llmtrain.checkpoint.snapshots import optimizer_state, state_tensors
-from llmtrain.checkpoint.staging import local_shard
 from llmtrain.model import global_offset, unwrapped_name
-from llmtrain.state_registry import StateRegistry
+from llmtrain.state_registry import StateRegistry, local_shard, materialize, state_tensors
 
 
 class TrainState:
@@ -68,10 +66,9 @@ class TrainState:
         if kept is None or kept.model is not self.model or not _same_objects(
                 kept.live, _live_objects(self.optimizer, kept.buffers)):
             self._kept = None
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            model_sd, optim_sd = _get_state_dict(self.model, self.optimizer)
             if not _shares_storage([model_sd, optim_sd["state"]], self.model, self.optimizer):
                 return model_sd, optim_sd  # copies of the state: they would go stale
-            # (get_state_dict creates a fresh optimizer's state)
             buffers = _state_buffers(self.model)
             kept = self._kept = _Kept(self.model, buffers,
                                       _live_objects(self.optimizer, buffers), model_sd, optim_sd)
@@ -198,6 +195,7 @@ class TrainState:
         Naming and placing about 300 tensors was a third of a 2-rank load's Python here.
         (The optimizer holds every parameter: the trainer builds it over all of them.)"""
         opt = self.optimizer
+        materialize(opt)  # a fresh optimizer's state, to be read into
         live = list(map(local_shard, _live_objects(opt, [])))
         mapped = self._mapped
         if mapped is None or not _same_objects(mapped[0], live):
@@ -220,7 +218,7 @@ class TrainState:
         or ``torch.load(weights_only=False)``. Tensors are read straight into the live
         parameters and optimizer state where the state dict shares their memory
         (``set_state_dict``, which would copy each onto itself, runs only where not)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = _get_state_dict(self.model, self.optimizer)
         in_place = _shares_storage([model_sd, optim_sd["state"]], self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd, **{k: io.BytesIO() for k in objects}}
         _load_state_dict(state, storage_reader=reader, planner=PlainObjectsPlanner(),
@@ -271,7 +269,8 @@ def _same_objects(a: list, b: list) -> bool:
 def _live_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
     """{(checkpoint FQN, global offset of this rank's shard): the shard's live tensor} for
     every parameter and optimizer state tensor, as :meth:`TrainState.state_dict` saves
-    them; None where the optimizer holds state that is not a tensor."""
+    them (a fresh optimizer's state created by the caller); None where the optimizer
+    holds state that is not a tensor."""
     offsets: dict = {}  # parameters of one shape share their shard's place
 
     def shard(t: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
@@ -290,12 +289,20 @@ def _live_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
             out[(f"model.{fqn}", offset)] = local
         for group in optimizer.param_groups:
             for p in group["params"]:
-                for k, v in optimizer_state(optimizer, p).items():
+                for k, v in optimizer.state.get(p, {}).items():
                     if not isinstance(v, torch.Tensor):
                         return None
                     offset, local = shard(v)
                     out[(f"optim.state.{names[p]}.{k}", offset)] = local
     return out
+
+
+def _get_state_dict(model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``get_state_dict``, a fresh optimizer's state created first as the snapshots' is
+    (:func:`materialize`): torch's own creation would leave its step counts at 1."""
+    materialize(optimizer)
+    return get_state_dict(model, optimizer)
 
 
 def _address(t: torch.Tensor) -> int | None:
@@ -313,6 +320,6 @@ def _shares_storage(state, model: torch.nn.Module, optimizer: torch.optim.Optimi
     """True when every tensor in ``state`` is backed by the memory of a live parameter,
     buffer or optimizer state tensor: then loading into ``state`` loads into them."""
     with torch.no_grad():  # DTensor.to_local is then the shard itself, not an autograd view
-        live = {_address(t) for t in [*state_tensors(model, optimizer, []), *model.buffers()]}
+        live = {_address(t) for t in [*state_tensors(model, optimizer), *model.buffers()]}
         found = [_address(t) for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
     return bool(found) and None not in found and all(a in live for a in found)

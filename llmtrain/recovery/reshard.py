@@ -19,9 +19,10 @@ checksum first, and this closes the gap in between.
 
 Which rank sends an old shard to a rank that lacks it is a pure function of the plan
 (``providers``): every rank computes the same sends and receives without asking. A
-newcomer (a grow's spare) holds nothing: it also receives the unsharded tensors (AdamW's
-step count) whole, and rank 0's header, whose shared items (the data position, the
-schedule) it loads; its own RNGs stay as built, as a cold restart's new rank's do.
+newcomer (a grow's spare) holds nothing: it also receives the unsharded tensors (the
+optimizer's step counts) whole, and rank 0's header, whose shared items (the data
+position, the schedule) it loads; its own RNGs stay as built, as a cold restart's new
+rank's do.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def plan_moves(rank: int, rows: list[int | None], providers: dict[int, int], old
 def reshard(held: dict[int, Snapshot], providers: dict[int, int], old: Mesh, new: Mesh,
             live: list[torch.Tensor], own: int | None, group: dist.ProcessGroup,
             newcomers: frozenset[int] = frozenset()) -> dict:
-    """Fills ``live`` (this rank's state at the new mesh: :func:`state_entries`' tensors)
+    """Fills ``live`` (this rank's state at the new mesh: the tensors of
+    :func:`llmtrain.state_registry.state_entries`, any optimizer's)
     from the old mesh's snapshots, held across the new group's ranks as ``providers`` says
     (``held``: the verified ones in this rank's memory, by old rank; ``own``: this rank's
     old rank, whose unsharded tensors and header it keeps, None for a newcomer). Returns

@@ -5,8 +5,10 @@ Every step, on the device and without a host sync, the step is *judged*: each ra
 goes into one small all-reduce (so every rank holds every rank's loss and all judge
 alike); the step is non-finite when a loss or the global gradient norm is inf/NaN, and a
 spike when the global loss lies ``spike_z`` robust deviations (MAD) above the median of
-the last ``spike_window`` applied losses. A judged step is not applied: the verdict is the
-fused AdamW's ``found_inf``, which leaves weights, moments and step count as they were.
+the last ``spike_window`` applied losses. A judged step is not applied
+(:func:`optimizer_step`): a fused optimizer takes the verdict as its ``found_inf``, which
+leaves weights, moments and step count as they were, with no host sync; any other has
+the verdict read on the host, and its step is not taken.
 
 The verdicts are read on the host only where the loop reads values anyway (a report, a
 save, a state check), become events naming the step, the ranks and the samples, and a
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -106,6 +109,58 @@ def learned_skips(run_dir: str) -> set[int]:
     return set(found[0])
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, verdict: torch.Tensor | None) -> None:
+    """Takes ``optimizer``'s step unless ``verdict`` (:meth:`Integrity.judge`'s: 1.0 for a
+    bad step; None when integrity is off) says not to; a step not taken leaves the
+    parameters and the optimizer's state as they were, bit for bit.
+
+    An optimizer that takes the verdict as its ``found_inf`` (those whose
+    ``_step_supports_amp_scaling`` says so, as ``GradScaler`` asks: fused Adam, AdamW, SGD
+    and Adagrad in torch 2.13) skips on the device, with no host sync: its kernel leaves
+    parameters and state, and takes back the step count it added. Every other one
+    (foreach or for-loop Adam, AdamW and SGD, Adafactor, ...) refuses a ``found_inf`` or
+    ignores it, so its verdict is read on the host: one sync, which waits for the step's
+    forward and backward to finish, and the step is not called at all.
+
+    A fused step that would create a parameter's state is decided on the host too: under
+    ``found_inf`` fused SGD keeps a new momentum buffer as ``torch.empty_like`` made it,
+    garbage the next step would take for momentum. That is the first step of each
+    parameter without state (a fresh optimizer's first, once: a restored or loaded one
+    has its state)."""
+    if verdict is None:
+        optimizer.step()
+        return
+    stepping = [p for group in optimizer.param_groups for p in group["params"]
+                if p.grad is not None]
+    if getattr(optimizer, "_step_supports_amp_scaling", False) \
+            and _all_stepped(optimizer, stepping):
+        optimizer.found_inf = verdict
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        return
+    if verdict.item() != 0:  # the host sync
+        return
+    optimizer.step()
+    _STEPPED.setdefault(optimizer, set()).update(map(id, stepping))
+
+
+# each optimizer's parameters (ids) that have their state: stepped once, or restored
+_STEPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _all_stepped(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
+    """Whether a step of ``params`` creates no state: each has been stepped by
+    :func:`optimizer_step` (an optimizer that keeps none for it has none to create), or
+    has state (a restore's, a load's)."""
+    seen = _STEPPED.setdefault(optimizer, set())
+    if all(id(p) in seen for p in params):
+        return True
+    seen.update(id(p) for p in params if optimizer.state.get(p))
+    return all(id(p) in seen for p in params)
+
+
 class Integrity:
     """Judges steps and checks the state for one rank; every rank decides alike.
 
@@ -145,8 +200,8 @@ class Integrity:
 
     def judge(self, step: int, local_loss: torch.Tensor,
               grad_norm: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's verdict as the optimizer's ``found_inf`` (1.0: do not apply), or
-        None when integrity is off. Costs one all-reduce of ``world_size`` floats."""
+        """The step's verdict for :func:`optimizer_step` (1.0: do not apply), or None
+        when integrity is off. Costs one all-reduce of ``world_size`` floats."""
         if not self.cfg.enable:
             return None
         losses = torch.zeros(self.world, device=self.device)

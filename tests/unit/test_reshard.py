@@ -6,6 +6,7 @@ what DCP's own resharding load of the same step gives."""
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -20,7 +21,11 @@ from llmtrain.recovery.reshard import Mesh, plan_moves, reshard
 from llmtrain.state_registry import local_shard
 
 
-def _model(world: int, seed: int):
+_OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+               "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}
+
+
+def _model(world: int, seed: int, kind: str):
     """Rows that no world size here divides evenly, and a tensor with fewer rows than
     ranks (an empty shard at 3)."""
     torch.manual_seed(seed)
@@ -28,14 +33,14 @@ def _model(world: int, seed: int):
     mesh = init_device_mesh("cpu", (world,))
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, _OPTIMIZERS[kind](model.parameters())
 
 
-def _worker(rank: int, tmp: str) -> None:
+def _worker(rank: int, tmp: str, kind: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store3", 3), rank=rank,
                             world_size=3)
-    model, optimizer = _model(3, seed=0)
+    model, optimizer = _model(3, seed=0, kind=kind)
     torch.manual_seed(10 + rank)
     model(torch.randn(4, 8)).square().sum().backward()
     optimizer.step()
@@ -58,10 +63,10 @@ def _worker(rank: int, tmp: str) -> None:
         snap.verify()
     dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store2", 2), rank=rank,
                             world_size=2)
-    model, optimizer = _model(2, seed=1)  # other values: each must be overwritten
+    model, optimizer = _model(2, seed=1, kind=kind)  # other values: each must be overwritten
     header = reshard(held, {0: 0, 1: 1, 2: 0}, Mesh(1, 3), Mesh(1, 2),
                      state_entries(model, optimizer), own=rank, group=dist.group.WORLD)
-    reference, ref_optimizer = _model(2, seed=2)
+    reference, ref_optimizer = _model(2, seed=2, kind=kind)
     state = dict(zip(("model", "optim"), get_state_dict(reference, ref_optimizer)))
     dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
     set_state_dict(reference, ref_optimizer, model_state_dict=state["model"],
@@ -75,12 +80,15 @@ def _worker(rank: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_reshard_from_memory_equals_dcps_resharding_load(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path),), nprocs=3)
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_a_reshard_from_memory_equals_dcps_resharding_load(tmp_path, kind):
+    """Any optimizer's state: AdamW's step and moments, SGD's momentum."""
+    mp.spawn(_worker, args=(str(tmp_path), kind), nprocs=3)
+    per_param = {"adamw": 3, "sgd": 1}[kind]  # step, exp_avg, exp_avg_sq; momentum_buffer
     for rank in (0, 1):
         r = json.load(open(tmp_path / f"result.{rank}"))
         assert r["header_rank"] == rank  # the survivor keeps its own RNGs and position
-        assert r["tensors"] == 4 + 4 * 3 and all(r["equal"]), r  # weights; step, moments
+        assert r["tensors"] == 4 + 4 * per_param and all(r["equal"]), r
     # the new shards are world 2's: 10 rows as 5 + 5, 2 rows as 1 + 1
     assert json.load(open(tmp_path / "result.0"))["rows"][:4] == [[5], [5], [1], [1]]
 

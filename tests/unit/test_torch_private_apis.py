@@ -242,3 +242,18 @@ def test_compile_cache_private_apis():
     assert '"autograd_cache_hit"' in source and '"autograd_cache_miss"' in source
     # an ISA probe already built is not built again (the bundle carries the probes)
     assert "os.path.isfile(output_path)" in inspect.getsource(cpu_vec_isa.VecISA.check_build)
+
+
+def test_fused_optimizers_take_found_inf():
+    """reliability/integrity.py ``optimizer_step`` gives a bad step's verdict to optimizers
+    whose ``_step_supports_amp_scaling`` is set (as ``GradScaler`` does) as their
+    ``found_inf`` attribute, which skips the step and takes its count back; it reads the
+    verdict on the host for the rest."""
+    p = torch.nn.Parameter(torch.ones(3))
+    fused = torch.optim.AdamW([p], lr=0.1, fused=True)
+    assert fused._step_supports_amp_scaling is True
+    assert not getattr(torch.optim.AdamW([p], lr=0.1), "_step_supports_amp_scaling", False)
+    p.grad = torch.ones(3)
+    fused.found_inf = torch.ones(())
+    fused.step()
+    assert torch.equal(p.detach(), torch.ones(3)) and fused.state[p]["step"].item() == 0
