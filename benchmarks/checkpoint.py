@@ -328,7 +328,7 @@ def main() -> None:
     for old in glob.glob(os.path.join(events_dir, f"rank-{os.environ.get('RANK', 0)}.*")):
         os.remove(old)
     trainer = Trainer(cfg)
-    rank, world = trainer.world.rank, trainer.world.world_size
+    rank, world = trainer.session.world.rank, trainer.session.world.world_size
     dist.barrier()
     if rank == 0:
         for old in glob.glob(os.path.join(ckpt_dir, "*")):
@@ -338,12 +338,12 @@ def main() -> None:
     dist.barrier()
     device = trainer.device
     ranks = Ranks()
-    mgr = trainer.checkpoints
+    mgr = trainer.session.checkpoints
     keep_last = cfg.checkpoint.keep_last
     cfg.checkpoint.keep_last = 10**6  # no retention work inside the timed saves
     sync_mgr = CheckpointManager(dataclasses.replace(cfg.checkpoint, mode="sync"), mgr.url,
-                                 manifest_base=mgr.manifest_base, events=trainer.events,
-                                 device=device, control_group=trainer.control_group)
+                                 manifest_base=mgr.manifest_base, events=trainer.session.events,
+                                 device=device, control_group=trainer.session.control_group)
     say = print if rank == 0 else (lambda *a, **k: None)
     params = count_params(cfg.model)
     say(f"checkpoint benchmark: {cfg.model.name} ({cfg.model.dim} dim x {cfg.model.n_layers} "
@@ -354,7 +354,7 @@ def main() -> None:
         loss = None
         for _ in range(n):
             loss = trainer.train_step(trainer.data.next_step())
-            trainer.step += 1
+            trainer.session._step += 1
         if loss is not None:
             global_mean(loss)  # host sync
 
@@ -377,7 +377,7 @@ def main() -> None:
         return save_id[0]
 
     def save_sync() -> float:
-        return ranks.timed(lambda: sync_mgr.save(next_step(), trainer.state))
+        return ranks.timed(lambda: sync_mgr.save(next_step(), trainer.session.state))
 
     def save_async() -> tuple[float, float, float, float]:
         """Staging and writing alone, no training meanwhile: (call s, staging copy s,
@@ -387,7 +387,7 @@ def main() -> None:
         cpu = sum(os.times()[:2])
         start = time.perf_counter()
         async_steps.add(next_step())
-        mgr.save(save_id[0], trainer.state)
+        mgr.save(save_id[0], trainer.session.state)
         returned = time.perf_counter()
         mgr.wait_staged()
         staged = time.perf_counter()
@@ -403,7 +403,7 @@ def main() -> None:
         train(1)
         ranks.barrier()
         start = time.perf_counter()
-        mgr.save(next_step(), trainer.state)
+        mgr.save(next_step(), trainer.session.state)
         called = time.perf_counter() - start
         train(1)
         mgr.wait()
@@ -455,11 +455,11 @@ def main() -> None:
     raw_reads = (lambda: raw_read(mine, buf), lambda: raw_read(mine, whole))
 
     def load() -> None:
-        trainer.state.load(url, threads=cfg.checkpoint.reader_threads)
+        trainer.session.state.load(url, threads=cfg.checkpoint.reader_threads)
         sync_device(device)
 
     def resume() -> None:  # the newest checkpoint, checked and loaded as a restart does it
-        assert mgr.resume(trainer.state) == save_id[0]
+        assert mgr.resume(trainer.session.state) == save_id[0]
         sync_device(device)
 
     # The load's own reads alone, into the live tensors, as its plan lays them out (none
@@ -467,8 +467,8 @@ def main() -> None:
     # and what is the Python around it. The same reads into other memory shaped like the
     # live tensors: one block mapped for them (as the raw read's memory is), and tensors
     # torch allocates now (as the live ones were): what the destination costs.
-    reader = trainer.state._reader(url)
-    plan = trainer.state._in_place(reader, trainer.state._objects(reader))
+    reader = trainer.session.state._reader(url)
+    plan = trainer.session.state._in_place(reader, trainer.session.state._objects(reader))
     elsewhere: dict = {}
     if plan is not None and plan.layout.on_cpu:
         live = plan.layout.targets
@@ -526,10 +526,10 @@ def main() -> None:
             start = time.time()
             step = trainer.step + 1
             loss = trainer.train_step(trainer.data.next_step())
-            trainer.step = step
+            trainer.session._step = step
             if step % log_every == 0:
                 global_mean(loss)
-            trainer.save_or_stop(step)
+            trainer.session._save_or_stop(step)
             steps.append((step, start, time.time()))
         global_mean(loss)
         mgr.wait()  # the last write is in the figures
@@ -537,7 +537,7 @@ def main() -> None:
     warm_step = trainer.step  # the saves before it are the I/O figures'
     if args.saves:  # align so the first timed step saves; re-warm the staging buffers
         train((n - 1 - trainer.step) % n)
-        mgr.save(trainer.step, trainer.state, final=True)
+        mgr.save(trainer.step, trainer.session.state, final=True)
         warm_step = trainer.step
         cfg.checkpoint.interval_steps = n
         ranks.barrier()

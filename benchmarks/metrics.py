@@ -129,15 +129,15 @@ class Scraper:
 def exporter_switch(trainer: Trainer):
     """A function turning the trainer's exporter on or off, as --metrics.prometheus would
     (the health monitor's passes reach the exporter through the reporter)."""
-    reporter = trainer.reporter
+    reporter = trainer.session.reporter
     exporter, off = reporter.exporter, NoExporter()
 
     def switch(on: bool) -> None:
         reporter.exporter = exporter if on else off
-        if on and exporter.observe not in trainer.events.listeners:
-            trainer.events.listeners.append(exporter.observe)
-        if not on and exporter.observe in trainer.events.listeners:
-            trainer.events.listeners.remove(exporter.observe)
+        if on and exporter.observe not in trainer.session.events.listeners:
+            trainer.session.events.listeners.append(exporter.observe)
+        if not on and exporter.observe in trainer.session.events.listeners:
+            trainer.session.events.listeners.remove(exporter.observe)
     return switch
 
 
@@ -186,14 +186,14 @@ def measure(segments: int, steps: int, scrape_every: float, fetches: int,
          "--metrics.prometheus", "true", "--metrics.address", "127.0.0.1",
          "--metrics.port", "0"]))
     trainer = Trainer(cfg)
-    exporter = trainer.reporter.exporter
+    exporter = trainer.session.reporter.exporter
     switch = exporter_switch(trainer)
     scraper = Scraper(f"http://127.0.0.1:{exporter.port}/metrics", scrape_every)
     times: dict[str, list[float]] = {"on": [], "off": []}
     cpu: dict[str, list[float]] = {"on": [], "off": []}
     try:
         def segment(n: int) -> tuple[float, float]:
-            trainer.cfg.training.steps = trainer.step + n
+            trainer.session.settings.steps = trainer.step + n
             start, start_cpu = time.perf_counter(), time.process_time()
             trainer.run()
             return (time.perf_counter() - start) / n, (time.process_time() - start_cpu) / n
@@ -214,7 +214,7 @@ def measure(segments: int, steps: int, scrape_every: float, fetches: int,
         render_ms = median_ms(lambda: generate_latest(exporter.registry), fetches)
 
         def goodput_pass() -> None:  # the periodic (non-final) pass: emits no event
-            trainer.reporter.account()
+            trainer.session.reporter.account()
         goodput_ms = median_ms(goodput_pass, 20)
         step_event = read_events(run_dir, "step")[-1]
         step_done_us = median_ms(lambda: exporter.step_done(trainer.step, 0.1), 2000) * 1e3

@@ -253,16 +253,16 @@ class SnapshotsOnly(NoWarmRecovery):
 
     def maybe_snapshot(self, step: int) -> None:
         if self.snapshots.due(step):
-            take_snapshot(self.snapshots, step, self.trainer.registry)
+            take_snapshot(self.snapshots, step, self.trainer.session.registry)
 
 
 def llmtrain_loop(trainer: Trainer, integrity: bool, snapshots: Snapshots | None = None):
-    recovery = trainer.recovery if snapshots is None else SnapshotsOnly(snapshots, trainer)
+    recovery = trainer.session.recovery if snapshots is None else SnapshotsOnly(snapshots, trainer)
 
     def run(n: int) -> float:
         trainer.cfg.integrity.enable = integrity
-        trainer.recovery = recovery
-        trainer.cfg.training.steps = trainer.step + n
+        trainer.session.recovery = recovery
+        trainer.session.settings.steps = trainer.step + n
         start = time.perf_counter()
         trainer.run()
         return (time.perf_counter() - start) / n
@@ -274,7 +274,7 @@ def baseline(trainer: Trainer, run):
     (a long phase, ended by the trainer's next step), so it neither watches this rank
     four times as closely as a quiet one nor takes the segment for a hang."""
     def declared(n: int) -> float:
-        trainer.watchdog.beat(trainer.step, "baseline", long=True)
+        trainer.session.watchdog.beat(trainer.step, "baseline", long=True)
         return run(n)
     return declared
 
@@ -296,38 +296,38 @@ def main() -> None:
          "--training.steps", str(10**6), "--metrics.log_every", "10", "--checkpoint.enable", "false",
          "--integrity.sdc_every", "10", *rest]))
     trainer = Trainer(cfg)
-    world, rank, device = trainer.world.world_size, trainer.world.rank, trainer.device
+    world, rank, device = trainer.session.world.world_size, trainer.session.world.rank, trainer.device
     dataset = TokenDataset(shard_urls(cfg.data, cfg.training.run_dir), cfg.data.seq_len)
     pin = device.type == "cuda"
     readers = [ReadAhead(dataset, cfg, rank, world, pin) for _ in range(2)]
     other = (rank + 1) % world if world > 1 else None
     w = cfg.warm
     snapshots = Snapshots(Schedule(w.snapshot_every, w.snapshot_budget, w.snapshot_max_every),
-                          rank, buddy=other, ward=other, events=trainer.events,
+                          rank, buddy=other, ward=other, events=trainer.session.events,
                           shares_cores=shares_cores(device, world))
-    snapshots.start(dist.new_group(backend="gloo"), trainer.control_group, trainer.step)
+    snapshots.start(dist.new_group(backend="gloo"), trainer.session.control_group, trainer.step)
     loops = {"llmtrain": llmtrain_loop(trainer, integrity=True),
              "no integrity": llmtrain_loop(trainer, integrity=False),
              "snapshots": llmtrain_loop(trainer, integrity=True, snapshots=snapshots),
-             "bare (FSDP2)": baseline(trainer, bare_loop(cfg, device, trainer.mesh,
+             "bare (FSDP2)": baseline(trainer, bare_loop(cfg, device, trainer.session.mesh,
                                                          readers[0])),
-             "naive (FSDP2)": baseline(trainer, naive_loop(cfg, device, trainer.mesh))}
+             "naive (FSDP2)": baseline(trainer, naive_loop(cfg, device, trainer.session.mesh))}
     if world == 1:  # unsharded replicas on 2+ ranks would need DDP, another baseline
-        loops["bare (no FSDP)"] = baseline(trainer, bare_loop(cfg, device, trainer.mesh,
+        loops["bare (no FSDP)"] = baseline(trainer, bare_loop(cfg, device, trainer.session.mesh,
                                                               readers[1], sharded=False))
     for run in loops.values():
         run(3)  # warm-up: allocator, first-call paths
     # What the checks take, timed where they run (the loop ratio is blurred by noise).
-    checks = [Timed(trainer.integrity, name) for name in ("judge", "read", "check_state")]
+    checks = [Timed(trainer.session.integrity, name) for name in ("judge", "read", "check_state")]
     taking, skipped = Timed(snapshots, "take"), snapshots.skipped
-    judged = trainer.integrity.judged
+    judged = trainer.session.integrity.judged
     times: dict[str, list[float]] = {name: [] for name in loops}
     for k in range(args.segments):
         order = list(loops)
         random.Random(k).shuffle(order)  # the same order on every rank
         for name in order:
             times[name].append(loops[name](args.steps))
-    judged = trainer.integrity.judged - judged
+    judged = trainer.session.integrity.judged - judged
     skipped = snapshots.skipped - skipped
     taken = taking.calls - skipped
     every = args.segments * args.steps / taking.calls  # steps per snapshot

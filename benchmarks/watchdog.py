@@ -39,7 +39,7 @@ def step_time_segments(segments: int, steps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"on": [], "off": []}
 
     def segment(n: int) -> float:
-        trainer.cfg.training.steps = trainer.step + n
+        trainer.session.settings.steps = trainer.step + n
         start = time.perf_counter()
         trainer.run()
         return (time.perf_counter() - start) / n
@@ -48,10 +48,10 @@ def step_time_segments(segments: int, steps: int) -> dict[str, list[float]]:
     for i in range(segments):
         for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
             if mode == "off":
-                trainer.watchdog.close()
+                trainer.session.watchdog.close()
             times[mode].append(segment(steps))
             if mode == "off":
-                trainer.watchdog.start()
+                trainer.session.watchdog.start()
     trainer.close()
     return times
 

@@ -408,26 +408,17 @@ class JobConfig:
 
     @property
     def checkpoint_url(self) -> str:
-        return self.checkpoint.url or f"{self.training.run_dir.rstrip('/')}/checkpoints"
+        return self.settings().checkpoint_url
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(dp_replicate, dp_shard) for ``world_size`` ranks, or ConfigError. One of the two
-        may be -1, the rest: with ``dp_replicate = -1`` a replica keeps its size at any
-        world size, and a job that loses a replica goes on with the others (no resharding)."""
-        p = self.parallelism
-        if 0 in (p.dp_replicate, p.dp_shard) or p.dp_replicate == p.dp_shard == -1:
-            raise ConfigError(
-                f"parallelism.dp_replicate={p.dp_replicate}, parallelism.dp_shard="
-                f"{p.dp_shard}: each must be a count of ranks, or -1 for the rest, and at "
-                f"most one of them -1")
-        replicate = p.dp_replicate if p.dp_replicate != -1 else world_size // p.dp_shard
-        shard = p.dp_shard if p.dp_shard != -1 else world_size // p.dp_replicate
-        if replicate * shard != world_size or not replicate or not shard:
-            raise ConfigError(
-                f"parallelism.dp_replicate={p.dp_replicate} x parallelism.dp_shard="
-                f"{p.dp_shard} does not fit a world of {world_size} ranks: their product "
-                f"must equal the world size (set one of them to -1 to use all the rest)")
-        return replicate, shard
+        """(dp_replicate, dp_shard) for ``world_size`` ranks (:func:`mesh_shape`)."""
+        return mesh_shape(self.parallelism, world_size)
+
+    def settings(self) -> Settings:
+        """The sections the reliability components read: what llmtrain's trainer gives
+        the public API (:class:`llmtrain.api.Session`)."""
+        return Settings(run_dir=self.training.run_dir, steps=self.training.steps,
+                        **{name: getattr(self, name) for name in Settings.SECTIONS})
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step that keep the global batch fixed."""
@@ -460,6 +451,74 @@ class JobConfig:
         if d.source == "embedded" and m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for the byte "
                               f"tokenizer of data.source='embedded': it needs >= 256")
+        self.settings().validate(world_size)
+        self.accumulation_steps(world_size)
+
+
+
+def mesh_shape(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) for ``world_size`` ranks, or ConfigError. One of the two
+    may be -1, the rest: with ``dp_replicate = -1`` a replica keeps its size at any world
+    size, and a job that loses a replica goes on with the others (no resharding)."""
+    if 0 in (p.dp_replicate, p.dp_shard) or p.dp_replicate == p.dp_shard == -1:
+        raise ConfigError(
+            f"parallelism.dp_replicate={p.dp_replicate}, parallelism.dp_shard="
+            f"{p.dp_shard}: each must be a count of ranks, or -1 for the rest, and at "
+            f"most one of them -1")
+    replicate = p.dp_replicate if p.dp_replicate != -1 else world_size // p.dp_shard
+    shard = p.dp_shard if p.dp_shard != -1 else world_size // p.dp_replicate
+    if replicate * shard != world_size or not replicate or not shard:
+        raise ConfigError(
+            f"parallelism.dp_replicate={p.dp_replicate} x parallelism.dp_shard="
+            f"{p.dp_shard} does not fit a world of {world_size} ranks: their product "
+            f"must equal the world size (set one of them to -1 to use all the rest)")
+    return replicate, shard
+
+
+@dataclass
+class Settings:
+    """What llmtrain's reliability needs to know of a run, whatever its loop trains: the
+    run's directory (events, diagnostics, checkpoints unless ``checkpoint.url`` says
+    otherwise), its length in optimizer steps (the last is always saved, and a run that
+    reached it is complete), and one section per component, each as in :class:`JobConfig`
+    (``llmtrain config --reference`` lists every field)."""
+    SECTIONS = ("parallelism", "checkpoint", "control", "reliability", "integrity", "warm",
+                "health", "metrics")
+    run_dir: str
+    steps: int
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    @property
+    def checkpoint_url(self) -> str:
+        return self.checkpoint.url or f"{self.run_dir.rstrip('/')}/checkpoints"
+
+    @classmethod
+    def from_args(cls, args: list[str]) -> Settings:
+        """The settings of a command line as ``llmtrain launch --script`` passes it to a
+        script: ``--config`` (a preset's name or a TOML file; default ``debug_cpu``), then
+        dotted overrides (``--training.run_dir runs/x --warm.enable true``). Raises
+        ConfigError naming a wrong field or value."""
+        args, preset = list(args), "debug_cpu"
+        if "--config" in args:
+            at = args.index("--config")
+            if at + 1 >= len(args):
+                raise ConfigError("--config needs a preset name or a TOML file")
+            preset = args[at + 1]
+            del args[at:at + 2]
+        return load_config(preset, parse_overrides(args)).settings()
+
+    def validate(self, world_size: int = 1) -> None:
+        """The checks that span fields, at ``world_size`` ranks; ConfigError names the
+        field and what to set."""
+        if self.steps < 1:
+            raise ConfigError(f"steps={self.steps}: a run trains at least one step")
         if self.parallelism.backend == "nccl" and self.parallelism.device == "cpu":
             raise ConfigError("parallelism.backend='nccl' needs parallelism.device "
                               "'cuda' or 'auto', not 'cpu'")
@@ -470,9 +529,7 @@ class JobConfig:
                 f"reliability.hang_timeout_s={r.hang_timeout_s}, or the backend aborts "
                 f"before the watchdog can dump and diagnose the hang")
         step_ranges("integrity.skip_steps", self.integrity.skip_steps)
-        self.mesh_shape(world_size)
-        self.accumulation_steps(world_size)
-
+        mesh_shape(self.parallelism, world_size)
 
 def reference_markdown() -> str:
     """Every field of every section as a Markdown reference (``docs/config.md``): the

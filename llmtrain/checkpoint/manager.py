@@ -25,7 +25,6 @@ import logging
 import time
 import traceback
 from concurrent import futures
-from dataclasses import asdict
 from concurrent.futures import Future
 from typing import Callable
 
@@ -42,7 +41,7 @@ from llmtrain.checkpoint import index, storage
 from llmtrain.checkpoint.shards import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
-from llmtrain.config import CheckpointConfig, ConfigError, JobConfig
+from llmtrain.config import CheckpointConfig, ConfigError, Settings
 from llmtrain.events import EventLog
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
@@ -602,18 +601,13 @@ class NoCheckpoints:
         pass
 
 
-def checkpoints_for(cfg: JobConfig, world_size: int, *, events: EventLog, device: torch.device,
-                    control_group: dist.ProcessGroup,
+def checkpoints_for(settings: Settings, *, manifest: dict, events: EventLog,
+                    device: torch.device, control_group: dist.ProcessGroup,
                     fence: Callable[[str], None]) -> CheckpointManager | NoCheckpoints:
-    """The run's checkpoints, each manifest naming the config, the model and the mesh."""
-    if not cfg.checkpoint.enable:
+    """The run's checkpoints, each manifest holding ``manifest`` (what the run trains:
+    its config, model and mesh)."""
+    if not settings.checkpoint.enable:
         return NoCheckpoints()
-    return CheckpointManager(
-        cfg.checkpoint, cfg.checkpoint_url, events=events, device=device,
-        control_group=control_group,
-        manifest_base={"config_digest": cfg.digest(), "model": cfg.model.name,
-                       "model_config": asdict(cfg.model),
-                       # where the tokens came from: an export ships their tokenizer
-                       "data": {"source": cfg.data.source, "path": cfg.data.path},
-                       "mesh": list(cfg.mesh_shape(world_size))},
-        fence=fence)
+    return CheckpointManager(settings.checkpoint, settings.checkpoint_url, events=events,
+                             device=device, control_group=control_group,
+                             manifest_base=manifest, fence=fence)

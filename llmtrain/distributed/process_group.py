@@ -46,18 +46,28 @@ def node_name() -> str:
 
 @dataclass(frozen=True)
 class WorldInfo:
-    """Who this process is in the job, read from torchrun's environment."""
+    """Who this process is in the job, read from torchrun's environment: its rank, the
+    world's size, its place on its node (``local_rank`` of ``local_world_size``) and the
+    node's name; and the node range ``llmtrain launch --nnodes MIN:MAX`` gave (None
+    outside it), which a shrink may not go below and a grow not above."""
     rank: int
     world_size: int
     local_rank: int
     host: str
+    local_world_size: int = 1
+    min_nodes: int | None = None
+    max_nodes: int | None = None
 
     @classmethod
     def from_env(cls) -> "WorldInfo":
+        def count(name: str) -> int | None:
+            return int(os.environ[name]) if name in os.environ else None
         return cls(rank=int(os.environ.get("RANK", 0)),
                    world_size=int(os.environ.get("WORLD_SIZE", 1)),
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                   host=node_name())
+                   host=node_name(),
+                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                   min_nodes=count("LLMTRAIN_MIN_NODES"), max_nodes=count("LLMTRAIN_MAX_NODES"))
 
 
 def free_port() -> int:

@@ -76,6 +76,7 @@ class LaunchConfig:
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 5.0
     monitor_interval_s: float = 1.0
+    script: str = ""              # a training script of the user's (it calls llmtrain.start)
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -95,14 +96,18 @@ def preflight(cfg: JobConfig, lc: LaunchConfig) -> None:
     """Raises ConfigError/ShardError for a config or data that no restart would fix. The
     config must validate at every world size the job may run at, not only its ends: a
     global batch that 2 and 8 ranks divide but 6 do not ends a shrink to 6 FATAL."""
+    # a script of the user's trains its own model on its own data: the settings only
+    check = cfg.settings().validate if lc.script else cfg.validate
     failures = {}
     for world in lc.world_sizes:
         try:
-            cfg.validate(world)
+            check(world)
         except ConfigError as e:
             failures[world] = str(e)
     if failures:
         raise ConfigError(_unfit(cfg, lc, failures))
+    if lc.script:
+        return
     from llmtrain.data import TokenDataset, shard_urls
     TokenDataset(shard_urls(cfg.data, cfg.training.run_dir), cfg.data.seq_len)
 
@@ -116,7 +121,7 @@ def _unfit(cfg: JobConfig, lc: LaunchConfig, failures: dict[int, str]) -> str:
         return reasons.pop()  # wrong at any world size
     first = min(failures)
     fixes = []
-    if any(_fails(cfg.accumulation_steps, w) for w in sizes):
+    if not lc.script and any(_fails(cfg.accumulation_steps, w) for w in sizes):
         per_step = math.lcm(*(cfg.training.micro_batch_size * w for w in sizes))
         fixes.append(f"training.global_batch_size="
                      f"{-(-cfg.training.global_batch_size // per_step) * per_step} "
@@ -159,7 +164,13 @@ def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False
             "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}",
             f"--rdzv-id={lc.rdzv_id}", f"--rdzv-conf={conf}",
             f"--monitor-interval={lc.monitor_interval_s:g}",
-            "-m", "llmtrain", "train", *train_args]
+            *worker_command(lc)[1:], *train_args]
+
+
+def worker_command(lc: LaunchConfig) -> list[str]:
+    """A worker's command, before its arguments: the user's script, or llmtrain's own
+    trainer (``llmtrain train``)."""
+    return [sys.executable, lc.script] if lc.script else [sys.executable, "-m", "llmtrain", "train"]
 
 
 def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
@@ -505,9 +516,10 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     pool = job_namespace(vacancies.store, lc.rdzv_id, reconnect=vacancies.client)
     ready, says_ready = os.pipe()
     # in a session of its own, as torchrun's workers are: an eviction kills its children too
-    spare = subprocess.Popen([sys.executable, "-m", "llmtrain", "spare", *train_args],
+    command = worker_command(lc) if lc.script else [sys.executable, "-m", "llmtrain", "spare"]
+    spare = subprocess.Popen([*command, *train_args],
                              stdin=subprocess.PIPE, text=True, start_new_session=True,
-                             env={**worker_env(cfg, lc, host),
+                             env={**worker_env(cfg, lc, host), "LLMTRAIN_SPARE": "1",  # see llmtrain.start
                                   "LLMTRAIN_SPARE_READY_FD": str(says_ready)},
                              pass_fds=(says_ready,))
     os.close(says_ready)
@@ -610,10 +622,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="", help="this node's name (default: the hostname)")
     p.add_argument("--standby", action="store_true",
                    help="a spare: join only when the job's rendezvous is short of nodes")
+    p.add_argument("--script", default="",
+                   help="run this training script of yours (it calls llmtrain.start; it "
+                        "gets --config and the overrides) instead of llmtrain's trainer")
 
 
 def from_args(args: argparse.Namespace) -> LaunchConfig:
     return LaunchConfig(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                         max_restarts=args.max_restarts, external_store=args.external_store,
-                        host=args.host, standby=args.standby)
+                        host=args.host, standby=args.standby, script=args.script)

@@ -7,19 +7,18 @@ import math
 import os
 import resource
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from llmtrain.config import JobConfig
+from llmtrain.config import Settings
 from llmtrain.distributed.process_group import WorldInfo
 from llmtrain.events import EventLog, EventTail
 from llmtrain.metrics import goodput
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.goodput import GoodputLedger, IntervalAdvice, launch_time
 from llmtrain.metrics.prometheus import Exporter
-from llmtrain.model import count_params, flops_per_token
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 # The first name found in the device's wins: the PCIe and NVL H100s are slower.
@@ -27,14 +26,35 @@ _PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H1
                     "A100": 312e12, "B200": 2250e12}
 
 
-def peak_flops(cfg: JobConfig, device: torch.device) -> float | None:
-    if cfg.metrics.peak_tflops:
-        return cfg.metrics.peak_tflops * 1e12
+@dataclass
+class RunInfo:
+    """What the run's reports say of what it trains: the model's name and parameter
+    count, the tokens (or samples) one optimizer step consumes and the FLOPs each costs
+    (for throughput and MFU; 0: unknown), the samples a step consumes and the
+    micro-batches each rank splits them into (0: unknown), whether the matmuls run in FP8
+    (the device's peak doubles), the settings the ``run_start`` event records, and what
+    each checkpoint's manifest says of the run (its config, model and data). ``name``
+    empty and ``params`` 0: taken from the model once it is built."""
+    name: str = ""  # empty: the model's class name
+    params: int = 0
+    tokens_per_step: int = 0
+    flops_per_token: float = 0.0
+    samples_per_step: int = 0
+    micro_batches: int = 0
+    fp8: bool = False
+    config: dict = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+
+def peak_flops(peak_tflops: float, fp8: bool, device: torch.device) -> float | None:
+    """The device's peak FLOP/s: ``peak_tflops`` when given, else a known GPU's."""
+    if peak_tflops:
+        return peak_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     peak = next((v for k, v in _PEAK_BF16_FLOPS.items() if k in name), None)
-    return peak * 2 if peak and cfg.parallelism.fp8 != "none" else peak
+    return peak * 2 if peak and fp8 else peak
 
 
 def memory_gb(device: torch.device) -> float:
@@ -66,50 +86,51 @@ class NoExporter:
 
 
 class Reporter:
-    def __init__(self, cfg: JobConfig, world: WorldInfo, events: EventLog,
-                 ledger: GoodputLedger, spare: bool = False):
-        self.cfg, self.world, self.events, self.ledger = cfg, world, events, ledger
-        self.spare = spare  # joined a running attempt (a warm spare): it did not restart
+    def __init__(self, settings: Settings, info: RunInfo, world: WorldInfo, events: EventLog,
+                 ledger: GoodputLedger):
+        self.cfg, self.info, self.world, self.events = settings, info, world, events
+        self.ledger = ledger
+        self.spare = False  # joined a running attempt (a warm spare): it did not restart
         self.is_rank0 = world.rank == 0
-        self.console = ConsoleReporter(cfg.metrics, cfg.training.steps)
+        self.console = ConsoleReporter(settings.metrics, settings.steps)
         self.exporter = NoExporter()
-        if cfg.metrics.prometheus:
-            self.exporter = Exporter(cfg.metrics, cfg.training.run_dir, rank=world.rank,
+        if settings.metrics.prometheus:
+            self.exporter = Exporter(settings.metrics, settings.run_dir, rank=world.rank,
                                      local_rank=world.local_rank, host=world.host,
                                      world_size=world.world_size)
             self.exporter.start()
             events.listeners.append(self.exporter.observe)
-        self.tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.tokens_per_step, self.flops_per_token = info.tokens_per_step, info.flops_per_token
         self.goodput_at = 0.0
         # the last reported step and when it ended; the first and last losses reported
         self.last_step, self.last_time = 0, time.perf_counter()
         self.first_loss = self.loss = math.nan
         self.peak_flops: float | None = None  # of this rank's device, once it is known
         # What the goodput accounting reads, followed incrementally (rank 0 only uses it).
-        self.ledger_tail = EventTail(cfg.training.run_dir, keep=goodput.INPUTS)
+        self.ledger_tail = EventTail(settings.run_dir, keep=goodput.INPUTS)
         self.ledger_events: list[dict] = []
 
     def run_start(self, device: torch.device, micro_batches: int) -> None:
-        self.peak_flops = peak_flops(self.cfg, device)
+        info = self.info
+        self.peak_flops = peak_flops(self.cfg.metrics.peak_tflops, info.fp8, device)
         if not self.is_rank0:
             return
-        cfg, params = self.cfg, count_params(self.cfg.model)
-        self.events.emit("run_start", config=cfg.to_dict(), world_size=self.world.world_size,
-                         params=params, device=str(device))
+        self.events.emit("run_start", config=info.config, world_size=self.world.world_size,
+                         params=info.params, device=str(device))
+        batches = f"{micro_batches} micro-batch(es) per step, " if micro_batches else ""
         self.console.line(
-            f"llmtrain: {cfg.model.name} model, {params / 1e6:.1f}M params, "
+            f"llmtrain: {info.name} model, {info.params / 1e6:.1f}M params, "
             f"{self.world.world_size} rank(s) on {device.type} ({dist.get_backend()}), "
-            f"{micro_batches} micro-batch(es) per step, run dir {cfg.training.run_dir}")
+            f"{batches}run dir {self.cfg.run_dir}")
 
     def run_end(self, s) -> None:
         """Rank 0: the run's end (``s``: the trainer's Summary) as an event, its goodput,
         and a line."""
         if not self.is_rank0:
             return
-        if not s.tokens:
+        if not s.trained:
             self.console.line(f"nothing to do: the run is already at step {s.steps} of "
-                              f"{self.cfg.training.steps}")
+                              f"{self.cfg.steps}")
             return
         self.events.emit("run_end", **asdict(s))
         self.account(final=True)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from llmtrain.checkpoint.manager import CheckpointManager, NoCheckpoints
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
                                            capture, shares_cores, state_entries,
                                            state_tensors)
-from llmtrain.config import ConfigError, JobConfig
+from llmtrain.config import ConfigError, Settings
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, broke_a_collective,
                                           nccl_problems)
 from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_type,
@@ -120,23 +119,21 @@ def _load_items(header: dict, registry: StateRegistry) -> None:
     registry.load({**_unplain(header["shared"]), **_unplain(header["own"])})
 
 
-def mesh_shapes(cfg: JobConfig,
-                local_world_size: int) -> Callable[[int], tuple[int, int] | str] | None:
-    """What a shrink or a grow may reach: the mesh the config trains at with a number of
-    ranks (as a cold restart at that size would), or why not (below the launcher's
-    ``--nnodes`` minimum, a config that cannot train there). None when no launcher said
-    its minimum."""
-    floor = os.environ.get("LLMTRAIN_MIN_NODES")
+def world_sizes(world: WorldInfo,
+                fits: Callable[[int], tuple[int, int]]) -> Callable[[int], tuple[int, int] | str] | None:
+    """What a shrink or a grow may reach: the mesh ``fits`` gives a number of ranks (as a
+    cold restart at that size would), or why not (below the launcher's ``--nnodes``
+    minimum; the ConfigError ``fits`` raised). None when no launcher said its minimum."""
+    floor = world.min_nodes
     if floor is None:
         return None
 
     def shape(ranks: int) -> tuple[int, int] | str:
-        if ranks < int(floor) * local_world_size:
-            return (f"{ranks // local_world_size} node(s) are fewer than --nnodes allows "
-                    f"({floor})")
+        if ranks < floor * world.local_world_size:
+            return (f"{ranks // world.local_world_size} node(s) are fewer than --nnodes "
+                    f"allows ({floor})")
         try:
-            cfg.validate(ranks)
-            return cfg.mesh_shape(ranks)
+            return fits(ranks)
         except ConfigError as e:
             return str(e)
     return shape
@@ -226,7 +223,7 @@ class WarmRecovery:
     """This rank's part in warm recoveries: its snapshots, its buddy's replica of them,
     and the agreement with the other survivors (:mod:`llmtrain.recovery.warm`)."""
 
-    def __init__(self, cfg: JobConfig, path: WarmPath, job: Job, *, world: WorldInfo,
+    def __init__(self, cfg: Settings, path: WarmPath, job: Job, *, world: WorldInfo,
                  events: EventLog, ledger: GoodputLedger, fence: Fence,
                  held: dict[int, Snapshot] | None = None):
         """``held``: after a shrink, the snapshots this process held (old rank ->
@@ -306,9 +303,9 @@ class WarmRecovery:
         off the training thread (:class:`BackgroundLook`): every rank waits for rank 0's
         vote, and a store that stalled froze them all, or raised into the vote, which
         took the error for a lost peer and sent the job cold."""
-        top, per_node = os.environ.get("LLMTRAIN_MAX_NODES"), self.path.local_world_size
+        top, per_node = self.world.max_nodes, self.path.local_world_size
         if not (self.cfg.grow and top is not None and self.path.shapes is not None
-                and self.world.world_size < int(top) * per_node):
+                and self.world.world_size < top * per_node):
             return False
         if self._spares_look is None:
             self._spares_look = BackgroundLook(
@@ -594,22 +591,25 @@ class WarmRecovery:
         self.snapshots.stop(timeout=timeout_s)
 
 
-def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist.Store | None,
-                  plan: dict | None, events: EventLog, ledger: GoodputLedger,
-                  fence: Fence, held: dict[int, Snapshot] | None = None
-                  ) -> WarmRecovery | NoWarmRecovery:
+def warm_recovery(settings: Settings, job: Job, *, world: WorldInfo,
+                  job_store: dist.Store | None, plan: dict | None, events: EventLog,
+                  ledger: GoodputLedger, fence: Fence,
+                  fits: Callable[[int], tuple[int, int]],
+                  held: dict[int, Snapshot] | None = None) -> WarmRecovery | NoWarmRecovery:
     """This rank's recovery: warm when on and a store outside the workers exists to meet
     in (a spare's ``plan`` names its place, or a shrunk survivor's, with the snapshots it
-    ``held``), else cold only, said once in an event."""
-    store = outside_store(timedelta(seconds=cfg.warm.budget_s)) if cfg.warm.enable else None
+    ``held``), else cold only, said once in an event. ``fits(ranks)``: the mesh the run
+    trains at with that many ranks, or ConfigError (what a shrink or a grow may reach)."""
+    store = (outside_store(timedelta(seconds=settings.warm.budget_s))
+             if settings.warm.enable else None)
     if store is None:
-        if cfg.warm.enable:
+        if settings.warm.enable:
             events.emit("warm_path_off", rank=world.rank,
                         reason="no rendezvous store outside the workers "
                                "(run under llmtrain launch)")
         return NoWarmRecovery(round_of(job_store, fence.store) if fence.store is not None
                               else "")
-    p = cfg.parallelism
+    p = settings.parallelism
     if backend_for(p, device_type(p)) == "nccl" and world.rank == 0:
         problems = nccl_problems()
         if problems or not NCCL_WARM_PROVEN:
@@ -618,11 +618,10 @@ def warm_recovery(cfg: JobConfig, job: Job, *, world: WorldInfo, job_store: dist
                                "(two or more ranks read from torch's source only; its "
                                "shrink, grow and preemption shrink have never run on "
                                "NCCL); a failure it cannot handle goes cold")
-    per_node = plan["local_world_size"] if plan is not None else int(
-        os.environ.get("LOCAL_WORLD_SIZE", 1))
+    per_node = plan["local_world_size"] if plan is not None else world.local_world_size
     round_id = plan["round_id"] if plan is not None else round_of(job_store, fence.store)
-    path = WarmPath(cfg.warm, store, round_id, world.rank, world.world_size, per_node,
+    path = WarmPath(settings.warm, store, round_id, world.rank, world.world_size, per_node,
                     gen=plan["gen"] if plan is not None else 0,
-                    shapes=mesh_shapes(cfg, per_node))
-    return WarmRecovery(cfg, path, job, world=world, events=events, ledger=ledger,
+                    shapes=world_sizes(world, fits))
+    return WarmRecovery(settings, path, job, world=world, events=events, ledger=ledger,
                         fence=fence, held=held)

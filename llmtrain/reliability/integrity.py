@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from llmtrain.config import IntegrityConfig, JobConfig, step_ranges
+from llmtrain.config import IntegrityConfig, step_ranges
 from llmtrain.events import EventLog, read_events
 from llmtrain.exit_codes import FatalError
 
@@ -171,15 +171,15 @@ class Integrity:
     name, per_rank = "integrity", False
 
     @classmethod
-    def for_run(cls, cfg: JobConfig, events: EventLog, device: torch.device, mesh,
-                spare: bool) -> Integrity:
+    def for_run(cls, cfg: IntegrityConfig, run_dir: str, events: EventLog,
+                device: torch.device, mesh, samples_per_step: int, spare: bool) -> Integrity:
         """This rank's, over the job's ``mesh``; the steps earlier rollbacks learned to
-        skip are read from the run's events (a ``spare`` learns them from its buddy's
-        replica instead, not from a collective its peers are not in)."""
-        return cls(cfg.integrity, events=events, device=device, rank=dist.get_rank(),
+        skip are read from the run's events in ``run_dir`` (a ``spare`` learns them from
+        its buddy's replica instead, not from a collective its peers are not in)."""
+        return cls(cfg, events=events, device=device, rank=dist.get_rank(),
                    world_size=dist.get_world_size(), replicas=replica_groups(mesh.mesh),
-                   global_batch_size=cfg.training.global_batch_size,
-                   learned_skips=set() if spare else learned_skips(cfg.training.run_dir))
+                   global_batch_size=samples_per_step,
+                   learned_skips=set() if spare else learned_skips(run_dir))
 
     def __init__(self, cfg: IntegrityConfig, *, events: EventLog, device: torch.device,
                  rank: int, world_size: int, replicas: list[list[int]],

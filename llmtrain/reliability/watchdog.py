@@ -534,15 +534,15 @@ class Watchdog:
 
 
 def start_watchdog(cfg: ReliabilityConfig, run_dir: str, events: EventLog, rank: int,
-                   world_size: int, *, namespace: str | None, on_exit: Callable[[], None],
-                   evict, fence) -> Watchdog | NoWatchdog:
+                   world_size: int, local_world_size: int, *, namespace: str | None,
+                   on_exit: Callable[[], None], evict, fence) -> Watchdog | NoWatchdog:
     """This rank's watchdog, started (see :class:`Watchdog` for ``on_exit``, ``evict`` and
     ``fence``); its heartbeats go to the store under ``namespace`` (None: the attempt's)."""
     if not cfg.watchdog:
         return NoWatchdog()
     store = open_store("watchdog", timedelta(seconds=30), namespace)
     watchdog = Watchdog(cfg, store, run_dir, events, rank, world_size,
-                        int(os.environ.get("LOCAL_WORLD_SIZE", 0)), on_exit=on_exit,
+                        local_world_size, on_exit=on_exit,
                         evict=evict, fence=fence)
     watchdog.start()
     return watchdog

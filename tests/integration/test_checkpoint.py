@@ -205,14 +205,14 @@ cfg = load_config("debug_cpu", parse_overrides([
 trainer = Trainer(cfg)
 trainer.train_step(trainer.data.next_step())
 at_save = {k: v.full_tensor().clone() for k, v in trainer.model.state_dict().items()}
-trainer.checkpoints.save(1, trainer.state)
-done = trainer.checkpoints.staged
-trainer.checkpoints.staged = lambda: (done(), asked.set())[0]
+trainer.session.checkpoints.save(1, trainer.session.state)
+done = trainer.session.checkpoints.staged
+trainer.session.checkpoints.staged = lambda: (done(), asked.set())[0]
 start = time.perf_counter()
 trainer.train_step(trainer.data.next_step())  # its update waits for the copy
 waited = time.perf_counter() - start
-trainer.checkpoints.wait()
-saved = shards.load_unsharded(storage.step_dir(trainer.checkpoints.url, 1))["model"]
+trainer.session.checkpoints.wait()
+saved = shards.load_unsharded(storage.step_dir(trainer.session.checkpoints.url, 1))["model"]
 assert saved.keys() == at_save.keys()
 assert all(torch.equal(saved[k], at_save[k]) for k in at_save), "the update raced the copy"
 assert not all(torch.equal(v.full_tensor(), at_save[k])
@@ -267,20 +267,20 @@ def train(n):
         trainer.train_step(trainer.data.next_step())
 
 train(2)
-trainer.checkpoints.save(2, trainer.state)
-trainer.checkpoints.wait()
+trainer.session.checkpoints.save(2, trainer.session.state)
+trainer.session.checkpoints.wait()
 saved = snapshot()
-url = storage.step_dir(trainer.checkpoints.url, 2)
+url = storage.step_dir(trainer.session.checkpoints.url, 2)
 for g in opt.param_groups:
     g["lr"], g["betas"] = 123.0, (0.1, 0.2)
 train(2)
 assert not same(snapshot(), saved), "training changed nothing"
-assert trainer.state.fits_in_place(url, checked=True), "no sum for some item"
-assert trainer.state.load(url, check=True) == (2, [], False), "not loaded in place"
+assert trainer.session.state.fits_in_place(url, checked=True), "no sum for some item"
+assert trainer.session.state.load(url, check=True) == (2, [], False), "not loaded in place"
 assert same(snapshot(), saved), "the load in place differs from the save"
 train(2)
-trainer.state._in_place = lambda *args, **kwargs: None  # as when the shards do not match
-assert trainer.state.load(url) == (2, [], True), "not planned"
+trainer.session.state._in_place = lambda *args, **kwargs: None  # as when the shards do not match
+assert trainer.session.state.load(url) == (2, [], True), "not planned"
 assert same(snapshot(), saved), "DCP's planned load differs from the save"
 trainer.close()
 print("ok")
@@ -317,8 +317,8 @@ cfg = load_config("debug_cpu", parse_overrides([
     *(["--checkpoint.url", str(mount.mount / "ckpt")] if mount else [])]))
 trainer = Trainer(cfg)
 trainer.train_step(trainer.data.next_step())
-trainer.checkpoints.save(2, trainer.state)
-url = storage.step_dir(trainer.checkpoints.url, 2)
+trainer.session.checkpoints.save(2, trainer.session.state)
+url = storage.step_dir(trainer.session.checkpoints.url, 2)
 manifest = storage.read_manifest(url)
 trainer.train_step(trainer.data.next_step())
 
@@ -328,7 +328,7 @@ storage.CommitWriter.write_data = fail
 if mount:
     mount.set_rules([{"ops": ["open", "read"], "path": "*/step-00000002/MANIFEST.json",
                       "errno": "EIO"}])
-trainer.checkpoints.save(2, trainer.state)
+trainer.session.checkpoints.save(2, trainer.session.state)
 if mount:
     assert mount.fired("open") or mount.fired("read"), "the manifest was never read"
     mount.clear()

@@ -27,10 +27,10 @@ t = Trainer(cfg)
 
 def save_next(wait=True):
     t.train_step(t.data.next_step())
-    t.step += 1
-    t.checkpoints.save(t.step, t.state)
+    t.session._step += 1
+    t.session.checkpoints.save(t.step, t.session.state)
     if wait:
-        t.checkpoints.wait()
+        t.session.checkpoints.wait()
 
 
 save_next()

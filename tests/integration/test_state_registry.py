@@ -24,14 +24,14 @@ cfg = load_config("debug_cpu", parse_overrides([
     "--checkpoint.keep_last", "10", "--integrity.enable", "true",
     "--integrity.spike_window", "8", "--metrics.progress", "plain"]))
 t = Trainer(cfg)
-r = t.registry
-snapshots = Snapshots(Schedule(1), 0, buddy=None, ward=None, events=t.events)
+r = t.session.registry
+snapshots = Snapshots(Schedule(1), 0, buddy=None, ward=None, events=t.session.events)
 
 
 def advance(steps):
     for _ in range(steps):
         t.train_step(t.data.next_step())
-        t.step += 1
+        t.session._step += 1
     torch.rand(3), random.random()  # the RNGs move as a step's draws would
 
 
@@ -46,13 +46,13 @@ def differing(a, b):
 
 
 def save_both():
-    t.checkpoints.save(t.step, t.state, final=True)
+    t.session.checkpoints.save(t.step, t.session.state, final=True)
     assert take_snapshot(snapshots, t.step, r)
     return t.step
 
 
 def restore_both(step):
-    assert t.checkpoints.resume(t.state) == step
+    assert t.session.checkpoints.resume(t.session.state) == step
     from_storage = state()
     advance(2)
     restore_snapshot(snapshots.own.at(step), r)

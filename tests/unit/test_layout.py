@@ -23,6 +23,7 @@ LAYERS = [
      "log", "stop_request", "state_registry"},
     {"model", "optim", "sharded_model", "data", "distributed", "checkpoint", "metrics", "reliability",  # components
      "recovery", "control"},
+    {"api"},  # the public API: what any training loop, llmtrain's own among them, calls
     {"trainer"},
     {"launch"},
     {"report", "chaos"},  # tools behind extras
@@ -137,3 +138,36 @@ def test_training_does_not_import_the_harness(entry):
     loaded = json.loads(out)
     assert "llmtrain.fault_points" in loaded or entry != "llmtrain.trainer"
     assert not [m for m in loaded if m.startswith(HARNESS)]
+
+
+# What llmtrain's own loop may import besides the public API: what builds its model, its
+# optimizer and its data, and the fault points its loss passes (what chaos poisons).
+# Reliability (checkpoints, recovery, the watchdog, health, control, metrics, the state
+# registry) is reached through llmtrain.api alone, as any other loop reaches it.
+TRAINER_MAY_IMPORT = {"llmtrain.api", "llmtrain.config", "llmtrain.model", "llmtrain.optim",
+                      "llmtrain.sharded_model", "llmtrain.data.sampler", "llmtrain.fault_points",
+                      "llmtrain.distributed.parallelize", "llmtrain.distributed.compile_cache"}
+
+
+def test_the_trainer_reaches_reliability_only_through_the_api():
+    graph = import_graph()
+    beyond = graph["llmtrain.trainer"] - TRAINER_MAY_IMPORT
+    assert not beyond, f"llmtrain.trainer imports {sorted(beyond)}: go through llmtrain.api"
+    assert "llmtrain.api" in graph["llmtrain.trainer"]
+    # the check sees what it names: the API itself reaches every component
+    assert {"llmtrain.recovery.coordinator", "llmtrain.checkpoint.manager",
+            "llmtrain.reliability.watchdog"} <= graph["llmtrain.api"]
+
+
+def test_the_public_api_is_the_package_all():
+    code = "import sys, llmtrain; print(llmtrain.__all__, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    import llmtrain
+    import llmtrain.api
+    assert llmtrain.__all__ == llmtrain.api.__all__
+    assert out.strip().endswith("False"), "import llmtrain imported torch (the CLI's start)"
+    for name in llmtrain.__all__:
+        obj = getattr(llmtrain, name)
+        assert obj is getattr(llmtrain.api, name)
+        assert (obj.__doc__ or "").strip(), f"llmtrain.{name} has no docstring"

@@ -24,9 +24,6 @@ OUTPUT = {
     "llmtrain/reliability/health/gate.py",  # the gate's findings table (or JSON)
     "llmtrain/launch/store.py",  # "serving HOST:PORT" (read by whoever started it), its end
 }
-# A diagnostic still printed on stderr, being turned into a log message in another change:
-# take it off once it is.
-PENDING = {"llmtrain/launch/worker.py"}
 # The processes llmtrain starts itself: the one place each installs the stderr handler.
 ENTRY_POINTS = {("llmtrain/cli.py", "main"), ("llmtrain/launch/agent.py", "main"),
                 ("llmtrain/chaos/faultfs.py", "main")}
@@ -58,7 +55,7 @@ def test_the_library_logs_and_prints_only_a_commands_output():
             where = f"{name}:{node.lineno}"
             if called == "print":
                 file = next((_dotted(k.value) for k in node.keywords if k.arg == "file"), None)
-                if file not in (None, "sys.stdout") and name not in PENDING:
+                if file not in (None, "sys.stdout"):
                     found.append(f"{where}: print(file={file}): log it (llmtrain/log.py)")
                 elif file in (None, "sys.stdout") and name not in OUTPUT:
                     found.append(f"{where}: print on stdout: log it, or add the module to "
