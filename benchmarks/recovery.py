@@ -42,11 +42,15 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   goes cold, and the survivor restarts alone from the newest checkpoint under torchrun.
   The baseline of the shrink.
 
+With ``--script examples/hf_causal_lm.py`` (or any loop on llmtrain's public API) the
+same faults and paths are timed on that loop instead of llmtrain's own trainer, its
+figures' names prefixed with the script's name.
+
 Goals: warm <= 1.0 s median for each of the first three faults, with warm / cold <= 0.15;
 the hang warm <= 3.0 s; the shrink and the grow <= 2.0 s each.
 
     python benchmarks/recovery.py [--repeats 2] [--faults node_loss,kill_rank,gpu_bad]
-        [--paths warm,cold,shrink,shrink_cold,shrink_hsdp,grow]
+        [--paths warm,cold,shrink,shrink_cold,shrink_hsdp,grow] [--script LOOP.py]
 
 Prints a table per fault and path, then one JSON line of the figures.
 """
@@ -93,7 +97,7 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300,
     raise TimeoutError(f"no {event} event in {run} within {timeout} s")
 
 
-def one_recovery(workdir: Path, path: str, fault: str) -> dict:
+def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict:
     run = workdir / "run"
     warm, with_spare = path not in ("cold", "shrink_cold"), path not in SHRINKS
     per_node = 2 if path == "shrink_hsdp" else 1
@@ -102,7 +106,8 @@ def one_recovery(workdir: Path, path: str, fault: str) -> dict:
                                "--parallelism.dp_shard", "2",
                                "--training.global_batch_size", "32"),
                }.get(path, ())
-    cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options)
+    loop = ("--script", str(Path(script).resolve())) if script else ()
+    cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options + loop)
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
 
     def start(name: str, spare: bool = False) -> None:
@@ -188,6 +193,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--script", default="",
+                    help="a training loop on llmtrain's API to time instead of the trainer")
     args = ap.parse_args()
     faults, paths = args.faults.split(","), args.paths.split(",")
     if unknown := set(faults) - set(FAULTS):
@@ -199,15 +206,16 @@ def main() -> None:
     for _ in range(args.repeats):
         for fault, path in results:
             with tempfile.TemporaryDirectory(prefix=f"llmtrain-bench-{fault}-{path}-") as d:
-                results[fault, path].append(one_recovery(Path(d), path, fault))
+                results[fault, path].append(one_recovery(Path(d), path, fault, args.script))
     figures = {}
+    prefix = f"{Path(args.script).stem}_" if args.script else ""
     for (fault, path), runs in results.items():
-        med = table(f"{fault} {path}", runs)
-        figures |= {f"{fault}_{path}_{k}": round(v, 3) for k, v in med.items()}
+        med = table(f"{prefix}{fault} {path}", runs)
+        figures |= {f"{prefix}{fault}_{path}_{k}": round(v, 3) for k, v in med.items()}
     for fault in (f for f in faults if {(f, "warm"), (f, "cold")} <= results.keys()):
-        figures[f"{fault}_warm_over_cold"] = round(
-            figures[f"{fault}_warm_fault_to_first_step_s"]
-            / figures[f"{fault}_cold_fault_to_first_step_s"], 3)
+        figures[f"{prefix}{fault}_warm_over_cold"] = round(
+            figures[f"{prefix}{fault}_warm_fault_to_first_step_s"]
+            / figures[f"{prefix}{fault}_cold_fault_to_first_step_s"], 3)
     figures["goal_warm_s"] = GOAL_WARM_S
     figures["goal_hang_warm_s"] = GOAL_HANG_WARM_S
     figures["goal_warm_over_cold"] = GOAL_WARM_OVER_COLD
@@ -216,9 +224,9 @@ def main() -> None:
     if ("node_loss", "shrink") in results:
         figures["goal_shrink_s"] = GOAL_SHRINK_S
         if ("node_loss", "shrink_cold") in results:  # in memory against a cold restart
-            figures["node_loss_shrink_over_shrink_cold"] = round(
-                figures["node_loss_shrink_fault_to_first_step_s"]
-                / figures["node_loss_shrink_cold_fault_to_first_step_s"], 3)
+            figures[f"{prefix}node_loss_shrink_over_shrink_cold"] = round(
+                figures[f"{prefix}node_loss_shrink_fault_to_first_step_s"]
+                / figures[f"{prefix}node_loss_shrink_cold_fault_to_first_step_s"], 3)
     print(json.dumps(figures))
 
 

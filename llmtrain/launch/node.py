@@ -242,9 +242,10 @@ def ensure_secret(lc: LaunchConfig, env: MutableMapping[str, str] = os.environ) 
     every control key in the rendezvous store is signed
     (:mod:`llmtrain.distributed.signed_store`). The scheduler's job script gives it, the
     same on every node; a launcher that is its job's only one (one node, no spare) makes
-    its own. Without a store outside the workers nothing is signed and none is needed.
-    ConfigError when several launchers must share one that nobody gave."""
-    if not lc.external_store or job_secret(env) is not None:
+    its own. The workers' watchdogs meet in the store at ``--rdzv-endpoint`` whether or
+    not it is external, so every launched job signs. ConfigError when several launchers
+    must share one that nobody gave."""
+    if job_secret(env) is not None:
         return
     if lc.node_range[1] > 1 or lc.standby:
         require_secret(env)  # raises, naming what to set

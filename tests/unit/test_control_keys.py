@@ -173,8 +173,9 @@ def test_a_pickle_at_the_rendezvous_key_runs_nothing_in_a_standby(server, tmp_pa
 
 def test_the_job_secret_comes_from_the_scheduler_or_the_only_launcher(tmp_path):
     """Several launchers (nodes or spares) must be given one secret: without it the launch
-    refuses, naming what to set. A launcher alone makes its own for its workers. A file
-    works; one too short is refused."""
+    refuses, naming what to set. A launcher alone makes its own for its workers, with an
+    external store or not (without one, `llmtrain launch --nproc-per-node 2` with no
+    secret set failed in every worker). A file works; one too short is refused."""
     multi = LaunchConfig(nnodes="2:3", external_store=True)
     with pytest.raises(ConfigError, match=SECRET_ENV):
         ensure_secret(multi, {})
@@ -183,9 +184,12 @@ def test_the_job_secret_comes_from_the_scheduler_or_the_only_launcher(tmp_path):
     alone: dict[str, str] = {}
     ensure_secret(LaunchConfig(nnodes="1", external_store=True), alone)
     assert len(alone[SECRET_ENV]) == 64
-    without_store: dict[str, str] = {}
-    ensure_secret(LaunchConfig(nnodes="2"), without_store)  # nothing outside to sign
-    assert without_store == {}
+    # the watchdogs meet in the store at --rdzv-endpoint, external or not: it signs too
+    with pytest.raises(ConfigError, match=SECRET_ENV):
+        ensure_secret(LaunchConfig(nnodes="2"), {})
+    one_node: dict[str, str] = {}
+    ensure_secret(LaunchConfig(nnodes="1"), one_node)
+    assert len(one_node[SECRET_ENV]) == 64
     path = tmp_path / "secret"
     path.write_text("s" * 40 + "\n")
     assert job_secret({SECRET_FILE_ENV: str(path)}) == b"s" * 40

@@ -1,0 +1,135 @@
+"""What llmtrain's public API costs a loop that uses it: the step time of
+examples/hf_causal_lm.py's loop with the API on (``run.step()``, ``run.optimizer_step``:
+the watchdog's beats, the integrity verdict, the ranks' vote, snapshots and the async
+checkpoints at the defaults) over the same loop without it (``optimizer.step()``), in the
+same processes, on the same model, mesh and data.
+
+Two one-rank nodes under ``llmtrain launch`` with a rendezvous store of their own, so the
+warm path is on (snapshots replicated to the other node) as in a real job.
+The two loops alternate in blocks of ``--block`` steps, each on its own model and
+optimizer built by the example's ``build``, so drift in the machine's speed falls on both
+alike; the figure is the ratio of the median step times.
+
+Goal: API / plain <= 1.03.
+
+    python benchmarks/api_overhead.py [--blocks 8] [--block 40]
+
+Prints a table, then one JSON line of the figures (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = 1.03
+
+
+def launch(blocks: int, block: int) -> int:
+    """Runs this file as the job's workers: two one-rank "nodes" (``LocalCluster``: an
+    ``llmtrain launch`` each and a rendezvous store of their own), so that the warm path
+    is on and its snapshots are part of the API's cost. Prints rank 0's figures."""
+    from llmtrain.chaos.local_cluster import LocalCluster
+    with tempfile.TemporaryDirectory(prefix="llmtrain-api-overhead-") as d:
+        work = Path(d)
+        cluster = LocalCluster(work, work / "run", "2:2", (
+            "--script", __file__, "--training.steps", str((blocks + 1) * block + 1),
+            "--metrics.port", "0", "--metrics.log_every", "1000000"),
+            env={"API_OVERHEAD_BLOCKS": f"{blocks},{block}"})
+        try:
+            cluster.start("node1")
+            cluster.start("node2")
+            codes = [cluster.wait(name, timeout=900) for name in ("node1", "node2")]
+        finally:
+            cluster.close()
+        logs = [(work / f"{name}.log").read_text() for name in ("node1", "node2")]
+    said = [line for log in logs for line in log.splitlines()
+            if line.startswith(("loop ", "api ", "plain ", "(ms", '{"api_step_ms"'))]
+    print("\n".join(said) if said else logs[0][-3000:])
+    return max(codes) or (0 if said else 1)
+
+
+def plain_step(parts, loader, device) -> None:
+    """The example's step without llmtrain."""
+    model, optimizer = parts.model, parts.optimizer
+    tokens = loader.next().to(device)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    import torch
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    parts.state["schedule"].step()
+    optimizer.zero_grad()
+    loss.item()  # as the API's loop, which reads nothing: both wait for the step's end
+
+
+def worker() -> None:
+    import torch
+
+    import llmtrain
+    sys.path.insert(0, str(ROOT / "examples"))
+    import hf_causal_lm as example
+
+    blocks, block = map(int, os.environ["API_OVERHEAD_BLOCKS"].split(","))
+    settings = llmtrain.Settings.from_args(sys.argv[1:])
+    with llmtrain.start(settings, example.build) as run:
+        w = run.world
+        plain = example.build(llmtrain.World(w.rank, w.world_size, w.local_rank, w.host,
+                                             run.device, run.mesh, first=False,
+                                             timed=run.timed))
+        times = {"api": [], "plain": []}
+        for b in range(blocks + 1):  # the first block of each warms up, untimed
+            started = time.perf_counter()
+            for _ in range(block):
+                with run.step():
+                    model, optimizer = run.parts.model, run.parts.optimizer
+                    tokens = run.parts.state["data"].next().to(run.device)
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                    loss.backward()
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    run.optimizer_step(loss, norm)
+                    run.parts.state["schedule"].step()
+                    optimizer.zero_grad()
+                loss.item()
+            api = (time.perf_counter() - started) / block
+            started = time.perf_counter()
+            for _ in range(block):
+                plain_step(plain, plain.state["data"], run.device)
+            bare = (time.perf_counter() - started) / block
+            if b:
+                times["api"].append(api)
+                times["plain"].append(bare)
+        while run.running:  # the last step: the run ends complete, saved
+            with run.step():
+                pass
+    if w.rank != 0:
+        return
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{'loop':<8}" + "".join(f"{f'block {i + 1}':>10}" for i in range(blocks))
+          + f"{'median':>10}")
+    for k, v in times.items():
+        print(f"{k:<8}" + "".join(f"{x * 1e3:>10.2f}" for x in v) + f"{med[k] * 1e3:>10.2f}")
+    print("(ms per step)")
+    print(json.dumps({"api_step_ms": round(med["api"] * 1e3, 3),
+                      "plain_step_ms": round(med["plain"] * 1e3, 3),
+                      "api_over_plain": round(med["api"] / med["plain"], 4),
+                      "goal_api_over_plain": GOAL, "ranks": w.world_size,
+                      "steps_per_block": block, "blocks": blocks}))
+
+
+if __name__ == "__main__":
+    if "API_OVERHEAD_BLOCKS" in os.environ:
+        worker()
+    else:
+        ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+        ap.add_argument("--blocks", type=int, default=8)
+        ap.add_argument("--block", type=int, default=40)
+        args = ap.parse_args()
+        sys.exit(launch(args.blocks, args.block))
