@@ -4,12 +4,11 @@ train, record how it ended, and tell the agent when a restart would not help."""
 from __future__ import annotations
 
 import gc
-import logging
 import os
 
 import torch
 
-from llmtrain.api import spare_assignment, stop_agent
+from llmtrain.api import refuse_if_excluded, spare_assignment, stop_agent
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import ShardError
 from llmtrain.distributed.failure import abandon
@@ -17,10 +16,7 @@ from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.model import Transformer
-from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.trainer import Trainer
-
-log = logging.getLogger(__name__)
 
 
 def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
@@ -28,11 +24,10 @@ def run_worker(cfg: JobConfig, plan: dict | None = None) -> ExitCode:
     ``plan``: a warm spare's assignment, to take a lost rank's place. A shrink or a grow
     (the job going on at another size) happens inside the trainer's session, in this
     process: imports, data files and compiled code stay warm."""
-    host = node_name()
-    if host in (excluded := excluded_hosts(cfg.training.run_dir)):
-        log.error("llmtrain: %s is excluded from this run (%s)", host, excluded[host]["reason"])
-        stop_agent(ExitCode.EXCLUDE_NODE)
-        return ExitCode.EXCLUDE_NODE
+    try:
+        refuse_if_excluded(cfg.training.run_dir)
+    except SystemExit as e:
+        return ExitCode(e.code)
     # what was made since the CLI froze its imports (a spare's first model build): no
     # full collection in the start and resume scans it
     gc.freeze()

@@ -97,3 +97,18 @@ def test_spares_of_one_standby_host_take_their_ranks_places_on_a_node(tmp_path, 
         assert worker.run_spare(cfg) == ExitCode.CLEAN
     assert [(w.rank, w.world_size, w.local_rank, per_node, node)
             for w, per_node, node in places] == [(2, 4, 0, "2", "1"), (3, 4, 1, "2", "1")]
+
+
+def test_a_loop_on_an_excluded_node_refuses_to_start(tmp_path, monkeypatch):
+    """A node excluded earlier in the run (its GPU failed) exits EXCLUDE_NODE at
+    llmtrain.start, before anything is built, whatever loop it runs."""
+    from llmtrain.reliability.health.exclusion import exclude_host
+    monkeypatch.setenv("LLMTRAIN_HOST", "bad-node")
+    exclude_host(str(tmp_path), "bad-node", "uncorrectable ECC errors", findings=[], rank=0)
+    built = []
+    with pytest.raises(SystemExit) as ended:
+        api.start(Settings(run_dir=str(tmp_path), steps=1), lambda world: built.append(world))
+    assert ended.value.code == ExitCode.EXCLUDE_NODE and not built
+    cfg = JobConfig()
+    cfg.training.run_dir = str(tmp_path)
+    assert worker.run_worker(cfg) == ExitCode.EXCLUDE_NODE  # llmtrain's own loop too
