@@ -33,6 +33,7 @@ from llmtrain.config import ControlConfig
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import exclude_host
+from llmtrain.reliability.health.monitor import HealthWatch
 from llmtrain.stop_request import StopRequestWatch, clear_request
 
 # How long ranks stopped by a peer's failed health check wait before exiting, so the
@@ -53,7 +54,7 @@ class Verdict:
 
 class RunControl:
     def __init__(self, cfg: ControlConfig, group: dist.ProcessGroup, *, run_dir: str,
-                 rank: int, host: str, events: EventLog, health,
+                 rank: int, host: str, events: EventLog, health: HealthWatch,
                  can_grow: Callable[[], bool] = lambda: False):
         """``health``: the monitor whose first fatal finding makes this rank vote to stop;
         ``can_grow``: asked on rank 0 at each vote it casts, whether the job may grow now."""
@@ -62,15 +63,15 @@ class RunControl:
         self.can_grow = can_grow if rank == 0 else lambda: False
         # one look-out is enough: the ranks vote on what it saw
         self.requests = StopRequestWatch(run_dir).start() if rank == 0 else None
-        self.signal: int | None = None
+        self._signal: int | None = None
         if cfg.save_on_signal:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._on_signal)
         self.excluded = False
         self.preempted = False  # stopped by a signal or a peer: a restart goes on
-        self.finishing = False  # stopped on a request: the run ends here
+        self._finishing = False  # stopped on a request: the run ends here
         self.stopped_by_peer = False
-        self.sdc_named: list[int] = []  # ranks whose replica or arithmetic diverged
+        self._sdc_named: list[int] = []  # ranks whose replica or arithmetic diverged
         self.bind(group)
 
     def bind(self, group: dist.ProcessGroup) -> None:
@@ -86,14 +87,28 @@ class RunControl:
         self._last_call: float | None = None
 
     def _on_signal(self, signum, frame) -> None:
-        self.signal = signum
+        self._signal = signum
+
+    def signalled(self) -> bool:
+        """Whether this rank received a preemption's signal (SIGTERM, SIGUSR1)."""
+        return self._signal is not None
+
+    def stopped_on_request(self) -> bool:
+        """Whether the ranks stopped on a stop request (``llmtrain stop``): the run ends
+        here, not to be restarted."""
+        return self._finishing
+
+    def named_corrupt(self) -> bool:
+        """Whether ranks were named for silent data corruption (:meth:`name_corrupt`):
+        every rank stops, to restart without the named one's node."""
+        return bool(self._sdc_named)
 
     # -- at the end of every step ----------------------------------------------------
 
     def unhealthy(self, step: int) -> bool:
         """Whether this rank's GPU failed a check; its node is excluded at first sight,
         so the record exists however the run ends."""
-        fatal = self.health.fatal
+        fatal = self.health.fatal_finding()
         if fatal is not None and not self.excluded:
             self.exclude_node(fatal.sentence(), step, findings=[asdict(fatal)])
         return fatal is not None
@@ -113,7 +128,7 @@ class RunControl:
             self.every = int(flags[5])
         unhealthy = self.unhealthy(step)
         request = self.requests and self.requests.request
-        flags = torch.tensor([int(time_due and not by_time), int(self.signal is not None),
+        flags = torch.tensor([int(time_due and not by_time), int(self._signal is not None),
                               int(unhealthy), int(request is not None),
                               int(not grow and self.can_grow()), self._steps_per_vote(step)])
         stop = by_signal or by_vote or by_request
@@ -123,14 +138,14 @@ class RunControl:
             self.stopped_by_peer = True
         if by_signal:
             self.events.emit_once("preempted", step=step,
-                                  signal=self.signal or "on another rank")
+                                  signal=self._signal or "on another rank")
         if by_request:
-            self.finishing = True
+            self._finishing = True
             self.events.emit_once("stop_requested", step=step, **(request or {}))
         if by_vote and self.voted_stop:
             self.events.emit("stop_vote", step=step)
         self.voted_stop = self.voted_stop or unhealthy
-        self.preempted = self.preempted or (stop and not self.finishing)
+        self.preempted = self.preempted or (stop and not self._finishing)
         return Verdict(save_by_time=by_time, stop=stop, grow=grow and not stop,
                        preempt=by_signal and not by_request)
 
@@ -173,7 +188,7 @@ class RunControl:
     def name_corrupt(self, ranks: list[int], reason: str, step: int) -> None:
         """Ranks found computing or holding state unlike their peers': the named one's
         node is excluded, and everyone stops to restart without it."""
-        self.sdc_named = ranks
+        self._sdc_named = ranks
         if self.rank in ranks:
             self.exclude_node(f"{reason} at step {step} (silent data corruption)", step,
                               source="integrity")
@@ -181,19 +196,19 @@ class RunControl:
     def let_the_failed_exit_first(self) -> None:
         """Ranks stopped for a peer's failed node wait, so that the launcher sees that
         node's EXCLUDE_NODE rather than stopping it in favor of our RETRYABLE."""
-        if self.stopped_by_peer or (self.sdc_named and not self.excluded):
+        if self.stopped_by_peer or (self._sdc_named and not self.excluded):
             time.sleep(PEER_STOP_GRACE_S)
 
     def run_ended(self, complete: bool) -> None:
         """A stop request is done with once the run stopped on it, or moot once complete."""
-        if self.rank == 0 and (self.finishing or complete):
+        if self.rank == 0 and (self._finishing or complete):
             clear_request(self.run_dir)
 
     @property
     def exit_code(self) -> ExitCode:
         if self.excluded:
             return ExitCode.EXCLUDE_NODE
-        return ExitCode.RETRYABLE if self.preempted or self.sdc_named else ExitCode.CLEAN
+        return ExitCode.RETRYABLE if self.preempted or self._sdc_named else ExitCode.CLEAN
 
     def close(self, timeout_s: float) -> None:
         """Stops the look-out; a vote in flight is waited for at most ``timeout_s`` (a

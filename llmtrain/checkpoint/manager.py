@@ -26,7 +26,7 @@ import time
 import traceback
 from concurrent import futures
 from concurrent.futures import Future
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -561,6 +561,40 @@ class CheckpointManager:
             self.stager.close()
 
 
+class Checkpointing(Protocol):
+    """The run's checkpoints as the session and the recovery use them, on
+    (:class:`CheckpointManager`) or off (:class:`NoCheckpoints`): see
+    :func:`checkpoints_for`."""
+
+    def due(self, step: int, *, by_time: bool = False, final: bool = False) -> bool: ...
+
+    def time_due(self, step: int) -> bool: ...
+
+    def adopt_interval(self, seconds: float, advice: dict) -> None: ...
+
+    def bind_groups(self, control_group: dist.ProcessGroup) -> None: ...
+
+    def prepare(self, state: TrainState, step: int) -> None: ...
+
+    def save(self, step: int, state: TrainState, *, final: bool = False,
+             checked: bool = False) -> None: ...
+
+    def writing(self) -> bool:
+        """A save's write is in flight."""
+
+    def staged(self) -> bool:
+        """The save in flight (if any) has its copy of the state: the update may run."""
+
+    def wait_staged(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> None: ...
+
+    def resume(self, state: TrainState) -> int:
+        """The state from the newest checkpoint that verifies; its step (0: none)."""
+
+    def close(self, timeout_s: float | None = None) -> None: ...
+
+
 class NoCheckpoints:
     """``checkpoint.enable = false``: nothing is ever due, saved or resumed."""
 
@@ -603,7 +637,7 @@ class NoCheckpoints:
 
 def checkpoints_for(settings: Settings, *, manifest: dict, events: EventLog,
                     device: torch.device, control_group: dist.ProcessGroup,
-                    fence: Callable[[str], None]) -> CheckpointManager | NoCheckpoints:
+                    fence: Callable[[str], None]) -> Checkpointing:
     """The run's checkpoints, each manifest holding ``manifest`` (what the run trains:
     its config, model and mesh)."""
     if not settings.checkpoint.enable:

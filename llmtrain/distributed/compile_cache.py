@@ -73,6 +73,7 @@ import tarfile
 import threading
 import time
 from dataclasses import asdict
+from typing import Protocol
 
 import fsspec
 import torch
@@ -171,6 +172,18 @@ def _counters() -> dict[str, int]:
             "autograd_misses": counters["aot_autograd"]["autograd_cache_miss"]}
 
 
+class CompileCaching(Protocol):
+    """The run's compile cache as the training loop uses it, on (:class:`CompileCache`)
+    or off (:class:`NoCompileCache`): see :func:`compile_cache_for`."""
+
+    def ready(self) -> None:
+        """Waits for the load begun at the start (before the first step)."""
+
+    def first_step_done(self) -> str | None:
+        """After the first step: what the start reused and compiled, in a line (None:
+        nothing to say)."""
+
+
 class CompileCache:
     """One rank's side of the run's compile cache: loading starts at once, on a thread;
     ``ready`` waits for it before the first step; ``first_step_done`` says what the start
@@ -198,7 +211,7 @@ class CompileCache:
     def ready(self) -> None:
         self._thread.join()
 
-    def first_step_done(self) -> str:
+    def first_step_done(self) -> str | None:
         """Everything is compiled now: one ``compile_cache`` event per rank and start;
         returns what this start reused, in a line."""
         counts = _counters()
@@ -350,12 +363,12 @@ class NoCompileCache:
     def ready(self) -> None:
         pass
 
-    def first_step_done(self) -> None:
+    def first_step_done(self) -> str | None:
         return None  # nothing to say
 
 
 def compile_cache_for(cfg: JobConfig, rank: int, local_rank: int,
-                      events: EventLog) -> CompileCache | NoCompileCache:
+                      events: EventLog) -> CompileCaching:
     p = cfg.parallelism
     if not (p.compile and p.compile_cache):
         return NoCompileCache()

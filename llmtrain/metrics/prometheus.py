@@ -18,11 +18,12 @@ import errno
 import json
 import os
 import time
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from llmtrain.config import MetricsConfig
-from llmtrain.events import read_events
+from llmtrain.events import EventLog, read_events
 from llmtrain.fsio import join, write_atomic
 from llmtrain.metrics.goodput import Breakdown, IntervalAdvice
 
@@ -90,6 +91,45 @@ LABELS = ("run", "rank", "local_rank", "host")
 SEVERITY = {"ok": 0, "unknown": 1, "warn": 2, "fatal": 3}
 _STEP_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 25, 60, float("inf"))
 _SAVE_BUCKETS = (.01, .05, .1, .5, 1, 5, 10, 30, 60, 300, float("inf"))
+
+
+class MetricsExport(Protocol):
+    """What the reporter tells the metrics, exported (:class:`Exporter`) or not
+    (:class:`NoExporter`): see :func:`start_exporter`."""
+
+    def health(self, findings: list, readings: dict) -> None: ...
+
+    def step_done(self, step: int, seconds: float) -> None: ...
+
+    def stragglers(self, slowdowns: dict[int, float]) -> None: ...
+
+    def set(self, name: str, value: float, **labels) -> None: ...
+
+    def goodput(self, b: Breakdown, advice: IntervalAdvice | None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoExporter:
+    """``metrics.prometheus = false``: every figure goes nowhere."""
+
+    def health(self, findings: list, readings: dict) -> None:
+        pass
+
+    def step_done(self, step: int, seconds: float) -> None:
+        pass
+
+    def stragglers(self, slowdowns: dict[int, float]) -> None:
+        pass
+
+    def set(self, name: str, value: float, **labels) -> None:
+        pass
+
+    def goodput(self, b: Breakdown, advice: IntervalAdvice | None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Exporter:
@@ -274,3 +314,16 @@ class Exporter:
         if advice is not None:
             self.set("llmtrain_checkpoint_interval_optimal_seconds", advice.optimal_interval_s)
             self.set("llmtrain_ettr_expected", advice.expected_ettr)
+
+
+def start_exporter(cfg: MetricsConfig, run_dir: str, events: EventLog, *, rank: int,
+                   local_rank: int, host: str, world_size: int) -> MetricsExport:
+    """This rank's exporter, serving and listening to ``events`` (``metrics.prometheus``
+    on), else one that exports nothing."""
+    if not cfg.prometheus:
+        return NoExporter()
+    exporter = Exporter(cfg, run_dir, rank=rank, local_rank=local_rank, host=host,
+                        world_size=world_size)
+    exporter.start()
+    events.listeners.append(exporter.observe)
+    return exporter

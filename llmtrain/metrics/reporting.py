@@ -18,7 +18,7 @@ from llmtrain.events import EventLog, EventTail
 from llmtrain.metrics import goodput
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.goodput import GoodputLedger, IntervalAdvice, launch_time
-from llmtrain.metrics.prometheus import Exporter
+from llmtrain.metrics.prometheus import start_exporter
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 # The first name found in the device's wins: the PCIe and NVL H100s are slower.
@@ -63,52 +63,35 @@ def memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-class NoExporter:
-    """``metrics.prometheus = false``: every figure goes nowhere."""
-
-    def health(self, findings: list, readings: dict) -> None:
-        pass
-
-    def step_done(self, step: int, seconds: float) -> None:
-        pass
-
-    def stragglers(self, slowdowns: dict[int, float]) -> None:
-        pass
-
-    def set(self, name: str, value: float, **labels) -> None:
-        pass
-
-    def goodput(self, b, advice) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class Reporter:
     def __init__(self, settings: Settings, info: RunInfo, world: WorldInfo, events: EventLog,
                  ledger: GoodputLedger):
         self.cfg, self.info, self.world, self.events = settings, info, world, events
         self.ledger = ledger
-        self.spare = False  # joined a running attempt (a warm spare): it did not restart
+        self._spare = False  # joined a running attempt (a warm spare): it did not restart
         self.is_rank0 = world.rank == 0
         self.console = ConsoleReporter(settings.metrics, settings.steps)
-        self.exporter = NoExporter()
-        if settings.metrics.prometheus:
-            self.exporter = Exporter(settings.metrics, settings.run_dir, rank=world.rank,
-                                     local_rank=world.local_rank, host=world.host,
-                                     world_size=world.world_size)
-            self.exporter.start()
-            events.listeners.append(self.exporter.observe)
+        self.exporter = start_exporter(settings.metrics, settings.run_dir, events,
+                                       rank=world.rank, local_rank=world.local_rank,
+                                       host=world.host, world_size=world.world_size)
         self.tokens_per_step, self.flops_per_token = info.tokens_per_step, info.flops_per_token
         self.goodput_at = 0.0
         # the last reported step and when it ended; the first and last losses reported
         self.last_step, self.last_time = 0, time.perf_counter()
-        self.first_loss = self.loss = math.nan
+        self._first_loss = self._loss = math.nan
         self.peak_flops: float | None = None  # of this rank's device, once it is known
         # What the goodput accounting reads, followed incrementally (rank 0 only uses it).
         self.ledger_tail = EventTail(settings.run_dir, keep=goodput.INPUTS)
         self.ledger_events: list[dict] = []
+
+    def joined_running(self) -> None:
+        """This rank joined a running attempt (a warm spare, a resized job's rank): it
+        did not restart, and reports no cold restart's recovery."""
+        self._spare = True
+
+    def losses(self) -> tuple[float, float]:
+        """The run's first and last reported losses (NaN before any)."""
+        return self._first_loss, self._loss
 
     def run_start(self, device: torch.device, micro_batches: int) -> None:
         info = self.info
@@ -168,7 +151,7 @@ class Reporter:
         self.ledger_events += self.ledger_tail.read()
         # A warm spare that took rank 0 must not log the last cold restart again (chaos
         # read such a stale `recovery` as the warm recovery's outcome).
-        restart = None if self.spare else goodput.recovery(self.ledger_events, time.time())
+        restart = None if self._spare else goodput.recovery(self.ledger_events, time.time())
         if restart:
             self.events.emit("recovery", **restart)
             self.console.line(f"recovered in {restart['total_s']:.1f}s from the failure: " +
@@ -189,8 +172,8 @@ class Reporter:
         step_time = (now - self.last_time) / (step - self.last_step)
         self.last_step, self.last_time = step, now
         if loss is not None:
-            self.loss = loss
-            self.first_loss = loss if math.isnan(self.first_loss) else self.first_loss
+            self._loss = loss
+            self._first_loss = loss if math.isnan(self._first_loss) else self._first_loss
         if not self.is_rank0:
             return None
         self.ledger.steps_done(step)
@@ -204,7 +187,7 @@ class Reporter:
                        skipped=loss is None)
         self.events.emit("step", **asdict(r))
         self.console.step(r)
-        self.exporter.stragglers(watchdog.slowdowns)
+        self.exporter.stragglers(watchdog.slowdowns())
         if time.monotonic() - self.goodput_at < self.cfg.metrics.goodput_every_s:
             return None
         watchdog.beat(step, "events", long=True)  # reading the log may take long

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain import fault_points
-from llmtrain.checkpoint.manager import CheckpointManager, NoCheckpoints
+from llmtrain.checkpoint.manager import Checkpointing
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
                                            capture, shares_cores, state_entries,
                                            state_tensors)
@@ -58,7 +58,18 @@ from llmtrain.state_registry import StateRegistry
 log = logging.getLogger(__name__)
 
 # Noted on an error the warm path already reported as a ``failure`` event.
-REPORTED = "llmtrain: reported as a failure event; the warm path could not recover from it"
+_REPORTED = "llmtrain: reported as a failure event; the warm path could not recover from it"
+
+
+def mark_reported(error: BaseException) -> None:
+    """Notes on ``error`` that the warm path reported it as a ``failure`` event (the
+    start of the recovery clock): whoever ends the run on it must not report it again."""
+    error.add_note(_REPORTED)
+
+
+def was_reported(error: BaseException) -> bool:
+    """Whether the warm path already reported ``error`` as a ``failure`` event."""
+    return _REPORTED in getattr(error, "__notes__", ())
 
 
 class Resized(Exception):
@@ -76,7 +87,7 @@ class Resized(Exception):
 class Job(Protocol):
     """What a recovery asks of the trainer."""
     registry: StateRegistry
-    checkpoints: CheckpointManager | NoCheckpoints  # writing(): a save's write in flight
+    checkpoints: Checkpointing  # writing(): a save's write in flight
 
     def leave_group(self, deadline: float) -> None:
         """Ends this generation: waits (bounded) for checkpoint work, abandons its groups."""
@@ -144,16 +155,81 @@ def membership(round_id: str, gen: int) -> str:
     return f"{round_id}/g{gen}"
 
 
+# How a hang's stuck ranks are made to leave for spares (WarmRecovery.evict): ``(ranks,
+# via)`` -> the ranks cut off from the store, with their connection ends.
+Evict = Callable[[list[int], dist.Store], dict[int, list[str]]]
+
+
+class Recovery(Protocol):
+    """What the session asks of this rank's recovery, warm (:class:`WarmRecovery`) or
+    cold only (:class:`NoWarmRecovery`): see :func:`warm_recovery`."""
+
+    def membership(self) -> str:
+        """The fence's name for the job's membership this rank joins now."""
+
+    def namespace(self) -> str | None:
+        """The store namespace of the watchdog's keys (None: the torchrun attempt's)."""
+
+    def evictor(self) -> Evict | None:
+        """How the watchdog has a hang's stuck ranks leave for spares (None: every hang
+        goes cold)."""
+
+    def spare_store(self, step: int) -> dist.Store:
+        """A spare's (or a resized rank's) way into the running job, to restore ``step``."""
+
+    def join_as_spare(self, plan: Plan) -> int:
+        """A spare's (or a resized rank's) state, restored; returns its step."""
+
+    def start(self, step: int, control: dist.ProcessGroup) -> None: ...
+
+    def maybe_snapshot(self, step: int) -> None: ...
+
+    def forget_snapshots(self) -> None: ...
+
+    def group_formed(self) -> None: ...
+
+    def recover(self, error: BaseException, step: int) -> int | None:
+        """A failed collective: the restored step, or None (the cold path takes over);
+        may raise :class:`Resized`."""
+
+    def leave(self) -> bool:
+        """This rank leaves on purpose (its GPU failed): True when the others go on."""
+
+    def can_grow(self) -> bool: ...
+
+    def grow(self, step: int) -> None: ...
+
+    def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None: ...
+
+    def give_up(self) -> None: ...
+
+    def first_step_done(self) -> str | None: ...
+
+    def close(self, timeout_s: float) -> None: ...
+
+
 class NoWarmRecovery:
     """The warm path off: every failure goes cold (a restart under torchrun)."""
-    evict = None  # a hang's ranks are not evicted for spares
-    namespace = None  # the watchdog's keys: the torchrun attempt's
 
     def __init__(self, round_id: str):
         self.round_id = round_id
 
     def membership(self) -> str:
         return membership(self.round_id, 0)
+
+    def namespace(self) -> str | None:
+        return None  # the watchdog's keys: the torchrun attempt's
+
+    def evictor(self) -> Evict | None:
+        return None  # a hang's ranks are not evicted for spares: it goes cold
+
+    def spare_store(self, step: int) -> dist.Store:
+        raise ColdPath("a warm spare (or a resized rank) needs the warm path: warm.enable "
+                       "and a store outside the workers (llmtrain launch)")
+
+    def join_as_spare(self, plan: Plan) -> int:
+        raise ColdPath("a warm spare (or a resized rank) needs the warm path: warm.enable "
+                       "and a store outside the workers (llmtrain launch)")
 
     def start(self, step: int, control: dist.ProcessGroup) -> None:
         pass
@@ -233,7 +309,7 @@ class WarmRecovery:
         self.cfg, self.path, self.job, self.world = w, path, job, world
         self.events, self.ledger, self.fence = events, ledger, fence
         self._spares_look: BackgroundLook | None = None  # rank 0's, made at its first vote
-        self.round_id = self.namespace = path.round_id  # the watchdog's keys outlive generations
+        self.round_id = path.round_id
         self.timeout_s = cfg.reliability.collective_timeout_s
         # never further apart than checkpoints: warm must not redo more than cold
         most = (min(w.snapshot_max_every, c.interval_steps)
@@ -251,6 +327,12 @@ class WarmRecovery:
 
     def membership(self) -> str:
         return membership(self.round_id, self.path.gen)
+
+    def namespace(self) -> str | None:
+        return self.round_id  # the watchdog's keys outlive generations
+
+    def evictor(self) -> Evict | None:
+        return self.evict
 
     def evict(self, ranks: list[int], via: dist.Store) -> dict[int, list[str]]:
         """Has a hang's stuck ranks leave, for spares to replace: the watchdog asks,
@@ -408,7 +490,7 @@ class WarmRecovery:
         local = not broke_a_collective(error)
         self.events.emit("failure", step=step, error=f"{type(error).__name__}: {error}"[:500],
                          path="warm", cause="local" if local else "peer")
-        error.add_note(REPORTED)
+        mark_reported(error)
         if self.watch is not None:
             self.watch.disarm()  # this generation's groups are left below, by this thread
         if local:
@@ -595,7 +677,7 @@ def warm_recovery(settings: Settings, job: Job, *, world: WorldInfo,
                   job_store: dist.Store | None, plan: dict | None, events: EventLog,
                   ledger: GoodputLedger, fence: Fence,
                   fits: Callable[[int], tuple[int, int]],
-                  held: dict[int, Snapshot] | None = None) -> WarmRecovery | NoWarmRecovery:
+                  held: dict[int, Snapshot] | None = None) -> Recovery:
     """This rank's recovery: warm when on and a store outside the workers exists to meet
     in (a spare's ``plan`` names its place, or a shrunk survivor's, with the snapshots it
     ``held``), else cold only, said once in an event. ``fits(ranks)``: the mesh the run
@@ -607,8 +689,7 @@ def warm_recovery(settings: Settings, job: Job, *, world: WorldInfo,
             events.emit("warm_path_off", rank=world.rank,
                         reason="no rendezvous store outside the workers "
                                "(run under llmtrain launch)")
-        return NoWarmRecovery(round_of(job_store, fence.store) if fence.store is not None
-                              else "")
+        return NoWarmRecovery(fence.round_name(job_store) or "")
     p = settings.parallelism
     if backend_for(p, device_type(p)) == "nccl" and world.rank == 0:
         problems = nccl_problems()
@@ -619,7 +700,8 @@ def warm_recovery(settings: Settings, job: Job, *, world: WorldInfo,
                                "shrink, grow and preemption shrink have never run on "
                                "NCCL); a failure it cannot handle goes cold")
     per_node = plan["local_world_size"] if plan is not None else world.local_world_size
-    round_id = plan["round_id"] if plan is not None else round_of(job_store, fence.store)
+    round_id = plan["round_id"] if plan is not None else (
+        fence.round_name(job_store) or round_of(job_store, None))
     path = WarmPath(settings.warm, store, round_id, world.rank, world.world_size, per_node,
                     gen=plan["gen"] if plan is not None else 0,
                     shapes=world_sizes(world, fits))

@@ -42,12 +42,14 @@ import logging
 import socket
 import threading
 from datetime import timedelta
-from typing import Callable
-
+from typing import TYPE_CHECKING, Callable
 
 from llmtrain.distributed.signed_store import Forged, SignedStore
 from llmtrain.events import EventLog
-from llmtrain.recovery.warm import FENCE_KEY, order, outside_store
+from llmtrain.recovery.warm import FENCE_KEY, order, outside_store, round_of
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 KEY = FENCE_KEY
 
@@ -111,6 +113,15 @@ class Fence:
             seen = current
             current = self._ask(lambda store: store.compare_set(KEY, seen, token)
                                 if seen else store.claim(KEY, token)).decode()
+
+    def membership(self) -> str:
+        """The membership this rank joined (its token; "" before it joined one)."""
+        return self.token
+
+    def round_name(self, job_store: dist.Store | None) -> str | None:
+        """This torchrun round's name (:func:`llmtrain.recovery.warm.round_of`), numbered
+        by the fence's store; None without one (nothing outlives a round to number it)."""
+        return None if self.store is None else round_of(job_store, self.store)
 
     def expect(self, token: str) -> None:
         """This rank agreed to join ``token``'s membership (a warm recovery): a peer that

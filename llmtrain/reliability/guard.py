@@ -5,15 +5,23 @@ a corrupted replica or faulty arithmetic names the rank, whose node is then excl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llmtrain.reliability.integrity import Integrity, TrainingDiverged
+
+if TYPE_CHECKING:
+    from llmtrain.checkpoint.manager import Checkpointing
+    from llmtrain.recovery.coordinator import Recovery
+    from llmtrain.reliability.watchdog import WatchdogLike
 
 # Rollbacks from the same stretch of steps before the fault counts as persistent.
 MAX_ROLLBACKS = 3
 
 
 class IntegrityGuard:
-    def __init__(self, integrity: Integrity, *, checkpoints, recovery, control, reporter,
-                 watchdog, ledger, events):
+    def __init__(self, integrity: Integrity, *, checkpoints: Checkpointing,
+                 recovery: Recovery, control, reporter, watchdog: WatchdogLike, ledger,
+                 events):
         self.integrity, self.checkpoints, self.recovery = integrity, checkpoints, recovery
         self.control, self.reporter, self.watchdog, self.ledger = control, reporter, watchdog, ledger
         self.events = events
@@ -28,7 +36,7 @@ class IntegrityGuard:
     def review(self, step: int, grad_norm, state, *, save: bool = False) -> int | None:
         """Reads the verdicts and, when due (always before a save), checks the state;
         rolls back when the policy says so. Returns the step rolled back to, else None."""
-        if save and not self.integrity.cfg.enable:
+        if save and not self.integrity.enabled():
             return None
         bad = self.integrity.read()
         if bad and self.integrity.review(bad, step):
@@ -41,7 +49,7 @@ class IntegrityGuard:
         if check.diverged:
             self.reporter.line(f"integrity: rank(s) {check.diverged} held a corrupted replica "
                                f"at step {step} (the replay after the rollback says so)")
-            if self.integrity.cfg.on_sdc == "exclude":
+            if self.integrity.excludes_corrupt():
                 self.control.name_corrupt(check.diverged, "its replica of the model diverged "
                                           "from the others'", step)
         if check.ok:
@@ -58,7 +66,7 @@ class IntegrityGuard:
         if named:
             self.reporter.line(f"integrity: rank(s) {named} computed step {step}'s losses "
                                f"differently from their neighbours (faulty arithmetic)")
-        if named and self.integrity.cfg.on_sdc == "exclude":
+        if named and self.integrity.excludes_corrupt():
             self.control.name_corrupt(named, "its arithmetic disagreed with both "
                                       "neighbours'", step)
 

@@ -196,6 +196,26 @@ class Integrity:
         self.loss = math.nan  # the global loss of the last step read
         self.replayed: dict[int, list[int]] = {}  # split step -> each rank's fingerprint
 
+    # -- what others ask -------------------------------------------------------------
+
+    def enabled(self) -> bool:
+        """Whether steps are judged and the state checked (``integrity.enable``)."""
+        return self.cfg.enable
+
+    def excludes_corrupt(self) -> bool:
+        """Whether a rank named for silent data corruption has its node excluded
+        (``integrity.on_sdc = exclude``)."""
+        return self.cfg.on_sdc == "exclude"
+
+    def skips_step(self, step: int) -> bool:
+        """Whether ``step`` must not train (``integrity.skip_steps``, or a batch a
+        rollback learned to skip)."""
+        return step in self.skips
+
+    def last_loss(self) -> float:
+        """The global loss of the last step whose verdict was read (NaN before any)."""
+        return self.loss
+
     # -- every step, on the device --------------------------------------------------
 
     def judge(self, step: int, local_loss: torch.Tensor,

@@ -56,7 +56,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, posit
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from llmtrain.recovery.coordinator import Evict
     from llmtrain.recovery.fence import Fence
 
 HOST = socket.gethostname()
@@ -131,11 +132,32 @@ def _diagnosing(watchdog):
         watchdog.collective_failed(e)
 
 
+class WatchdogLike(Protocol):
+    """This rank's hang watchdog as the session and its components use it, on
+    (:class:`Watchdog`) or off (:class:`NoWatchdog`): see :func:`start_watchdog`."""
+
+    def diagnosing(self) -> contextlib.AbstractContextManager:
+        """Around a step: a desync PyTorch detects becomes the watchdog's diagnosis."""
+
+    def start(self) -> None: ...
+
+    def beat(self, step: int, phase: str, long: bool = False) -> None:
+        """Progress from the training thread: ``phase`` of ``step``."""
+
+    def new_generation(self) -> None: ...
+
+    def collective_failed(self, error: BaseException) -> None: ...
+
+    def slowdowns(self) -> dict[int, float]:
+        """Rank 0's latest estimate of the slowest ranks (rank -> slowdown)."""
+
+    def close(self) -> None: ...
+
+
 class NoWatchdog:
     """``reliability.watchdog = false``: nothing watches, a desync is raised as it is."""
-    slowdowns: dict[int, float] = {}
 
-    def diagnosing(self):
+    def diagnosing(self) -> contextlib.AbstractContextManager:
         return _diagnosing(self)
 
     def start(self) -> None:
@@ -150,6 +172,9 @@ class NoWatchdog:
     def collective_failed(self, error: BaseException) -> None:
         raise error
 
+    def slowdowns(self) -> dict[int, float]:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -158,8 +183,7 @@ class Watchdog:
     def __init__(self, cfg: ReliabilityConfig, store: dist.Store, run_dir: str,
                  events: EventLog, rank: int, world_size: int, local_world_size: int = 0,
                  on_exit: Callable[[], None] = lambda: None,
-                 evict: Callable[[list[int], dist.Store], dict[int, list[str]]] | None = None,
-                 fence: "Fence | None" = None):
+                 evict: Evict | None = None, fence: Fence | None = None):
         """``local_world_size``: ranks per node, whose heartbeats a node leader reduces
         (0: the world is one node). ``on_exit``: called before this rank leaves for a cold
         restart. ``evict(ranks, via)``: has stuck ranks leave for the warm path to replace them
@@ -189,9 +213,9 @@ class Watchdog:
         self._streaks: dict[int, int] = {}  # windows running a rank was slow
         # Rank 0's latest estimate of the slowest ranks; ranks that were among them and are
         # no longer are shown at the median.
-        self.slowdowns: dict[int, float] = {}
+        self._slowdowns: dict[int, float] = {}
 
-    def diagnosing(self):
+    def diagnosing(self) -> contextlib.AbstractContextManager:
         """Around a step: a desync PyTorch detects becomes this watchdog's diagnosis."""
         return _diagnosing(self)
 
@@ -241,6 +265,12 @@ class Watchdog:
     def progress_timeout(self) -> float:
         """How long this rank may go without progress: more in a declared long phase."""
         return self.timeout if self.limit is None else max(self.timeout, self.limit)
+
+    def slowdowns(self) -> dict[int, float]:
+        """Rank 0's latest estimate of the slowest ranks (rank -> how many times slower
+        than the others it reaches collectives); ranks that were among them and are no
+        longer are shown at the median. Empty on other ranks."""
+        return dict(self._slowdowns)
 
     def new_generation(self) -> None:
         """The process groups were formed again (a warm recovery): collectives of the old
@@ -396,7 +426,8 @@ class Watchdog:
         rank lost while in one (killed in a save, cut off by a partition) leaves its count
         behind in its membership's key, where no later membership reads it (one count for
         the whole round excused every later hang until phase_timeout_s)."""
-        return "long_phases" if self.fence is None else f"long_phases/{self.fence.token}"
+        return ("long_phases" if self.fence is None
+                else f"long_phases/{self.fence.membership()}")
 
     # -- stragglers: who arrives late at collectives ----------------------------------
 
@@ -410,7 +441,7 @@ class Watchdog:
             return
         self.events.emit("straggler_scores", step=self.step, **asdict(scores))
         top = dict(scores.top)
-        self.slowdowns = {**{r: scores.p50 for r in self.slowdowns}, **top}
+        self._slowdowns = {**{r: scores.p50 for r in self._slowdowns}, **top}
         self._streaks = {r: self._streaks.get(r, 0) + 1 for r, s in top.items()
                          if s > self.cfg.straggler_factor}
         for r, streak in self._streaks.items():
@@ -535,9 +566,11 @@ class Watchdog:
 
 def start_watchdog(cfg: ReliabilityConfig, run_dir: str, events: EventLog, rank: int,
                    world_size: int, local_world_size: int, *, namespace: str | None,
-                   on_exit: Callable[[], None], evict, fence) -> Watchdog | NoWatchdog:
+                   on_exit: Callable[[], None], evict: Evict | None,
+                   fence: Fence | None) -> WatchdogLike:
     """This rank's watchdog, started (see :class:`Watchdog` for ``on_exit``, ``evict`` and
-    ``fence``); its heartbeats go to the store under ``namespace`` (None: the attempt's)."""
+    ``fence``: ``evict`` None when there is no warm path, and every hang goes cold); its
+    heartbeats go to the store under ``namespace`` (None: the attempt's)."""
     if not cfg.watchdog:
         return NoWatchdog()
     store = open_store("watchdog", timedelta(seconds=30), namespace)

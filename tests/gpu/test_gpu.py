@@ -126,7 +126,7 @@ def test_nvml_monitor_runs_its_event_loop_while_the_gpu_works():
         monitor.close()
     print(f"{len(passes)} passes; last readings {passes[-1] if passes else None}; "
           f"events {recorded}")
-    assert monitor.fatal is None, monitor.fatal
+    assert monitor.fatal_finding() is None, monitor.fatal_finding()
     assert len(passes) >= seconds / 2 and passes[-1].get(gpu)
 
 

@@ -297,14 +297,14 @@ def test_monitor_sees_an_xid_event_and_reports_changes_once(tmp_path):
                             on_pass=lambda f, v: passes.append(v))
     monitor.start()
     try:
-        assert monitor.fatal is None and events.records == []
+        assert monitor.fatal_finding() is None and events.records == []
         bad = copy.deepcopy(state)
         bad["xid_events"] = [{"gpu": 0, "xid": 79}, {"gpu": 1, "xid": 79}]
         write_script(path, bad)
         monitor.check()
         monitor.check()  # the same state again: no second event
-        assert monitor.fatal is not None and monitor.fatal.check == "xid"
-        assert monitor.fatal.gpu == 1 and "79" in monitor.fatal.message
+        assert monitor.fatal_finding() is not None and monitor.fatal_finding().check == "xid"
+        assert monitor.fatal_finding().gpu == 1 and "79" in monitor.fatal_finding().message
         assert [r["check"] for r in events.records] == ["xid"]  # GPU 0 is not this rank's
         assert passes[-1][1]["temperature_c"] == 41
     finally:
@@ -324,14 +324,14 @@ def test_monitor_without_xid_events_reads_the_kernel_log(tmp_path):
     with logged() as said:
         monitor.start()
     try:
-        assert checker.event_set is None and monitor.fatal is None
+        assert checker.event_set is None and monitor.fatal_finding() is None
         assert "XID events unavailable" in "\n".join(said), said
         state["kernel_log"] = ["NVRM: Xid (PCI:0000:19:00): 79, pid=1, name=python, "
                                "GPU has fallen off the bus."]
         write_script(path, state)
         monitor.check()
-        assert monitor.fatal is not None and monitor.fatal.check == "xid"
-        assert monitor.fatal.gpu == 1
+        assert monitor.fatal_finding() is not None and monitor.fatal_finding().check == "xid"
+        assert monitor.fatal_finding().gpu == 1
     finally:
         monitor.close()
 
@@ -351,6 +351,6 @@ def test_a_process_beside_a_running_job_only_warns(tmp_path):
     monitor = HealthMonitor(checker, [1], interval_s=3600, node_checks=False, events=events)
     monitor.start()
     monitor.close()
-    assert monitor.fatal is None
+    assert monitor.fatal_finding() is None
     (f,) = [r for r in events.records if r["check"] == "stray_processes"]
     assert f["severity"] == "warn" and "pid 4242" in f["message"]

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 from dataclasses import asdict, replace
-from typing import Callable
+from typing import Callable, Protocol
 
 from llmtrain.config import HealthConfig
 from llmtrain.reliability.health.checks import Backend, Finding, HealthChecker, open_backend
@@ -15,19 +15,30 @@ from llmtrain.reliability.health.checks import Backend, Finding, HealthChecker, 
 log = logging.getLogger(__name__)
 
 
+class HealthWatch(Protocol):
+    """This rank's health while it trains, as the run control asks it, watched
+    (:class:`HealthMonitor`) or not (:class:`NoHealthMonitor`): see :func:`start_monitor`."""
+
+    def fatal_finding(self) -> Finding | None:
+        """The first fatal finding (this rank's GPU failed), or None."""
+
+    def close(self) -> None: ...
+
+
 class HealthMonitor:
     """A thread that re-runs this rank's GPU checks (and, on local rank 0, the node's).
 
     A change of any check's severity becomes a ``health`` event; every pass feeds the
-    metrics. The first fatal finding is kept in ``fatal`` for the training loop, which
-    stops this rank with EXCLUDE_NODE once the checkpoint policy has had its chance.
+    metrics. The first fatal finding is kept for the training loop
+    (:meth:`fatal_finding`), which stops this rank with EXCLUDE_NODE once the checkpoint
+    policy has had its chance.
     """
 
     def __init__(self, checker: HealthChecker, gpus: list[int], *, interval_s: float,
                  node_checks: bool, events, on_pass: Callable[[list, dict], None] | None = None):
         self.checker, self.gpus, self.interval_s = checker, gpus, interval_s
         self.node_checks, self.events, self.on_pass = node_checks, events, on_pass
-        self.fatal: Finding | None = None
+        self._fatal: Finding | None = None
         self.last: dict[tuple[str, int | None], str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmtrain-health", daemon=True)
@@ -56,12 +67,16 @@ class HealthMonitor:
             if self.last.get(key, "ok") != f.severity:
                 self.events.emit("health", **asdict(f))
             self.last[key] = f.severity
-            if f.severity == "fatal" and self.fatal is None:
-                self.fatal = f
+            if f.severity == "fatal" and self._fatal is None:
+                self._fatal = f
                 log.error("llmtrain health: %s", f.sentence())
         if self.on_pass is not None:
             self.on_pass(findings, values)
         return findings
+
+    def fatal_finding(self) -> Finding | None:
+        """The first fatal finding of any pass (this rank's GPU failed), or None."""
+        return self._fatal
 
     def close(self) -> None:
         self._stop.set()
@@ -71,7 +86,9 @@ class HealthMonitor:
 
 class NoHealthMonitor:
     """``health.monitor = false``: nothing is watched, nothing ever fails."""
-    fatal = None
+
+    def fatal_finding(self) -> Finding | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -103,7 +120,7 @@ def rank_gpu(backend: Backend | None, device) -> int | None:
 
 
 def start_monitor(cfg: HealthConfig, device, *, host: str, local_rank: int, events,
-                  on_pass: Callable[[list, dict], None]) -> HealthMonitor | NoHealthMonitor:
+                  on_pass: Callable[[list, dict], None]) -> HealthWatch:
     """Watches this rank's GPU (and, on local rank 0, the node) while training."""
     if not cfg.monitor:
         return NoHealthMonitor()
