@@ -60,7 +60,8 @@ from llmtrain.config import ConfigError, Settings, mesh_shape
 from llmtrain.control import RunControl
 from llmtrain.distributed.failure import abandon, shutdown
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
-                                                global_mean, init_process_group, side_group)
+                                                global_mean, init_process_group, node_name,
+                                                side_group)
 from llmtrain.distributed.signed_store import report_forged_to
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
@@ -68,10 +69,11 @@ from llmtrain.fsio import require_writable
 from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.metrics.reporting import Reporter, RunInfo, memory_gb
 from llmtrain.optim import clip_gradients
-from llmtrain.recovery.coordinator import REPORTED, Resized, warm_recovery
+from llmtrain.recovery.coordinator import Resized, warm_recovery, was_reported
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.warm import Plan, outside_store
 from llmtrain.reliability.guard import IntegrityGuard
+from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.monitor import start_monitor
 from llmtrain.reliability.integrity import Integrity, TrainingDiverged, optimizer_step
 from llmtrain.reliability.watchdog import configure_diagnostics, start_watchdog
@@ -217,6 +219,17 @@ def stop_agent(code: int) -> None:
         os.kill(os.getppid(), signal.SIGTERM)
 
 
+def refuse_if_excluded(run_dir: str) -> None:
+    """Exits EXCLUDE_NODE (and stops this node's torchrun agent) when this node was
+    excluded from the run earlier (a failed GPU, a corrupted replica): a restart of its
+    workers must not bring it back."""
+    host = node_name()
+    if host in (excluded := excluded_hosts(run_dir)):
+        log.error("llmtrain: %s is excluded from this run (%s)", host, excluded[host]["reason"])
+        stop_agent(ExitCode.EXCLUDE_NODE)
+        raise SystemExit(ExitCode.EXCLUDE_NODE)
+
+
 def start(settings: Settings, build: Callable[[World], Parts], *,
           info: RunInfo | None = None,
           fits: Callable[[int], tuple[int, int]] | None = None) -> Session:
@@ -228,8 +241,10 @@ def start(settings: Settings, build: Callable[[World], Parts], *,
     Raises:
         ConfigError: ``settings`` cannot work at this world size (the message names the
             field and what to set).
-        SystemExit: (code 0) in a warm spare whose job ended without needing it.
+        SystemExit: code 0 in a warm spare whose job ended without needing it; code 76
+            (EXCLUDE_NODE) on a node excluded from the run earlier.
     """
+    refuse_if_excluded(settings.run_dir)
     if os.environ.get(SPARE_ENV) != "1":
         return Session(settings, info=info, fits=fits).start(build)
     plan = spare_assignment()  # its place in the job: the session is that rank's
@@ -281,6 +296,7 @@ class Session:
         self._grad_norm: torch.Tensor | None = None
         self._started_at = time.perf_counter()
         self._open = False
+        self._exit: ExitCode | None = None  # set when the session ended on a diverged run
         self.summary: Summary | None = None  # the run's, once finished
 
     # -- the two starts -----------------------------------------------------------------
@@ -303,7 +319,7 @@ class Session:
         """A start into the running job: a warm spare's, in the place ``plan`` assigns
         (its state from its buddy's replica), or a rank's after the job shrank or grew
         (its state resharded from the snapshots the ranks ``held``)."""
-        self.reporter.spare = True  # it joined a running attempt: it did not restart
+        self.reporter.joined_running()  # it joined a running attempt: it did not restart
         self._build = build
         with self.ledger.span("startup", "store_connect"):
             self._recovery_for(None, plan, held)
@@ -332,8 +348,8 @@ class Session:
         with self.ledger.span("startup", "components"):
             self.watchdog = start_watchdog(
                 s.reliability, s.run_dir, events, world.rank, world.world_size,
-                world.local_world_size, namespace=self.recovery.namespace, fence=self.fence,
-                evict=self.recovery.evict,
+                world.local_world_size, namespace=self.recovery.namespace(), fence=self.fence,
+                evict=self.recovery.evictor(),
                 on_exit=self.recovery.give_up)  # the agents must restart all, not wait
             self.health = start_monitor(s.health, self.device, host=world.host,
                                         local_rank=world.local_rank, events=events,
@@ -465,7 +481,7 @@ class Session:
         rollback learned to skip): the loop consumes its batch and moves its schedule,
         and trains nothing."""
         step = self._step + 1
-        if step not in self.integrity.skips:
+        if not self.integrity.skips_step(step):
             return False
         self._skipped, self._grad_norm = True, None
         self.events.emit_once("step_skipped", step=step, reason="skip_steps")
@@ -533,7 +549,7 @@ class Session:
             back_to = self.guard.review(step, self._grad_norm, self.state)
             if back_to is not None:
                 return self._went_back(back_to)  # rolled back: on from the checkpoint's step
-        if self.control.sdc_named:
+        if self.control.named_corrupt():
             return self._stop()
         self.recovery.maybe_snapshot(step)
         if log_due:
@@ -555,7 +571,7 @@ class Session:
         elif self._loss is None:
             return  # the loop gave no loss
         else:  # the only host sync of the step (integrity's verdicts were read with it)
-            loss = (self.integrity.loss if self.settings.integrity.enable
+            loss = (self.integrity.last_loss() if self.settings.integrity.enable
                     else global_mean(self._loss))
         advice = self.reporter.step(step, loss,
                                     lr=self.parts.optimizer.param_groups[0]["lr"],
@@ -584,7 +600,7 @@ class Session:
         if verdict.grow and not final:
             self.recovery.grow(step)  # raises Resized: the parts are built anew, larger
         if verdict.preempt and step < last:  # the others may go on
-            self.recovery.let_go(step, self.control.signal is not None, self.control_group)
+            self.recovery.let_go(step, self.control.signalled(), self.control_group)
         return verdict.stop
 
     def _save(self, step: int, final: bool) -> None:
@@ -625,7 +641,7 @@ class Session:
         """What the launcher should do with this rank's process: CLEAN, RETRYABLE (stopped
         early: a signal, a peer's failure), EXCLUDE_NODE (its GPU failed) or FATAL (set
         when the session ended on a diverged run)."""
-        return getattr(self, "_exit", None) or self.control.exit_code
+        return self._exit or self.control.exit_code
 
     def finish(self) -> Summary:
         """The run's end, once the loop is out: waits for the peers that failed to exit
@@ -637,10 +653,11 @@ class Session:
         self.control.let_the_failed_exit_first()
         wall = time.perf_counter() - self._started_at
         tokens = (self._step - self._first_step) * self.info.tokens_per_step
+        first_loss, final_loss = self.reporter.losses()
         s = Summary(steps=self._step, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
-                    first_loss=self.reporter.first_loss, final_loss=self.reporter.loss,
+                    first_loss=first_loss, final_loss=final_loss,
                     memory_gb=memory_gb(self.device), trained=self._step - self._first_step,
-                    stopped=self.control.finishing,
+                    stopped=self.control.stopped_on_request(),
                     complete=self._step == self.settings.steps)
         self.control.run_ended(complete=s.complete)
         self.reporter.run_end(s)
@@ -659,7 +676,7 @@ class Session:
             self._exit = ExitCode.FATAL
             self.events.emit("fatal", host=self.world.host, step=self._step,
                              error=f"{type(error).__name__}: {error}")
-        elif REPORTED not in getattr(error, "__notes__", ()):
+        elif not was_reported(error):
             # The first sign of a failure elsewhere (a dead peer breaks our collective):
             # the start of the recovery clock, unless the warm path reported it already.
             self.events.emit("failure", step=self._step,
