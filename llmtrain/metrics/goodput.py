@@ -78,7 +78,11 @@ class GoodputLedger:
         self.events = events
         self.enabled = enabled
         self.productive_from: tuple[int, float] | None = None
-        self.timeline: list[tuple[str, float]] = []  # start-up phases, for the console
+        self._timeline: list[tuple[str, float]] = []  # start-up phases, for the console
+
+    def phases(self) -> dict[str, float]:
+        """The start-up's phases so far and their seconds, in order."""
+        return dict(self._timeline)
 
     def attempt(self, **fields) -> None:
         if self.enabled:
@@ -96,7 +100,7 @@ class GoodputLedger:
 
     def record(self, category: str, name: str, start: float, end: float, **fields) -> None:
         if category in ("startup", "checkpoint_load"):
-            self.timeline.append((name, end - start))
+            self._timeline.append((name, end - start))
         if self.enabled:
             self.events.emit("span", category=category, name=name, start=round(start, 6),
                              end=round(end, 6), **fields)

@@ -137,7 +137,7 @@ class Reporter:
     def startup_done(self, watchdog, step: int) -> None:
         """The start-up timeline, once the first step is done: where a restart's time goes;
         after a restart, rank 0 also logs the recovery's parts."""
-        phases = dict(self.ledger.timeline)
+        phases = self.ledger.phases()
         since_launch = time.time() - launch_time()
         self.events.emit("startup", phases=phases, since_launch_s=since_launch,
                          pid=os.getpid(), host=self.world.host)
