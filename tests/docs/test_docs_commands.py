@@ -30,11 +30,13 @@ def marked_blocks() -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """What the docs' commands assume: ``runs/debug_cpu`` a finished 20-step run of the
-    debug preset with checkpoints at steps 10 and 20, and ``docs/`` beside it."""
+    debug preset with checkpoints at steps 10 and 20, and ``docs/`` and ``examples/``
+    beside it."""
     work = tmp_path_factory.mktemp("docs")
     check(llmtrain(work / "runs" / "debug_cpu", "--training.steps", "20",
                    "--checkpoint.interval_steps", "10", "--metrics.port", "0"))
-    (work / "docs").symlink_to(ROOT / "docs")
+    for shown in ("docs", "examples"):
+        (work / shown).symlink_to(ROOT / shown)
     return work
 
 
@@ -58,6 +60,8 @@ def test_a_documented_command_runs(workdir, page, script):
     assert proc.stdout.strip(), script
     if "llmtrain analyze docs/examples/desync" in script:  # the page says what it finds
         assert "desync at gloo:all_reduce #2" in proc.stdout and "rank(s) [1]" in proc.stdout
+    if "runs/cnn --training.steps 30" in script:  # the own loop's second run resumes
+        assert "resumed from the checkpoint of step 20" in proc.stdout, proc.stdout[-3000:]
     if "ckpt list" in script:
         assert re.search(r"\b20\s+committed", proc.stdout), proc.stdout
 
