@@ -251,7 +251,7 @@ def start(settings: Settings, build: Callable[[World], Parts], *,
     if plan is None:
         log.info("llmtrain: the job ended without needing this warm spare")
         raise SystemExit(ExitCode.CLEAN)
-    return Session(settings, info=info, fits=fits).join(build, plan)
+    return Session(settings, info=info, fits=fits, joining=True).join(build, plan)
 
 
 class Session:
@@ -267,14 +267,18 @@ class Session:
     session as failed."""
 
     def __init__(self, settings: Settings, *, info: RunInfo | None = None,
-                 fits: Callable[[int], tuple[int, int]] | None = None):
+                 fits: Callable[[int], tuple[int, int]] | None = None, joining: bool = False):
+        """``joining``: the session joins the running job (:meth:`join`, a warm spare's),
+        so its start is not a new attempt of the job."""
         self.settings, self.info = settings, info or RunInfo()
         self._fits = fits or (lambda ranks: mesh_shape(settings.parallelism, ranks))
-        self._setup()
+        self._setup(joining)
 
-    def _setup(self) -> None:
-        """What exists before any group: who this rank is, its event log and reports."""
-        self._entered = time.time()
+    def _setup(self, joining: bool) -> None:
+        """What exists before any group: who this rank is, its event log and reports; a
+        new attempt is recorded first, so that whatever the loop does before its start
+        (reading its data) counts in it."""
+        entered = time.time()
         self.world = world = WorldInfo.from_env()
         s = self.settings
         s.validate(world.world_size)
@@ -286,6 +290,8 @@ class Session:
         self.events = EventLog(s.run_dir, world.rank)
         report_forged_to(self.events)  # a control key in the store nobody with the secret wrote
         self.ledger = GoodputLedger(self.events, enabled=world.rank == 0)
+        if not joining:
+            self.ledger.launched(world_size=world.world_size, host=world.host, entered=entered)
         self.reporter = Reporter(s, self.info, world, self.events, self.ledger)
         if s.reliability.watchdog:
             configure_diagnostics(s.reliability, s.run_dir)
@@ -304,8 +310,6 @@ class Session:
     def start(self, build: Callable[[World], Parts]) -> Session:
         """A cold start: forms the process group, builds the parts, resumes from the
         newest checkpoint that verifies (if ``checkpoint.resume``)."""
-        self.ledger.launched(world_size=self.world.world_size, host=self.world.host,
-                             entered=self._entered)
         self._build = build
         with self.ledger.span("startup", "store_connect"):
             job_store = connect_store(self.world, self.settings.reliability)
@@ -629,7 +633,7 @@ class Session:
         self.parts = None  # the old model and optimizer: freed below
         gc.unfreeze()  # what a start froze (llmtrain.collector) holds the old parts' cycles
         gc.collect()
-        self._setup()
+        self._setup(joining=True)
         self.join(self._build, plan, held)
         gc.freeze()
         self.action = Action.RESIZED

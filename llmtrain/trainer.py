@@ -46,14 +46,14 @@ class Trainer:
     def as_spare(cls, cfg: JobConfig, plan: dict) -> Trainer:
         """A warm spare's trainer, in the place ``plan`` assigns it."""
         self = cls.__new__(cls)
-        self._prepare(cfg)
+        self._prepare(cfg, joining=True)
         self.session.join(self.build, plan)
         return self
 
-    def _prepare(self, cfg: JobConfig) -> None:
+    def _prepare(self, cfg: JobConfig, joining: bool = False) -> None:
         self.cfg = cfg
         self.session = session = Session(
-            cfg.settings(), info=run_info(cfg),
+            cfg.settings(), info=run_info(cfg), joining=joining,
             fits=lambda ranks: (cfg.validate(ranks), cfg.mesh_shape(ranks))[1])
         world = session.world
         session.info.micro_batches = cfg.accumulation_steps(world.world_size)
