@@ -201,13 +201,15 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"unexpected arguments {rest}")
     mix, source = chaos.load_mix(args.mix) if args.mix else (None, "")
     cfg = chaos.ChaosConfig(workdir=args.workdir, steps=args.steps, interval_s=args.interval,
-                            seed=args.seed, faults=args.faults or ",".join(chaos.KINDS),
+                            seed=args.seed, faults=args.faults or ",".join(
+                                chaos.script_kinds() if args.script else chaos.KINDS),
                             repeat=args.repeat,
                             nodes=args.nodes, rank=args.rank,
                             checkpoint_every=args.checkpoint_every,
                             reference=not args.no_reference, warm=not args.cold,
                             mix=mix, mix_source=source, netns=not args.no_netns,
-                            spares=args.spares, repair_s=args.repair_s)
+                            spares=args.spares, repair_s=args.repair_s,
+                            script=args.script)
     if cfg.spares is not None and cfg.spares < 0:
         raise ConfigError(f"--spares {cfg.spares}: a count of nodes, 0 or more")
     if cfg.spares == 0 and cfg.nodes < 2:
@@ -219,6 +221,7 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     unknown = set(cfg.faults.split(",")) - set(chaos.KINDS)
     if unknown:
         raise ConfigError(f"--faults: unknown {sorted(unknown)}; choose from {chaos.KINDS}")
+    chaos.kinds_named(cfg.faults, cfg.script)  # a kind a script's loop cannot meet: refused
     # a stopped chaos run removes what it made (namespaces, mounts, nodes) on the way out
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = chaos.Chaos(cfg).execute()
@@ -301,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                          "once every kind has run")
     ch.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
     ch.add_argument("--seed", type=int, default=0)
-    ch.add_argument("--faults", default="", help="comma-separated kinds (default: all; "
-                                                 "see llmtrain/chaos/runner.py)")
+    ch.add_argument("--faults", default="", help="comma-separated kinds (default: all, with "
+                                                 "--script all a script's loop can meet; see "
+                                                 "llmtrain/chaos/runner.py)")
     ch.add_argument("--repeat", action="store_true",
                     help="after each kind once, keep injecting at random until near the end")
     ch.add_argument("--mix", default="", help="draw the kinds by a fleet's failure mix: a "
@@ -325,6 +329,13 @@ def main(argv: list[str] | None = None) -> int:
                          "kinds that need their own link are left out)")
     ch.add_argument("--no-reference", action="store_true",
                     help="skip the fault-free run that the final weights are compared with")
+    ch.add_argument("--script", default="", metavar="PATH",
+                    help="chaos on a training loop of yours (a script that calls "
+                         "llmtrain.start, e.g. examples/cnn_sgd.py) instead of llmtrain's "
+                         "trainer: the nodes run llmtrain launch --script PATH, the "
+                         "reference torchrun PATH. The kinds only llmtrain's trainer "
+                         "meets are refused with it, and left out of its default set: "
+                         "nan (the loss is poisoned at the trainer's 'loss' fault point)")
     ch.set_defaults(func=cmd_chaos)
     stop = sub.add_parser("stop", help="ask a running job to save and end at its next step")
     stop.add_argument("run_dir", help="the job's training.run_dir (an fsspec URL)")

@@ -46,10 +46,22 @@ store_restart       the rendezvous store's process is killed (SIGKILL) and start
 gpu_bad             a node's scripted GPU reports uncorrectable ECC errors
 truncated_shard     a shard of the newest committed checkpoint is cut short, then every
                     rank is killed so that the restart must notice and fall back
-nan                 one rank's loss turns NaN for a step (a run-time fault)
+nan                 one rank's loss turns NaN for a step (a run-time fault; llmtrain's
+                    trainer only: see ``--script`` below)
 bitflip             one rank flips a bit of its replica of the parameters (the job runs
                     HSDP, each node a replica, so that corruption has a witness)
 ==================  ===================================================================
+
+``--script PATH`` runs a user's training loop instead of llmtrain's trainer (a script
+that calls ``llmtrain.start``, as ``examples/*.py`` do): the nodes run ``llmtrain launch
+--script PATH`` (workers and warm spares alike), the reference is ``torchrun --standalone
+PATH`` with the same settings, and only what the public API's ``Settings`` reads is passed
+(no ``--data.*``, no ``--optim.*``: the loop trains its own model on its own data, with
+its own schedule, which must not depend on ``training.steps``, since the reference ends
+at the job's last step). The kinds marked ``trainer_only`` (``nan``: the "loss" fault
+point is the trainer's) cannot strike such a loop: asked for, they are refused with a
+ConfigError naming them; the default set leaves them out, and a mix's weight on them is
+listed as left out.
 
 ``--mix FILE`` (or a shipped mix by name: ``llama3``) draws the kinds by weight instead of
 uniformly, as a fleet fails: after each kind of the mix once, by the weights; the table
@@ -135,27 +147,50 @@ class FaultKind:
     inject: Callable[[Chaos], Verdict]
     needs_netns: bool = False  # nodes with links of their own (network namespaces)
     keeps_ranks: bool = False  # costs no rank: needs no spare waiting, nor waits for one
+    trainer_only: str = ""     # why it needs llmtrain's own trainer (not a --script's loop)
 
 
 # name -> kind, in the order the kinds are defined (a schedule's seeded order draws from it)
 FAULT_KINDS: dict[str, FaultKind] = {}
 
 
-def fault_kind(name: str, needs_netns: bool = False, keeps_ranks: bool = False):
+def fault_kind(name: str, needs_netns: bool = False, keeps_ranks: bool = False,
+               trainer_only: str = ""):
     """Registers the decorated ``Chaos`` method as the fault kind ``name``, so that the
-    kinds chaos schedules, and checks ``--faults`` and mixes against, have one source."""
+    kinds chaos schedules, and checks ``--faults`` and mixes against, have one source.
+    ``trainer_only``: why the kind cannot strike a user's loop (``--script``)."""
     def register(inject: Callable[[Chaos], Verdict]) -> Callable[[Chaos], Verdict]:
-        FAULT_KINDS[name] = FaultKind(name, inject, needs_netns, keeps_ranks)
+        FAULT_KINDS[name] = FaultKind(name, inject, needs_netns, keeps_ranks, trainer_only)
         return inject
     return register
 
 
-def kinds_named(names: str) -> list[FaultKind]:
-    """The kinds a comma-separated list names, or a ConfigError listing the known ones."""
+def kinds_named(names: str, script: str = "") -> list[FaultKind]:
+    """The kinds a comma-separated list names, or a ConfigError listing the known ones;
+    with ``script`` (a user's loop, ``--script``), a ConfigError naming those only
+    llmtrain's trainer can meet, and why."""
     unknown = [n for n in names.split(",") if n not in FAULT_KINDS]
     if unknown:
         raise ConfigError(f"unknown fault kind(s) {unknown}; known: {', '.join(FAULT_KINDS)}")
-    return [FAULT_KINDS[n] for n in names.split(",")]
+    kinds = [FAULT_KINDS[n] for n in names.split(",")]
+    refused = [k for k in kinds if k.trainer_only]
+    if script and refused:
+        raise ConfigError(
+            f"--script {script}: fault kind(s) {[k.name for k in refused]} cannot strike a "
+            f"loop of your own (" + "; ".join(f"{k.name}: {k.trainer_only}" for k in refused)
+            + f"); choose from {', '.join(script_kinds())}")
+    return kinds
+
+
+def script_kinds() -> tuple[str, ...]:
+    """The kinds a user's loop (``--script``) can meet, and the default set for one:
+    every kind but those only llmtrain's trainer can (``trainer_only``)."""
+    return tuple(k for k, kind in FAULT_KINDS.items() if not kind.trainer_only)
+
+
+def trainer_only_kinds() -> dict[str, str]:
+    """The kinds only llmtrain's trainer can meet, and why."""
+    return {k: kind.trainer_only for k, kind in FAULT_KINDS.items() if kind.trainer_only}
 
 
 @dataclass
@@ -183,6 +218,11 @@ class ChaosConfig:
     mix: dict[str, float] | None = None  # kind -> weight (``load_mix``): draws by weight
     mix_source: str = ""
     netns: bool = True             # nodes in network namespaces where the machine allows
+    script: str = ""               # a training script of the user's (it calls
+                                   # llmtrain.start) instead of llmtrain's trainer: the
+                                   # nodes run it (``llmtrain launch --script``), and so
+                                   # does the reference; ``faults`` may not name a kind
+                                   # only the trainer meets (``script_kinds()``)
 
 
 def load_mix(name_or_path: str) -> tuple[dict[str, float], str]:
@@ -255,7 +295,13 @@ def write_gpu_script(path: Path, healthy: bool) -> None:
 class Chaos:
     def __init__(self, cfg: ChaosConfig):
         self.cfg = cfg
-        self.kinds = kinds_named(cfg.faults)
+        self.script = ""
+        if cfg.script:
+            if not Path(cfg.script).is_file():
+                raise ConfigError(f"--script {cfg.script}: no such file (a training script "
+                                  f"that calls llmtrain.start)")
+            self.script = str(Path(cfg.script).resolve())  # the nodes' working directory may differ
+        self.kinds = kinds_named(cfg.faults, cfg.script)
         self.rng = random.Random(cfg.seed)
         self.dir = Path(cfg.workdir).resolve()
         if self.dir.exists() and any(self.dir.iterdir()):
@@ -271,9 +317,13 @@ class Chaos:
         # verdicts judged again at the end (what a fault caused may come late), by index
         self.rejudge: dict[int, Callable[[], None]] = {}
         self.truncated: set[int] = set()
-        self.train_args = (
+        self.started_at: dict[str, float] = {}  # node -> when chaos last started it
+        # what only llmtrain's trainer reads; a script trains its own model on its own data
+        trainer = () if self.script else (
             # 128-token sequences: steps as long as the fault schedule's timing assumes
-            "--config", "debug_cpu", "--data.seq_len", "128", "--training.steps", str(cfg.steps),
+            "--data.seq_len", "128")
+        self.train_args = (
+            "--config", "debug_cpu", *trainer, "--training.steps", str(cfg.steps),
             "--checkpoint.interval_steps", str(cfg.checkpoint_every),
             "--checkpoint.keep_last", "4", "--checkpoint.keep_every", str(5 * cfg.checkpoint_every),
             "--checkpoint.if_busy", "skip", "--metrics.log_every", "5",
@@ -285,6 +335,8 @@ class Chaos:
             "--parallelism.dp_replicate", "-1", "--parallelism.dp_shard", "1",
             "--integrity.sdc_every", "5",
             "--warm.enable", str(cfg.warm).lower())
+        # the nodes' launch option (not the workers'): what their workers and spares run
+        self.launch_args = ("--script", self.script) if self.script else ()
 
     # -- the run --------------------------------------------------------------------------
 
@@ -298,9 +350,13 @@ class Chaos:
         self.network = netns.Network(self.dir) if why_not is None else None
         self.left_out = {k.name: f"nodes on loopback ({why_not})"
                          for k in FAULT_KINDS.values() if k.needs_netns and why_not is not None}
+        if self.script and self.cfg.mix:  # a mix's kinds that a user's loop cannot meet
+            self.left_out.update({k: f"--script: {why}" for k, why in trainer_only_kinds().items()
+                                  if k in self.cfg.mix})
         fewest = self.cfg.nodes - (self.spare_nodes == 0)  # no spare: one node short
         self.cluster = LocalCluster(self.dir, self.run, f"{fewest}:{self.cfg.nodes}",
-                                    (*self.train_args, "--checkpoint.url", str(self.mount.mount)),
+                                    (*self.launch_args, *self.train_args,
+                                     "--checkpoint.url", str(self.mount.mount)),
                                     max_restarts=100, env=env, network=self.network)
         try:
             for name in self.names:
@@ -337,6 +393,7 @@ class Chaos:
                     self.verdicts[-1].diagnosis = f"missed: {e}"
                 print(_row(self.verdicts[-1]), flush=True)
             if not schedule and not self.cfg.repeat:  # every kind has run: no need to wait
+                self._launched()
                 request_stop(str(self.run), "chaos: every fault kind has run")
             final = self._finish()
         finally:
@@ -347,8 +404,28 @@ class Chaos:
         return final
 
     def _start(self, name: str, spare: bool = True) -> None:
+        # a node, or a warm spare, says it launched (``node_launch``, or ``warm_path_off``
+        # before it waits cold); a cold spare says nothing until it is needed
+        if not spare or self.cfg.warm:
+            self.started_at[name] = time.time()
+        else:
+            self.started_at.pop(name, None)
         self.cluster.start(name, env={"LLMTRAIN_NVML_SCRIPT": str(self._script(name))},
                            spare=spare)
+
+    def _launched(self, timeout: float = 60) -> None:
+        """Waits until every node started last (a repaired one, back as a spare) has
+        launched, or exited: a launcher sees only a job's end after its own start, and a
+        spare still starting when the job was stopped waited for that end for ever
+        (chaos killed it a minute later)."""
+        def launched(name: str) -> bool:
+            return (name not in self.started_at or self.cluster.nodes[name].poll() is not None
+                    or any(e["event"] in ("node_launch", "warm_path_off")
+                           and e.get("host") == name
+                           for e in self._events(None, self.started_at[name])))
+        with contextlib.suppress(TimeoutError):  # (then the end's verdict names it)
+            self._wait(lambda: all(launched(n) for n in self.cluster.nodes),
+                       "launch of the nodes started last", timeout)
 
     def _script(self, name: str) -> Path:
         return self.dir / "nvml" / f"{name}.json"
@@ -529,11 +606,18 @@ class Chaos:
         if self._world()[1] == self.cfg.nodes:
             return
         back = self._wait(lambda: self._latest("warm_grow", since)
-                          or self._latest("recovery", since), f"the job to take {node} back",
-                          180)
+                          or self._latest("recovery", since) or self._ended(since),
+                          f"the job to take {node} back", 180)
+        if back["event"] == "run_end":  # it reached its last step first: nothing to grow
+            return
         v.returned = "grow" if back["event"] == "warm_grow" else "cold"
         v.return_s = (back["total_s"] if v.returned == "grow" else
                       back["marks"]["first_step"] - since)
+
+    def _ended(self, since: float) -> dict | None:
+        """The job's end at its last step, since ``since``."""
+        return next((e for e in self._events("run_end", since)
+                     if e["steps"] == self.cfg.steps), None)
 
     @staticmethod
     def _lost_ranks(rec: dict) -> list[int] | None:
@@ -1022,7 +1106,9 @@ class Chaos:
                     "no older checkpoint: started over")
         return v
 
-    @fault_kind("nan", keeps_ranks=True)
+    @fault_kind("nan", keeps_ranks=True,
+                trainer_only="it makes the loss NaN at the 'loss' fault point, which only "
+                             "llmtrain's trainer calls")
     def _nan(self) -> Verdict:
         rank, v = self._arm_ahead("nan", "nan@loss")
         seen = self._wait(lambda: self._latest("step_skipped", v.injected_at), "step_skipped", 120)
@@ -1163,16 +1249,24 @@ class Chaos:
         from llmtrain.checkpoint.shards import load_unsharded
         ref = self.dir / "reference"
         skips = ",".join(map(str, skipped_at_last(self._events())))
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={self.cfg.nodes}", "-m", "llmtrain", "train",
-                        *self.train_args, "--training.steps", str(final_step),
-                        "--optim.decay_steps", str(self.cfg.steps),  # the job's schedule
-                        "--training.run_dir", str(ref), "--health.monitor", "false",
-                        "--integrity.skip_steps", skips,
-                        "--checkpoint.interval_steps", str(final_step),
-                        "--integrity.sdc_every", "0"],
-                       check=True, capture_output=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        # the job's LR schedule (llmtrain's trainer; a script's schedule is its own, and
+        # must not depend on training.steps, which the reference ends at the job's end)
+        worker = (["-m", "llmtrain", "train"] if not self.script else [self.script])
+        schedule = [] if self.script else ["--optim.decay_steps", str(self.cfg.steps)]
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={self.cfg.nodes}", *worker,
+             *self.train_args, "--training.steps", str(final_step), *schedule,
+             "--training.run_dir", str(ref), "--health.monitor", "false",
+             # (a script skips them only if its loop asks run.skipping())
+             "--integrity.skip_steps", skips,
+             "--checkpoint.interval_steps", str(final_step),
+             "--integrity.sdc_every", "0"],
+            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        (self.dir / "reference.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"chaos: the fault-free reference run exited {proc.returncode}; "
+                               f"see {self.dir / 'reference.log'}")
         a, b = (load_unsharded(storage.step_dir(str(root), final_step))["model"]
                 for root in (ref / "checkpoints", self.mount.root))
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
