@@ -186,6 +186,9 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
 
 
 def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
+    # first: a job that ends while the preflight and the gate run ended after this
+    # launcher came (a standby that started then waited for an end it had missed)
+    started = time.time()
     host = lc.host or socket.gethostname()
     run_dir = cfg.training.run_dir
     preflight(cfg, lc)
@@ -193,7 +196,6 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     gate = run_gate(cfg, host)
     if gate != ExitCode.CLEAN:
         return gate
-    started = time.time()
     events = EventLog(run_dir, rank=None)
     report_forged_to(events)
     off = warm_off_reason(cfg, lc, worker_env(cfg, lc, host))
