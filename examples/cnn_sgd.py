@@ -61,7 +61,7 @@ def build(world: llmtrain.World) -> llmtrain.Parts:
         if isinstance(layer, (nn.Conv2d, nn.Linear)):
             fully_shard(layer, mesh=world.mesh)
     fully_shard(model, mesh=world.mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     return llmtrain.Parts(model, optimizer, state={"data": Images(world.rank)})
 
 

@@ -69,7 +69,7 @@ def build(world: llmtrain.World) -> llmtrain.Parts:
     for layer in model.model.layers:
         fully_shard(layer, mesh=world.mesh)
     fully_shard(model, mesh=world.mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     return llmtrain.Parts(model, optimizer, state={"schedule": schedule,
                                                    "data": Loader(world.rank, world.world_size)})

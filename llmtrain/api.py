@@ -4,7 +4,7 @@ A loop gets everything llmtrain's own trainer gets (warm recovery from in-memory
 snapshots, with spares or by shrinking and growing; the flight-recorder watchdog; GPU
 health checks; the ranks' agreed stop and save; sharded async checkpoints with an atomic
 commit; bad-step skips and rollbacks; goodput and Prometheus metrics) through one
-:class:`Session`::
+``Session``::
 
     def build(world: llmtrain.World) -> llmtrain.Parts:   # on each new process group
         model = fully_shard(MyModel().to(world.device), mesh=world.mesh)
@@ -27,7 +27,7 @@ grown). What ``build`` returns is what a failure must not lose: the model's and 
 optimizer's state (any optimizer's) and every item in ``state`` (anything with
 ``state_dict()``/``load_state_dict()``, as DCP's ``Stateful``: an LR scheduler, a data
 loader's position), saved in checkpoints and snapshots and restored into the new build.
-After each step :attr:`Session.action` says what happened: the loop went on, stopped,
+After each step ``Session.action`` says what happened: the loop went on, stopped,
 went back to an earlier step (restored), or was rebuilt at another world size (resized);
 ``run.parts`` and ``run.world`` are always the current ones.
 """
@@ -235,7 +235,7 @@ def start(settings: Settings, build: Callable[[World], Parts], *,
           fits: Callable[[int], tuple[int, int]] | None = None) -> Session:
     """This process's session, started: cold (resumed from the newest checkpoint that
     verifies), or, in a warm spare a standby launcher started, once the job assigns it a
-    lost rank (restored from that rank's snapshot replica). See :class:`Session` for the
+    lost rank (restored from that rank's snapshot replica). See ``Session`` for the
     parameters.
 
     Raises:
@@ -256,8 +256,8 @@ def start(settings: Settings, build: Callable[[World], Parts], *,
 
 class Session:
     """One rank's reliability for a training loop: built from ``settings``, then started
-    with :meth:`start` (cold) or :meth:`join` (a warm spare's or a resized rank's
-    start); :func:`start` picks. ``info`` says what the run trains, for its reports;
+    with ``start`` (cold) or ``join`` (a warm spare's or a resized rank's
+    start); ``start`` picks. ``info`` says what the run trains, for its reports;
     ``fits(ranks)`` gives the mesh the run trains at with that many ranks or raises
     ConfigError (default: ``settings.parallelism``'s mesh), which is what a shrink or a
     grow may reach.
@@ -266,9 +266,23 @@ class Session:
     recorded as the rank's failure (the start of the recovery clock) and ends the
     session as failed."""
 
+    world: WorldInfo
+    """Who this rank is now: its rank, the world's size, its place on its node, its host
+    (a resize changes them)."""
+    device: torch.device
+    """This rank's device (its GPU under CUDA, else the CPU)."""
+    mesh: DeviceMesh
+    """The device mesh of the current process group, which ``build`` built the parts on."""
+    parts: Parts
+    """What ``build`` returned for the current process group: read it after every step."""
+    action: Action
+    """What the last step ended in."""
+    events: EventLog
+    """This rank's event log (``events/rank-N.jsonl`` in the run dir)."""
+
     def __init__(self, settings: Settings, *, info: RunInfo | None = None,
                  fits: Callable[[int], tuple[int, int]] | None = None, joining: bool = False):
-        """``joining``: the session joins the running job (:meth:`join`, a warm spare's),
+        """``joining``: the session joins the running job (``join``, a warm spare's),
         so its start is not a new attempt of the job."""
         self.settings, self.info = settings, info or RunInfo()
         self._fits = fits or (lambda ranks: mesh_shape(settings.parallelism, ranks))
@@ -445,7 +459,7 @@ class Session:
     def step(self) -> Iterator[int]:
         """Around one step, whose number it yields: the watchdog's heartbeat and hang
         diagnosis, the chaos harness's fault points; after the block, the step's
-        reports, integrity check, snapshot, vote and save (see :attr:`action`). A failed
+        reports, integrity check, snapshot, vote and save (see ``action``). A failed
         collective inside it (a lost peer) is recovered warm where the warm path can:
         the exception is swallowed and the state is an earlier step's (RESTORED), or the
         job's size changed (RESIZED); otherwise it is raised, for the cold path."""
@@ -493,7 +507,7 @@ class Session:
 
     def recompute_due(self) -> bool:
         """Whether this step's first micro-batch of the next rank is recomputed here
-        (``integrity.recompute_every``: see :meth:`compare_recompute`)."""
+        (``integrity.recompute_every``: see ``compare_recompute``)."""
         return self.integrity.recompute_due(self._step + 1)
 
     def compare_recompute(self, own: torch.Tensor, peer: torch.Tensor) -> None:
@@ -508,7 +522,7 @@ class Session:
         state is done. ``loss``: this rank's mean loss of the step; ``grad_norm``: the
         global gradient norm if the loop computed it (clipping), else computed here when
         integrity is on. No host sync with a fused AdamW or SGD; one with any other
-        optimizer (see :func:`llmtrain.reliability.integrity.optimizer_step`)."""
+        optimizer (see ``llmtrain.reliability.integrity.optimizer_step``)."""
         step = self._step + 1
         if grad_norm is None and self.settings.integrity.enable:
             grad_norm = clip_gradients(self.parts.model, 0.0, need_norm=True)

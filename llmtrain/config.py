@@ -480,7 +480,7 @@ class Settings:
     """What llmtrain's reliability needs to know of a run, whatever its loop trains: the
     run's directory (events, diagnostics, checkpoints unless ``checkpoint.url`` says
     otherwise), its length in optimizer steps (the last is always saved, and a run that
-    reached it is complete), and one section per component, each as in :class:`JobConfig`
+    reached it is complete), and one section per component, each as in ``JobConfig``
     (``llmtrain config --reference`` lists every field)."""
     SECTIONS = ("parallelism", "checkpoint", "control", "reliability", "integrity", "warm",
                 "health", "metrics")

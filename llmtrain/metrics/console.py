@@ -38,16 +38,18 @@ class ConsoleReporter:
         eta = _duration((self.total - r.step) * r.step_time_s)
         mfu = f" | mfu {r.mfu:.1%}" if r.mfu is not None else ""
         loss = "skipped, not trained" if r.skipped else f"loss {r.loss:.4f}"
+        # a loop that did not say its tokens per step (RunInfo) has no throughput to show
+        rate = f" | {r.tokens_per_s:,.0f} tok/s" if r.tokens_per_s else ""
         if self.bar:
             done = int(30 * r.step / self.total)
             line = (f"\r[{'#' * done}{'.' * (30 - done)}] {r.step}/{self.total} "
-                    f"{loss} | {r.tokens_per_s:,.0f} tok/s{mfu} | ETA {eta}  ")
+                    f"{loss}{rate}{mfu} | ETA {eta}  ")
             self.stream.write(line)
         else:
             gnorm = f" | gnorm {r.grad_norm:.3f}" if r.grad_norm is not None else ""
             self.stream.write(
-                f"step {r.step}/{self.total} | {loss} | lr {r.lr:.2e}{gnorm} | "
-                f"{r.tokens_per_s:,.0f} tok/s | {r.step_time_s * 1000:.0f} ms/step{mfu} | "
+                f"step {r.step}/{self.total} | {loss} | lr {r.lr:.2e}{gnorm}{rate} | "
+                f"{r.step_time_s * 1000:.0f} ms/step{mfu} | "
                 f"mem {r.memory_gb:.2f} GB | ETA {eta}\n")
         self.stream.flush()
 

@@ -119,10 +119,11 @@ class Reporter:
         self.account(final=True)
         ended = ("done, stopped on request" if s.stopped else "done" if s.complete
                  else "stopped early")
+        tokens = (f", {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
+                  f"({s.tokens_per_s:,.0f} tok/s)" if s.tokens else f" in {s.wall_s:.1f} s")
         self.console.line(
-            f"{ended}: {s.steps} steps, {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
-            f"({s.tokens_per_s:,.0f} tok/s); loss {s.first_loss:.3f} -> {s.final_loss:.3f}; "
-            f"peak memory {s.memory_gb:.2f} GB per rank")
+            f"{ended}: {s.steps} steps{tokens}; loss {s.first_loss:.3f} -> "
+            f"{s.final_loss:.3f}; peak memory {s.memory_gb:.2f} GB per rank")
 
     def line(self, text: str | None) -> None:
         if self.is_rank0 and text:
