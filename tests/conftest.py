@@ -129,6 +129,17 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A one-rank gloo process group in this process, and its 1-D device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def run_dir(tmp_path) -> Path:
     return tmp_path / "run"
 from storage_fixtures import *  # noqa: E402,F401,F403  (bindfs_mount, faultfs, s3_url, ...)

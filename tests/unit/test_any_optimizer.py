@@ -7,7 +7,6 @@ integrity guard judges bad is skipped by any of them (:func:`optimizer_step`).""
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from llmtrain.checkpoint.snapshots import Schedule, Snapshots
@@ -131,11 +130,8 @@ def test_the_list_leaves_out_state_that_is_no_tensor_and_creates_state_once():
 
 
 @pytest.fixture
-def mesh(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
-                            rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 @pytest.mark.parametrize("kind", ["sgd_momentum", "adam"])

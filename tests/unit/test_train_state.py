@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from llmtrain.checkpoint import index, storage
@@ -39,11 +38,8 @@ def _train_state(model, optimizer, scheduler) -> TrainState:
 
 
 @pytest.fixture
-def group(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
-                            rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def group(one_rank_mesh):
+    return one_rank_mesh
 
 
 def _step(model, optimizer, scheduler) -> None:
