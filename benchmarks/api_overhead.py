@@ -12,7 +12,9 @@ alike; the figure is the ratio of the median step times.
 
 Goal: API / plain <= 1.03.
 
-    python benchmarks/api_overhead.py [--blocks 8] [--block 40]
+    python benchmarks/api_overhead.py [--blocks 8] [--block 40] [--warm.enable false ...]
+
+(settings overrides after the options: what each component costs, by switching it off).
 
 Prints a table, then one JSON line of the figures (rank 0).
 """
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.03
 
 
-def launch(blocks: int, block: int) -> int:
+def launch(blocks: int, block: int, overrides: list[str]) -> int:
     """Runs this file as the job's workers: two one-rank "nodes" (``LocalCluster``: an
     ``llmtrain launch`` each and a rendezvous store of their own), so that the warm path
     is on and its snapshots are part of the API's cost. Prints rank 0's figures."""
@@ -41,7 +43,7 @@ def launch(blocks: int, block: int) -> int:
         work = Path(d)
         cluster = LocalCluster(work, work / "run", "2:2", (
             "--script", __file__, "--training.steps", str((blocks + 1) * block + 1),
-            "--metrics.port", "0", "--metrics.log_every", "1000000"),
+            "--metrics.port", "0", "--metrics.log_every", "1000000", *overrides),
             env={"API_OVERHEAD_BLOCKS": f"{blocks},{block}"})
         try:
             cluster.start("node1")
@@ -131,5 +133,5 @@ if __name__ == "__main__":
         ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
         ap.add_argument("--blocks", type=int, default=8)
         ap.add_argument("--block", type=int, default=40)
-        args = ap.parse_args()
-        sys.exit(launch(args.blocks, args.block))
+        args, overrides = ap.parse_known_args()
+        sys.exit(launch(args.blocks, args.block, overrides))
