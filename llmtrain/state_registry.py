@@ -194,6 +194,9 @@ def materialize(optimizer: torch.optim.Optimizer) -> None:
     missing = [p for p in params if p.requires_grad and p not in optimizer.state]
     if not missing:
         return
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        _adam_first_state(optimizer, set(missing))
+        return
     grads = [p.grad for p in params]
     with torch.no_grad():
         values = [p.detach().clone() for p in missing]
@@ -255,3 +258,25 @@ def _own_gpu_rng(saved, index: int):
     """This rank's GPU RNG state as saved: checkpoints written before it was saved alone
     hold a list of every visible GPU's, of which the rank's device ``index`` is its own."""
     return saved[index] if isinstance(saved, list) else saved
+
+
+def _adam_first_state(optimizer: torch.optim.Adam, missing: set[torch.Tensor]) -> None:
+    """Adam's and AdamW's first state of the ``missing`` parameters, made as their
+    ``_init_group`` makes it (torch/optim/adam.py), without a step: the zero step cost
+    every warm restore a step over the whole shard and a copy of every parameter (0.02 s
+    of a 0.23 s recovery here, and more with a larger model)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p not in missing:
+                continue
+            state = optimizer.state[p]
+            state["step"] = (
+                torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]),
+                            device=p.device)
+                if group["capturable"] or group["fused"]
+                else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -219,3 +219,25 @@ def test_no_verdict_steps():
     _backward(model, generator)
     optimizer_step(optimizer, None)
     assert all(optimizer.state[p]["momentum_buffer"] is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("options", [{}, {"fused": True}, {"amsgrad": True}])
+def test_adams_state_made_without_a_step_is_the_stepped_one(options):
+    """Adam's and AdamW's first state is made without the zero step (a warm restore paid
+    a step over its whole shard for it): the same keys, dtypes, devices and values as the
+    zero step makes for any other optimizer (a subclass takes that path)."""
+    class Subclass(torch.optim.AdamW):
+        pass
+    made = {}
+    for optimizer_type in (torch.optim.AdamW, Subclass):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = optimizer_type(model.parameters(), lr=1e-2, **options)
+        materialize(optimizer)
+        made[optimizer_type] = [(k, v.dtype, v.device, v.clone())
+                                for p in model.parameters()
+                                for k, v in sorted(optimizer.state[p].items())]
+    fast, stepped = made.values()
+    assert [x[:3] for x in fast] == [x[:3] for x in stepped]
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(fast, stepped))
+    assert ("max_exp_avg_sq" in {k for k, *_ in fast}) == bool(options.get("amsgrad"))

@@ -257,3 +257,11 @@ def test_fused_optimizers_take_found_inf():
     fused.found_inf = torch.ones(())
     fused.step()
     assert torch.equal(p.detach(), torch.ones(3)) and fused.state[p]["step"].item() == 0
+
+
+def test_adams_step_dtype_helper():
+    """state_registry._adam_first_state makes Adam's ``step`` with the dtype Adam's own
+    ``_init_group`` takes from ``torch.optim.optimizer._get_scalar_dtype``."""
+    from torch.optim.optimizer import _get_scalar_dtype
+    assert _get_scalar_dtype() == torch.float32
+    assert _get_scalar_dtype(is_fused=True) == torch.float32
