@@ -47,8 +47,6 @@ import torch.distributed as dist
 from llmtrain import fault_points
 from llmtrain.checkpoint import checksum
 from llmtrain.events import EventLog
-# the state's one list, defined by the registry; imported from here too
-from llmtrain.state_registry import state_entries, state_tensors  # noqa: F401
 
 _ALIGN = 64
 

@@ -39,8 +39,7 @@ import torch.distributed as dist
 from llmtrain import fault_points
 from llmtrain.checkpoint.manager import Checkpointing
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
-                                           capture, shares_cores, state_entries,
-                                           state_tensors)
+                                           capture, shares_cores)
 from llmtrain.config import ConfigError, Settings
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, broke_a_collective,
                                           nccl_problems)
@@ -115,14 +114,14 @@ def _unplain(x):
 def take_snapshot(snapshots: Snapshots, step: int, registry: StateRegistry) -> bool:
     """The registry at ``step`` into this rank's next snapshot: the sharded tensors as
     bytes, every item in the header (False: skipped, the last still being replicated)."""
-    return snapshots.take(step, state_tensors(registry.model, registry.optimizer, []),
+    return snapshots.take(step, registry.tensors(),
                           {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
 
 
 def restore_snapshot(snap: Snapshot, registry: StateRegistry) -> None:
     """The registry as ``snap`` (verified) holds it: a spare takes the lost rank's own
     items (its RNGs) with its shards."""
-    _load_items(snap.restore_into(state_tensors(registry.model, registry.optimizer, [])),
+    _load_items(snap.restore_into(registry.tensors()),
                 registry)
 
 
@@ -444,7 +443,7 @@ class WarmRecovery:
         nothing broke reshards from."""
         registry = self.job.registry
         return capture(step, self.world.rank,
-                       state_tensors(registry.model, registry.optimizer, []),
+                       registry.tensors(),
                        {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
 
     def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None:
@@ -636,7 +635,7 @@ class WarmRecovery:
         newcomers = frozenset(n for n, old in enumerate(plan.kept) if old < 0)
         header = reshard(self.held, {int(o): n for o, n in plan.providers.items()},
                          Mesh(*plan.old_mesh), Mesh(*plan.mesh),
-                         state_entries(registry.model, registry.optimizer),
+                         registry.entries(),
                          own=own if own >= 0 else None, group=self.replication,
                          newcomers=newcomers)
         self.held = {}  # in the state now: the buffers go

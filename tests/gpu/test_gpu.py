@@ -200,7 +200,8 @@ def _abort_and_rejoin(out: str) -> None:
     FailureWatch, which aborts the communicators; the next collective raises into the
     recovery; the rank leaves the group, forms a new one on the same device, restores its
     snapshot of step 3 (pinned host memory) and trains steps 4-5 again."""
-    from llmtrain.checkpoint.snapshots import Schedule, Snapshots, state_tensors
+    from llmtrain.checkpoint.snapshots import Schedule, Snapshots
+    from llmtrain.state_registry import state_tensors
     from llmtrain.distributed.failure import (FailureWatch, abandon, broke_a_collective,
                                               nccl_problems)
     from llmtrain.distributed.nccl_env import warm_worker_env

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 BOTH_PATHS = """
 import random, sys
 import torch
-from llmtrain.checkpoint.snapshots import Schedule, Snapshots, state_tensors
+from llmtrain.checkpoint.snapshots import Schedule, Snapshots
+from llmtrain.state_registry import state_tensors
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.recovery.coordinator import restore_snapshot, take_snapshot
 from llmtrain.trainer import Trainer

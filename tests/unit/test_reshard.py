@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from llmtrain.checkpoint.snapshots import Schedule, Snapshots, state_entries, state_tensors
+from llmtrain.checkpoint.snapshots import Schedule, Snapshots
+from llmtrain.state_registry import state_entries, state_tensors
 from llmtrain.events import EventLog
 from llmtrain.recovery.reshard import Mesh, plan_moves, reshard
 from llmtrain.state_registry import local_shard

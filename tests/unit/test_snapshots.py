@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from llmtrain.checkpoint.snapshots import Schedule, SnapshotError, Snapshots, state_tensors
+from llmtrain.checkpoint.snapshots import Schedule, SnapshotError, Snapshots
+from llmtrain.state_registry import state_tensors
 from llmtrain.events import EventLog, read_events
 
 
