@@ -37,11 +37,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
-import json
 import logging
 import os
-import signal
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -56,12 +53,11 @@ from torch.distributed.tensor import DTensor
 from llmtrain import fault_points
 from llmtrain.checkpoint.manager import checkpoints_for
 from llmtrain.checkpoint.state import TrainState
-from llmtrain.config import ConfigError, Settings, mesh_shape
+from llmtrain.config import Settings, mesh_shape
 from llmtrain.control import RunControl
 from llmtrain.distributed.failure import abandon, shutdown
 from llmtrain.distributed.process_group import (WorldInfo, build_mesh, connect_store,
-                                                global_mean, init_process_group, node_name,
-                                                side_group)
+                                                global_mean, init_process_group, side_group)
 from llmtrain.distributed.signed_store import report_forged_to
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
@@ -69,11 +65,11 @@ from llmtrain.fsio import require_writable
 from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.metrics.reporting import Reporter, RunInfo, memory_gb
 from llmtrain.optim import clip_gradients
+from llmtrain.placement import SPARE_ENV, place, refuse_if_excluded, spare_assignment, stop_agent
 from llmtrain.recovery.coordinator import Resized, warm_recovery, was_reported
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.warm import Plan, outside_store
 from llmtrain.reliability.guard import IntegrityGuard
-from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.monitor import start_monitor
 from llmtrain.reliability.integrity import Integrity, TrainingDiverged, optimizer_step
 from llmtrain.reliability.watchdog import configure_diagnostics, start_watchdog
@@ -83,8 +79,6 @@ __all__ = ["Action", "Parts", "RunInfo", "Session", "Settings", "Summary", "Worl
 
 log = logging.getLogger(__name__)
 
-# what a launcher sets in a warm spare's environment (llmtrain launch --standby)
-SPARE_ENV = "LLMTRAIN_SPARE"
 _RESERVED = ("rng", "integrity")  # the session's own items in the state registry
 
 
@@ -176,58 +170,6 @@ def _items(parts: Parts) -> list:
                 item = _Item(name, obj, per_rank)
             items.append(item)
     return items
-
-
-def place(plan: dict) -> dict[str, str]:
-    """The environment that names the rank ``plan`` assigns: its rank, the world's size
-    and its node's number."""
-    return {"RANK": str(plan["rank"]), "WORLD_SIZE": str(plan["world_size"]),
-            "GROUP_RANK": str(plan["rank"] // plan["local_world_size"])}
-
-
-def spare_assignment() -> dict | None:
-    """A warm spare's wait (a process a standby ``llmtrain launch`` started, which holds
-    its place in the job's pool): says it is ready, then waits for the plan that assigns
-    it a lost rank (one JSON line on stdin) and takes that rank's place in its
-    environment. None when its input ends first: the job no longer needs it."""
-    if "LLMTRAIN_RDZV_ENDPOINT" not in os.environ:
-        raise ConfigError("a warm spare needs the rendezvous store's address in "
-                          "LLMTRAIN_RDZV_ENDPOINT (run it under llmtrain launch --standby)")
-    if "LLMTRAIN_SPARE_READY_FD" in os.environ:  # the launcher puts it in the pool now
-        with open(int(os.environ.pop("LLMTRAIN_SPARE_READY_FD")), "w") as ready:
-            ready.write("ready\n")
-    line = sys.stdin.readline()
-    if not line:
-        return None
-    plan = json.loads(line)
-    per_node = plan["local_world_size"]
-    # its place on a node, as torchrun numbers a node's workers: the spares of one standby
-    # host that take a node's ranks (a grow, a lost node) each take their own GPU
-    os.environ.update(place(plan), LOCAL_RANK=str(plan["rank"] % per_node),
-                      LOCAL_WORLD_SIZE=str(per_node))
-    os.environ.pop(SPARE_ENV, None)
-    return plan
-
-
-def stop_agent(code: int) -> None:
-    """After a FATAL or EXCLUDE_NODE exit, stops this node's torchrun agent, which would
-    otherwise restart the workers into the same failure."""
-    if code not in (ExitCode.FATAL, ExitCode.EXCLUDE_NODE) or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        os.kill(os.getppid(), signal.SIGTERM)
-
-
-def refuse_if_excluded(run_dir: str) -> None:
-    """Exits EXCLUDE_NODE (and stops this node's torchrun agent) when this node was
-    excluded from the run earlier (a failed GPU, a corrupted replica): a restart of its
-    workers must not bring it back."""
-    host = node_name()
-    if host in (excluded := excluded_hosts(run_dir)):
-        log.error("llmtrain: %s is excluded from this run (%s)", host, excluded[host]["reason"])
-        stop_agent(ExitCode.EXCLUDE_NODE)
-        raise SystemExit(ExitCode.EXCLUDE_NODE)
 
 
 def start(settings: Settings, build: Callable[[World], Parts], *,

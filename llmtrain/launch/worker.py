@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from llmtrain.api import refuse_if_excluded, spare_assignment, stop_agent
+from llmtrain.placement import refuse_if_excluded, spare_assignment, stop_agent
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import ShardError
 from llmtrain.distributed.failure import abandon

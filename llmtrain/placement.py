@@ -1,0 +1,74 @@
+"""Where this process stands in the job before (and after) its session: a warm spare's
+wait for the lost rank it takes, the environment that names a rank, a node excluded from
+the run refusing to start, and the torchrun agent stopped after an exit that a restart
+would only repeat."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+from llmtrain.config import ConfigError
+from llmtrain.distributed.process_group import node_name
+from llmtrain.exit_codes import ExitCode
+from llmtrain.reliability.health.exclusion import excluded_hosts
+
+log = logging.getLogger(__name__)
+
+# what a launcher sets in a warm spare's environment (llmtrain launch --standby)
+SPARE_ENV = "LLMTRAIN_SPARE"
+
+
+def place(plan: dict) -> dict[str, str]:
+    """The environment that names the rank ``plan`` assigns: its rank, the world's size
+    and its node's number."""
+    return {"RANK": str(plan["rank"]), "WORLD_SIZE": str(plan["world_size"]),
+            "GROUP_RANK": str(plan["rank"] // plan["local_world_size"])}
+
+
+def spare_assignment() -> dict | None:
+    """A warm spare's wait (a process a standby ``llmtrain launch`` started, which holds
+    its place in the job's pool): says it is ready, then waits for the plan that assigns
+    it a lost rank (one JSON line on stdin) and takes that rank's place in its
+    environment. None when its input ends first: the job no longer needs it."""
+    if "LLMTRAIN_RDZV_ENDPOINT" not in os.environ:
+        raise ConfigError("a warm spare needs the rendezvous store's address in "
+                          "LLMTRAIN_RDZV_ENDPOINT (run it under llmtrain launch --standby)")
+    if "LLMTRAIN_SPARE_READY_FD" in os.environ:  # the launcher puts it in the pool now
+        with open(int(os.environ.pop("LLMTRAIN_SPARE_READY_FD")), "w") as ready:
+            ready.write("ready\n")
+    line = sys.stdin.readline()
+    if not line:
+        return None
+    plan = json.loads(line)
+    per_node = plan["local_world_size"]
+    # its place on a node, as torchrun numbers a node's workers: the spares of one standby
+    # host that take a node's ranks (a grow, a lost node) each take their own GPU
+    os.environ.update(place(plan), LOCAL_RANK=str(plan["rank"] % per_node),
+                      LOCAL_WORLD_SIZE=str(per_node))
+    os.environ.pop(SPARE_ENV, None)
+    return plan
+
+
+def stop_agent(code: int) -> None:
+    """After a FATAL or EXCLUDE_NODE exit, stops this node's torchrun agent, which would
+    otherwise restart the workers into the same failure."""
+    if code not in (ExitCode.FATAL, ExitCode.EXCLUDE_NODE) or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+        os.kill(os.getppid(), signal.SIGTERM)
+
+
+def refuse_if_excluded(run_dir: str) -> None:
+    """Exits EXCLUDE_NODE (and stops this node's torchrun agent) when this node was
+    excluded from the run earlier (a failed GPU, a corrupted replica): a restart of its
+    workers must not bring it back."""
+    host = node_name()
+    if host in (excluded := excluded_hosts(run_dir)):
+        log.error("llmtrain: %s is excluded from this run (%s)", host, excluded[host]["reason"])
+        stop_agent(ExitCode.EXCLUDE_NODE)
+        raise SystemExit(ExitCode.EXCLUDE_NODE)
