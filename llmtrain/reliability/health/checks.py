@@ -10,18 +10,8 @@ Severities: ok, unknown (not checkable here), warn (an event and a metric; the j
 on), fatal (the node must leave the job: the gate exits EXCLUDE_NODE before the node joins;
 the monitor stops the rank with EXCLUDE_NODE after a last checkpoint).
 
-Critical XIDs (from NVIDIA's XID catalog), fatal unless ``health.xid_fatal`` says otherwise:
-  48   double-bit ECC error: memory returned wrong data; the GPU needs a reset
-  64   ECC page retirement / row remapper could not record an error: the memory is unsafe
-  74   NVLink error: a link went down; collectives over it fail or hang
-  79   GPU has fallen off the bus: the device is gone until the node is reset
-  95   uncontained ECC error: every process on the GPU was affected; reset required
-  119, 120  GSP (GPU System Processor) RPC timeout / error: the GPU stops responding
-and warnings (``health.xid_warn``):
-  63   row remapping / page retirement recorded: fine until the next reset applies it
-  92   high single-bit ECC rate: memory degrading, plan a replacement
-  94   contained ECC error: only the affected process died; the GPU is usable
-Application XIDs (13, 31, 43: bad kernels or memory accesses) are not hardware and ignored.
+The GPU checks, one function per finding, and the XIDs they judge are in
+:mod:`llmtrain.reliability.health.gpu_checks`.
 """
 
 from __future__ import annotations
@@ -43,15 +33,14 @@ import pynvml
 
 from llmtrain.config import ConfigError, HealthConfig
 from llmtrain.fsio import is_local, probe_writable
-from llmtrain.reliability.health.nvml import UNKNOWN, read_gpu, readings, recovery_name
+from llmtrain.reliability.health.gpu_checks import GPU_CHECKS, GpuContext, pid_visible
+from llmtrain.reliability.health.nvml import UNKNOWN, read_gpu, readings
 from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
 
 log = logging.getLogger(__name__)
 
 SEVERITIES = ("ok", "unknown", "warn", "fatal")
 _RANK = {s: i for i, s in enumerate(SEVERITIES)}
-# Throttle reasons that mean the GPU is being slowed by a fault, not by normal power limits.
-_BAD_THROTTLE = ("hw_slowdown", "hw_thermal", "hw_power_brake", "sw_thermal")
 _XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+),?(.*)")
 
 
@@ -126,10 +115,6 @@ def open_backend(cfg: HealthConfig) -> Backend | None:
 # -- the checks ------------------------------------------------------------------------
 
 
-def _parse_xids(text: str) -> set[int]:
-    return {int(x) for x in text.split(",") if x.strip()}
-
-
 def _bus(pci: str) -> str:
     """"00000000:18:00.0" and the kernel's "0000:18:00" both give "18:00"."""
     parts = pci.lower().split(".")[0].split(":")
@@ -153,25 +138,17 @@ def kernel_xids(lines: list[str], window_s: float, now: float) -> list[tuple[str
     return found
 
 
-def _pid_visible(pid: int) -> bool:
-    """Whether ``pid`` is a process of this PID namespace. NVML reports the host's PIDs:
-    in a container without the host's PID namespace they are not (not even this
-    process's own), so a process holding memory there cannot be called a stray."""
-    return os.path.exists(f"/proc/{pid}")
-
-
 class HealthChecker:
     """Runs the checks for some GPUs of this node, and the node's own checks."""
 
     def __init__(self, cfg: HealthConfig, backend: Backend | None, *, host: str | None = None,
                  storage: dict[str, str] | None = None,
-                 pid_visible: Callable[[int], bool] = _pid_visible):
+                 pid_visible: Callable[[int], bool] = pid_visible):
         """``pid_visible``: whether a PID that NVML reports is a process of this PID
         namespace (the stray-process check's only use of it)."""
         self.cfg, self.backend, self.pid_visible = cfg, backend, pid_visible
         self.host = host or socket.gethostname()
         self.storage = storage or {}  # check name -> URL, e.g. {"run_storage": run_dir}
-        self.xid_fatal, self.xid_warn = _parse_xids(cfg.xid_fatal), _parse_xids(cfg.xid_warn)
         self.event_set = None
         self.xids: dict[int, list[int]] = {}  # XIDs seen through NVML events, per GPU
         # NVLink links seen active, per GPU: once one is, any link down is a fault
@@ -261,152 +238,15 @@ class HealthChecker:
                        (f", {expected} expected" if expected else ""), self.host)
 
     def _gpu_findings(self, s: dict, xids: list[int]) -> list[Finding]:
-        c = self.cfg
-        out: list[Finding] = []
-
-        def add(check: str, severity: str, message: str) -> None:
-            out.append(Finding(check, severity, message, self.host, gpu=s["index"],
-                               uuid=None if s["uuid"] is UNKNOWN else s["uuid"],
-                               pci_bus_id=None if s["pci_bus_id"] is UNKNOWN else s["pci_bus_id"]))
-
-        def unknown(check: str, what: str) -> None:
-            add(check, "unknown", f"NVML does not report {what} for this GPU/driver; not checked")
-
-        # Uncorrectable ECC: volatile counts are since the last driver load, aggregate for
-        # the GPU's life. SRAM errors cannot be remapped, so any is fatal.
-        v, agg = s["ecc_volatile"], s["ecc_aggregate"]
-        if v is UNKNOWN:
-            unknown("ecc_volatile", "uncorrectable ECC errors (ECC off?)")
-        elif v > 0:
-            split = ", ".join(f"{loc.upper()} {s[f'ecc_volatile_{loc}']}" for loc in ("dram", "sram")
-                              if s[f"ecc_volatile_{loc}"] is not UNKNOWN)
-            add("ecc_volatile", "fatal", f"{v} uncorrectable ECC error(s) since the driver "
-                f"loaded{f' ({split})' if split else ''}: results on this GPU cannot be "
-                f"trusted; drain the node and reset the GPU")
-        else:
-            add("ecc_volatile", "ok", "no uncorrectable ECC errors since the driver loaded")
-        if agg is UNKNOWN:
-            unknown("ecc_aggregate", "lifetime uncorrectable ECC errors")
-        else:
-            sram = s["ecc_aggregate_sram"]
-            if sram is not UNKNOWN and sram > 0:
-                add("ecc_aggregate", "fatal", f"{sram} uncorrectable SRAM ECC error(s) in the "
-                    f"GPU's life: SRAM cannot be remapped; replace the GPU (RMA)")
-            elif agg > c.max_aggregate_uce:
-                add("ecc_aggregate", "warn", f"{agg} uncorrectable ECC error(s) in the GPU's "
-                    f"life (threshold {c.max_aggregate_uce}): memory is degrading; plan a "
-                    f"replacement")
-            else:
-                add("ecc_aggregate", "ok", f"{agg} lifetime uncorrectable ECC error(s)")
-        # Page retirement (before Ampere) and row remapping (Ampere on).
-        if s["retired_pages_pending"] is UNKNOWN and s["remapped_rows"] is UNKNOWN:
-            unknown("row_remap", "row remapping or page retirement")
-        if s["retired_pages_pending"] is True:
-            add("retired_pages", "warn", "retired pages are pending: reset the GPU to retire "
-                "them before it sees more memory errors")
-        if s["remapped_rows"] is not UNKNOWN:
-            corr, unc, pending, failure = s["remapped_rows"]
-            if failure:
-                add("row_remap", "fatal", f"row remapping failed ({unc} rows remapped for "
-                    f"uncorrectable errors): no spare rows left; replace the GPU (RMA)")
-            elif pending:
-                add("row_remap", "warn", "row remapping is pending: reset the GPU to apply it; "
-                    "until then the bad rows are still in use")
-            else:
-                add("row_remap", "ok", f"{corr + unc} rows remapped, none pending")
-        # XIDs
-        fatal = sorted({x for x in xids if x in self.xid_fatal})
-        warn = sorted({x for x in xids if x in self.xid_warn})
-        if fatal:
-            add("xid", "fatal", f"critical XID {', '.join(map(str, fatal))} reported "
-                f"({_xid_meaning(fatal[0])}); drain the node and reset the GPU")
-        elif warn:
-            add("xid", "warn", f"XID {', '.join(map(str, warn))} reported "
-                f"({_xid_meaning(warn[0])})")
-        else:
-            add("xid", "ok", "no critical XIDs")
-        # PCIe: the width is what a degraded link shows; the generation drops at idle to
-        # save power, so a low generation alone is only noted.
-        width, max_width = s["pcie_width"], s["pcie_width_max"]
-        if width is UNKNOWN or max_width is UNKNOWN:
-            unknown("pcie_link", "the PCIe link width")
-        elif width < max_width:
-            add("pcie_link", c.pcie_degraded, f"PCIe link at x{width}, the device supports "
-                f"x{max_width} (gen {_show(s['pcie_gen'])} of {_show(s['pcie_max_gen'])}): host "
-                f"transfers and GPUDirect run at a fraction of their speed; reseat or replace "
-                f"the riser/cable")
-        else:
-            add("pcie_link", "ok", f"PCIe x{width} gen {_show(s['pcie_gen'])}")
-        # Throttling and temperature
-        throttle, temp = s["throttle"], s["temperature_c"]
-        if throttle is UNKNOWN:
-            unknown("throttle", "clock throttle reasons")
-        else:
-            bad = [r for r in _BAD_THROTTLE if throttle.get(r)]
-            if bad:
-                add("throttle", "warn", f"clocks slowed by {', '.join(bad)}"
-                    f"{f' at {temp} C' if temp is not UNKNOWN else ''}: this GPU will be a "
-                    f"straggler; check cooling and power")
-            else:
-                add("throttle", "ok", "no hardware or thermal slowdown")
-        if temp is UNKNOWN:
-            unknown("temperature", "the GPU temperature")
-        elif temp >= c.max_temperature_c:
-            add("temperature", "warn", f"{temp} C, at or above {c.max_temperature_c} C: "
-                f"check the node's cooling")
-        else:
-            add("temperature", "ok", f"{temp} C")
-        # NVLink
-        links = s["nvlink"]
-        active = {l["link"] for l in links if l["active"]} if links is not UNKNOWN else set()
-        was_active = self.nvlink_active.setdefault(s["index"], set())
-        was_active |= active
-        if links is UNKNOWN or not links:
-            add("nvlink", "ok", "no NVLink links reported (a PCIe-only GPU)")
-        elif not was_active:  # a PCIe card without a bridge reports every port inactive
-            add("nvlink", "ok", f"no NVLink link active of {len(links)} (no bridge or fabric "
-                f"in use)")
-        else:
-            down = [l["link"] for l in links if not l["active"]]
-            noisy = [l["link"] for l in links if any(
-                l[k] is not UNKNOWN and l[k] > c.nvlink_error_threshold
-                for k in ("replay", "recovery", "crc_flit"))]
-            if down:
-                add("nvlink", "fatal", f"NVLink link(s) {down} down: collectives over them "
-                    f"fail or fall back to slow paths; drain the node")
-            elif noisy:
-                add("nvlink", "warn", f"NVLink link(s) {noisy} over {c.nvlink_error_threshold} "
-                    f"replay/recovery/CRC errors: the link is degrading")
-            else:
-                add("nvlink", "ok", f"{len(links)} NVLink link(s) active")
-        # Stray processes: before the job starts, memory held by anyone is someone else's.
-        procs = s["processes"]
-        if procs is UNKNOWN:
-            unknown("stray_processes", "the processes using the GPU")
-        else:
-            others = [(pid, mib) for pid, mib in procs if pid != os.getpid()]
-            stray = [(pid, mib) for pid, mib in others if self.pid_visible(pid)]
-            hidden = [p for p in others if p not in stray]
-            foreign = (f"GPU memory held by {_pids(hidden)} in another PID namespace (in a "
-                       f"container, NVML reports the host's PIDs, this process's own among "
-                       f"them): whose it is cannot be told here")
-            if stray:
-                add("stray_processes", c.stray_processes, "processes holding GPU memory: " +
-                    _pids(stray) + "; a previous job did not exit; kill them or reset the GPU" +
-                    (f"; {foreign}" if hidden else ""))
-            elif hidden:
-                add("stray_processes", "unknown", foreign)
-            else:
-                add("stray_processes", "ok", "no other processes on the GPU")
-        action = s["recovery_action"]
-        if action is UNKNOWN:
-            unknown("recovery_action", "a recovery action (driver 550+)")
-        elif action != pynvml.NVML_GPU_RECOVERY_ACTION_NONE:
-            add("recovery_action", "fatal", f"the driver asks for recovery action "
-                f"{recovery_name(action)}: drain the node and do it")
-        else:
-            add("recovery_action", "ok", "the driver asks for no recovery")
-        return out
+        """The findings of every check of :data:`GPU_CHECKS` on one GPU's reading."""
+        seen = self.nvlink_active.setdefault(s["index"], set())
+        if s["nvlink"] is not UNKNOWN:
+            seen |= {link["link"] for link in s["nvlink"] if link["active"]}
+        ctx = GpuContext(self.cfg, tuple(xids), frozenset(seen), self.pid_visible)
+        where = {"gpu": s["index"], "uuid": None if s["uuid"] is UNKNOWN else s["uuid"],
+                 "pci_bus_id": None if s["pci_bus_id"] is UNKNOWN else s["pci_bus_id"]}
+        return [Finding(name, *verdict, self.host, **where) for name, check in GPU_CHECKS
+                if (verdict := check(s, ctx)) is not None]
 
     # -- the node --
 
@@ -513,25 +353,6 @@ def _tcp_counters() -> tuple[int, int] | None:
         return None
     tcp = dict(zip(names, map(int, values)))
     return tcp["OutSegs"], tcp["RetransSegs"]
-
-
-def _show(v: Any) -> str:
-    return "?" if v is UNKNOWN else str(v)
-
-
-_XID_MEANINGS = {48: "double-bit ECC error", 63: "row remapping/page retirement recorded",
-                 64: "row remapper failed to record an error", 74: "NVLink error",
-                 79: "GPU has fallen off the bus", 92: "high single-bit ECC error rate",
-                 94: "contained ECC error", 95: "uncontained ECC error",
-                 119: "GSP RPC timeout", 120: "GSP error"}
-
-
-def _pids(procs: list[tuple[int, float]]) -> str:
-    return ", ".join(f"pid {pid} ({mib:.0f} MiB)" for pid, mib in procs)
-
-
-def _xid_meaning(xid: int) -> str:
-    return _XID_MEANINGS.get(xid, "see NVIDIA's XID catalog")
 
 
 class _Timex(ctypes.Structure):
