@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+from typing import Callable, NamedTuple
 
 from llmtrain import collector
 from llmtrain.config import (ConfigError, load_config, parse_overrides, preset_names,
@@ -148,7 +149,7 @@ def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
 
 def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     with collector.paused(freeze=True):  # torch too: its preflight, gate and store lease need it
-        import torch.distributed  # noqa: F401
+        importlib.import_module("torch.distributed")
         from llmtrain.launch import node
     cfg = _config(args, rest)
     return node.launch(cfg, node.from_args(args), ["--config", args.config, *rest])
@@ -257,139 +258,208 @@ def cmd_analyze(args: argparse.Namespace, rest: list[str]) -> int:
     return ExitCode.CLEAN
 
 
-def main(argv: list[str] | None = None) -> int:
-    log_to_stderr()  # the library's messages, on stderr as they are (llmtrain.log)
+# -- each command's parser -------------------------------------------------------------
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    """``--config``: what the commands that read a training config take."""
+    p.add_argument("--config", default="debug_cpu",
+                   help=f"preset ({', '.join(preset_names())}) or a .toml file")
+
+
+def _config_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain config``'s options."""
+    _add_config(p)
+    p.add_argument("--world-size", type=int, default=1,
+                   help="check batch and mesh fit this many ranks")
+    p.add_argument("--reference", action="store_true",
+                   help="print every field as Markdown (docs/config.md)")
+
+
+def _health_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain health``'s options."""
+    _add_config(p)
+    p.add_argument("--gate", action="store_true",
+                   help="preflight: a fatal finding excludes this node from the run (exit 76)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--host", default="", help="name to record (default: the hostname)")
+
+
+def _launch_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain launch``'s options: the node agent's own (llmtrain.launch.node)."""
+    _add_config(p)
+    from llmtrain.launch.node import add_arguments
+    add_arguments(p)
+
+
+def _rdzv_store_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain rdzv-store``'s options."""
+    p.add_argument("--bind", default="127.0.0.1",
+                   help="address to listen on (default: this host only); on a cluster, "
+                        "the address the nodes reach this host at")
+    p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--exit-when-unused", action="store_true",
+                   help="end once every `llmtrain launch` that used it has ended (a "
+                        "store run as one task of the job, as the torchx component does)")
+    p.add_argument("--lease-timeout-s", type=float, default=30.0,
+                   help="a launcher silent this long counts as ended (its node died)")
+
+
+def _chaos_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain chaos``'s options."""
+    p.add_argument("--workdir", default="runs/chaos", help="a new directory for the run")
+    p.add_argument("--steps", type=int, default=1000,
+                   help="the job's length at most: without --repeat, it is asked to stop "
+                        "once every kind has run")
+    p.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", default="", help="comma-separated kinds (default: all, with "
+                                                "--script all a script's loop can meet; see "
+                                                "llmtrain/chaos/runner.py)")
+    p.add_argument("--repeat", action="store_true",
+                   help="after each kind once, keep injecting at random until near the end")
+    p.add_argument("--mix", default="", help="draw the kinds by a fleet's failure mix: a "
+                                             "TOML file, or a shipped mix by name (llama3)")
+    p.add_argument("--nodes", type=int, default=2, help="training nodes (plus spares)")
+    p.add_argument("--spares", type=int, default=None,
+                   help="spare nodes waiting (default: 2 warm, 1 cold); 0: a lost node's "
+                        "job shrinks and grows back once the node returns")
+    p.add_argument("--repair-s", type=float, default=20.0,
+                   help="with --spares 0: a lost node returns this long after its fault")
+    p.add_argument("--rank", type=int, default=None,
+                   help="the rank every rank-level fault hits (default: a random one)")
+    p.add_argument("--checkpoint-every", type=int, default=20,
+                   help="the job's checkpoint interval in steps (the last faults come "
+                        "3 intervals before the end)")
+    p.add_argument("--cold", action="store_true",
+                   help="without the warm path: every lost rank costs a restart of all")
+    p.add_argument("--no-netns", action="store_true",
+                   help="nodes on loopback, not in network namespaces of their own (the "
+                        "kinds that need their own link are left out)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the fault-free run that the final weights are compared with")
+    p.add_argument("--script", default="", metavar="PATH",
+                   help="chaos on a training loop of yours (a script that calls "
+                        "llmtrain.start, e.g. examples/cnn_sgd.py) instead of llmtrain's "
+                        "trainer: the nodes run llmtrain launch --script PATH, the "
+                        "reference torchrun PATH. The kinds only llmtrain's trainer "
+                        "meets are refused with it, and left out of its default set: "
+                        "nan (the loss is poisoned at the trainer's 'loss' fault point)")
+
+
+def _stop_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain stop``'s arguments."""
+    p.add_argument("run_dir", help="the job's training.run_dir (an fsspec URL)")
+    p.add_argument("--reason", default="asked by llmtrain stop",
+                   help="recorded in the run's stop_requested event")
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain report``'s arguments."""
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
+
+
+def _ckpt_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain ckpt``'s arguments."""
+    p.add_argument("action", choices=("list", "verify", "inspect", "convert", "export"))
+    p.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
+    p.add_argument("--sizes-only", action="store_true", help="skip the checksum checks")
+    p.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"),
+                   help="convert: 'raw', 'dcp' (a checkpoint any DCP reader loads) or "
+                        "'torch' (one torch.save file), and where; "
+                        "export: 'hf' and a directory for safetensors + config.json "
+                        "(transformers.LlamaForCausalLM loads it), and the tokenizer of "
+                        "the corpus the run trained on (AutoTokenizer loads it)")
+    p.add_argument("--tokenizer", default="",
+                   help="export: this tokenizer.json (fsspec URL) instead of the corpus's")
+    p.add_argument("--config", default=None,
+                   help="export of a checkpoint that does not record its model: the "
+                        "run's preset or .toml (model overrides may follow)")
+
+
+def _data_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain data``'s arguments."""
+    p.add_argument("action", choices=("prepare",))
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="fsspec URLs of .txt, .jsonl or .parquet files (compressed ones "
+                        "too), globs or directories of them; their order is the data's")
+    p.add_argument("--tokenizer", required=True,
+                   help="a Hugging Face tokenizer.json (fsspec URL)")
+    p.add_argument("--out", required=True,
+                   help="directory for the shards and corpus.json (fsspec URL); "
+                        "train on it with --data.source tokens --data.path OUT")
+    p.add_argument("--field", default="text", help="JSONL key or Parquet column of the text")
+    p.add_argument("--eos", default="", help="end-of-document token (default: the "
+                                             "tokenizer's, by its usual names)")
+    p.add_argument("--workers", type=int, default=0, help="processes (default: one a core)")
+    p.add_argument("--shard-tokens", type=int, default=0,
+                   help="tokens per shard at most (default: 256 Mi)")
+    p.add_argument("--faults", default="", help=argparse.SUPPRESS)  # tests: fault points
+
+
+def _analyze_arguments(p: argparse.ArgumentParser) -> None:
+    """``llmtrain analyze``'s arguments."""
+    p.add_argument("dir", help="directory of dumps, one a rank: llmtrain's rank-N.json, "
+                               "or PyTorch's pickles or JSON (gloo or NCCL), the rank "
+                               "at the end of the name (nccl_trace_rank_3)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks expected (default: as the dumps' pg_config lists them)")
+    p.add_argument("--json", action="store_true")
+
+
+class Command(NamedTuple):
+    """One ``llmtrain`` command: its name, its help line, what adds its arguments to its
+    parser, and what runs it (given the parsed arguments and the config overrides)."""
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, list[str]], int]
+
+
+COMMANDS = (
+    Command("train", "train a model (under torchrun, or alone)", _add_config, cmd_train),
+    Command("spare", "wait warm to replace a lost rank (started by a standby llmtrain launch)",
+            _add_config, cmd_spare),
+    Command("config", "print the resolved config and model size", _config_arguments,
+            cmd_config),
+    Command("health", "check this node's GPUs and storage", _health_arguments, cmd_health),
+    Command("launch", "run this node: preflight, health gate, torchrun with elastic restarts",
+            _launch_arguments, cmd_launch),
+    Command("rdzv-store", "serve a rendezvous store for the node agents",
+            _rdzv_store_arguments, cmd_rdzv_store),
+    Command("chaos", "inject the fault matrix into a running job; verdicts", _chaos_arguments,
+            cmd_chaos),
+    Command("stop", "ask a running job to save and end at its next step", _stop_arguments,
+            cmd_stop),
+    Command("report", "an HTML report (and PNGs) of a run", _report_arguments, cmd_report),
+    Command("ckpt", "list, verify, inspect, convert or export checkpoints", _ckpt_arguments,
+            cmd_ckpt),
+    Command("data", "prepare your own text as token shards", _data_arguments, cmd_data),
+    Command("analyze", "diagnose a hang or desync from any PyTorch job's flight-recorder dumps",
+            _analyze_arguments, cmd_analyze),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``llmtrain`` parser: a subcommand for each of :data:`COMMANDS`, in that order."""
     parser = argparse.ArgumentParser(
         prog="llmtrain", description="FSDP2 + FP8 Llama training that survives failures.",
         epilog="Any config field can be overridden as --section.field VALUE, "
                "e.g. --optim.lr 3e-4 --training.steps 100.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, func, text in (("train", cmd_train, "train a model (under torchrun, or alone)"),
-                             ("spare", cmd_spare, "wait warm to replace a lost rank (started "
-                                                  "by a standby llmtrain launch)"),
-                             ("config", cmd_config, "print the resolved config and model size"),
-                             ("health", cmd_health, "check this node's GPUs and storage"),
-                             ("launch", cmd_launch, "run this node: preflight, health gate, "
-                                                    "torchrun with elastic restarts")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--config", default="debug_cpu",
-                       help=f"preset ({', '.join(preset_names())}) or a .toml file")
-        p.set_defaults(func=func)
-    sub.choices["config"].add_argument("--world-size", type=int, default=1,
-                                       help="check batch and mesh fit this many ranks")
-    sub.choices["config"].add_argument("--reference", action="store_true",
-                                       help="print every field as Markdown (docs/config.md)")
-    hp = sub.choices["health"]
-    hp.add_argument("--gate", action="store_true",
-                    help="preflight: a fatal finding excludes this node from the run (exit 76)")
-    hp.add_argument("--json", action="store_true")
-    hp.add_argument("--host", default="", help="name to record (default: the hostname)")
-    from llmtrain.launch.node import add_arguments
-    add_arguments(sub.choices["launch"])
-    store = sub.add_parser("rdzv-store", help="serve a rendezvous store for the node agents")
-    store.add_argument("--bind", default="127.0.0.1",
-                       help="address to listen on (default: this host only); on a cluster, "
-                            "the address the nodes reach this host at")
-    store.add_argument("--port", type=int, default=29400)
-    store.add_argument("--exit-when-unused", action="store_true",
-                       help="end once every `llmtrain launch` that used it has ended (a "
-                            "store run as one task of the job, as the torchx component does)")
-    store.add_argument("--lease-timeout-s", type=float, default=30.0,
-                       help="a launcher silent this long counts as ended (its node died)")
-    store.set_defaults(func=cmd_rdzv_store)
-    ch = sub.add_parser("chaos", help="inject the fault matrix into a running job; verdicts")
-    ch.add_argument("--workdir", default="runs/chaos", help="a new directory for the run")
-    ch.add_argument("--steps", type=int, default=1000,
-                    help="the job's length at most: without --repeat, it is asked to stop "
-                         "once every kind has run")
-    ch.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
-    ch.add_argument("--seed", type=int, default=0)
-    ch.add_argument("--faults", default="", help="comma-separated kinds (default: all, with "
-                                                 "--script all a script's loop can meet; see "
-                                                 "llmtrain/chaos/runner.py)")
-    ch.add_argument("--repeat", action="store_true",
-                    help="after each kind once, keep injecting at random until near the end")
-    ch.add_argument("--mix", default="", help="draw the kinds by a fleet's failure mix: a "
-                                              "TOML file, or a shipped mix by name (llama3)")
-    ch.add_argument("--nodes", type=int, default=2, help="training nodes (plus spares)")
-    ch.add_argument("--spares", type=int, default=None,
-                    help="spare nodes waiting (default: 2 warm, 1 cold); 0: a lost node's "
-                         "job shrinks and grows back once the node returns")
-    ch.add_argument("--repair-s", type=float, default=20.0,
-                    help="with --spares 0: a lost node returns this long after its fault")
-    ch.add_argument("--rank", type=int, default=None,
-                    help="the rank every rank-level fault hits (default: a random one)")
-    ch.add_argument("--checkpoint-every", type=int, default=20,
-                    help="the job's checkpoint interval in steps (the last faults come "
-                         "3 intervals before the end)")
-    ch.add_argument("--cold", action="store_true",
-                    help="without the warm path: every lost rank costs a restart of all")
-    ch.add_argument("--no-netns", action="store_true",
-                    help="nodes on loopback, not in network namespaces of their own (the "
-                         "kinds that need their own link are left out)")
-    ch.add_argument("--no-reference", action="store_true",
-                    help="skip the fault-free run that the final weights are compared with")
-    ch.add_argument("--script", default="", metavar="PATH",
-                    help="chaos on a training loop of yours (a script that calls "
-                         "llmtrain.start, e.g. examples/cnn_sgd.py) instead of llmtrain's "
-                         "trainer: the nodes run llmtrain launch --script PATH, the "
-                         "reference torchrun PATH. The kinds only llmtrain's trainer "
-                         "meets are refused with it, and left out of its default set: "
-                         "nan (the loss is poisoned at the trainer's 'loss' fault point)")
-    ch.set_defaults(func=cmd_chaos)
-    stop = sub.add_parser("stop", help="ask a running job to save and end at its next step")
-    stop.add_argument("run_dir", help="the job's training.run_dir (an fsspec URL)")
-    stop.add_argument("--reason", default="asked by llmtrain stop",
-                      help="recorded in the run's stop_requested event")
-    stop.set_defaults(func=cmd_stop)
-    report = sub.add_parser("report", help="an HTML report (and PNGs) of a run")
-    report.add_argument("run_dir")
-    report.add_argument("--out", default=None, help="output directory (default RUN_DIR/report)")
-    report.set_defaults(func=cmd_report)
-    ckpt = sub.add_parser("ckpt", help="list, verify, inspect, convert or export checkpoints")
-    ckpt.add_argument("action", choices=("list", "verify", "inspect", "convert", "export"))
-    ckpt.add_argument("url", help="checkpoint directory (or the root holding step-N dirs)")
-    ckpt.add_argument("--sizes-only", action="store_true", help="skip the checksum checks")
-    ckpt.add_argument("--to", nargs=2, metavar=("FORMAT", "DIR"),
-                      help="convert: 'raw', 'dcp' (a checkpoint any DCP reader loads) or "
-                           "'torch' (one torch.save file), and where; "
-                           "export: 'hf' and a directory for safetensors + config.json "
-                           "(transformers.LlamaForCausalLM loads it), and the tokenizer of "
-                           "the corpus the run trained on (AutoTokenizer loads it)")
-    ckpt.add_argument("--tokenizer", default="",
-                      help="export: this tokenizer.json (fsspec URL) instead of the corpus's")
-    ckpt.add_argument("--config", default=None,
-                      help="export of a checkpoint that does not record its model: the "
-                           "run's preset or .toml (model overrides may follow)")
-    ckpt.set_defaults(func=cmd_ckpt)
-    data = sub.add_parser("data", help="prepare your own text as token shards")
-    data.add_argument("action", choices=("prepare",))
-    data.add_argument("inputs", nargs="+", metavar="INPUT",
-                      help="fsspec URLs of .txt, .jsonl or .parquet files (compressed ones "
-                           "too), globs or directories of them; their order is the data's")
-    data.add_argument("--tokenizer", required=True,
-                      help="a Hugging Face tokenizer.json (fsspec URL)")
-    data.add_argument("--out", required=True,
-                      help="directory for the shards and corpus.json (fsspec URL); "
-                           "train on it with --data.source tokens --data.path OUT")
-    data.add_argument("--field", default="text", help="JSONL key or Parquet column of the text")
-    data.add_argument("--eos", default="", help="end-of-document token (default: the "
-                                                "tokenizer's, by its usual names)")
-    data.add_argument("--workers", type=int, default=0, help="processes (default: one a core)")
-    data.add_argument("--shard-tokens", type=int, default=0,
-                      help="tokens per shard at most (default: 256 Mi)")
-    data.add_argument("--faults", default="", help=argparse.SUPPRESS)  # tests: fault points
-    data.set_defaults(func=cmd_data)
-    analyze = sub.add_parser("analyze", help="diagnose a hang or desync from any PyTorch "
-                                             "job's flight-recorder dumps")
-    analyze.add_argument("dir", help="directory of dumps, one a rank: llmtrain's rank-N.json, "
-                                     "or PyTorch's pickles or JSON (gloo or NCCL), the rank "
-                                     "at the end of the name (nccl_trace_rank_3)")
-    analyze.add_argument("--world-size", type=int, default=None,
-                         help="ranks expected (default: as the dumps' pg_config lists them)")
-    analyze.add_argument("--json", action="store_true")
-    analyze.set_defaults(func=cmd_analyze)
-    args, rest = parser.parse_known_args(argv)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help)
+        command.arguments(p)
+        p.set_defaults(func=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one ``llmtrain`` command; its exit code (:class:`ExitCode`): a configuration
+    error, a fatal error or a missing extra is FATAL."""
+    log_to_stderr()  # the library's messages, on stderr as they are (llmtrain.log)
+    args, rest = build_parser().parse_known_args(argv)
     try:
         return int(args.func(args, rest))
     except ConfigError as e:
