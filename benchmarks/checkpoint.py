@@ -117,8 +117,8 @@ from torch.distributed.tensor import DTensor
 from llmtrain.chaos.mount import BindfsMount, unmount, wait_mounted
 from llmtrain.chaos.nfs import NfsMount
 from llmtrain.checkpoint import storage
+from llmtrain.checkpoint.in_place import read_in_place
 from llmtrain.checkpoint.manager import CheckpointManager
-from llmtrain.checkpoint.shards import read_in_place
 from llmtrain.checkpoint.staging import host_block
 from llmtrain.config import ModelConfig, load_config, parse_overrides
 from llmtrain.distributed.process_group import global_mean

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from llmtrain.checkpoint import index  # noqa: E402
 from llmtrain.checkpoint.index import RAW, StoredItem  # noqa: E402
-from llmtrain.checkpoint.shards import ShardReader  # noqa: E402
+from llmtrain.checkpoint.shard_read import ShardReader  # noqa: E402
 from llmtrain.config import load_config  # noqa: E402
 from llmtrain.model import Transformer  # noqa: E402
 
@@ -100,7 +100,7 @@ def plans(tensors, world: int, shard: int):
 # or, the way before, every rank's (ITEMS.json); timed inside it, from the reader's making.
 READER = """
 import json, statistics, sys, time
-from llmtrain.checkpoint.shards import ShardReader
+from llmtrain.checkpoint.shard_read import ShardReader
 root, world, ranks, reps = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
 def timed(make):
     started = time.perf_counter()

@@ -20,7 +20,7 @@ import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
 
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import shard_read, storage
 from llmtrain.config import ConfigError
 from llmtrain.fsio import write_atomic
 
@@ -41,7 +41,7 @@ def convert(src: str, to: str, dst: str) -> None:
     fs, path = fsspec.core.url_to_fs(dst)
     if fs.exists(path):
         raise ConfigError(f"ckpt convert: {dst} exists; give a new destination")
-    state = shards.load_unsharded(src)
+    state = shard_read.load_unsharded(src)
     if to == "torch":
         buffer = io.BytesIO()
         torch.save(state, buffer)
@@ -59,7 +59,7 @@ def convert(src: str, to: str, dst: str) -> None:
         if problems:
             raise ConfigError(f"ckpt convert: {dst} does not verify once written: "
                               f"{'; '.join(problems[:5])}")
-        written = shards.load_unsharded(dst)
+        written = shard_read.load_unsharded(dst)
     differ = differences(state, written)
     if differ:
         raise ConfigError(f"ckpt convert: {dst} read back differs from {src} in "

@@ -8,7 +8,7 @@ save, more as the cache filled, against 0.02 s written direct, plus one user-spa
 of 0.06 s wherever a byte is copied into an aligned buffer. Direct I/O needs the
 memory's address, the file offset and the length aligned to the device's logical block.
 A staged save's buffers each start a page (:mod:`.staging`) and a file holds its tensors
-of whole pages first (:func:`.shards.write_shards`), so those go to the device straight
+of whole pages first (:func:`.shard_write.write_shards`), so those go to the device straight
 from the staging buffers, with no copy; the rest of a file goes through one page-aligned
 buffer, in whole chunks, and its tail is written padded and cut back to its size with
 ``ftruncate``. The caller still fsyncs (the device's cache, the file's size).

@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import shard_read, storage
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.fsio import is_local, join, write_atomic
 from llmtrain.model import Transformer, ffn_hidden_dim, global_offset, unwrapped_name
@@ -105,7 +105,7 @@ def export(ckpt_url: str, out_url: str, cfg: ModelConfig | None = None,
         shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
     if cfg.tie_embeddings:
         shapes.pop("output.weight")
-    reader = shards.ShardReader(ckpt_url)
+    reader = shard_read.ShardReader(ckpt_url)
     saved = reader.read_metadata().state_dict_metadata
     for name, shape in shapes.items():
         got = getattr(saved.get(f"model.{name}"), "size", None)

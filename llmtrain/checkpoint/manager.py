@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
 from llmtrain.checkpoint import index, storage
-from llmtrain.checkpoint.shards import DamagedCheckpoint
+from llmtrain.checkpoint.shard_read import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError, Settings

@@ -20,9 +20,10 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from llmtrain import collector
-from llmtrain.checkpoint.shards import (DamagedCheckpoint, InPlace, LiveShards,
-                                       PlainObjectsPlanner, ShardReader, plan_in_place,
-                                       read_in_place, read_objects, stored_object)
+from llmtrain.checkpoint.in_place import (InPlace, LiveShards, plan_in_place, read_in_place,
+                                         read_objects)
+from llmtrain.checkpoint.safe_unpickle import PlainObjectsPlanner, stored_object
+from llmtrain.checkpoint.shard_read import DamagedCheckpoint, ShardReader
 from llmtrain.model import global_offset, unwrapped_name
 from llmtrain.state_registry import StateRegistry, local_shard, materialize, state_tensors
 

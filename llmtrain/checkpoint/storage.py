@@ -4,7 +4,7 @@ Layout of one checkpoint, ``<checkpoint url>/step-00000100/``::
 
     __0_0.distcp ...   DCP shards, up to ``writer_threads`` per rank (a rank may have
                        none: DCP writes a replicated tensor once); tensors as raw
-                       bytes, see :mod:`llmtrain.checkpoint.shards`
+                       bytes, see :mod:`llmtrain.checkpoint.shard_write`
     .metadata          DCP's index of the shards (a pickle)
     ITEMS.json         the same places of the stored items, as plain data, for a restart
                        at the saved world size (it needs nothing else from .metadata)
@@ -27,11 +27,11 @@ does none of them.
 Security rule: no load runs code from the checkpoint. A restart at the saved world size
 in the raw format reads INDEX2.bin (or ITEMS.json) and decodes the non-tensor items with
 an unpickler that builds plain values only
-(:func:`llmtrain.checkpoint.shards.stored_object`). A load DCP plans (the dcp format, a
-resharding load, a checkpoint written before ITEMS.json) reads ``.metadata`` through an
-unpickler of DCP's index classes only (``ShardReader.read_metadata``), where DCP calls
-``pickle.load``, and its items through the same plain-values decoder
-(:class:`llmtrain.checkpoint.shards.PlainObjectsPlanner`), where DCP calls
+(:func:`llmtrain.checkpoint.safe_unpickle.stored_object`). A load DCP plans (the dcp
+format, a resharding load, a checkpoint written before ITEMS.json) reads ``.metadata``
+through an unpickler of DCP's index classes only (``ShardReader.read_metadata``), where
+DCP calls ``pickle.load``, and its items through the same plain-values decoder
+(:class:`llmtrain.checkpoint.safe_unpickle.PlainObjectsPlanner`), where DCP calls
 ``torch.load(weights_only=False)``; tensors stored as ``torch.save`` records are read
 with ``torch.load(weights_only=True)``. :func:`verify` checks every file against the
 manifest before any of them is opened, which protects against corruption and files
@@ -40,7 +40,7 @@ load other values, not run code. Stock DCP tools outside llmtrain unpickle ``.me
 and the items as they are.
 
 Item sums let a reader check exactly the bytes it reads: a restart at the saved world size
-checks each item as it loads it (:func:`llmtrain.checkpoint.shards.read_in_place`) and
+checks each item as it loads it (:func:`llmtrain.checkpoint.in_place.read_in_place`) and
 reads the checkpoint once, where a whole-file check must read every file before the load
 reads it again.
 """
@@ -63,7 +63,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWr
 from torch.futures import Future
 
 from llmtrain import fault_points
-from llmtrain.checkpoint import checksum, direct_io, index, shards
+from llmtrain.checkpoint import checksum, direct_io, index, shard_read, shard_write
 from llmtrain.fsio import (FILE_MODE, create_atomic, is_local, join, makedirs, set_mode, sync_dir,
                            write_atomic)
 
@@ -181,10 +181,10 @@ def no_fence(what: str) -> None:
 
 class CommitWriter(FsspecWriter):
     """An fsspec DCP writer of raw tensor bytes, or with ``raw`` False of DCP's own items
-    (:mod:`llmtrain.checkpoint.shards`), whose ``finish`` also commits the checkpoint's
-    manifest. ``fence(what)`` raises when this rank may no longer write into the job's
-    storage (:mod:`llmtrain.recovery.fence`); it is asked before every file is created,
-    and before the commit. ``nice``: the write threads' added niceness. ``direct_io``:
+    (:mod:`llmtrain.checkpoint.shard_write`), whose ``finish`` also commits the
+    checkpoint's manifest. ``fence(what)`` raises when this rank may no longer write into
+    the job's storage (:mod:`llmtrain.recovery.fence`); it is asked before every file is
+    created, and before the commit. ``nice``: the write threads' added niceness. ``direct_io``:
     where local files go around the page cache (``checkpoint.direct_io``). ``planner``:
     the save's planner, whose ``index_layout`` (each rank's own items, where it has one)
     the commit writes as the per-rank index, INDEX2.bin."""
@@ -213,9 +213,9 @@ class CommitWriter(FsspecWriter):
 
     def write_data(self, plan, planner):
         fault_points.point("checkpoint_write", step=self.manifest["step"])
-        results = shards.write_shards(self.fs, self.path, plan, planner,
-                                      self.thread_count, raw=self.raw,
-                                      nice=self.nice).wait()
+        results = shard_write.write_shards(self.fs, self.path, plan, planner,
+                                           self.thread_count, raw=self.raw,
+                                           nice=self.nice).wait()
         # Carry each file's sums to the coordinator inside DCP's gather of the results;
         # ``finish`` takes them out again before DCP's metadata is pickled.
         sums = self.fs.sums
@@ -362,9 +362,9 @@ def _items(url: str, root: str, fs, manifest: dict) -> dict[str, list] | str:
             _file_sum(fs, path) != meta.get("sha256"):
         return f"{url}/{listed}: damaged, so the item sums cannot be checked"
     out: dict[str, list] = {}
-    for (fqn, _), item in shards.ShardReader(url).stored_items().items():
+    for (fqn, _), item in shard_read.ShardReader(url).stored_items().items():
         out.setdefault(item.relative_path, []).append(
-            (item.offset, item.length, fqn, shards.item_sum(item)))
+            (item.offset, item.length, fqn, shard_read.item_sum(item)))
     return {name: sorted(items) for name, items in out.items()}
 
 
@@ -434,7 +434,7 @@ def tensor_index(url: str) -> dict[str, str]:
     it is not DCP's index); call only after :func:`verify` passed."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     out = {}
-    for name, meta in shards.ShardReader(url).read_metadata().state_dict_metadata.items():
+    for name, meta in shard_read.ShardReader(url).read_metadata().state_dict_metadata.items():
         out[name] = (f"{str(meta.properties.dtype).removeprefix('torch.')} "
                      f"{list(meta.size)}" if isinstance(meta, TensorStorageMetadata) else "bytes")
     return out

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import ROOT, check, events, llmtrain
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import shard_read, storage
 from llmtrain.config import HealthConfig, ParallelismConfig, ReliabilityConfig
 from llmtrain.distributed.process_group import WorldInfo, free_port, init_process_group
 from llmtrain.reliability.health.checks import HealthChecker, open_backend
@@ -166,7 +166,7 @@ RESUME = (*GPU, "--parallelism.deterministic", "true", "--training.steps", "16",
 
 
 def _weights(run_dir, step):
-    return shards.load_unsharded(storage.step_dir(str(run_dir / "checkpoints"), step))["model"]
+    return shard_read.load_unsharded(storage.step_dir(str(run_dir / "checkpoints"), step))["model"]
 
 
 @pytest.fixture(scope="module")

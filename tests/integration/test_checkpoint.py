@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import ROOT, check, events, llmtrain, step_losses
-from llmtrain.checkpoint import index, shards, storage
+from llmtrain.checkpoint import index, storage
+from llmtrain.checkpoint.shard_read import load_unsharded
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ def final_weights(run_dir: Path, step: int, ckpt: Path | None = None) -> dict[st
     """The model's weights in the checkpoint of ``step`` (under ``ckpt``, by default the
     run dir's checkpoints)."""
     url = storage.step_dir(str(ckpt or run_dir / "checkpoints"), step)
-    return shards.load_unsharded(url)["model"]
+    return load_unsharded(url)["model"]
 
 
 def assert_bitwise_equal(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
@@ -183,7 +184,8 @@ def test_a_peer_killed_during_resume_leaves_the_checkpoint_committed(tmp_path):
 STAGING_OVERLAP = """
 import sys, threading, time
 import torch
-from llmtrain.checkpoint import shards, staging, storage
+from llmtrain.checkpoint import staging, storage
+from llmtrain.checkpoint.shard_read import load_unsharded
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.trainer import Trainer
 
@@ -212,7 +214,7 @@ start = time.perf_counter()
 trainer.train_step(trainer.data.next_step())  # its update waits for the copy
 waited = time.perf_counter() - start
 trainer.session.checkpoints.wait()
-saved = shards.load_unsharded(storage.step_dir(trainer.session.checkpoints.url, 1))["model"]
+saved = load_unsharded(storage.step_dir(trainer.session.checkpoints.url, 1))["model"]
 assert saved.keys() == at_save.keys()
 assert all(torch.equal(saved[k], at_save[k]) for k in at_save), "the update raced the copy"
 assert not all(torch.equal(v.full_tensor(), at_save[k])

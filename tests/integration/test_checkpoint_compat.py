@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from llmtrain.checkpoint import storage
-from llmtrain.checkpoint.shards import (LiveShards, ShardReader, load_unsharded,
-                                        plan_in_place, read_in_place, read_objects,
-                                        stored_object)
+from llmtrain.checkpoint.in_place import LiveShards, plan_in_place, read_in_place, read_objects
+from llmtrain.checkpoint.safe_unpickle import stored_object
+from llmtrain.checkpoint.shard_read import ShardReader, load_unsharded
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "checkpoints" / "tiny-2rank"
 FORMATS = ("raw", "dcp")

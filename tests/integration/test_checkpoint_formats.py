@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import ROOT, check, llmtrain, llmtrain_start, step_losses
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.convert import convert, differences
+from llmtrain.checkpoint.shard_read import load_unsharded
 from llmtrain.config import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def test_dcp_format_is_read_by_stock_tools_and_conversions_round_trip(tmp_path):
     proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), original, str(whole)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    state = shards.load_unsharded(original)
+    state = load_unsharded(original)
     stock = torch.load(whole, weights_only=False)  # this test's own file
     assert differences(state["model"], stock["model"]) == []
 
@@ -57,7 +58,7 @@ def test_dcp_format_is_read_by_stock_tools_and_conversions_round_trip(tmp_path):
     assert storage.read_manifest(raw)["format"] == "raw"
     for url in (raw, str(tmp_path / "dcp-again")):
         assert storage.verify(url, checksums=True) == []
-        assert differences(state, shards.load_unsharded(url)) == [], url
+        assert differences(state, load_unsharded(url)) == [], url
 
     # the converted checkpoint resumes as the original does (on one rank each, at once:
     # resharded)

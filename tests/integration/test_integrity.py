@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import check, events, llmtrain
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import shard_read, storage
 from llmtrain.exit_codes import ExitCode
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ ARGS = ("--training.steps", "12", "--checkpoint.interval_steps", "5",
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-    return shards.load_unsharded(storage.step_dir(str(run / "checkpoints"), step))["model"]
+    return shard_read.load_unsharded(storage.step_dir(str(run / "checkpoints"), step))["model"]
 
 
 def assert_equal_weights(a: Path, b: Path, step: int) -> None:

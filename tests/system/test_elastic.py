@@ -10,7 +10,7 @@ import torch
 from conftest import check, events, llmtrain, wait_for_event
 from nvml_states import node, write_script
 
-from llmtrain.checkpoint import shards, storage
+from llmtrain.checkpoint import shard_read, storage
 from llmtrain.exit_codes import ExitCode
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
@@ -39,7 +39,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return shards.load_unsharded(storage.step_dir(str(run_dir / "checkpoints"), step))["model"]
+    return shard_read.load_unsharded(storage.step_dir(str(run_dir / "checkpoints"), step))["model"]
 
 
 def world_sizes(run: Path) -> list[int]:

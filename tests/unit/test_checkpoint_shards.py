@@ -1,5 +1,6 @@
-"""The raw shard format (checkpoint/shards.py) through real DCP: resharding on load, the
-previous (torch.save) format, plain ``dcp.load`` into an unsharded model, object stores."""
+"""The raw shard format (checkpoint/shard_write.py, shard_read.py, range_read.py,
+in_place.py, safe_unpickle.py) through real DCP: resharding on load, the previous
+(torch.save) format, plain ``dcp.load`` into an unsharded model, object stores."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from conftest import ROOT
-from llmtrain.checkpoint import checksum, index, shards, storage
+from llmtrain.checkpoint import checksum, in_place, index, range_read, shard_write, storage
 from llmtrain.checkpoint.index import RAW
-from llmtrain.checkpoint.shards import ShardReader, load_unsharded
+from llmtrain.checkpoint.safe_unpickle import stored_object
+from llmtrain.checkpoint.shard_read import (DamagedCheckpoint, ShardReader, item_sum,
+                                            load_unsharded)
 
 # Three ranks: ranks 0-1 save a 2-way sharded state (the raw format, the dcp format, and
 # main's format: DCP's stock FsspecWriter, which CommitWriter wrapped before the raw
@@ -35,7 +38,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from llmtrain.checkpoint import storage
-from llmtrain.checkpoint.shards import ShardReader
+from llmtrain.checkpoint.shard_read import ShardReader
 dist.init_process_group("gloo")
 rank, root = dist.get_rank(), sys.argv[1]
 full = {"weight": torch.randn(6, 10, generator=torch.Generator().manual_seed(0)),
@@ -153,14 +156,14 @@ def test_raw_items_round_trip_on_local_disk_and_in_batched_ranges(tmp_path, monk
     reader = ShardReader(url, threads=3)
     items = reader.read_metadata().storage_data
     # every item has its sum; the tensors are raw, the BytesIO as it is
-    assert all(shards.item_sum(i) for i in items.values())
+    assert all(item_sum(i) for i in items.values())
     assert sorted(RAW in i.transform_descriptors for i in items.values()) == [False] + [True] * 5
     # ITEMS.json (in the manifest, so verified) says what .metadata says, as plain data
     assert index.ITEMS in storage.read_manifest(url)["files"]
     assert reader.stored_items() == index.metadata_items(reader.read_metadata())
     assert reader.stored_items()[("h", (0,))].dtype is torch.bfloat16
     got = empty_like(want)
-    monkeypatch.setattr(shards, "READ_PIECE", 4096)
+    monkeypatch.setattr(range_read, "READ_PIECE", 4096)
     dcp.load(got, storage_reader=reader, no_dist=True)
     assert_same(got, want)
     assert torch.equal(load_unsharded(url)["w"], want["w"])
@@ -172,7 +175,7 @@ def test_short_reads_go_on_where_they_stopped(tmp_path, monkeypatch):
     url = str(tmp_path / "ck")
     want = state()
     dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}), no_dist=True)
-    real, calls = shards._preadv, []
+    real, calls = range_read._preadv, []
 
     def short(fd, iov, count, at):  # at most 777 bytes a call, cut anywhere in a buffer
         calls.append(at)
@@ -185,7 +188,7 @@ def test_short_reads_go_on_where_they_stopped(tmp_path, monkeypatch):
                 break
         cut = np.array(cut, np.uint64)
         return real(fd, cut.ctypes.data, len(cut), at)
-    monkeypatch.setattr(shards, "_preadv", short)
+    monkeypatch.setattr(range_read, "_preadv", short)
     got = empty_like(want)
     dcp.load(got, storage_reader=ShardReader(url), no_dist=True)
     assert_same(got, want)
@@ -203,7 +206,7 @@ def test_each_reading_thread_reads_one_stretch_in_order_through_its_own_descript
     want = {f"t{i}": torch.full((1000,), float(i)) for i in range(24)}
     dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, thread_count=2),
              no_dist=True)
-    real_open, real_preadv = os.open, shards._preadv
+    real_open, real_preadv = os.open, range_read._preadv
     owner, reads = {}, []  # descriptor: thread that opened it; (thread, fd, file, at, n)
 
     def opened(path, *args):
@@ -217,8 +220,8 @@ def test_each_reading_thread_reads_one_stretch_in_order_through_its_own_descript
         return n
 
     monkeypatch.setattr(os, "open", opened)
-    monkeypatch.setattr(shards, "_preadv", preadv)
-    monkeypatch.setattr(shards, "READ_PIECE", 4000)  # one tensor a run: many runs
+    monkeypatch.setattr(range_read, "_preadv", preadv)
+    monkeypatch.setattr(range_read, "READ_PIECE", 4000)  # one tensor a run: many runs
     got = {k: torch.zeros_like(v) for k, v in want.items()}
     dcp.load(got, storage_reader=ShardReader(url, threads=3), no_dist=True)
     assert_same(got, want)
@@ -242,14 +245,14 @@ def test_local_reads_take_no_more_threads_than_the_rank_has_cpus(tmp_path, monke
     want = {f"t{i}": torch.full((1000,), float(i)) for i in range(8)}
     dcp.save(want, storage_writer=storage.CommitWriter(url, {"step": 1}, thread_count=2),
              no_dist=True)
-    real_preadv, readers = shards._preadv, set()
+    real_preadv, readers = range_read._preadv, set()
 
     def preadv(fd, iov, count, at):
         readers.add(threading.get_ident())
         return real_preadv(fd, iov, count, at)
 
-    monkeypatch.setattr(shards, "_preadv", preadv)
-    monkeypatch.setattr(shards, "READ_PIECE", 4000)  # one tensor a run: many runs
+    monkeypatch.setattr(range_read, "_preadv", preadv)
+    monkeypatch.setattr(range_read, "READ_PIECE", 4000)  # one tensor a run: many runs
     for cpus, expected in ((1, {threading.get_ident()}), (64, None)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
@@ -298,7 +301,7 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     data[info.offset + 1234] ^= 0x10
     shard.write_bytes(bytes(data))
     (problem,) = storage.verify(url, checksums=True)
-    assert shards.item_sum(info)[0] == algorithm
+    assert item_sum(info)[0] == algorithm
     assert f"{info.relative_path}: {algorithm} differs from the manifest in w " in problem
     assert storage.verify(url, checksums=True, items=False) == []  # left to the reader
     assert storage.verify(url, checksums=True, whole=False) == [problem]  # items only
@@ -306,14 +309,14 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     tensors = {(k, (0,) * v.ndim): torch.zeros(v.shape, dtype=v.dtype)
                for k, v in want.items() if isinstance(v, torch.Tensor)}
     reader = ShardReader(url)
-    plan = shards.plan_in_place(reader, shards.LiveShards(tensors), ["blob"])
+    plan = in_place.plan_in_place(reader, in_place.LiveShards(tensors), ["blob"])
     assert plan.checked
-    with pytest.raises(shards.DamagedCheckpoint) as damaged:
-        shards.read_in_place(reader, plan, check=True)
+    with pytest.raises(DamagedCheckpoint) as damaged:
+        in_place.read_in_place(reader, plan, check=True)
     assert [p.split("/")[-1] for p in damaged.value.problems] == [
         problem.split("/")[-1]]
-    assert list(shards.read_objects(reader, plan, check=True)) == ["blob"]
-    shards.read_in_place(reader, plan)
+    assert list(in_place.read_objects(reader, plan, check=True)) == ["blob"]
+    in_place.read_in_place(reader, plan)
     assert not torch.equal(tensors[("w", (0, 0))], want["w"])
 
     # a damaged object is named by the read that checks the objects, before any tensor
@@ -321,12 +324,12 @@ def test_a_flipped_byte_is_named_by_its_item_when_verified_and_when_read_in_plac
     data = bytearray((tmp_path / "ck" / blob.relative_path).read_bytes())
     data[blob.offset + blob.length - 1] ^= 0x01
     (tmp_path / "ck" / blob.relative_path).write_bytes(bytes(data))
-    with pytest.raises(shards.DamagedCheckpoint) as damaged:
-        shards.read_objects(ShardReader(url), plan, check=True)
+    with pytest.raises(DamagedCheckpoint) as damaged:
+        in_place.read_objects(ShardReader(url), plan, check=True)
     assert [p.split("/")[-1] for p in damaged.value.problems] == [
         f"{blob.relative_path}: {algorithm} differs from the manifest in blob (bytes "
         f"{blob.offset}-{blob.offset + blob.length}; corrupted)"]
-    assert shards.read_objects(reader, plan)["blob"] == bytes(
+    assert in_place.read_objects(reader, plan)["blob"] == bytes(
         data[blob.offset:blob.offset + blob.length])
     assert torch.equal(tensors[("t", (0, 0))], want["t"])
 
@@ -353,13 +356,13 @@ def test_stored_objects_decode_as_torch_load_does_and_never_run_code(tmp_path, m
     archives = [stored(value) for value in plain]
     with monkeypatch.context() as m:
         m.setattr(torch, "load", None)  # the plain values never need it
-        got = [shards.stored_object(a) for a in archives]
+        got = [stored_object(a) for a in archives]
     assert got[:-1] == plain[:-1] and got[-1].getvalue() == b'{"step": 3}'
-    rng = shards.stored_object(stored({"torch": torch.get_rng_state()}))
+    rng = stored_object(stored({"torch": torch.get_rng_state()}))
     assert torch.equal(rng["torch"], torch.get_rng_state())
     planted = tmp_path / "ran"
     with pytest.raises(Exception, match="system|Unsupported|not allowed|global"):
-        shards.stored_object(stored(_RunsCode(planted)))
+        stored_object(stored(_RunsCode(planted)))
     assert not planted.exists()
 
 
@@ -388,7 +391,7 @@ def test_planned_loads_read_the_index_and_objects_as_plain_data_and_never_run_co
         load_unsharded(evil)
     with open(os.path.join(url, ".metadata"), "wb") as f:
         f.write(pickle.dumps(_RunsCode(planted)))
-    with pytest.raises(shards.DamagedCheckpoint, match="not DCP's index.*posix.system"):
+    with pytest.raises(DamagedCheckpoint, match="not DCP's index.*posix.system"):
         ShardReader(url).read_metadata()
     assert not planted.exists()
 
@@ -403,7 +406,7 @@ def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch
     import threading
     from concurrent.futures import ThreadPoolExecutor
     seen = []
-    real = shards.tensor_bytes
+    real = shard_write.tensor_bytes
 
     def recording(tensor):  # the niceness of the thread writing each tensor
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
@@ -413,9 +416,9 @@ def test_writer_threads_run_nicer_than_the_training_thread(tmp_path, monkeypatch
         def __init__(self, max_workers=None, **kwargs):
             super().__init__(max_workers=1, **kwargs)
 
-    monkeypatch.setattr(shards, "tensor_bytes", recording)
+    monkeypatch.setattr(shard_write, "tensor_bytes", recording)
     if one_thread:
-        monkeypatch.setattr(shards, "ThreadPoolExecutor", OneThread)
+        monkeypatch.setattr(shard_write, "ThreadPoolExecutor", OneThread)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     dcp.save(state(), storage_writer=storage.CommitWriter(str(tmp_path / "ck"), {"step": 1},
                                                           thread_count=2, nice=5),
@@ -482,7 +485,7 @@ def test_each_rank_reads_only_its_own_sections_of_the_index(tmp_path, monkeypatc
     with fsspec.open(f"{root}/{name}", "wb") as f:
         f.write(bytes(damaged))
     assert ShardReader(root, rank=0, world=4).has_own_section()
-    with pytest.raises(shards.DamagedCheckpoint, match="a section of rank 1's entry differs"):
+    with pytest.raises(DamagedCheckpoint, match="a section of rank 1's entry differs"):
         ShardReader(root, rank=1, world=4).own_items()
 
 

@@ -120,6 +120,6 @@ def test_a_save_written_direct_leaves_its_pages_out_of_the_cache(tmp_path, setti
         assert resident > 0
     assert storage.verify(url, checksums=True) == []
     loaded = {"w": torch.zeros(3 << 20), "b": torch.zeros(1000, dtype=torch.long)}
-    dcp.load(loaded, checkpoint_id=url, storage_reader=storage.shards.ShardReader(url),
+    dcp.load(loaded, checkpoint_id=url, storage_reader=storage.shard_read.ShardReader(url),
              no_dist=True)
     assert all(torch.equal(loaded[k], state[k]) for k in state)

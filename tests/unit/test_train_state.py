@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from llmtrain.checkpoint import index, storage
-from llmtrain.checkpoint.shards import ShardReader
+from llmtrain.checkpoint.shard_read import ShardReader
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.state_registry import RngState, SchedulerState, StateRegistry
 
@@ -121,7 +121,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
     listing every rank's chunks) is not unpickled at all. A checkpoint written before
     ITEMS.json loads in place from ``.metadata``. And no cyclic collection runs inside a
     load (a full one took six times a warm load)."""
-    from llmtrain.checkpoint import shards
+    from llmtrain.checkpoint import shard_read
     from llmtrain.checkpoint import state as state_module
     model, optimizer, scheduler, state, manager = _saved_at_step_1(group, tmp_path)
     saved = [t.detach().clone() for t in state_module._live_objects(optimizer, [])]
@@ -134,7 +134,7 @@ def test_a_resume_at_the_saved_size_unpickles_nothing_and_a_load_runs_no_collect
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(state_module, "ShardReader", Counted)
-    monkeypatch.setattr(shards.ShardReader, "read_metadata",
+    monkeypatch.setattr(shard_read.ShardReader, "read_metadata",
                         lambda *a, **k: unpickled.append(1) or 1 / 0)
     assert manager.resume(state) == 1
     assert len(opened) == 1 and unpickled == [], (opened, unpickled)

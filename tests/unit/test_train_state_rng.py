@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from llmtrain.checkpoint.shards import stored_object
+from llmtrain.checkpoint.safe_unpickle import stored_object
 from llmtrain.state_registry import RngState, _own_gpu_rng
 
 CUDA1 = torch.device("cuda", 1)
