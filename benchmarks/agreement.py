@@ -51,7 +51,8 @@ from store_scale import (fit, in_private_netns, lane_slices, raise_fd_limit,  # 
 
 from llmtrain.config import WarmConfig  # noqa: E402
 from llmtrain.distributed.signed_store import SignedStore  # noqa: E402
-from llmtrain.recovery.warm import WarmPath, mark_gone, ward_of  # noqa: E402
+from llmtrain.recovery.roll_call import mark_gone  # noqa: E402
+from llmtrain.recovery.warm import WarmPath, ward_of  # noqa: E402
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT = timedelta(seconds=600)

@@ -60,7 +60,8 @@ from llmtrain.config import load_config, parse_overrides
 from llmtrain.data import TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
 from llmtrain.model import Transformer
-from llmtrain.recovery.coordinator import NoWarmRecovery, take_snapshot
+from llmtrain.recovery.interface import NoWarmRecovery
+from llmtrain.recovery.registry_snapshots import take_snapshot
 from llmtrain.trainer import Trainer
 
 

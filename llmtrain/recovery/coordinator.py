@@ -3,12 +3,14 @@ collective, a new generation of the group with the state restored from memory.
 
 The loop asks three things: ``maybe_snapshot(step)`` after each step, ``recover(error)``
 when a collective fails (the restored step, or None: the cold path takes over), and
-``leave()`` when this rank's GPU failed. :class:`NoWarmRecovery` answers them when the warm
-path is off (or cannot work: no store outside the workers), so the loop has one shape.
+``leave()`` when this rank's GPU failed. :class:`NoWarmRecovery`
+(:mod:`llmtrain.recovery.interface`) answers them when the warm path is off (or cannot
+work: no store outside the workers), so the loop has one shape.
 
 What a snapshot holds is the run's state registry (:mod:`llmtrain.state_registry`): this
 rank's model and optimizer shards as bytes, and every registered item in the header, the
-same items a checkpoint holds. A spare restores a lost rank's from its buddy's replica.
+same items a checkpoint holds (:mod:`llmtrain.recovery.registry_snapshots`). A spare
+restores a lost rank's from its buddy's replica.
 
 With no spare waiting, the survivors of lost nodes shrink (``warm.shrink``): ``recover``
 raises :class:`Resized`, the worker builds its trainer anew at the smaller world size
@@ -23,10 +25,7 @@ memory, and re-form with the spares, whose shards are resharded from the others'
 
 from __future__ import annotations
 
-import base64
 import logging
-import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from llmtrain import fault_points
 from llmtrain.checkpoint.manager import Checkpointing
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
-                                           capture, shares_cores)
+                                           shares_cores)
 from llmtrain.config import ConfigError, Settings
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, broke_a_collective,
                                           nccl_problems)
@@ -48,10 +47,15 @@ from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_t
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import FatalError
 from llmtrain.metrics.goodput import GoodputLedger
-from llmtrain.recovery.fence import Fence
+from llmtrain.recovery.background_look import BackgroundLook
+from llmtrain.recovery.eviction import evict, publish_endpoints
+from llmtrain.recovery.fence import Fence, round_of
+from llmtrain.recovery.interface import Evict, NoWarmRecovery, Recovery, Resized, membership
+from llmtrain.recovery.pool import spares_ready, spares_waiting
+from llmtrain.recovery.registry_snapshots import (capture_state, load_items, load_shared_items,
+                                                  restore_snapshot, take_snapshot)
 from llmtrain.recovery.reshard import Mesh, reshard
-from llmtrain.recovery.warm import (ColdPath, Plan, WarmPath, evict, outside_store,
-                                    publish_endpoints, round_of, spares_ready, spares_waiting)
+from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, outside_store
 from llmtrain.state_registry import StateRegistry
 
 log = logging.getLogger(__name__)
@@ -71,18 +75,6 @@ def was_reported(error: BaseException) -> bool:
     return _REPORTED in getattr(error, "__notes__", ())
 
 
-class Resized(Exception):
-    """The job goes on at another world size (the survivors without the lost nodes, or
-    all with the spares that joined): this process trains on as rank
-    ``assignment["rank"]`` of ``assignment["world_size"]``, from the snapshots it
-    ``held`` (old rank -> snapshot). Raised out of the trainer's loop to the worker, which
-    builds the trainer anew."""
-
-    def __init__(self, assignment: dict, held: dict[int, Snapshot]):
-        super().__init__(f"{assignment['kind']} to {assignment['world_size']} ranks")
-        self.assignment, self.held = assignment, held
-
-
 class Job(Protocol):
     """What a recovery asks of the trainer."""
     registry: StateRegistry
@@ -93,40 +85,6 @@ class Job(Protocol):
 
     def rejoin(self, store: dist.Store) -> dist.ProcessGroup:
         """Forms the next generation on ``store``; returns its control group."""
-
-
-def _plain(x):
-    """JSON for a snapshot's header: bytes as {"b64": ...}, tuples as lists."""
-    if isinstance(x, bytes):
-        return {"b64": base64.b64encode(x).decode()}
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return [_plain(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _unplain(x):
-    if isinstance(x, dict):
-        return base64.b64decode(x["b64"]) if x.keys() == {"b64"} else {
-            k: _unplain(v) for k, v in x.items()}
-    return [_unplain(v) for v in x] if isinstance(x, list) else x
-
-
-def take_snapshot(snapshots: Snapshots, step: int, registry: StateRegistry) -> bool:
-    """The registry at ``step`` into this rank's next snapshot: the sharded tensors as
-    bytes, every item in the header (False: skipped, the last still being replicated)."""
-    return snapshots.take(step, registry.tensors(),
-                          {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
-
-
-def restore_snapshot(snap: Snapshot, registry: StateRegistry) -> None:
-    """The registry as ``snap`` (verified) holds it: a spare takes the lost rank's own
-    items (its RNGs) with its shards."""
-    _load_items(snap.restore_into(registry.tensors()),
-                registry)
-
-
-def _load_items(header: dict, registry: StateRegistry) -> None:
-    registry.load({**_unplain(header["shared"]), **_unplain(header["own"])})
 
 
 def world_sizes(world: WorldInfo,
@@ -147,151 +105,6 @@ def world_sizes(world: WorldInfo,
         except ConfigError as e:
             return str(e)
     return shape
-
-
-def membership(round_id: str, gen: int) -> str:
-    """The fence's name for the job's membership in generation ``gen``."""
-    return f"{round_id}/g{gen}"
-
-
-# How a hang's stuck ranks are made to leave for spares (WarmRecovery.evict): ``(ranks,
-# via)`` -> the ranks cut off from the store, with their connection ends.
-Evict = Callable[[list[int], dist.Store], dict[int, list[str]]]
-
-
-class Recovery(Protocol):
-    """What the session asks of this rank's recovery, warm (:class:`WarmRecovery`) or
-    cold only (:class:`NoWarmRecovery`): see :func:`warm_recovery`."""
-
-    def membership(self) -> str:
-        """The fence's name for the job's membership this rank joins now."""
-
-    def namespace(self) -> str | None:
-        """The store namespace of the watchdog's keys (None: the torchrun attempt's)."""
-
-    def evictor(self) -> Evict | None:
-        """How the watchdog has a hang's stuck ranks leave for spares (None: every hang
-        goes cold)."""
-
-    def spare_store(self, step: int) -> dist.Store:
-        """A spare's (or a resized rank's) way into the running job, to restore ``step``."""
-
-    def join_as_spare(self, plan: Plan) -> int:
-        """A spare's (or a resized rank's) state, restored; returns its step."""
-
-    def start(self, step: int, control: dist.ProcessGroup) -> None: ...
-
-    def maybe_snapshot(self, step: int) -> None: ...
-
-    def forget_snapshots(self) -> None: ...
-
-    def group_formed(self) -> None: ...
-
-    def recover(self, error: BaseException, step: int) -> int | None:
-        """A failed collective: the restored step, or None (the cold path takes over);
-        may raise :class:`Resized`."""
-
-    def leave(self) -> bool:
-        """This rank leaves on purpose (its GPU failed): True when the others go on."""
-
-    def can_grow(self) -> bool: ...
-
-    def grow(self, step: int) -> None: ...
-
-    def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None: ...
-
-    def give_up(self) -> None: ...
-
-    def first_step_done(self) -> str | None: ...
-
-    def close(self, timeout_s: float) -> None: ...
-
-
-class NoWarmRecovery:
-    """The warm path off: every failure goes cold (a restart under torchrun)."""
-
-    def __init__(self, round_id: str):
-        self.round_id = round_id
-
-    def membership(self) -> str:
-        return membership(self.round_id, 0)
-
-    def namespace(self) -> str | None:
-        return None  # the watchdog's keys: the torchrun attempt's
-
-    def evictor(self) -> Evict | None:
-        return None  # a hang's ranks are not evicted for spares: it goes cold
-
-    def spare_store(self, step: int) -> dist.Store:
-        raise ColdPath("a warm spare (or a resized rank) needs the warm path: warm.enable "
-                       "and a store outside the workers (llmtrain launch)")
-
-    def join_as_spare(self, plan: Plan) -> int:
-        raise ColdPath("a warm spare (or a resized rank) needs the warm path: warm.enable "
-                       "and a store outside the workers (llmtrain launch)")
-
-    def start(self, step: int, control: dist.ProcessGroup) -> None:
-        pass
-
-    def maybe_snapshot(self, step: int) -> None:
-        pass
-
-    def forget_snapshots(self) -> None:
-        pass
-
-    def group_formed(self) -> None:
-        pass
-
-    def recover(self, error: BaseException, step: int) -> int | None:
-        return None
-
-    def leave(self) -> bool:
-        return False
-
-    def can_grow(self) -> bool:
-        return False
-
-    def grow(self, step: int) -> None:
-        pass
-
-    def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None:
-        pass
-
-    def give_up(self) -> None:
-        pass
-
-    def first_step_done(self) -> str | None:
-        return None
-
-    def close(self, timeout_s: float) -> None:
-        pass
-
-
-class BackgroundLook:
-    """A yes-or-no look at the store, made on a thread of its own: :meth:`latest` starts
-    one when none is under way and returns at once the last answer, if it is no older
-    than ``fresh_s`` (else no). A store that stalls holds up the look's thread only, and
-    one that errs answers no."""
-
-    def __init__(self, look: Callable[[], bool], fresh_s: float):
-        self.look, self.fresh_s = look, fresh_s
-        self._answer, self._at = False, -math.inf
-        self._thread: threading.Thread | None = None
-
-    def latest(self) -> bool:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name="llmtrain-store-look")
-            self._thread.start()
-        return self._answer and time.monotonic() - self._at <= self.fresh_s
-
-    def _run(self) -> None:
-        try:
-            answer = bool(self.look())
-        except (RuntimeError, OSError) as e:  # DistError: the store is out
-            log.debug("a look at the rendezvous store failed: %s", e)
-            answer = False
-        self._answer, self._at = answer, time.monotonic()
 
 
 class WarmRecovery:
@@ -413,7 +226,7 @@ class WarmRecovery:
             self.events.emit("grow_failed", step=step, reason=str(e))
         if plan is None:
             return
-        snap = self._captured(step)
+        snap = capture_state(step, self.world.rank, self.job.registry)
         self.snapshots.stop(self.cfg.settle_s)
         self._leave(deadline)
         plan.marks = {"grow_decided": decided, "agreed": time.time(), "failed_at": step,
@@ -438,14 +251,6 @@ class WarmRecovery:
             self.left = True
             self.job.leave_group(deadline)
 
-    def _captured(self, step: int) -> Snapshot:
-        """This rank's whole state at ``step``, copied into memory: what a resize that
-        nothing broke reshards from."""
-        registry = self.job.registry
-        return capture(step, self.world.rank,
-                       registry.tensors(),
-                       {"shared": _plain(registry.shared()), "own": _plain(registry.own())})
-
     def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None:
         """A preemption's save of ``step`` is committed. With no spare waiting to take
         the preempted nodes' places, the other ranks go on without them in memory (a
@@ -468,7 +273,7 @@ class WarmRecovery:
             return
         if rank in leaving:
             return
-        snap = self._captured(step)
+        snap = capture_state(step, self.world.rank, self.job.registry)
         self.snapshots.stop(self.cfg.settle_s)
         self.fence.expect(membership(self.round_id, plan.gen))
         self._leave(time.monotonic() + self.cfg.budget_s)
@@ -640,9 +445,9 @@ class WarmRecovery:
                          newcomers=newcomers)
         self.held = {}  # in the state now: the buffers go
         if own >= 0:
-            _load_items(header, registry)
+            load_items(header, registry)
         else:  # a newcomer: rank 0's shared items; its own (RNGs) stay as they were built
-            registry.load(_unplain(header["shared"]))
+            load_shared_items(header, registry)
 
     def first_step_done(self) -> str | None:
         """After a recovery's first step: its event, and the line that says it."""

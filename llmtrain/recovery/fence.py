@@ -28,8 +28,8 @@ a stalled host) costs at most the saves it missed, never the rest of the run. A 
 restarted empty has lost the token: the first member to look puts its own back (a
 ``fence_restored`` event), and a newer membership is always put back over an older one,
 so a member cut off before the restart is still refused (it may write in the moment
-between the two looks, the one window a restart leaves); :func:`llmtrain.recovery.warm.round_of`
-numbers later rounds past a restored token.
+between the two looks, the one window a restart leaves); :func:`round_of` numbers later
+rounds past a restored token.
 
 Without a store outside the workers (a plain ``torchrun --standalone`` job) nothing
 outlives a round to compare against, and nothing is fenced: such a job has no way to go
@@ -41,19 +41,42 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import uuid
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
 from llmtrain.distributed.signed_store import Forged, SignedStore
 from llmtrain.events import EventLog
-from llmtrain.recovery.warm import FENCE_KEY, order, outside_store, round_of
+from llmtrain.recovery.warm import outside_store
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-KEY = FENCE_KEY
+# The job's membership token, which :class:`Fence` keeps.
+KEY = "fence/token"
 
 log = logging.getLogger(__name__)
+
+
+def order(token: str) -> tuple[int, int]:
+    """Where a membership stands in the job's history: (the round's number, the
+    generation); see :func:`round_of`."""
+    round_id, _, gen = token.rpartition("/g")
+    return int(round_id.partition("-")[0]), int(gen)
+
+
+def round_of(job_store: dist.Store, outside: SignedStore | None) -> str:
+    """This torchrun round's name, agreed through the round's own store:
+    ``<number>-<id>``, numbered by the store ``outside`` the workers (its counter only
+    grows, and every rank of a later round draws after this round formed), so rounds
+    order as they came (:func:`order`); 0 without one. A store that restarted counts
+    from 1 again while the fence's token restored from before may name a later round:
+    the count moves past it, or this round would order before the one it follows."""
+    number = outside.add("rounds", 1) if outside is not None else 0
+    held = outside.genuine(KEY) if outside is not None else None
+    if held and order(held.decode())[0] >= number:
+        number = outside.add("rounds", order(held.decode())[0] - number + 1)
+    return job_store.compare_set("warm/round", "", f"{number}-{uuid.uuid4().hex[:12]}").decode()
 
 
 class Fenced(RuntimeError):
@@ -119,8 +142,8 @@ class Fence:
         return self.token
 
     def round_name(self, job_store: dist.Store | None) -> str | None:
-        """This torchrun round's name (:func:`llmtrain.recovery.warm.round_of`), numbered
-        by the fence's store; None without one (nothing outlives a round to number it)."""
+        """This torchrun round's name (:func:`round_of`), numbered by the fence's store;
+        None without one (nothing outlives a round to number it)."""
         return None if self.store is None else round_of(job_store, self.store)
 
     def expect(self, token: str) -> None:

@@ -30,10 +30,8 @@ smaller size; otherwise the job goes cold. A rank whose own step failed
 marked gone and replaced, never a healthy peer that was waiting for it.
 ``benchmarks/agreement.py`` measures the agreement at 256-16K simulated ranks.
 
-A spare leaves the pool when the job ends, or when a cold restart's round waits for a node
-it lacks (the warm path could not replace one): then it joins that round as a node. Each
-spare's slot is claimed or withdrawn by one ``compare_set``, so a spare is never both
-claimed by a survivor and gone.
+The spares wait in the job's pool (:mod:`llmtrain.recovery.pool`); the ranks are counted
+in by the roll call (:mod:`llmtrain.recovery.roll_call`).
 
 Why not torchft or nvidia-resiliency-ext's in-process restart: torchft drops a failed
 replica group and trains on with fewer (so not bitwise equal to a fault-free run, and a
@@ -44,13 +42,10 @@ re-runs the training function, which still rebuilds state from storage.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -58,9 +53,21 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.distributed.process_group import node_name, rendezvous_store
+from llmtrain.distributed.process_group import rendezvous_store
 from llmtrain.distributed.signed_store import SignedStore, signed
-from llmtrain.recovery.sockets import cut, endpoints
+from llmtrain.recovery import pool
+from llmtrain.recovery.eviction import EvictionWatch
+from llmtrain.recovery.pool import PoolPlace, assignment, leave_pool, spares_waiting
+from llmtrain.recovery.roll_call import count_in, mark_gone, mark_holder_gone, owner, tally
+from llmtrain.recovery.sockets import cut
+from llmtrain.recovery.verdicts import Verdicts
+
+# The agreement's names, and (until llmtrain.launch.agent, llmtrain.launch.node and
+# llmtrain.chaos.runner import them from their own modules) those of the pool, the roll
+# call, eviction and verdicts that they reach through this module.
+__all__ = ["ColdPath", "Plan", "WarmPath", "buddy_of", "ward_of", "outside_store",
+           "job_namespace", "EvictionWatch", "PoolPlace", "Verdicts", "assignment",
+           "leave_pool", "mark_holder_gone", "owner", "spares_waiting"]
 
 log = logging.getLogger(__name__)
 
@@ -137,316 +144,6 @@ def job_namespace(store: dist.Store, rdzv_id: str, env: Mapping[str, str] = os.e
                   reconnect and (lambda: dist.PrefixStore(name, reconnect())))
 
 
-def spares_waiting(store: SignedStore) -> int:
-    """Spares in a job's pool, neither claimed nor withdrawn."""
-    return (store.add("spares/registered", 0) - store.add("spares/claimed", 0)
-            - store.add("spares/left", 0))
-
-
-def spares_ready(store: SignedStore, wanted: int) -> bool:
-    """Whether the next ``wanted`` spares a claim would take have said they are ready
-    (imports done, the model built once): a grow waits for that, while a lost rank takes
-    any spare, ready or not."""
-    number, registered = store.add("spares/claimed", 0), store.add("spares/registered", 0)
-    found = 0
-    while found < wanted and number < registered:
-        number += 1
-        state = f"spares/{number}/state"
-        if store.genuine(state) == b"left":
-            continue
-        if not store.check([f"spares/{number}/ready"]):
-            return False
-        found += 1
-    return found == wanted
-
-
-def join_pool(store: SignedStore) -> int:
-    """A spare's number in the job's pool; its plan will come to ``spares/<number>/plan``."""
-    return store.add("spares/registered", 1)
-
-
-def leave_pool(store: SignedStore, number: int) -> bool:
-    """Takes spare ``number`` out of the pool (the job ended, or a cold restart needs it as
-    a node). False when a survivor claimed it first: its plan is on the way."""
-    if store.claim(f"spares/{number}/state", "left").decode() != "left":
-        return False
-    store.add("spares/left", 1)
-    return True
-
-
-class PoolPlace:
-    """A spare's place in the job's pool, as its standby launcher holds it."""
-
-    KEEP_EVERY_S = 0.5
-
-    def __init__(self, store: SignedStore, budget_s: float):
-        self.store, self.budget_s = store, budget_s
-        self.me = uuid.uuid4().hex
-        self.ready = False  # set once the spare says it is (imports done, model built)
-        self._join()
-        self._claimed_seen: float | None = None
-
-    def _join(self) -> None:
-        self.number = join_pool(self.store)
-        self.store.set(f"spares/{self.number}/who", self.me)
-        self._said_ready, self._kept = False, time.monotonic()
-
-    def keep(self) -> None:
-        """Keeps this spare in the pool: says it is ready once :attr:`ready`, and every
-        ``KEEP_EVERY_S`` looks that its place still names it. A store that restarted
-        empty has lost the pool (and may have given the number to another spare since):
-        the spare joins it again, under a new number."""
-        if time.monotonic() - self._kept > self.KEEP_EVERY_S:
-            self._kept = time.monotonic()
-            if self.store.genuine(f"spares/{self.number}/who") != self.me.encode():
-                log.warning("spare %d is no longer in the pool (the rendezvous store lost "
-                            "it): it joins again", self.number)
-                self._join()
-        if self.ready and not self._said_ready:
-            self.store.set(f"spares/{self.number}/ready", "1")
-            self._said_ready = True
-
-    def leave(self) -> bool:
-        """Takes this spare out of the pool (the job ended, or a cold restart needs it as a
-        node); False while a survivor's claim on it stands, its plan on the way. A claim
-        whose plan has not come within ``warm.budget_s`` of this spare first finding it
-        is void (its decider died between claiming and writing the plan, and the
-        survivors went cold): the spare leaves all the same, where it waited claimed for
-        ever, never joining the restart."""
-        if leave_pool(self.store, self.number):
-            return True
-        now = time.monotonic()
-        self._claimed_seen = self._claimed_seen or now
-        if now - self._claimed_seen < self.budget_s or assignment(self.store, self.number):
-            return False
-        key = f"spares/{self.number}/state"
-        if self.store.compare_set(key, "claimed", "left").decode() != "left":
-            return False
-        log.warning("spare %d was claimed but no plan came within warm.budget_s=%g s: its "
-                    "decider died; the spare leaves the pool", self.number, self.budget_s)
-        return True  # the claim counted it out of the pool already (spares/claimed)
-
-
-def assignment(store: SignedStore, number: int) -> dict | None:
-    """Spare ``number``'s plan (with its ``rank``) once a survivor has written it."""
-    text = store.genuine(f"spares/{number}/plan")
-    return json.loads(text) if text else None
-
-
-def _where(store: SignedStore, rank: int) -> str | None:
-    """The key prefix of the generation ``rank`` reports to now."""
-    where = store.genuine(f"where/{rank}")
-    return where.decode() if where else None
-
-
-def owner(pid: int | None = None, host: str | None = None) -> str:
-    """Which process holds a rank: its node's name (default: this one's) and its id."""
-    return f"{host or node_name()}:{pid or os.getpid()}"
-
-
-def rank_of(store: SignedStore, holder: str) -> int | None:
-    """The rank process ``holder`` (see :func:`owner`) holds now. A shrink or a grow
-    renumbers the ranks: a supervisor that acted on the number its worker started with
-    killed, or counted gone, another rank's process."""
-    rank = store.genuine(f"rank_of/{holder}")
-    return int(rank) if rank else None
-
-
-def mark_holder_gone(store: SignedStore, holder: str) -> None:
-    """:func:`mark_gone` for the rank process ``holder`` holds now (its supervisor saw it
-    die); nothing if it never held one."""
-    rank = rank_of(store, holder)
-    if rank is not None:
-        mark_gone(store, rank, holder=holder)
-
-
-def mark_gone(store: SignedStore, rank: int, prefix: str | None = None,
-              holder: str | None = None) -> None:
-    """Tells the survivors of ``rank``'s generation (``prefix``; default: its current one)
-    that it will not report, once however many say so (the rank as it leaves, its agent
-    when the process is gone), and wakes that generation's blocked ranks
-    (:class:`llmtrain.distributed.failure.FailureWatch`). With ``holder`` (an agent's dead
-    worker, see :func:`owner`), only if that process holds the rank there: a spare may
-    have taken it in a new generation meanwhile, and must not be counted gone."""
-    prefix = prefix or _where(store, rank)
-    if prefix is None:
-        return
-    if holder is not None and store.genuine(f"{prefix}owner/{rank}") != holder.encode():
-        return
-    size = store.genuine(f"{prefix}size")
-    store.set(f"{prefix}failed", "1")
-    if size and _claim(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
-        _tally(store, prefix, int(size))
-        store.add(f"{prefix}gone", 1)
-
-
-def _claim(store: SignedStore, prefix: str, rank: int, token: str) -> bool:
-    """Whether ``rank`` is counted in its generation by this call: by whichever comes
-    first, its report or a mark that it is gone (False: the other came first)."""
-    return store.claim(f"{prefix}seen/{rank}", token).decode() == token
-
-
-def _tally(store: SignedStore, prefix: str, world_size: int) -> None:
-    """Counts one more rank in (after its report is stored); whoever completes the tally
-    sets ``all_in``, which the decider waits for in the store: nobody polls."""
-    if store.add(f"{prefix}accounted", 1) == world_size:
-        store.set(f"{prefix}all_in", "1")
-
-
-def agreements(store: SignedStore) -> tuple[int, int]:
-    """How many agreements survivors have entered and left, job-wide. An agent compares
-    them with their values when it started its workers: more entered than left since is
-    someone agreeing now (a warm recovery that ended earlier does not count)."""
-    return store.add("agreeing", 0), store.add("agreed", 0)
-
-
-# Survivors of a dead peer enter the agreement at their next collective, which fails as
-# soon as the peer's connections close: far sooner than this on any job.
-_NOBODY_AGREES_S = 5.0
-
-
-class Verdicts:
-    """What a supervisor of workers (an agent, a standby launcher whose spare holds a
-    rank) waits for when one dies: whether the warm path replaced its rank (the job goes
-    on without it), or the job goes cold (the supervisor restarts it, or joins the
-    restart). Counts from when the workers started, so an earlier recovery's verdict
-    does not count."""
-
-    def __init__(self, store: SignedStore, holders: list[str], budget_s: float):
-        self.store, self.budget_s = store, budget_s
-        self._seen = {h: store.add(f"replaced/{h}", 0) for h in holders}
-        self._cold = store.add("cold", 0)
-        self._agreements = agreements(store)
-
-    def replaced(self, holder: str) -> bool:
-        """Waits (up to the warm budget) for the verdict on ``holder``'s rank; says first
-        that it is gone, so that the survivors need not wait for its report. False at
-        once when no survivor has begun to agree within a few seconds (every rank died):
-        nobody is left to recover warm."""
-        mark_holder_gone(self.store, holder)
-        start = time.monotonic()
-        while time.monotonic() < start + self.budget_s:
-            if self.store.add(f"replaced/{holder}", 0) > self._seen[holder]:
-                return True
-            if self.store.add("cold", 0) > self._cold:
-                return False
-            if time.monotonic() > start + min(_NOBODY_AGREES_S, self.budget_s):
-                entered, left = agreements(self.store)
-                if entered - self._agreements[0] == left - self._agreements[1]:
-                    return False  # nobody survived to agree
-            time.sleep(0.1)
-        return False
-
-
-def evict(store: SignedStore, ranks: list[int], wait_s: float) -> dict[int, list[str]]:
-    """Has ``ranks`` (a hang's stuck ranks) leave, for the warm path to replace them.
-
-    Each one's agent is asked to kill it (:class:`llmtrain.launch.agent.WarmAgent`): its
-    peers' collectives then fail once its connections close. An agent that does not answer
-    in ``wait_s`` is cut off from the store (a partitioned node): its rank is marked gone
-    here instead, and its peers must shut their own ends of its connections. Returns those
-    ranks, each with the connection ends it published (:func:`publish_endpoints`). Its
-    ends and generation are read before asking: once it is gone (its agent's kill, or one
-    from elsewhere), a spare may take its rank, and that spare must not be cut or marked
-    gone in its stead; a rank a spare already holds counts as answered."""
-    done = {r: store.add(f"evicted/{r}", 0) for r in ranks}
-    was = {r: (_where(store, r), json.loads(store.genuine(f"endpoints/{r}") or "[]"))
-           for r in ranks}
-    for r in ranks:  # asked of the process that holds it, which its supervisor knows
-        holder = store.genuine(f"{was[r][0]}owner/{r}") if was[r][0] is not None else None
-        if holder is not None:  # its agent still kills it, should it come back
-            key = f"evict/{holder.decode()}"
-            store.set(key, str(_evictions_asked(store, key) + 1))
-    store.add("evictions", 1)  # what agents poll: one key, however many ranks
-    deadline = time.monotonic() + wait_s
-
-    def unanswered() -> list[int]:  # no kill said, nor a spare in its place (it died anyway)
-        return [r for r in ranks if store.add(f"evicted/{r}", 0) <= done[r]
-                and _where(store, r) == was[r][0]]
-    while (silent := unanswered()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for r in silent:
-        mark_gone(store, r, was[r][0])
-    return {r: was[r][1] for r in silent}
-
-
-def _evictions_asked(store: SignedStore, key: str) -> int:
-    """How many evictions of one process were asked: a signed count, so that an ask
-    replayed from earlier is not a new one, and nobody without the job's secret asks."""
-    return int(store.genuine(key) or 0)
-
-
-class EvictionWatch:
-    """What a supervisor of workers (an agent, a standby launcher whose spare holds a rank)
-    reads to learn that the watchdog asked it to kill one (:func:`evict`): one store read
-    a tick, and more only when some eviction was asked. Asks name the process
-    (:func:`owner`), not the rank, whose number a shrink or a grow changes. Only asks made
-    after the watch began count, so a key from an earlier round never kills a later
-    worker."""
-
-    def __init__(self, store: SignedStore, holders: list[str]):
-        self.store = store
-        self._evictions = store.add("evictions", 0)
-        self._asked = {h: _evictions_asked(store, f"evict/{h}") for h in holders}
-
-    def asked(self) -> list[str]:
-        """The processes whose eviction was asked since the last call."""
-        evictions = self.store.add("evictions", 0)
-        if evictions == self._evictions:
-            return []
-        if evictions < self._evictions:  # the store restarted: its counts begin again
-            self._asked = dict.fromkeys(self._asked, 0)
-        self._evictions = evictions
-        new = []
-        for h, seen in self._asked.items():
-            if (now := _evictions_asked(self.store, f"evict/{h}")) > seen:
-                self._asked[h] = now
-                new.append(h)
-        return new
-
-    def kill(self, holder: str, pgid: int) -> None:
-        """Kills ``holder``'s process group ``pgid`` (the worker and its children), then
-        says so for the rank it holds: its peers need not wait for it, and the asker
-        knows."""
-        with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
-            os.killpg(pgid, signal.SIGKILL)
-        rank = rank_of(self.store, holder)
-        if rank is not None:
-            mark_gone(self.store, rank, holder=holder)
-            self.store.add(f"evicted/{rank}", 1)
-
-
-def publish_endpoints(store: SignedStore, rank: int) -> None:
-    """This rank's connection ends, once its groups are formed: what its peers cut should
-    it stop answering with its agent out of reach (:func:`evict`)."""
-    store.set(f"endpoints/{rank}", json.dumps(endpoints()))
-
-
-# The job's membership token, which :class:`llmtrain.recovery.fence.Fence` keeps.
-FENCE_KEY = "fence/token"
-
-
-def order(token: str) -> tuple[int, int]:
-    """Where a membership stands in the job's history: (the round's number, the
-    generation); see :func:`round_of`."""
-    round_id, _, gen = token.rpartition("/g")
-    return int(round_id.partition("-")[0]), int(gen)
-
-
-def round_of(job_store: dist.Store, outside: SignedStore | None) -> str:
-    """This torchrun round's name, agreed through the round's own store:
-    ``<number>-<id>``, numbered by the store ``outside`` the workers (its counter only
-    grows, and every rank of a later round draws after this round formed), so rounds
-    order as they came (:func:`order`); 0 without one. A store that restarted counts
-    from 1 again while the fence's token restored from before may name a later round:
-    the count moves past it, or this round would order before the one it follows."""
-    number = outside.add("rounds", 1) if outside is not None else 0
-    held = outside.genuine(FENCE_KEY) if outside is not None else None
-    if held and order(held.decode())[0] >= number:
-        number = outside.add("rounds", order(held.decode())[0] - number + 1)
-    return job_store.compare_set("warm/round", "", f"{number}-{uuid.uuid4().hex[:12]}").decode()
-
-
 class WarmPath:
     """One rank's side of the agreement; ``gen`` moves on with each warm recovery."""
 
@@ -469,9 +166,10 @@ class WarmPath:
 
     def cut_from_peers(self) -> int:
         """Shuts this rank's ends of its connections to the other ranks (their published
-        ends, :func:`publish_endpoints`), as it leaves a broken generation on gloo: a live
-        peer blocked in a collective with it fails at once and reports, rather than when
-        this process drops its groups (after the plan, too late to count as a survivor).
+        ends, :func:`llmtrain.recovery.eviction.publish_endpoints`), as it leaves a broken
+        generation on gloo: a live peer blocked in a collective with it fails at once and
+        reports, rather than when this process drops its groups (after the plan, too late
+        to count as a survivor).
         gloo in torch 2.13 has no abort that closes a group's connections. Two store
         requests a rank: on gloo only, where worlds are small."""
         peers = set()
@@ -527,11 +225,11 @@ class WarmPath:
         """This rank's report, in O(1) store requests whatever the world size; True for
         the first reporter, which decides. Its report also wakes the generation's blocked
         ranks (``failed``)."""
-        if not _claim(self.store, self._key(""), self.rank, "report"):
+        if not count_in(self.store, self._key(""), self.rank, "report"):
             raise ColdPath(f"rank {self.rank} was counted as lost before it reported")
         self.store.append(self._key("reports"),
                           json.dumps({"rank": self.rank, **holdings}) + "\n")
-        _tally(self.store, self._key(""), self.world_size)
+        tally(self.store, self._key(""), self.world_size)
         first = self.store.add(self._key("reporters"), 1) == 1
         if first:
             self.store.set(self._key("failed"), "1")
@@ -614,23 +312,13 @@ class WarmPath:
             self._go_cold(proposal)
             return
         plan = Plan.from_json(proposal)
-        taken, skipped = [], 0
-        for r in plan.lost:
-            while str(r) not in plan.spares:
-                number = self.store.add("spares/claimed", 1)
-                if number > self.store.add("spares/registered", 0):
-                    self._unclaim(taken, skipped)  # the spares that register later get used
-                    self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"))
-                    return
-                key = f"spares/{number}/state"
-                if self.store.claim(key, "claimed").decode() == "claimed":
-                    taken.append(number)
-                    plan.spares[str(r)] = number
-                else:  # withdrawn: it went to join a cold restart, or the job ended
-                    skipped += 1
-                    self.store.add("spares/left", -1)
-        for r, number in plan.spares.items():
-            self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
+        taken = pool.claim(self.store, len(plan.lost))
+        if len(taken) < len(plan.lost):
+            r = plan.lost[len(taken)]
+            self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"))
+            return
+        plan.spares = {str(r): number for r, number in zip(plan.lost, taken)}
+        pool.assign(self.store, asdict(plan))
         self._publish(plan.to_json())
 
     def _publish(self, plan: str) -> None:
@@ -730,33 +418,17 @@ class WarmPath:
         shape = self.shapes(world + per_node)
         if isinstance(shape, str):
             return f"none:{shape}"
-        taken, skipped = [], 0
-        while len(taken) < per_node:
-            number = self.store.add("spares/claimed", 1)
-            if number > self.store.add("spares/registered", 0):
-                self._unclaim(taken, skipped)
-                return "none:too few spares wait"
-            if self.store.claim(f"spares/{number}/state", "claimed").decode() == "claimed":
-                taken.append(number)
-            else:  # withdrawn meanwhile
-                skipped += 1
-                self.store.add("spares/left", -1)
+        taken = pool.claim(self.store, per_node)
+        if len(taken) < per_node:
+            return "none:too few spares wait"
         plan = Plan(gen=self.gen + 1, step=step, world_size=world + per_node,
                     local_world_size=per_node, round_id=self.round_id, lost=[], sources={},
                     spares={str(world + i): n for i, n in enumerate(taken)}, kind="grow",
                     kept=[*range(world), *[-1] * per_node],
                     providers={str(o): o for o in range(world)},
                     old_mesh=list(self.shapes(world)), mesh=list(shape))
-        for r, number in plan.spares.items():
-            self.store.set(f"spares/{number}/plan", json.dumps({**asdict(plan), "rank": int(r)}))
+        pool.assign(self.store, asdict(plan))
         return plan.to_json()
-
-    def _unclaim(self, taken: list[int], skipped: int) -> None:
-        """Puts the pool back as it was before a claim that found too few spares."""
-        for number in taken:
-            self.store.set(f"spares/{number}/state", "")
-        self.store.add("spares/left", skipped)
-        self.store.add("spares/claimed", -(len(taken) + skipped + 1))
 
     def give_up(self) -> None:
         """The plan failed after it was made (a replica failed its check, the budget ran

@@ -16,7 +16,7 @@ import torch
 from llmtrain.checkpoint.snapshots import Schedule, Snapshots
 from llmtrain.state_registry import state_tensors
 from llmtrain.config import load_config, parse_overrides
-from llmtrain.recovery.coordinator import restore_snapshot, take_snapshot
+from llmtrain.recovery.registry_snapshots import restore_snapshot, take_snapshot
 from llmtrain.trainer import Trainer
 
 cfg = load_config("debug_cpu", parse_overrides([

@@ -23,7 +23,9 @@ from llmtrain.distributed.signed_store import (SECRET_ENV, SECRET_FILE_ENV, Forg
 from llmtrain.events import EventLog, read_events
 from llmtrain.launch.node import LaunchConfig, Vacancies, ensure_secret, supervise_spare
 from llmtrain.recovery.fence import Fence
-from llmtrain.recovery.warm import EvictionWatch, WarmPath, evict, job_namespace, owner
+from llmtrain.recovery.eviction import EvictionWatch, evict
+from llmtrain.recovery.roll_call import owner
+from llmtrain.recovery.warm import WarmPath, job_namespace
 
 JOB = "job"
 NAMESPACE = f"llmtrain/warm/{JOB}/"

@@ -230,7 +230,7 @@ def test_a_store_restarted_empty_has_the_membership_restored_and_the_old_still_f
         with pytest.raises(Fenced, match="re-formed as 5-a/g1"):
             later.check("checkpoint file __2_1.distcp")
 
-        from llmtrain.recovery.warm import round_of
+        from llmtrain.recovery.fence import round_of
         job = dist.HashStore()
         assert round_of(job, store.connect()).startswith("6-")  # past round 5, restored
     finally:

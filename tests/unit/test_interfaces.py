@@ -29,9 +29,10 @@ from llmtrain.distributed.compile_cache import (CompileCache, CompileCaching, No
 from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.metrics.prometheus import Exporter, MetricsExport, NoExporter, start_exporter
 from llmtrain.metrics.reporting import Reporter
-from llmtrain.recovery.coordinator import (NoWarmRecovery, Recovery, WarmRecovery,
-                                           mark_reported, warm_recovery, was_reported)
+from llmtrain.recovery.coordinator import (WarmRecovery, mark_reported, warm_recovery,
+                                           was_reported)
 from llmtrain.recovery.fence import Fence
+from llmtrain.recovery.interface import NoWarmRecovery, Recovery
 from llmtrain.reliability.guard import IntegrityGuard
 from llmtrain.reliability.health.monitor import (HealthMonitor, HealthWatch, NoHealthMonitor,
                                                  start_monitor)

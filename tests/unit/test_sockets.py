@@ -13,8 +13,9 @@ import torch.distributed as dist
 from llmtrain.config import WarmConfig
 from llmtrain.recovery import sockets
 from llmtrain.launch.node import supervise_spare
-from llmtrain.recovery.warm import (EvictionWatch, WarmPath, evict, owner, publish_endpoints,
-                                    rank_of)
+from llmtrain.recovery.eviction import EvictionWatch, evict, publish_endpoints
+from llmtrain.recovery.roll_call import owner, rank_of
+from llmtrain.recovery.warm import WarmPath
 from conftest import signed_store
 
 

@@ -16,7 +16,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from llmtrain.launch.agent import tolerate_store_outages
 from llmtrain.launch.node import LaunchConfig, Vacancies, store_errors
-from llmtrain.recovery.warm import PoolPlace, job_namespace, spares_waiting
+from llmtrain.recovery.pool import PoolPlace, spares_waiting
+from llmtrain.recovery.warm import job_namespace
 
 
 @pytest.fixture
@@ -89,8 +90,8 @@ def test_rank_0s_look_for_spares_neither_waits_for_a_stalled_store_nor_raises(st
     """Rank 0 asks at every vote whether spares wait to grow the job, and every rank waits
     for its vote: a stopped store held them all (a TCPStore request waits for ever), and an
     error went into the vote as a lost peer. The look runs off the training thread now."""
-    from llmtrain.recovery.coordinator import BackgroundLook
-    from llmtrain.recovery.warm import join_pool, spares_ready
+    from llmtrain.recovery.background_look import BackgroundLook
+    from llmtrain.recovery.pool import join_pool, spares_ready
 
     pool = store.connect()
     look = BackgroundLook(lambda: spares_ready(pool, 1), fresh_s=30)

@@ -6,12 +6,13 @@ import threading
 import time
 
 import pytest
-import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.recovery.warm import (ColdPath, PoolPlace, Verdicts, WarmPath, agreements,
-                                    assignment, buddy_of, join_pool, leave_pool, mark_gone,
-                                    owner, spares_ready, spares_waiting)
+from llmtrain.recovery.pool import (PoolPlace, assignment, join_pool, leave_pool, spares_ready,
+                                    spares_waiting)
+from llmtrain.recovery.roll_call import mark_gone, owner
+from llmtrain.recovery.verdicts import Verdicts, agreements
+from llmtrain.recovery.warm import ColdPath, WarmPath, buddy_of
 from conftest import signed_store
 
 

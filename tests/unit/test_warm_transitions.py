@@ -20,9 +20,11 @@ from llmtrain.distributed.failure import FailureWatch
 from llmtrain.distributed.process_group import WorldInfo, side_group
 from llmtrain.events import EventLog
 from llmtrain.metrics.goodput import GoodputLedger
-from llmtrain.recovery.coordinator import Resized, WarmRecovery
+from llmtrain.recovery.coordinator import WarmRecovery
 from llmtrain.recovery.fence import Fence
-from llmtrain.recovery.warm import WarmPath, job_namespace, mark_gone
+from llmtrain.recovery.interface import Resized
+from llmtrain.recovery.roll_call import mark_gone
+from llmtrain.recovery.warm import WarmPath, job_namespace
 from llmtrain.state_registry import SchedulerState, StateRegistry
 
 

@@ -1,0 +1,150 @@
+"""The job's pool of warm spares, in the rendezvous store outside the workers.
+
+A spare registers at the job level (``spares/registered`` numbers it) and waits; a decider
+claims spares for the lost ranks it replaces, or for a grow, and tells each its place
+(``spares/<number>/plan``). A spare leaves the pool when the job ends, or when a cold
+restart's round waits for a node it lacks (the warm path could not replace one): then it
+joins that round as a node. Each spare's slot is claimed or withdrawn by one
+``compare_set``, so a spare is never both claimed by a survivor and gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from llmtrain.distributed.signed_store import SignedStore
+
+log = logging.getLogger(__name__)
+
+
+def spares_waiting(store: SignedStore) -> int:
+    """Spares in a job's pool, neither claimed nor withdrawn."""
+    return (store.add("spares/registered", 0) - store.add("spares/claimed", 0)
+            - store.add("spares/left", 0))
+
+
+def spares_ready(store: SignedStore, wanted: int) -> bool:
+    """Whether the next ``wanted`` spares a claim would take have said they are ready
+    (imports done, the model built once): a grow waits for that, while a lost rank takes
+    any spare, ready or not."""
+    number, registered = store.add("spares/claimed", 0), store.add("spares/registered", 0)
+    found = 0
+    while found < wanted and number < registered:
+        number += 1
+        state = f"spares/{number}/state"
+        if store.genuine(state) == b"left":
+            continue
+        if not store.check([f"spares/{number}/ready"]):
+            return False
+        found += 1
+    return found == wanted
+
+
+def join_pool(store: SignedStore) -> int:
+    """A spare's number in the job's pool; its plan will come to ``spares/<number>/plan``."""
+    return store.add("spares/registered", 1)
+
+
+def leave_pool(store: SignedStore, number: int) -> bool:
+    """Takes spare ``number`` out of the pool (the job ended, or a cold restart needs it as
+    a node). False when a survivor claimed it first: its plan is on the way."""
+    if store.claim(f"spares/{number}/state", "left").decode() != "left":
+        return False
+    store.add("spares/left", 1)
+    return True
+
+
+def claim(store: SignedStore, wanted: int) -> list[int]:
+    """Claims the next ``wanted`` spares of the pool, in order, passing over those that
+    withdrew meanwhile; returns their numbers. Fewer than ``wanted`` (as many as were
+    found before the pool ran out): too few spares wait, and none stays claimed, the pool
+    put back as it was, so that the spares that register later get used."""
+    taken, skipped = [], 0
+    while len(taken) < wanted:
+        number = store.add("spares/claimed", 1)
+        if number > store.add("spares/registered", 0):
+            _unclaim(store, taken, skipped)
+            return taken
+        if store.claim(f"spares/{number}/state", "claimed").decode() == "claimed":
+            taken.append(number)
+        else:  # withdrawn: it went to join a cold restart, or the job ended
+            skipped += 1
+            store.add("spares/left", -1)
+    return taken
+
+
+def _unclaim(store: SignedStore, taken: list[int], skipped: int) -> None:
+    """Puts the pool back as it was before a claim that found too few spares."""
+    for number in taken:
+        store.set(f"spares/{number}/state", "")
+    store.add("spares/left", skipped)
+    store.add("spares/claimed", -(len(taken) + skipped + 1))
+
+
+def assign(store: SignedStore, plan: dict) -> None:
+    """Tells each spare ``plan`` (a :class:`llmtrain.recovery.warm.Plan` as a dict) claimed
+    its place: the plan, with the spare's rank in it (what :func:`assignment` reads)."""
+    for rank, number in plan["spares"].items():
+        store.set(f"spares/{number}/plan", json.dumps({**plan, "rank": int(rank)}))
+
+
+def assignment(store: SignedStore, number: int) -> dict | None:
+    """Spare ``number``'s plan (with its ``rank``) once a survivor has written it."""
+    text = store.genuine(f"spares/{number}/plan")
+    return json.loads(text) if text else None
+
+
+class PoolPlace:
+    """A spare's place in the job's pool, as its standby launcher holds it."""
+
+    KEEP_EVERY_S = 0.5
+
+    def __init__(self, store: SignedStore, budget_s: float):
+        self.store, self.budget_s = store, budget_s
+        self.me = uuid.uuid4().hex
+        self.ready = False  # set once the spare says it is (imports done, model built)
+        self._join()
+        self._claimed_seen: float | None = None
+
+    def _join(self) -> None:
+        self.number = join_pool(self.store)
+        self.store.set(f"spares/{self.number}/who", self.me)
+        self._said_ready, self._kept = False, time.monotonic()
+
+    def keep(self) -> None:
+        """Keeps this spare in the pool: says it is ready once :attr:`ready`, and every
+        ``KEEP_EVERY_S`` looks that its place still names it. A store that restarted
+        empty has lost the pool (and may have given the number to another spare since):
+        the spare joins it again, under a new number."""
+        if time.monotonic() - self._kept > self.KEEP_EVERY_S:
+            self._kept = time.monotonic()
+            if self.store.genuine(f"spares/{self.number}/who") != self.me.encode():
+                log.warning("spare %d is no longer in the pool (the rendezvous store lost "
+                            "it): it joins again", self.number)
+                self._join()
+        if self.ready and not self._said_ready:
+            self.store.set(f"spares/{self.number}/ready", "1")
+            self._said_ready = True
+
+    def leave(self) -> bool:
+        """Takes this spare out of the pool (the job ended, or a cold restart needs it as a
+        node); False while a survivor's claim on it stands, its plan on the way. A claim
+        whose plan has not come within ``warm.budget_s`` of this spare first finding it
+        is void (its decider died between claiming and writing the plan, and the
+        survivors went cold): the spare leaves all the same, where it waited claimed for
+        ever, never joining the restart."""
+        if leave_pool(self.store, self.number):
+            return True
+        now = time.monotonic()
+        self._claimed_seen = self._claimed_seen or now
+        if now - self._claimed_seen < self.budget_s or assignment(self.store, self.number):
+            return False
+        key = f"spares/{self.number}/state"
+        if self.store.compare_set(key, "claimed", "left").decode() != "left":
+            return False
+        log.warning("spare %d was claimed but no plan came within warm.budget_s=%g s: its "
+                    "decider died; the spare leaves the pool", self.number, self.budget_s)
+        return True  # the claim counted it out of the pool already (spares/claimed)

@@ -1,0 +1,77 @@
+"""A failed generation's roll call, and where each rank answers now.
+
+Each rank of a generation is counted once (``seen/<rank>``): by its report, or by a mark
+that it is gone, whichever comes first; the mark comes from the rank as it leaves, or
+from its supervisor (an agent, a standby launcher) when its process died. The keys say
+where to mark it: the generation a rank reports to now (``where/<rank>``), the process
+that holds it there (``owner/<rank>``), and the rank a process holds (``rank_of/<holder>``),
+which a shrink or a grow renumbers.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from llmtrain.distributed.process_group import node_name
+from llmtrain.distributed.signed_store import SignedStore
+
+
+def where(store: SignedStore, rank: int) -> str | None:
+    """The key prefix of the generation ``rank`` reports to now."""
+    prefix = store.genuine(f"where/{rank}")
+    return prefix.decode() if prefix else None
+
+
+def owner(pid: int | None = None, host: str | None = None) -> str:
+    """Which process holds a rank: its node's name (default: this one's) and its id."""
+    return f"{host or node_name()}:{pid or os.getpid()}"
+
+
+def rank_of(store: SignedStore, holder: str) -> int | None:
+    """The rank process ``holder`` (see :func:`owner`) holds now. A shrink or a grow
+    renumbers the ranks: a supervisor that acted on the number its worker started with
+    killed, or counted gone, another rank's process."""
+    rank = store.genuine(f"rank_of/{holder}")
+    return int(rank) if rank else None
+
+
+def mark_holder_gone(store: SignedStore, holder: str) -> None:
+    """:func:`mark_gone` for the rank process ``holder`` holds now (its supervisor saw it
+    die); nothing if it never held one."""
+    rank = rank_of(store, holder)
+    if rank is not None:
+        mark_gone(store, rank, holder=holder)
+
+
+def mark_gone(store: SignedStore, rank: int, prefix: str | None = None,
+              holder: str | None = None) -> None:
+    """Tells the survivors of ``rank``'s generation (``prefix``; default: its current one)
+    that it will not report, once however many say so (the rank as it leaves, its agent
+    when the process is gone), and wakes that generation's blocked ranks
+    (:class:`llmtrain.distributed.failure.FailureWatch`). With ``holder`` (an agent's dead
+    worker, see :func:`owner`), only if that process holds the rank there: a spare may
+    have taken it in a new generation meanwhile, and must not be counted gone."""
+    prefix = prefix or where(store, rank)
+    if prefix is None:
+        return
+    if holder is not None and store.genuine(f"{prefix}owner/{rank}") != holder.encode():
+        return
+    size = store.genuine(f"{prefix}size")
+    store.set(f"{prefix}failed", "1")
+    if size and count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
+        tally(store, prefix, int(size))
+        store.add(f"{prefix}gone", 1)
+
+
+def count_in(store: SignedStore, prefix: str, rank: int, token: str) -> bool:
+    """Whether ``rank`` is counted in its generation by this call: by whichever comes
+    first, its report or a mark that it is gone (False: the other came first)."""
+    return store.claim(f"{prefix}seen/{rank}", token).decode() == token
+
+
+def tally(store: SignedStore, prefix: str, world_size: int) -> None:
+    """Counts one more rank in (after its report is stored); whoever completes the tally
+    sets ``all_in``, which the decider waits for in the store: nobody polls."""
+    if store.add(f"{prefix}accounted", 1) == world_size:
+        store.set(f"{prefix}all_in", "1")
