@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import needs
 from llmtrain.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,6 +127,11 @@ def step_losses(run_dir: Path) -> dict[int, float]:
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A skip under CI=true is a failure unless a mark declares it (see needs.py)."""
+    config.pluginmanager.register(needs, "needs")
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
+import needs
 from conftest import check, llmtrain, step_losses
 from llmtrain.checkpoint import hf, storage
 from llmtrain.checkpoint.shards import ShardReader
@@ -19,10 +20,11 @@ from llmtrain.model import Transformer
 pytestmark = pytest.mark.slow
 SMALL = ("--data.embedded_max_bytes", "100000", "--metrics.prometheus", "false",
          "--metrics.log_every", "1")
+DEV = "pip install -e '.[dev]'"
 
 
 def test_export_to_transformers_and_init_from_it(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = needs.module("transformers", DEV)
     check(llmtrain(tmp_path / "a", "--training.steps", "2", "--checkpoint.interval_steps",
                    "2", *SMALL))
     ckpt = storage.step_dir(str(tmp_path / "a" / "checkpoints"), 2)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import needs
 from bpe import documents, train_bpe
 from conftest import ROOT, check, llmtrain, step_losses
 from llmtrain.checkpoint import storage
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_prepare_then_train_learns(tmp_path):
+    transformers = needs.module("transformers", "pip install -e '.[dev]'")
     tokenizer = train_bpe(tmp_path / "tokenizer.json")
     text = tmp_path / "docs.jsonl"
     text.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(2000, 600_000)))
@@ -41,7 +43,6 @@ def test_prepare_then_train_learns(tmp_path):
 
     # The export ships the corpus's own copy of the tokenizer (the original is gone), and
     # transformers' AutoTokenizer encodes as the tokenizer that prepared the data did.
-    transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
     original = Tokenizer.from_file(str(tokenizer))
     tokenizer.unlink()

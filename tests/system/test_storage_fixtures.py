@@ -199,7 +199,7 @@ def test_faultfs_delay_slows_create_and_clear_ends_it(faultfs):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_save_reports_enospc_from_faultfs(faultfs):
-    torch = pytest.importorskip("torch")
+    import torch
     import torch.distributed.checkpoint as dcp
 
     state = {"w": torch.arange(100_000, dtype=torch.float32)}
