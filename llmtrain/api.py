@@ -248,7 +248,8 @@ class Session:
         self.ledger = GoodputLedger(self.events, enabled=world.rank == 0)
         if not joining:
             self.ledger.launched(world_size=world.world_size, host=world.host, entered=entered)
-        self.reporter = Reporter(s, self.info, world, self.events, self.ledger)
+        self.reporter = Reporter(s, self.info, world, self.events, self.ledger,
+                                 before_long_read=self._reading_events)
         if s.reliability.watchdog:
             configure_diagnostics(s.reliability, s.run_dir)
         self.action = Action.GO_ON
@@ -501,14 +502,15 @@ class Session:
         self.reporter.line(self.recovery.first_step_done())
         self.reporter.step_timed(step, seconds)
         if step == self._first_step + 1:
-            self.reporter.startup_done(self.watchdog, step)
+            self.reporter.startup_done()
             self.checkpoints.prepare(self.state, step)  # the optimizer's state exists now
         s = self.settings
         log_due = step % s.metrics.log_every == 0 or step in (self._first_step + 1, s.steps)
         if log_due or self.integrity.check_due(step):
             back_to = self.guard.review(step, self._grad_norm, self.state)
-            if back_to is not None:
-                return self._went_back(back_to)  # rolled back: on from the checkpoint's step
+            if back_to is not None:  # rolled back: on from the checkpoint's step
+                self._went_back(back_to)
+                return
         if self.control.named_corrupt():
             return self._stop()
         self.recovery.maybe_snapshot(step)
@@ -516,6 +518,10 @@ class Session:
             self._report(step)
         if self._save_or_stop(step):
             self._stop()
+
+    def _reading_events(self) -> None:
+        """The reporter reads the event log back next, which may take long."""
+        self.watchdog.beat(self._step, "events", long=True)
 
     def _stop(self) -> None:
         self._stopped, self.action = True, Action.STOP
@@ -536,7 +542,7 @@ class Session:
         advice = self.reporter.step(step, loss,
                                     lr=self.parts.optimizer.param_groups[0]["lr"],
                                     grad_norm=self._grad_norm, device=self.device,
-                                    watchdog=self.watchdog)
+                                    slowdowns=self.watchdog.slowdowns())
         if advice:
             self.checkpoints.adopt_interval(advice.optimal_interval_s, asdict(advice))
 

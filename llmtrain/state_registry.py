@@ -149,20 +149,30 @@ def state_entries(model: torch.nn.Module,
     is no tensor (a None momentum buffer) is left out. An optimizer that has not stepped
     yet has its state created first (:func:`materialize`), to be restored or read into:
     a snapshot, a reshard and a load need the tensors to exist."""
-    materialize(optimizer)
-    out = [p.detach() for p in model.parameters()]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            out += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
-    return out
+    params, states = _params_and_states(model, optimizer)
+    return [p.detach() for p in params] + states
 
 
 def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   extra: list[torch.Tensor] = ()) -> list[torch.Tensor]:
     """This rank's share of the training state (:func:`state_entries`' local shards:
-    what a snapshot's buffer holds, in order), then ``extra``."""
-    return [local_shard(t) for t in state_entries(model, optimizer)] + list(extra)
+    what a snapshot's buffer holds, in order), then ``extra``. Each parameter's shard is
+    detached as a plain tensor: a DTensor's own ``detach`` dispatches through DTensor's
+    sharding propagation, which costs a snapshot more than its copy."""
+    params, states = _params_and_states(model, optimizer)
+    return ([local_shard(p).detach() for p in params] + [local_shard(t) for t in states]
+            + list(extra))
+
+
+def _params_and_states(model: torch.nn.Module,
+                       optimizer: torch.optim.Optimizer) -> tuple[list, list]:
+    materialize(optimizer)
+    states = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            states += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+    return list(model.parameters()), states
 
 
 def materialize(optimizer: torch.optim.Optimizer) -> None:

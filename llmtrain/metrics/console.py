@@ -29,6 +29,9 @@ def _duration(seconds: float) -> str:
 
 
 class ConsoleReporter:
+    """Rank 0's lines for the people who watch the run: its start, each logged step, the
+    start-up's timeline, a restart's recovery and the end."""
+
     def __init__(self, cfg: MetricsConfig, total_steps: int, stream: TextIO = sys.stdout):
         self.total = total_steps
         self.stream = stream
@@ -52,6 +55,34 @@ class ConsoleReporter:
                 f"{r.step_time_s * 1000:.0f} ms/step{mfu} | "
                 f"mem {r.memory_gb:.2f} GB | ETA {eta}\n")
         self.stream.flush()
+
+    def run_started(self, *, model: str, params: int, world_size: int, device: str,
+                    backend: str, micro_batches: int, run_dir: str) -> None:
+        batches = f"{micro_batches} micro-batch(es) per step, " if micro_batches else ""
+        self.line(f"llmtrain: {model} model, {params / 1e6:.1f}M params, {world_size} rank(s) "
+                  f"on {device} ({backend}), {batches}run dir {run_dir}")
+
+    def started_up(self, phases: dict[str, float], since_launch_s: float) -> None:
+        """Where the start-up's time went, once the first step is done."""
+        parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
+        self.line(f"start-up: {parts}; first step done {since_launch_s:.1f}s after launch")
+
+    def recovered(self, total_s: float, parts_s: dict[str, float]) -> None:
+        """A cold restart's recovery and its parts."""
+        self.line(f"recovered in {total_s:.1f}s from the failure: " +
+                  ", ".join(f"{k} {v:.2f}s" for k, v in parts_s.items()))
+
+    def ended(self, s) -> None:
+        """The run's end (``s``: the session's Summary)."""
+        if not s.trained:
+            self.line(f"nothing to do: the run is already at step {s.steps} of {self.total}")
+            return
+        ended = ("done, stopped on request" if s.stopped else "done" if s.complete
+                 else "stopped early")
+        tokens = (f", {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
+                  f"({s.tokens_per_s:,.0f} tok/s)" if s.tokens else f" in {s.wall_s:.1f} s")
+        self.line(f"{ended}: {s.steps} steps{tokens}; loss {s.first_loss:.3f} -> "
+                  f"{s.final_loss:.3f}; peak memory {s.memory_gb:.2f} GB per rank")
 
     def line(self, text: str) -> None:
         """A message that must not be overwritten by the bar."""

@@ -1,5 +1,6 @@
 """What a run tells people while it trains: the console (rank 0), the Prometheus endpoint
-(every rank, when on) and the goodput account, behind one interface for the loop."""
+(every rank, when on), the goodput account and the run's event log, each fed its share
+by one reporter the loop calls."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -14,10 +16,11 @@ import torch.distributed as dist
 
 from llmtrain.config import Settings
 from llmtrain.distributed.process_group import WorldInfo
-from llmtrain.events import EventLog, EventTail
+from llmtrain.events import EventLog
 from llmtrain.metrics import goodput
 from llmtrain.metrics.console import ConsoleReporter, StepReport
 from llmtrain.metrics.goodput import GoodputLedger, IntervalAdvice, launch_time
+from llmtrain.metrics.goodput_account import GoodputAccount
 from llmtrain.metrics.prometheus import start_exporter
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
@@ -64,8 +67,16 @@ def memory_gb(device: torch.device) -> float:
 
 
 class Reporter:
+    """What a run tells, and to whom: rank 0's console (:class:`ConsoleReporter`), every
+    rank's Prometheus figures (:func:`start_exporter`), rank 0's goodput account
+    (:class:`GoodputAccount`) and the run's event log, which ``llmtrain report`` reads.
+    The loop calls it at the run's start and end, after each step and once the first is
+    done; it works out each step's figures and hands each audience its share.
+    ``before_long_read``: called before the event log is read back (the goodput account,
+    a restart's recovery), which may take long: the session tells its watchdog."""
+
     def __init__(self, settings: Settings, info: RunInfo, world: WorldInfo, events: EventLog,
-                 ledger: GoodputLedger):
+                 ledger: GoodputLedger, before_long_read: Callable[[], None]):
         self.cfg, self.info, self.world, self.events = settings, info, world, events
         self.ledger = ledger
         self._spare = False  # joined a running attempt (a warm spare): it did not restart
@@ -74,15 +85,14 @@ class Reporter:
         self.exporter = start_exporter(settings.metrics, settings.run_dir, events,
                                        rank=world.rank, local_rank=world.local_rank,
                                        host=world.host, world_size=world.world_size)
-        self.tokens_per_step, self.flops_per_token = info.tokens_per_step, info.flops_per_token
-        self.goodput_at = 0.0
+        self.goodput = GoodputAccount(settings.run_dir, events, self.exporter,
+                                      every_s=settings.metrics.goodput_every_s,
+                                      assumed_mtbf_s=settings.metrics.assumed_mtbf_s,
+                                      before_read=before_long_read)
         # the last reported step and when it ended; the first and last losses reported
         self.last_step, self.last_time = 0, time.perf_counter()
         self._first_loss = self._loss = math.nan
         self.peak_flops: float | None = None  # of this rank's device, once it is known
-        # What the goodput accounting reads, followed incrementally (rank 0 only uses it).
-        self.ledger_tail = EventTail(settings.run_dir, keep=goodput.INPUTS)
-        self.ledger_events: list[dict] = []
 
     def joined_running(self) -> None:
         """This rank joined a running attempt (a warm spare, a resized job's rank): it
@@ -100,30 +110,20 @@ class Reporter:
             return
         self.events.emit("run_start", config=info.config, world_size=self.world.world_size,
                          params=info.params, device=str(device))
-        batches = f"{micro_batches} micro-batch(es) per step, " if micro_batches else ""
-        self.console.line(
-            f"llmtrain: {info.name} model, {info.params / 1e6:.1f}M params, "
-            f"{self.world.world_size} rank(s) on {device.type} ({dist.get_backend()}), "
-            f"{batches}run dir {self.cfg.run_dir}")
+        self.console.run_started(model=info.name, params=info.params,
+                                 world_size=self.world.world_size, device=device.type,
+                                 backend=dist.get_backend(), micro_batches=micro_batches,
+                                 run_dir=self.cfg.run_dir)
 
     def run_end(self, s) -> None:
-        """Rank 0: the run's end (``s``: the trainer's Summary) as an event, its goodput,
+        """Rank 0: the run's end (``s``: the session's Summary) as an event, its goodput,
         and a line."""
         if not self.is_rank0:
             return
-        if not s.trained:
-            self.console.line(f"nothing to do: the run is already at step {s.steps} of "
-                              f"{self.cfg.steps}")
-            return
-        self.events.emit("run_end", **asdict(s))
-        self.account(final=True)
-        ended = ("done, stopped on request" if s.stopped else "done" if s.complete
-                 else "stopped early")
-        tokens = (f", {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
-                  f"({s.tokens_per_s:,.0f} tok/s)" if s.tokens else f" in {s.wall_s:.1f} s")
-        self.console.line(
-            f"{ended}: {s.steps} steps{tokens}; loss {s.first_loss:.3f} -> "
-            f"{s.final_loss:.3f}; peak memory {s.memory_gb:.2f} GB per rank")
+        if s.trained:
+            self.events.emit("run_end", **asdict(s))
+            self.goodput.account(final=True)
+        self.console.ended(s)
 
     def line(self, text: str | None) -> None:
         if self.is_rank0 and text:
@@ -135,9 +135,9 @@ class Reporter:
     def step_timed(self, step: int, seconds: float) -> None:
         self.exporter.step_done(step, seconds)
 
-    def startup_done(self, watchdog, step: int) -> None:
+    def startup_done(self) -> None:
         """The start-up timeline, once the first step is done: where a restart's time goes;
-        after a restart, rank 0 also logs the recovery's parts."""
+        after a restart, rank 0 also reports the recovery's parts."""
         phases = self.ledger.phases()
         since_launch = time.time() - launch_time()
         self.events.emit("startup", phases=phases, since_launch_s=since_launch,
@@ -146,17 +146,15 @@ class Reporter:
             self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)
         if not self.is_rank0:
             return
-        parts = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
-        self.console.line(f"start-up: {parts}; first step done {since_launch:.1f}s after launch")
-        watchdog.beat(step, "events", long=True)  # reading the log may take long
-        self.ledger_events += self.ledger_tail.read()
+        self.console.started_up(phases, since_launch)
         # A warm spare that took rank 0 must not log the last cold restart again (chaos
         # read such a stale `recovery` as the warm recovery's outcome).
-        restart = None if self._spare else goodput.recovery(self.ledger_events, time.time())
+        if self._spare:
+            return
+        restart = goodput.recovery(self.goodput.events_so_far(), time.time())
         if restart:
             self.events.emit("recovery", **restart)
-            self.console.line(f"recovered in {restart['total_s']:.1f}s from the failure: " +
-                              ", ".join(f"{k} {v:.2f}s" for k, v in restart["parts_s"].items()))
+            self.console.recovered(restart["total_s"], restart["parts_s"])
 
     def resume_at(self, step: int) -> None:
         """Steps are timed from ``step``, now (a start, a rollback, a warm restore)."""
@@ -164,11 +162,12 @@ class Reporter:
 
     def step(self, step: int, loss: float | None, *, lr: float,
              grad_norm: torch.Tensor | None, device: torch.device,
-             watchdog) -> IntervalAdvice | None:
+             slowdowns: dict[int, float]) -> IntervalAdvice | None:
         """The step's loss and time since the last report; on rank 0 also its line,
-        event and figures, and, at most every ``metrics.goodput_every_s``, the goodput so
-        far and the checkpoint interval it suggests. ``loss`` None: the step was skipped
-        (nothing trained), its report says so and the run's losses stay as they were."""
+        event and figures (``slowdowns``: the watchdog's straggler scores), and, at most
+        every ``metrics.goodput_every_s``, the goodput so far and the checkpoint interval
+        it suggests. ``loss`` None: the step was skipped (nothing trained), its report
+        says so and the run's losses stay as they were."""
         now = time.perf_counter()
         step_time = (now - self.last_time) / (step - self.last_step)
         self.last_step, self.last_time = step, now
@@ -178,36 +177,18 @@ class Reporter:
         if not self.is_rank0:
             return None
         self.ledger.steps_done(step)
-        tokens_per_s = self.tokens_per_step / step_time
+        tokens_per_s = self.info.tokens_per_step / step_time
         peak = self.peak_flops
         r = StepReport(step=step, loss=math.nan if loss is None else loss,
                        tokens_per_s=tokens_per_s, step_time_s=step_time, lr=lr,
                        grad_norm=None if grad_norm is None else grad_norm.item(),
-                       mfu=(self.flops_per_token * tokens_per_s / self.world.world_size / peak
-                            if peak else None), memory_gb=memory_gb(device),
+                       mfu=(self.info.flops_per_token * tokens_per_s / self.world.world_size
+                            / peak if peak else None), memory_gb=memory_gb(device),
                        skipped=loss is None)
         self.events.emit("step", **asdict(r))
         self.console.step(r)
-        self.exporter.stragglers(watchdog.slowdowns())
-        if time.monotonic() - self.goodput_at < self.cfg.metrics.goodput_every_s:
-            return None
-        watchdog.beat(step, "events", long=True)  # reading the log may take long
-        return self.account()
-
-    def account(self, final: bool = False) -> IntervalAdvice | None:
-        """Where the run's time went so far, across restarts, read back from the event
-        log; the interval it suggests. ``final``: also as the run's goodput event."""
-        self.goodput_at = time.monotonic()
-        self.ledger_events += self.ledger_tail.read()
-        b = goodput.account(self.ledger_events, now=time.time())
-        advice = goodput.advise(b, self.cfg.metrics.assumed_mtbf_s)
-        self.exporter.goodput(b, advice)
-        if final:
-            self.events.emit("goodput", **b.as_dict(),
-                             optimal_interval_s=advice and advice.optimal_interval_s,
-                             expected_ettr=advice and advice.expected_ettr,
-                             mtbf_s=advice and advice.mtbf_s)
-        return advice
+        self.exporter.stragglers(slowdowns)
+        return self.goodput.account() if self.goodput.due() else None
 
     def close(self) -> None:
         self.exporter.close()
