@@ -60,7 +60,7 @@ def test_the_readme_is_a_front_page_whose_links_resolve():
 
 def test_the_reference_changes_when_a_field_does(monkeypatch):
     """The freshness check above can fail: a new field shows in the generated page."""
-    from llmtrain import config
+    from llmtrain.config import sections as config
     extended = dataclasses.make_dataclass(
         "WarmConfig", [("new_knob", "int", config._f(1, ge=0, doc="a field just added"))],
         bases=(config.WarmConfig,))
