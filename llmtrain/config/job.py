@@ -21,6 +21,7 @@ from llmtrain.config.sections import (SECTIONS, CheckpointConfig, ConfigError, C
 
 @dataclass
 class JobConfig:
+    """Every setting of a run, one section each (:mod:`llmtrain.config.sections`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -35,6 +36,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Every section's fields, as plain values."""
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
@@ -44,6 +46,7 @@ class JobConfig:
 
     @property
     def checkpoint_url(self) -> str:
+        """Where checkpoints go (:attr:`Settings.checkpoint_url`)."""
         return self.settings().checkpoint_url
 
     def mesh_shape(self, world_size: int) -> tuple[int, int]:
@@ -132,6 +135,7 @@ class Settings:
 
     @property
     def checkpoint_url(self) -> str:
+        """Where checkpoints go: ``checkpoint.url``, else ``<run_dir>/checkpoints``."""
         return self.checkpoint.url or f"{self.run_dir.rstrip('/')}/checkpoints"
 
     @classmethod
@@ -168,6 +172,7 @@ class Settings:
 
 
 def _apply(cfg: JobConfig, key: str, value: Any) -> None:
+    """Sets ``key`` (``section.field``) of ``cfg`` to ``value``, coerced and checked."""
     section_name, _, field_name = key.partition(".")
     if section_name not in SECTIONS:
         raise unknown_key(key, list(SECTIONS))

@@ -15,7 +15,8 @@ class ConfigError(ValueError):
 def _f(default: Any, *, choices: tuple | None = None, ge: float | None = None,
        gt: float | None = None, le: float | None = None, lt: float | None = None,
        doc: str = "") -> Any:
-    """A config field with its allowed values, checked by :func:`_check_field`."""
+    """A config field with its allowed values, checked by
+    :func:`llmtrain.config.parsing.check_field`."""
     return field(default=default, metadata={"choices": choices, "ge": ge, "gt": gt,
                                             "le": le, "lt": lt, "doc": doc})
 
