@@ -38,6 +38,7 @@ import contextlib
 import enum
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -125,7 +126,8 @@ class Action(enum.Enum):
 @dataclass
 class Summary:
     """How a run ended: its steps and tokens, its time and throughput, its first and last
-    reported losses and its peak memory per rank."""
+    reported losses and its peak memory per rank, over every phase of this process's
+    run (before and after a shrink or a grow alike)."""
     steps: int
     tokens: int
     wall_s: float
@@ -228,6 +230,9 @@ class Session:
         so its start is not a new attempt of the job."""
         self.settings, self.info = settings, info or RunInfo()
         self._fits = fits or (lambda ranks: mesh_shape(settings.parallelism, ranks))
+        # where this process's run began, when the job has been resized since (its first
+        # step, the time and the first loss): the summary covers every phase
+        self._began: tuple[int, float, float] | None = None
         self._setup(joining)
 
     def _setup(self, joining: bool) -> None:
@@ -588,6 +593,8 @@ class Session:
         compiled code stay warm), its parts built anew and filled from the snapshots the
         ranks held."""
         plan, held = resized.assignment, resized.held
+        if self._began is None:
+            self._began = (self._first_step, self._started_at, self.reporter.losses()[0])
         self._close(failed=True)
         # LOCAL_RANK (its GPU) stays: a shrink drops whole nodes, a grow adds them
         os.environ.update(place(plan))
@@ -617,12 +624,15 @@ class Session:
             return self.summary
         self.ledger.steps_done(self._step)
         self.control.let_the_failed_exit_first()
-        wall = time.perf_counter() - self._started_at
-        tokens = (self._step - self._first_step) * self.info.tokens_per_step
         first_loss, final_loss = self.reporter.losses()
+        first_step, started_at, earlier_loss = self._began or (self._first_step,
+                                                                self._started_at, math.nan)
+        first_loss = first_loss if math.isnan(earlier_loss) else earlier_loss
+        wall = time.perf_counter() - started_at
+        tokens = (self._step - first_step) * self.info.tokens_per_step
         s = Summary(steps=self._step, tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
                     first_loss=first_loss, final_loss=final_loss,
-                    memory_gb=memory_gb(self.device), trained=self._step - self._first_step,
+                    memory_gb=memory_gb(self.device), trained=self._step - first_step,
                     stopped=self.control.stopped_on_request(),
                     complete=self._step == self.settings.steps)
         self.control.run_ended(complete=s.complete)

@@ -91,5 +91,8 @@ def test_without_a_spare_the_hf_model_shrinks_and_finishes(cluster):
     assert c.wait("node1") == 0, c.log("node1")
     (end,) = [e for e in events(c.run, "run_end")]
     assert end["steps"] == STEPS and end["complete"], end
+    # the summary covers both phases (two ranks, then one), not the last alone
+    first = min(events(c.run, "step"), key=lambda e: e["step"])
+    assert end["trained"] == STEPS and end["first_loss"] == first["loss"], end
     committed = {e["step"] for e in events(c.run, "checkpoint_committed")}
     assert {100, STEPS} <= committed, committed
