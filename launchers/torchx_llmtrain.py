@@ -45,6 +45,7 @@ def train(
     max_retries: int = 0,
     run_dir: str = "runs/torchx",
     config: str = "debug_cpu",
+    script: str = "",
     rdzv_port: int = 29500,
     rdzv_endpoint: str = "",
     rdzv_bind: str = "0.0.0.0",
@@ -113,6 +114,10 @@ def train(
         run_dir: the run dir (``--training.run_dir``): shared storage every node can
             reach, any fsspec URL; checkpoints, events and exclusions live there
         config: the preset (debug_cpu, llama3_8b, ...) or a TOML file in the image
+        script: a training loop of your own on llmtrain's public API
+            (``llmtrain.start``), run instead of llmtrain's trainer: its path in the image
+            (or, on ``local_cwd``, relative to the current directory); ``args`` and the
+            settings above reach it as its command line (``llmtrain launch --script``)
         rdzv_port: the port of the rendezvous store on the store role's host (ignored
             with a single replica, which picks a free port)
         rdzv_endpoint: HOST:PORT of an ``llmtrain rdzv-store`` you run (empty: the store
@@ -163,6 +168,7 @@ def train(
            "--max-restarts", str(max_restarts),
            # replicas past the first `nodes` are spares: on standby outside the rendezvous
            f"$([ {macros.replica_id} -ge {nodes} ] && echo --standby)",
+           *(["--script", shlex.quote(script)] if script else []),
            "--config", shlex.quote(config),
            "--training.run_dir", shlex.quote(run_dir),
            # Prometheus scrapes each replica from outside its host, at an address (pod IP,

@@ -72,6 +72,21 @@ def test_torchx_local_cwd_trains_the_debug_model_to_completion(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchx_runs_a_loop_of_the_users_own(tmp_path):
+    """``--script``: examples/cnn_sgd.py (a plain loop on the public API), not llmtrain's
+    trainer, runs under the component and ends with its final checkpoint committed."""
+    run = tmp_path / "run"
+    rc, out = torchx_run(tmp_path, "--nodes", "1", "--nproc_per_node", "2",
+                         "--script", "examples/cnn_sgd.py", "--run_dir", str(run),
+                         train=("--training.steps", "30", *TRAIN))
+    assert rc == 0, out[-6000:]
+    assert_trained(run, 30, out)
+    (start,) = events(run, "run_start")
+    assert start["world_size"] == 2, start
+    assert "llmtrain: FSDPSequential model" in out, out[-4000:]  # the example's, not a Llama
+
+
+@pytest.mark.slow
 def test_torchx_two_nodes_and_a_spare_finish_cleanly(tmp_path):
     """Three replicas on this machine, each its own node, and the store role; two train,
     the spare waits warm (the default: the store role is outside every node), and every
