@@ -53,6 +53,7 @@ from llmtrain.config import WarmConfig  # noqa: E402
 from llmtrain.distributed.signed_store import SignedStore  # noqa: E402
 from llmtrain.recovery.roll_call import mark_gone  # noqa: E402
 from llmtrain.recovery.warm import WarmPath, ward_of  # noqa: E402
+from reaper import reaping  # noqa: E402
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT = timedelta(seconds=600)
@@ -289,4 +290,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

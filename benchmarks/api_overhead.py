@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from reaper import reaping
+
 ROOT = Path(__file__).resolve().parent.parent
 GOAL = 1.03
 
@@ -134,4 +136,6 @@ if __name__ == "__main__":
         ap.add_argument("--blocks", type=int, default=8)
         ap.add_argument("--block", type=int, default=40)
         args, overrides = ap.parse_known_args()
-        sys.exit(launch(args.blocks, args.block, overrides))
+        with reaping():
+            code = launch(args.blocks, args.block, overrides)
+        sys.exit(code)

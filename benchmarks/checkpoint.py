@@ -125,6 +125,7 @@ from llmtrain.distributed.process_group import global_mean
 from llmtrain.events import read_events
 from llmtrain.model import count_params
 from llmtrain.trainer import Trainer
+from reaper import reaping
 
 CHUNK = 64 << 20
 MB = 1e6
@@ -708,5 +709,5 @@ def through_mount():
 
 
 if __name__ == "__main__":
-    with through_mount():
+    with reaping(), through_mount():  # the mount comes down first
         main()

@@ -50,6 +50,7 @@ from llmtrain.checkpoint.index import RAW, StoredItem  # noqa: E402
 from llmtrain.checkpoint.shard_read import ShardReader  # noqa: E402
 from llmtrain.config import load_config  # noqa: E402
 from llmtrain.model import Transformer  # noqa: E402
+from reaper import reaping  # noqa: E402
 
 REPLICATED = ["trainer", *(f"optim.param_groups.{g}.{k}" for g in range(2) for k in (
     "lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
@@ -202,4 +203,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

@@ -63,6 +63,7 @@ from store_scale import (fit, in_private_netns, lane_slices, raise_fd_limit,  # 
 
 from llmtrain.distributed.signed_store import SignedStore  # noqa: E402
 from llmtrain.reliability.heartbeats import ControlPlane, verdict  # noqa: E402
+from reaper import reaping  # noqa: E402
 
 HOST = "127.0.0.1"
 STORE_TIMEOUT = timedelta(seconds=600)
@@ -354,4 +355,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

@@ -63,6 +63,7 @@ from llmtrain.events import EventTail, read_events
 from llmtrain.metrics import goodput
 from llmtrain.metrics.reporting import NoExporter
 from llmtrain.trainer import Trainer
+from reaper import reaping
 
 # A separate process, so that its HTTP client never holds the trainer's GIL. Commands on
 # stdin, one a line, each answered by one line on stdout: "on" / "off" (scrape every
@@ -316,4 +317,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

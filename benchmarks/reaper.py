@@ -72,11 +72,13 @@ def end_processes_below(pid: int, rounds: int = 50) -> None:
 
 
 def end_tree(proc: subprocess.Popen) -> None:
-    """Ends ``proc`` and every process below it, and waits for it."""
-    end_processes_below(proc.pid)
-    for sig in (signal.SIGCONT, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, sig)
+    """Ends ``proc`` and every process below it, and waits for it. (Once ``proc`` has
+    ended, what it left came back to this process, which ends it on its way out.)"""
+    if proc.poll() is None:  # not reaped: its pid is still its own
+        end_processes_below(proc.pid)
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
     proc.wait()
 
 

@@ -69,6 +69,7 @@ from pathlib import Path
 from llmtrain.chaos.local_cluster import LocalCluster
 from llmtrain.chaos.runner import write_gpu_script
 from llmtrain.events import read_events
+from reaper import reaping
 
 TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
@@ -231,4 +232,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

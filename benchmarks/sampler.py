@@ -26,6 +26,7 @@ import tracemalloc
 import numpy as np
 
 from llmtrain.data.sampler import GlobalSampler
+from reaper import reaping
 
 
 class StoredPermutation(GlobalSampler):
@@ -104,4 +105,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

@@ -47,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from reaper import reaping
+
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 # the job's secret, as a job script gives it: the run dir's compile cache is signed with
@@ -387,4 +389,5 @@ def presets(tmp: Path, spec: str, figures: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

@@ -63,6 +63,7 @@ from llmtrain.model import Transformer
 from llmtrain.recovery.interface import NoWarmRecovery
 from llmtrain.recovery.registry_snapshots import take_snapshot
 from llmtrain.trainer import Trainer
+from reaper import reaping
 
 
 class ReadAhead:
@@ -391,4 +392,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()

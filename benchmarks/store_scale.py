@@ -70,6 +70,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from reaper import reaping
+
 HOST = "127.0.0.1"
 NETNS_ENV = "LLMTRAIN_STORE_SCALE_NETNS"
 RANKS_PER_ROOT = 128        # torch's TORCH_NCCL_RANKS_PER_ROOT default
@@ -349,4 +351,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reaping():
+        main()
