@@ -60,6 +60,7 @@ class PlainObjectsPlanner(DefaultLoadPlanner):
     pickle names."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """Puts the stored object ``value``, decoded, where ``read_item`` goes."""
         decoded = stored_object(value.getvalue())
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],

@@ -287,12 +287,16 @@ class ShardReader(FsspecReader):
             os.close(fd)
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
+        """DCP's call with the checkpoint's metadata before it plans a load; the stored
+        items come from it where :meth:`stored_items` has not read them yet."""
         self._set_up_dcp()  # before DCP's fields are set, not after (it would clear them)
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if self._items is None:
             self._items = metadata_items(metadata)
 
     def read_data(self, plan, planner) -> Future:
+        """DCP's call to read this rank's planned items: raw items by parallel range
+        reads into their destinations, ``torch.save`` records by DCP's own reader."""
         legacy = [r for r in plan.items if r.type == LoadItemType.TENSOR
                   and RAW not in (self.storage_data[r.storage_index].transform_descriptors or ())]
         if legacy:  # torch.save records: DCP's own reader

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from llmtrain.checkpoint import storage
-from llmtrain.checkpoint.in_place import LiveShards, plan_in_place, read_in_place, read_objects
+from llmtrain.checkpoint.in_place import (InPlace, LiveShards, plan_in_place, read_in_place,
+                                         read_objects)
 from llmtrain.checkpoint.safe_unpickle import stored_object
 from llmtrain.checkpoint.shard_read import ShardReader, load_unsharded
 
@@ -60,17 +61,24 @@ def summary(state: dict, prefix: str = "") -> dict:
     return found
 
 
-def in_place(url: str, rank: int) -> dict:
-    """``rank``'s own items read as a restart at the saved world size reads them (its
-    section of INDEX2.bin, no DCP planning), each checked against its recorded sum: its
-    tensors' chunks by (name, offset), its objects decoded."""
+def planned(url: str, rank: int) -> tuple[ShardReader, dict, InPlace | None]:
+    """A reader of ``rank``'s own items (its section of INDEX2.bin), a live tensor for
+    each of its chunks (by (name, offset), filled with NaN) and the plan of a load in
+    place into them and of its objects."""
     reader = ShardReader(url, rank=rank, world=WORLD)
     assert reader.has_own_section()
     items = reader.own_items()
     tensors = {key: torch.full(item.sizes, float("nan"), dtype=item.dtype)
                for key, item in items.items() if item.sizes is not None}
     objects = [name for name, offset in items if offset is None]
-    plan = plan_in_place(reader, LiveShards(tensors), objects)
+    return reader, tensors, plan_in_place(reader, LiveShards(tensors), objects)
+
+
+def in_place(url: str, rank: int) -> dict:
+    """``rank``'s own items read as a restart at the saved world size reads them (no DCP
+    planning), each checked against its recorded sum: its tensors' chunks by (name,
+    offset), its objects decoded."""
+    reader, tensors, plan = planned(url, rank)
     assert plan is not None and plan.checked
     read_in_place(reader, plan, check=True)
     values = {name: stored_object(data)
@@ -99,3 +107,10 @@ def test_the_whole_checkpoint_loads_as_it_did_before_the_split(fmt, expected):
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_each_ranks_own_items_load_in_place_as_before_the_split(rank, expected):
     assert in_place(step_dir("raw"), rank) == expected["raw"][f"rank{rank}"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_a_dcp_format_checkpoint_is_left_to_dcps_planner(rank):
+    """Its tensors are ``torch.save`` records, not raw bytes: no load in place (the
+    whole load above, through DCP's planning, reads them)."""
+    assert planned(step_dir("dcp"), rank)[2] is None
