@@ -35,8 +35,9 @@ yet) until the last simulated rank is done; each run has a fresh server.
 Every pattern runs at the ``--sizes`` and at a half and a quarter of the smallest. A
 connect or llmtrain point is the median of ``--reps`` runs. The naive pattern runs
 once per size, upwards while its predicted time (from its fit so far) stays within
-``--naive-budget-s``; its larger sizes are extrapolated from its fit and marked so,
-in the table and the JSON.
+``--naive-budget-s``; its larger sizes are extrapolated from its fit: marked so in the
+table, and in the JSON under keys of their own (``naive_s_<n>_extrapolated``,
+``naive_over_llmtrain_<n>_extrapolated``), never under a measured figure's name.
 
 c10d looks up every client socket's peer name, which stalls 5 s at a time where the
 resolver is slow (as in this project's sandbox), so the script re-runs itself in a
@@ -48,7 +49,8 @@ once.
 
 About 2 minutes on 2 CPU cores (the naive pattern is measured up to 1024 ranks there);
 progress goes to stderr. Prints a table, then one JSON line:
-{"llmtrain_s_16384": ..., "naive_s_16384": ..., "llmtrain_growth_exponent": ..., ...}.
+{"llmtrain_s_16384": ..., "naive_s_1024": ..., "naive_s_16384_extrapolated": ...,
+"llmtrain_growth_exponent": ..., ...}.
 """
 
 from __future__ import annotations
@@ -325,7 +327,7 @@ def main() -> None:
     print(f"{'ranks':>7}{'connect s':>11}{'llmtrain s':>12}{'naive s':>12}"
           f"{'naive/llmtrain':>16}{'llmtrain calls':>16}{'naive calls':>14}")
     for n in rows:
-        mark = " (extrapolated)" if n in extrapolated else ""
+        mark = " (naive extrapolated)" if n in extrapolated else ""
         print(f"{n:>7}{conn[n]:>11.3f}{ours[n]:>12.3f}{naive_all[n]:>12.3f}"
               f"{naive_all[n] / ours[n]:>16.1f}{store_calls('llmtrain', n):>16,}"
               f"{store_calls('naive', n):>14,}{mark}")
@@ -334,14 +336,16 @@ def main() -> None:
           f"{min(naive)}-{max(naive)} ranks, connect only {k_conn:.2f}")
     if extrapolated:
         print(f"naive at {', '.join(map(str, extrapolated))} ranks: extrapolated with its fit "
-              f"(a measured point would exceed --naive-budget-s {args.naive_budget_s:g})")
+              f"(a measured point would exceed --naive-budget-s {args.naive_budget_s:g}); "
+              f"in the JSON as naive_s_<n>_extrapolated")
 
     figures: dict[str, object] = {}
     for n in rows:
         figures[f"connect_s_{n}"] = round(conn[n], 4)
         figures[f"llmtrain_s_{n}"] = round(ours[n], 4)
-        figures[f"naive_s_{n}"] = round(naive_all[n], 4)
-        figures[f"naive_over_llmtrain_{n}"] = round(naive_all[n] / ours[n], 2)
+        tail = "_extrapolated" if n in extrapolated else ""
+        figures[f"naive_s_{n}{tail}"] = round(naive_all[n], 4)
+        figures[f"naive_over_llmtrain_{n}{tail}"] = round(naive_all[n] / ours[n], 2)
     figures.update(llmtrain_growth_exponent=round(k_ours, 3),
                    naive_growth_exponent=round(k_naive, 3),
                    connect_growth_exponent=round(k_conn, 3),
