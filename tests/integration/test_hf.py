@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import needs
 from conftest import check, llmtrain, step_losses
 from llmtrain.checkpoint import hf, storage
-from llmtrain.checkpoint.shards import ShardReader
+from llmtrain.checkpoint.shard_read import ShardReader
 from llmtrain.config import ConfigError, ModelConfig, load_config
 from llmtrain.data import TokenDataset, shard_urls
 from llmtrain.data.sampler import GlobalSampler
