@@ -52,10 +52,10 @@ def test_dcp_fsspec_writer_and_metadata_tmp_name(tmp_path):
 
 
 def test_dcp_helpers_of_the_raw_shard_format():
-    """checkpoint/shards.py shares a rank's items among writer threads with DCP's
-    ``_split_by_size_and_type``, records where each lies in a ``_StorageInfo`` (its
-    ``transform_descriptors`` mark raw tensors) and loads a whole checkpoint as
-    ``dcp_to_torch_save`` does (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``);
+    """checkpoint/shard_write.py shares a rank's items among writer threads with DCP's
+    ``_split_by_size_and_type`` and records where each lies in a ``_StorageInfo`` (its
+    ``transform_descriptors`` mark raw tensors); checkpoint/shard_read.py loads a whole
+    checkpoint as ``dcp_to_torch_save`` does (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``);
     checkpoint/state.py loads each rank's share alone with ``_load_state_dict(no_dist=True)``;
     checkpoint/staging.py refills its buffers with ``_copy_state_dict``, wraps them as
     DTensors with the live ones' spec (``DTensor(local, spec, requires_grad=...)``, a C
