@@ -14,12 +14,17 @@ denormals flushed on CPU. llmtrain's loop adds its sampler, the watchdog's heart
 console, event log, goodput ledger, each ``run()``'s start and end, and the integrity
 checks (each step judged on the device, the state fingerprinted every 10 steps here).
 
-The trainer's threads run on through the baseline segments, where its training thread
-sends no heartbeats: each baseline segment is declared a long phase to its watchdog, as a
-blocking save would be. Undeclared, the watchdog found the rank quiet and dumped the
-collective flight recorder four times a second (~40 ms of CPU each, with the GIL), which
-made the baseline, not llmtrain, pay for it (llmtrain_over_bare 0.66-0.96 on 2 CPU
-ranks). The naive loop (one fixed batch, the default AdamW, which on CPU loops over the
+The baselines run bare: before each of their segments llmtrain's threads end (the
+watchdog, the health monitor, rank 0's stop-request look-out, the metrics exporter; a
+snapshot still being sent is waited for), and they start again after it, outside the
+timed steps; the JSON's ``bare_threads`` names the threads alive during a baseline
+segment (llmtrain's data reader stays, idle on its full queue). The watchdog is first
+told that no heartbeats will come (a long phase, ended by the trainer's next step), so
+that its first tick after the segment does not take the silence for a hang, and its
+peers' silence counts from its restart. (With the watchdog running through an
+undeclared baseline segment, it found the rank quiet and dumped the collective flight
+recorder four times a second, ~40 ms of CPU each, with the GIL, which made the baseline,
+not llmtrain, pay for it: llmtrain_over_bare 0.66-0.96 on 2 CPU ranks.) The naive loop (one fixed batch, the default AdamW, which on CPU loops over the
 parameters with every op dispatched through DTensor, clip_grad_norm_ on the DTensors, a
 constant LR; the first baseline of this benchmark) is kept for comparison.
 
@@ -45,6 +50,7 @@ import json
 import math
 import random
 import statistics
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,9 +65,12 @@ from llmtrain.checkpoint.snapshots import Schedule, Snapshots, shares_cores
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.data import TokenDataset, shard_urls
 from llmtrain.distributed.parallelize import parallelize
+from llmtrain.metrics.prometheus import Exporter
 from llmtrain.model import Transformer
 from llmtrain.recovery.interface import NoWarmRecovery
 from llmtrain.recovery.registry_snapshots import take_snapshot
+from llmtrain.reliability.health.monitor import start_monitor
+from llmtrain.stop_request import StopRequestWatch
 from llmtrain.trainer import Trainer
 from reaper import reaping
 
@@ -271,14 +280,37 @@ def llmtrain_loop(trainer: Trainer, integrity: bool, snapshots: Snapshots | None
     return run
 
 
-def baseline(trainer: Trainer, run):
-    """``run`` with the trainer idle: its watchdog is told that no heartbeats will come
-    (a long phase, ended by the trainer's next step), so it neither watches this rank
-    four times as closely as a quiet one nor takes the segment for a hang."""
-    def declared(n: int) -> float:
-        trainer.session.watchdog.beat(trainer.step, "baseline", long=True)
-        return run(n)
-    return declared
+def baseline(trainer: Trainer, snapshots: Snapshots, run, seen: set[str]):
+    """``run`` with llmtrain's threads stopped for the segment (see the module's
+    docstring); the names of the threads alive during it are added to ``seen``."""
+    s = trainer.session
+
+    def bare(n: int) -> float:
+        snapshots.wait_idle()
+        s.watchdog.beat(trainer.step, "baseline", long=True)
+        s.watchdog.close()
+        s.health.close()
+        if s.control.requests is not None:
+            s.control.requests.close()
+        exporter = s.reporter.exporter
+        if isinstance(exporter, Exporter):
+            exporter.close()
+        try:
+            seen.update(t.name for t in threading.enumerate())
+            dist.barrier()  # every rank's threads stopped: the segment starts together
+            return run(n)
+        finally:
+            s.health = s.control.health = start_monitor(
+                s.settings.health, s.device, host=s.world.host, local_rank=s.world.local_rank,
+                events=s.events, on_pass=s.reporter.health_pass)
+            if s.control.requests is not None:
+                s.control.requests = StopRequestWatch(s.settings.run_dir).start()
+            if isinstance(exporter, Exporter):
+                exporter.start()
+            s.watchdog.new_generation()
+            s.watchdog.start()
+            dist.barrier()  # and the next loop's segment too, whoever restarted faster
+    return bare
 
 
 def paired(times: dict[str, list[float]], a: str, b: str) -> float:
@@ -308,15 +340,17 @@ def main() -> None:
                           rank, buddy=other, ward=other, events=trainer.session.events,
                           shares_cores=shares_cores(device, world))
     snapshots.start(dist.new_group(backend="gloo"), trainer.session.control_group, trainer.step)
+    bare_threads: set[str] = set()
     loops = {"llmtrain": llmtrain_loop(trainer, integrity=True),
              "no integrity": llmtrain_loop(trainer, integrity=False),
              "snapshots": llmtrain_loop(trainer, integrity=True, snapshots=snapshots),
-             "bare (FSDP2)": baseline(trainer, bare_loop(cfg, device, trainer.session.mesh,
-                                                         readers[0])),
-             "naive (FSDP2)": baseline(trainer, naive_loop(cfg, device, trainer.session.mesh))}
+             "bare (FSDP2)": baseline(trainer, snapshots, bare_loop(
+                 cfg, device, trainer.session.mesh, readers[0]), bare_threads),
+             "naive (FSDP2)": baseline(trainer, snapshots, naive_loop(
+                 cfg, device, trainer.session.mesh), bare_threads)}
     if world == 1:  # unsharded replicas on 2+ ranks would need DDP, another baseline
-        loops["bare (no FSDP)"] = baseline(trainer, bare_loop(cfg, device, trainer.session.mesh,
-                                                              readers[1], sharded=False))
+        loops["bare (no FSDP)"] = baseline(trainer, snapshots, bare_loop(
+            cfg, device, trainer.session.mesh, readers[1], sharded=False), bare_threads)
     for run in loops.values():
         run(3)  # warm-up: allocator, first-call paths
     # What the checks take, timed where they run (the loop ratio is blurred by noise).
@@ -384,6 +418,7 @@ def main() -> None:
                "integrity_overhead": round(integrity_paired, 4),
                "integrity_checks_ms": round(checks_ms, 3),
                "integrity_checks_fraction": round(checks_ms / (median["no integrity"] * 1e3), 5),
+               "bare_threads": sorted(bare_threads),
                "segments": args.segments, "steps_per_segment": args.steps,
                "world_size": world}
     if "bare (no FSDP)" in median:
