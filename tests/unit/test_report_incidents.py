@@ -1,0 +1,145 @@
+"""The report tells each failure's story: a run recorded once from a real LocalCluster job
+(tests/data/runs/warm-spare-shrink-grow: two nodes and a warm spare; a node killed, the
+spare takes its rank; the other original node killed with no spare waiting, the job
+shrinks to one rank; a spare started later, the job grows back to two) reads, in the
+report's Incidents, as three recoveries with their path, time, steps redone and who was
+lost and who replaced them; and the summary counts its generations, its world size range
+and prices the checkpoint-interval advice with those warm recoveries."""
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from needs import module, tool
+from test_report import Log, section, two_attempts_with_a_hang
+
+from llmtrain.events import read_events
+from llmtrain.report.html import write_report
+
+RECORDED = ROOT / "tests" / "data" / "runs" / "warm-spare-shrink-grow"
+
+
+def row(incidents: str, event: str) -> str:
+    """The Incidents row of ``event`` (its cells from the event name on)."""
+    (found,) = re.findall(rf"<tr class=\w+><td>[^<]*</td><td>[^<]*</td><td>{event}</td>.*?</tr>",
+                          incidents)
+    return found
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> tuple[str, dict[str, dict], Path]:
+    """The recorded run's report page, its warm changes by kind, and the report dir."""
+    out = tmp_path_factory.mktemp("report")
+    events = read_events(str(RECORDED))
+    changes = {e["kind"]: e for e in events if e["event"] in ("warm_recovery", "warm_grow")}
+    index = write_report(str(RECORDED), str(out))
+    return Path(index).read_text(encoding="utf-8"), changes, out
+
+
+def test_each_warm_recovery_shrink_and_grow_is_an_incident_with_its_path_and_time(recorded):
+    page, changes, _ = recorded
+    incidents = section(page, "incidents")
+    spare, shrink, grow = (row(incidents, name) for name in
+                           ("warm recovery", "warm shrink", "warm grow"))
+    # the spare: node2 (rank 0) killed, node3 took rank 0; state of step 20, 26 reached
+    assert "<td>rank 0 on node2 → node3</td><td>warm spare</td>" in spare
+    assert f"<td>{changes['spare']['total_s']:.2f} s</td><td>6 (steps 21-26)</td>" in spare
+    assert "its collective failed (a peer was gone) at step 26" in spare
+    assert "Connection reset by peer" in spare and "pair.cc" not in spare
+    # the shrink: node1 (rank 1) killed with no spare waiting; rank 0 goes on alone
+    assert "<td>rank 1 on node1 → none</td><td>warm shrink</td>" in shrink
+    assert f"<td>{changes['shrink']['total_s']:.2f} s</td><td>0</td>" in shrink
+    assert "went on as 1 rank(s) (from 2) from the state of step 50" in shrink
+    # the grow: node4 joined as rank 1 at step 94
+    assert "<td>+ 1 on node4</td><td>warm grow</td>" in grow
+    assert f"<td>{changes['grow']['total_s']:.2f} s</td>" in grow
+    assert "voted to grow at step 94" in grow and "went on as 2 ranks (from 1)" in grow
+    # the survivors' own reports are the detection, not rows; the clock warnings one row
+    assert "<td>failure</td>" not in incidents
+    assert incidents.count("<td>health</td>") == 1
+    assert "WARN clock on node1, node2, node3, node4:" in incidents
+    assert incidents.index(spare) < incidents.index(shrink) < incidents.index(grow)
+
+
+def test_the_summary_counts_generations_world_sizes_and_prices_warm_recoveries(recorded):
+    page, changes, out = recorded
+    assert "<th>Model</th><td>debug, 0.5M params, 1-2 ranks on cpu</td>" in page
+    assert ("<th>Attempts</th><td>1 (0 cold restarts), 4 generations: 1 warm spare, "
+            "1 warm shrink, 1 warm grow</td>") in page
+    assert re.search(r"<th>World size</th><td>1-2 ranks: 2 → 1 \([\d.]+ s in\) → 2 ", page)
+    assert (f"<th>Recoveries</th><td>3: warm spare {changes['spare']['total_s']:.2f} s, warm "
+            f"shrink {changes['shrink']['total_s']:.2f} s, warm grow "
+            f"{changes['grow']['total_s']:.2f} s") in page
+    advice = re.search(r"<th>Checkpoint interval advice</th><td>([^<]*)</td>", page)[1]
+    mean = (changes["spare"]["total_s"] + changes["shrink"]["total_s"]) / 2
+    assert f", {mean:.1f} s per failure, the mean of 2 warm recoveries (" in advice, advice
+    assert "cold" not in advice
+    attempts = section(page, "attempts")
+    assert "<td>0, gen 1</td>" in attempts and "<td>0, gen 3</td>" in attempts
+    assert "<td>step 50 from memory (warm shrink)</td>" in attempts
+    assert (out / "world_size.png").stat().st_size > 10_000
+    assert 'alt="World size"' in page
+
+
+def test_the_report_of_the_recorded_run_reads_in_a_browser(recorded):
+    """Headless Chromium, as the docs' report test: no console error, and the Incidents
+    table's text names each recovery's path and time."""
+    chromium = tool("chromium", "apt-get install chromium")
+    playwright = module("playwright.sync_api", "pip install playwright")
+    _, changes, out = recorded
+    problems = []
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+        page.on("pageerror", lambda e: problems.append(str(e)))
+        page.goto((out / "index.html").as_uri(), wait_until="load")
+        rows = page.eval_on_selector_all(
+            "#incidents + p + table tbody tr",
+            "rows => rows.map(r => Array.from(r.cells, c => c.innerText))")
+        width = page.eval_on_selector('img[alt="World size"]', "i => i.naturalWidth")
+        browser.close()
+    assert problems == []
+    assert width > 100
+    told = {r[2]: (r[4], r[5]) for r in rows}
+    assert told["warm recovery"] == ("warm spare", f"{changes['spare']['total_s']:.2f} s")
+    assert told["warm shrink"] == ("warm shrink", f"{changes['shrink']['total_s']:.2f} s")
+    assert told["warm grow"] == ("warm grow", f"{changes['grow']['total_s']:.2f} s")
+
+
+def test_a_cold_restart_is_told_with_its_detection_time_and_steps_redone(tmp_path):
+    """The hang run of test_report, with the new attempt's ``recovery`` event as rank 0
+    writes it after its first step: rank 2 died silently, the hang detected it."""
+    log = two_attempts_with_a_hang()
+    (hang,) = [e for e in log.records if e["event"] == "hang"]
+    (second,) = [e for e in log.records if e["event"] == "attempt_start"][1:]
+    log.emit("recovery", at=second["ts"] + 12.0, total_s=27.5, silent_ranks=[2],
+             marks={"last_progress": hang["ts"] - 65, "failure_detected": hang["ts"],
+                    "first_step": hang["ts"] + 27.5},
+             parts_s={"failure_detected->process_start": 14.0})
+    log.write(str(tmp_path / "run"))
+    page = Path(write_report(str(tmp_path / "run"))).read_text(encoding="utf-8")
+    cold = row(section(page, "incidents"), "cold restart")
+    assert "<td>rank 2 → a new process</td><td>cold</td>" in cold
+    assert "<td>27.50 s</td><td>20 (steps 21-40)</td>" in cold  # logged every 10 steps
+    assert "rank 2 lost without a word (node-b excluded)" in cold
+    assert "detected: the watchdog&#x27;s hang verdict after 60 s: rank 2 is stuck" in cold
+    assert "(node-b excluded)" in cold and "resumed from the checkpoint of step 20" in cold
+    advice = re.search(r"<th>Checkpoint interval advice</th><td>([^<]*)</td>", page)[1]
+    assert "27.5 s per failure, the mean of 1 cold restart (27.5 s)" in advice, advice
+
+
+def test_the_straggler_heatmap_shows_for_any_window_of_a_run_with_two_ranks(tmp_path):
+    """A two-rank run whose only window compared one node's ranks (the other's arrivals
+    missing, as just after a warm recovery) still gets its heatmap, a row per rank."""
+    log = Log(world=2)
+    log.attempt(0, "node-a")
+    log.train(1, 10)
+    log.records = [e for e in log.records if e["event"] != "straggler_scores"]
+    log.emit("straggler_scores", step=10, ranks=1, collectives=40, top=[[0, 1.0]], p50=1.0,
+             p90=1.0, p99=1.0)
+    log.write(str(tmp_path / "run"))
+    page = Path(write_report(str(tmp_path / "run"))).read_text(encoding="utf-8")
+    assert 'alt="Stragglers"' in page and "No figure" not in page
+    assert "<th>Stragglers</th><td>no straggler" in page
