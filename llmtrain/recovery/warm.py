@@ -56,18 +56,20 @@ from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import rendezvous_store
 from llmtrain.distributed.signed_store import SignedStore, signed
 from llmtrain.recovery import pool
+from llmtrain.recovery.roll_call import count_in, mark_gone, owner, tally
+from llmtrain.recovery.sockets import cut
+
+# What llmtrain.launch.agent, llmtrain.launch.node and llmtrain.chaos.runner still import
+# from here, though it lives in the pool, the roll call, eviction and verdicts modules:
+# drop these once they import it from there.
 from llmtrain.recovery.eviction import EvictionWatch
 from llmtrain.recovery.pool import PoolPlace, assignment, leave_pool, spares_waiting
-from llmtrain.recovery.roll_call import count_in, mark_gone, mark_holder_gone, owner, tally
-from llmtrain.recovery.sockets import cut
+from llmtrain.recovery.roll_call import mark_holder_gone
 from llmtrain.recovery.verdicts import Verdicts
 
-# The agreement's names, and (until llmtrain.launch.agent, llmtrain.launch.node and
-# llmtrain.chaos.runner import them from their own modules) those of the pool, the roll
-# call, eviction and verdicts that they reach through this module.
 __all__ = ["ColdPath", "Plan", "WarmPath", "buddy_of", "ward_of", "outside_store",
-           "job_namespace", "EvictionWatch", "PoolPlace", "Verdicts", "assignment",
-           "leave_pool", "mark_holder_gone", "owner", "spares_waiting"]
+           "job_namespace", "owner", "EvictionWatch", "PoolPlace", "Verdicts", "assignment",
+           "leave_pool", "mark_holder_gone", "spares_waiting"]
 
 log = logging.getLogger(__name__)
 
