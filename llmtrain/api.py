@@ -67,8 +67,9 @@ from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.metrics.reporting import Reporter, RunInfo, memory_gb
 from llmtrain.optim import clip_gradients
 from llmtrain.placement import SPARE_ENV, place, refuse_if_excluded, spare_assignment, stop_agent
-from llmtrain.recovery.coordinator import Resized, warm_recovery, was_reported
+from llmtrain.recovery.coordinator import warm_recovery, was_reported
 from llmtrain.recovery.fence import Fence
+from llmtrain.recovery.interface import Resized
 from llmtrain.recovery.warm import Plan, outside_store
 from llmtrain.reliability.guard import IntegrityGuard
 from llmtrain.reliability.health.monitor import start_monitor

@@ -2,7 +2,7 @@
 
 Every component whose state a restart must bring back registers it here once, under a
 name. Checkpoints (:mod:`llmtrain.checkpoint.state`), in-memory snapshots and their
-restore (:mod:`llmtrain.recovery.coordinator`) all serialize this one registry, so a
+restore (:mod:`llmtrain.recovery.registry_snapshots`) all serialize this one registry, so a
 resume from storage and a warm restore from memory restore the same things: adding an
 item here adds it to both.
 

@@ -12,7 +12,7 @@ def reference_markdown() -> str:
     """Every field of every section as a Markdown reference (``docs/config.md``): the
     dataclasses are the one source, so the reference cannot drift from them."""
     out = ["# Configuration reference", "",
-           "Generated from the `Config` dataclasses in `llmtrain/config.py` by "
+           "Generated from the `Config` dataclasses in `llmtrain/config/sections.py` by "
            "`llmtrain config --reference > docs/config.md`; a test fails when this page is "
            "stale. Set a field in a TOML file's `[section]` table (`--config my_run.toml`) "
            "or on the command line as `--section.field VALUE`. `llmtrain config` prints "

@@ -277,10 +277,12 @@ class WarmConfig:
     snapshot_every: int = _f(1, ge=1, doc="steps between in-memory snapshots at the least "
                                           "(each also replicated to a buddy rank on the "
                                           "next node)")
-    snapshot_budget: float = _f(0.03, ge=0, lt=1, doc="the share of training time snapshots "
+    snapshot_budget: float = _f(0.01, ge=0, lt=1, doc="the share of training time snapshots "
                                                       "may take: the interval grows from "
                                                       "snapshot_every until they fit; 0: "
-                                                      "always snapshot_every")
+                                                      "always snapshot_every. A larger share "
+                                                      "redoes fewer steps after a failure, "
+                                                      "and costs every step")
     snapshot_max_every: int = _f(50, ge=1, doc="steps between snapshots at the most, "
                                                "whatever the budget: a warm recovery "
                                                "redoes fewer steps than this")

@@ -16,7 +16,7 @@ agent whose workers were all replaced has nothing left to supervise and ends, an
 waits in torchrun's exit barrier, which a lost node's agent never reaches; an agent that
 ends so leaves the rendezvous open for the job's later rounds. A worker a hang's report
 named as stuck is killed by its agent when the watchdog asks
-(:func:`llmtrain.recovery.warm.evict`), so that its peers' collectives fail and the warm
+(:func:`llmtrain.recovery.eviction.evict`), so that its peers' collectives fail and the warm
 path replaces it like any dead worker. Everything else is torchrun.
 
     python -m llmtrain.launch.agent <torchrun arguments>
@@ -41,8 +41,10 @@ with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.
     from llmtrain.distributed.signed_store import report_forged_to
     from llmtrain.events import EventLog
     from llmtrain.exit_codes import ExitCode
-    from llmtrain.recovery.warm import (EvictionWatch, Verdicts, mark_holder_gone,
-                                        outside_store, owner)
+    from llmtrain.recovery.eviction import EvictionWatch
+    from llmtrain.recovery.roll_call import mark_holder_gone, owner
+    from llmtrain.recovery.verdicts import Verdicts
+    from llmtrain.recovery.warm import outside_store
 
 # by name: run as ``python -m llmtrain.launch.agent``, __name__ is "__main__"
 log = logging.getLogger("llmtrain.launch.agent")

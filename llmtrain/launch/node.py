@@ -513,8 +513,11 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     without it, and None when a cold restart's round lacks a node (the warm path could
     not replace one): the spare left the pool, and this node holds a place in that
     round."""
-    from llmtrain.recovery.warm import (EvictionWatch, PoolPlace, Verdicts, assignment,
-                                        job_namespace, leave_pool, owner)
+    from llmtrain.recovery.eviction import EvictionWatch
+    from llmtrain.recovery.pool import PoolPlace, assignment, leave_pool
+    from llmtrain.recovery.roll_call import owner
+    from llmtrain.recovery.verdicts import Verdicts
+    from llmtrain.recovery.warm import job_namespace
     vacancies = Vacancies(lc, restarts_only=True)
     pool = job_namespace(vacancies.store, lc.rdzv_id, reconnect=vacancies.client)
     ready, says_ready = os.pipe()
@@ -589,7 +592,7 @@ def _replaced(verdicts, holder: str) -> bool:
 
 def supervise_spare(spare: subprocess.Popen, evictions) -> int:
     """Waits for a spare that took a rank, doing for it what an agent does for its
-    workers: it is killed when a hang's watchdog asks (:func:`llmtrain.recovery.warm.evict`;
+    workers: it is killed when a hang's watchdog asks (:func:`llmtrain.recovery.eviction.evict`;
     without this, a stopped spare went unanswered and its peers cut a later one)."""
     outage = _StoreOutage("warm spare's launcher")
     while (rc := spare.poll()) is None:

@@ -11,7 +11,7 @@ from llmtrain.reliability.integrity import Integrity, TrainingDiverged
 
 if TYPE_CHECKING:
     from llmtrain.checkpoint.manager import Checkpointing
-    from llmtrain.recovery.coordinator import Recovery
+    from llmtrain.recovery.interface import Recovery
     from llmtrain.reliability.watchdog import WatchdogLike
 
 # Rollbacks from the same stretch of steps before the fault counts as persistent.

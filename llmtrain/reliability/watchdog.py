@@ -32,7 +32,7 @@ group (which may be the thing that is stuck):
   ``report.md`` and ``report.json`` and an event, and every rank exits RETRYABLE so the
   launcher restarts the job from its last checkpoint;
 - with the warm path on, a hang whose report names its stuck ranks goes warm instead: the
-  leader has their agents kill them (:func:`llmtrain.recovery.warm.evict`), every other
+  leader has their agents kill them (:func:`llmtrain.recovery.eviction.evict`), every other
   rank stays, its stuck collective fails as the peer's connections close, and the warm
   path replaces the killed ranks with spares. A rank whose agent does not answer (its
   node cut off from the network) is marked gone by the leader, and every other rank shuts
@@ -74,7 +74,7 @@ from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, posit
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from llmtrain.recovery.coordinator import Evict
+    from llmtrain.recovery.interface import Evict
     from llmtrain.recovery.fence import Fence
 
 HOST = socket.gethostname()

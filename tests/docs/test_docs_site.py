@@ -40,7 +40,7 @@ def test_every_config_field_is_documented_in_the_reference():
     page = (ROOT / "docs" / "config.md").read_text()
     for name, section in SECTIONS.items():
         for f in dataclasses.fields(section):
-            assert f.metadata.get("doc"), f"{name}.{f.name} has no doc= (llmtrain/config.py)"
+            assert f.metadata.get("doc"), f"{name}.{f.name} has no doc= (llmtrain/config/sections.py)"
             row = next(line for line in page.splitlines()
                        if line.startswith(f"| `{name}.{f.name}` |"))
             assert f"| {f.type} |" in row
