@@ -61,7 +61,7 @@ from prometheus_client import generate_latest
 from llmtrain.config import load_config, parse_overrides
 from llmtrain.events import EventTail, read_events
 from llmtrain.metrics import goodput
-from llmtrain.metrics.reporting import NoExporter
+from llmtrain.metrics.prometheus import NoExporter
 from llmtrain.trainer import Trainer
 from reaper import reaping
 
@@ -129,12 +129,13 @@ class Scraper:
 
 def exporter_switch(trainer: Trainer):
     """A function turning the trainer's exporter on or off, as --metrics.prometheus would
-    (the health monitor's passes reach the exporter through the reporter)."""
+    (the health monitor's passes reach the exporter through the reporter, the goodput
+    passes through its account)."""
     reporter = trainer.session.reporter
     exporter, off = reporter.exporter, NoExporter()
 
     def switch(on: bool) -> None:
-        reporter.exporter = exporter if on else off
+        reporter.exporter = reporter.goodput.exporter = exporter if on else off
         if on and exporter.observe not in trainer.session.events.listeners:
             trainer.session.events.listeners.append(exporter.observe)
         if not on and exporter.observe in trainer.session.events.listeners:
@@ -215,7 +216,7 @@ def measure(segments: int, steps: int, scrape_every: float, fetches: int,
         render_ms = median_ms(lambda: generate_latest(exporter.registry), fetches)
 
         def goodput_pass() -> None:  # the periodic (non-final) pass: emits no event
-            trainer.session.reporter.account()
+            trainer.session.reporter.goodput.account()
         goodput_ms = median_ms(goodput_pass, 20)
         step_event = read_events(run_dir, "step")[-1]
         step_done_us = median_ms(lambda: exporter.step_done(trainer.step, 0.1), 2000) * 1e3
