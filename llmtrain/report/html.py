@@ -296,9 +296,10 @@ def _attempt_ended(run: Run, a: Attempt, events: list[Event]) -> str:
     if "run_end" in kinds:  # a preemption's agreed save ends with one too
         return ("stopped on request" if kinds["run_end"].get("stopped") else
                 "preempted" if "preempted" in kinds else "finished")
-    if ender := next((kinds[k] for k in ("hang", "collective_error", "preempted", "fatal",
-                                         "warm_recovery_failed") if k in kinds), None):
-        return ender["event"].replace("_", " ")
+    enders = [e for e in events if e["event"] in ("hang", "collective_error", "preempted",
+                                                   "fatal", "warm_recovery_failed")]
+    if enders:  # the last of them
+        return enders[-1]["event"].replace("_", " ")
     if a.index == len(run.attempts) - 1:
         return "still running, or died without logging why"
     return "died without logging why (no hang or preemption recorded)"

@@ -143,3 +143,58 @@ def test_the_straggler_heatmap_shows_for_any_window_of_a_run_with_two_ranks(tmp_
     page = Path(write_report(str(tmp_path / "run"))).read_text(encoding="utf-8")
     assert 'alt="Stragglers"' in page and "No figure" not in page
     assert "<th>Stragglers</th><td>no straggler" in page
+
+
+def test_every_kind_of_failure_has_its_row(tmp_path):
+    """A failed GPU whose warm recovery fails, so the job restarts cold; then a store
+    outage, a hang whose ranks are evicted, a desync and a fatal error: each is a row of
+    its own, the cold restart names the failed GPU as its detection, and the ranks' own
+    reports of the failure are told by it, not listed."""
+    log = Log()
+    log.attempt(0, "node-a")
+    log.train(1, 20)
+    log.t += 1
+    log.emit("health", rank=3, check="ecc_volatile", severity="fatal", gpu=3, host="node-b",
+             message="uncorrectable ECC errors")
+    log.emit("stop_vote", rank=3, step=20, at=log.t + 0.1)
+    for rank in (0, 1, 2):
+        log.emit("failure", rank=rank, step=20, path="warm", cause="peer", at=log.t + 0.5,
+                 error="RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+                       "Read error: Connection reset by peer. This is typically caused by ...")
+    log.emit("warm_recovery_failed", step=20, at=log.t + 1.0,
+             reason="ColdPath: no spare waits and the survivors cannot hold rank 3's shards")
+    log.t += 5
+    log.attempt(1, "node-a", resume=20)
+    log.train(21, 40)
+    log.emit("recovery", total_s=12.0, silent_ranks=[], marks={}, parts_s={})
+    log.emit("fence_unreachable", rank=1, what="save", mine="r1/g0", timeout_s=10.0,
+             error="TimeoutError: timed out")
+    log.emit("warm_path_off", rank=None, host="node-c", reason="no rendezvous store outside "
+                                                               "the workers")
+    log.t += 3
+    log.emit("hang", id="hang-2", reason="rank 2 made no progress for 60 s", verdict="rank 2 "
+             "is stuck in backward", culprits=[2], report="r.md", detected_after_s=60)
+    log.emit("evicted", id="hang-2", ranks=[2], unreachable={})
+    log.emit("collective_error", id="collective_error-3", reason="desync: ranks called "
+             "different collectives", culprits=[1], detected_after_s=2)
+    log.emit("fatal", host="node-a", step=40, error="TrainingDiverged: loss is NaN")
+    log.write(str(tmp_path / "run"))
+    page = Path(write_report(str(tmp_path / "run"))).read_text(encoding="utf-8")
+    incidents = section(page, "incidents")
+    assert "<td>failure</td>" not in incidents  # told by the cold restart
+    assert "FATAL ecc_volatile on node-b GPU 3: uncorrectable ECC errors" in row(incidents,
+                                                                                  "health")
+    assert "voted to stop at step 20" in row(incidents, "stop vote")
+    failed = row(incidents, "warm recovery failed")
+    assert "<td>warm → cold</td>" in failed and "no spare waits" in failed
+    cold = row(incidents, "cold restart")
+    assert "<td>cold</td><td>12.00 s</td><td>0</td>" in cold
+    assert "detected: a failed health check: FATAL ecc_volatile on node-b GPU 3" in cold
+    assert "(and 4 more reports)" in cold  # the vote and the three survivors' failures
+    assert "store fault: the rendezvous store did not answer (save)" in row(
+        incidents, "fence unreachable")
+    assert "warm recovery is off on node-c" in row(incidents, "warm path off")
+    assert "evicted rank(s) 2 after hang-2" in row(incidents, "evicted")
+    assert "<td>1</td>" in row(incidents, "collective error")
+    assert "TrainingDiverged: loss is NaN" in row(incidents, "fatal")
+    assert "<td>fatal</td>" in section(page, "attempts")
