@@ -164,7 +164,11 @@ def _cold_stories(run: Run, told: set[int]) -> list[Incident]:
             continue  # the run was extended: no failure came before this start
         record = next((e for e in now if e["event"] == "recovery"), None)
         marks = (record or {}).get("marks") or {}
-        since = marks.get("last_progress") or run.attempts[a.index - 1].start
+        # the failure came after the previous attempt's last warm change, if it had one
+        since = marks.get("last_progress") or max(
+            [run.attempts[a.index - 1].start] + [(e.get("marks") or {}).get("first_step", e["ts"])
+                                                 for e in run.warm_changes
+                                                 if run.attempt_of(e["ts"]) == a.index - 1])
         signs = _signs(run, since, a.record.get("process_start") or a.start, told)
         lost = (record or {}).get("silent_ranks") or []
         gone = _who(run, lost, a.start)
