@@ -51,6 +51,7 @@ bench: $(BIN)/llmtrain
 	$(BIN)/python benchmarks/recovery.py
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/data_prepare.py
+	$(BIN)/python benchmarks/api_overhead.py
 
 # docs/config.md from the Config dataclasses, then the site (site/), as the tests check it
 docs: $(BIN)/llmtrain
