@@ -14,19 +14,25 @@ per-kind table says which path each kind took. With ``--spares 0`` no spare wait
 lost node's job shrinks, and grows back when the node returns ``--repair-s`` after its
 fault.
 
-Prints the table, then one JSON line of the figures.
+Prints the table, then one JSON line of the figures, and exits 1 unless the run passed
+(``llmtrain.chaos.summary.passed``). A kind the run could not inject (``partition`` and
+``lossy_link`` without network namespaces) is listed under ``not_run`` and counted nowhere;
+under ``CI=true`` it fails the run. Stopped (Ctrl-C, SIGTERM), the soak ends its nodes,
+unmounts its checkpoint filesystem and removes its namespaces before it exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from llmtrain.chaos import runner as chaos
 
 
-def main() -> None:
+def main() -> int:
+    """Runs the soak; 0 if it passed, else 1."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--interval", type=float, default=60.0, help="mean seconds between faults")
@@ -63,8 +69,11 @@ def main() -> None:
                                       if result.get("ettr_predicted") else None)
     figures["badput_s"] = {k: round(v, 1) for k, v in result.get("badput_s", {}).items()}
     figures["minutes"] = round((time.time() - start) / 60, 1)
+    figures["not_run"] = result["not_run"]
+    figures["passed"] = chaos.passed(result)
     print(json.dumps(figures))
+    return 0 if figures["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

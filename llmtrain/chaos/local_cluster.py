@@ -9,37 +9,29 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from llmtrain.chaos.netns import Network
+from llmtrain.chaos.processes import kill_marked, kill_tree, stop
 from llmtrain.distributed.process_group import free_port
 from llmtrain.distributed.signed_store import SECRET_ENV, new_secret
-from llmtrain.launch.node import child_pids
 
-
-def descendants(pid: int) -> list[int]:
-    children = child_pids(pid)
-    return children + [d for c in children for d in descendants(c)]
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILLs ``pid`` and everything under it. torchrun and torchx start workers in
-    sessions of their own, so the tree is walked: killing the group would miss them."""
-    for p in descendants(pid) + [pid]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+# in the environment of every process a cluster starts (and so of all they start): what
+# ``close`` sweeps for, whatever became of the tree that started it
+MARKER_ENV = "LLMTRAIN_LOCAL_CLUSTER"
 
 
 class LocalCluster:
+    """A rendezvous store and a node launcher per name, on this machine; ``close`` ends
+    every process any of them started."""
+
     def __init__(self, workdir: Path, run_dir: Path, nnodes: str, train_args: tuple[str, ...],
                  *, max_restarts: int = 3, env: dict | None = None,
                  network: Network | None = None):
@@ -48,8 +40,9 @@ class LocalCluster:
         self.network = network
         self.address = network.hub_address if network else "127.0.0.1"  # the store's
         self.port = free_port()
+        self.marker = uuid.uuid4().hex
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    **(env or {})}
+                    **(env or {}), MARKER_ENV: self.marker}
         # the job's secret, as a scheduler's job script gives it to every node
         self.env.setdefault(SECRET_ENV, new_secret())
         if network:  # gloo's sockets on the node's own link, not its loopback
@@ -122,9 +115,11 @@ class LocalCluster:
         return (self.workdir / f"{name}.log").read_text()[-4000:]
 
     def close(self) -> None:
+        """Ends every node (launcher, agent, workers), whatever any of them started that
+        outlived it (a worker whose launcher died first), and the store."""
         for name, proc in self.nodes.items():
             if proc.poll() is None:
                 self.kill(name)
-                proc.wait()
-        self.store.terminate()
-        self.store.wait()
+            proc.wait()
+        stop(self.store)
+        kill_marked(MARKER_ENV, self.marker)

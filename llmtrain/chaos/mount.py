@@ -131,7 +131,11 @@ class FaultMount:
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)
-        wait_mounted(self.mount, self.proc, self.log_file)
+        try:
+            wait_mounted(self.mount, self.proc, self.log_file)
+        except BaseException:  # not mounted in time, or interrupted: no filesystem left
+            self.stop()
+            raise
         return self
 
     def set_rules(self, rules: list[dict]) -> None:

@@ -72,6 +72,13 @@ class Network:
         self.hub_address = f"{self.cfg.subnet}.254"
         self.nodes: dict[str, int] = {}
         _ip("netns", "add", self.hub)
+        try:
+            self._bridge()
+        except BaseException:  # no namespace left behind
+            self.close()
+            raise
+
+    def _bridge(self) -> None:
         _ip("-n", self.hub, "link", "set", "lo", "up")
         # A bridge takes the lowest address of its ports unless given one: each node
         # joining with a lower one moved the hub's address, and the other nodes, whose ARP
@@ -88,6 +95,7 @@ class Network:
             i = len(self.nodes) + 1
             ns = self._ns(name)
             _ip("netns", "add", ns)
+            self.nodes[name] = i  # made: ``close`` removes it, whatever follows
             _ip("-n", ns, "link", "set", "lo", "up")
             # both ends are made inside namespaces: the machine's own never sees them
             _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"v{i}",
@@ -96,7 +104,6 @@ class Network:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", self.hub, "link", "set", f"v{i}", "master", "br0")
             _ip("-n", self.hub, "link", "set", f"v{i}", "up")
-            self.nodes[name] = i
         self._write_hosts()
         return self.address(name)
 
@@ -175,6 +182,7 @@ class Network:
                         "eth0", "root"], capture_output=True)
 
     def close(self) -> None:
+        """Removes every namespace this network made (the nodes' and the hub's)."""
         for name in self.nodes:
             subprocess.run(["ip", "netns", "del", self._ns(name)], capture_output=True)
         subprocess.run(["ip", "netns", "del", self.hub], capture_output=True)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from llmtrain.chaos.mount import MOUNT_TIMEOUT, fuse_problem, unmount, wait_mounted
+from llmtrain.chaos.processes import stop
 from llmtrain.distributed.process_group import free_port
 
 PSEUDO = "/export"
@@ -51,19 +52,6 @@ def nfs_problem() -> str | None:
     except (ImportError, OSError) as e:
         return f"the FUSE NFS client cannot load ({e}): pip install -e '.[dev]'"
     return None
-
-
-def _stop(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    for stop, wait in ((proc.terminate, 5.0), (proc.kill, 5.0)):
-        if proc.poll() is None:
-            stop()
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 class NfsMount:
@@ -128,7 +116,7 @@ class NfsMount:
         if self.client is not None:
             unmount(self.mount, self.client)
             self.client = None
-        _stop(self.server)
+        stop(self.server)
         self.server = None
 
     def __enter__(self) -> "NfsMount":

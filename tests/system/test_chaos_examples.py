@@ -19,8 +19,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-from llmtrain.chaos.runner import (FAULT_KINDS, KINDS, Chaos, ChaosConfig, script_kinds,
-                                   trainer_only_kinds)
+from llmtrain.chaos.kinds import FAULT_KINDS, KINDS, script_kinds, trainer_only_kinds
+from llmtrain.chaos.runner import Chaos, ChaosConfig
 from llmtrain.config import ConfigError
 from llmtrain.events import read_events
 
@@ -63,6 +63,7 @@ def test_an_example_recovers_warm_from_each_fault(tmp_path, faultfs, example, sp
     # none of the four needs a link of its own: none may be left out, anywhere
     assert sorted(verdict["kinds"]) == sorted(WARM_KINDS), table
     assert not set(WARM_KINDS) & set(verdict["left_out"]) and verdict["no_room"] == [], table
+    assert verdict["not_run"] == {}, table
     for v in verdict["verdicts"]:
         assert v["detected"] and v["correct"], (v, table)
         assert v["recover_s"] is not None, (v, table)

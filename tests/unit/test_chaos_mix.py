@@ -1,9 +1,11 @@
-"""Fleet failure mixes for chaos (llmtrain/chaos/runner.py): the shipped Llama 3 mix,
+"""Fleet failure mixes for chaos (llmtrain/chaos/mix.py, summary.py): the shipped Llama 3 mix,
 refusals that name the bad entry, and the weighted rates of the verdict table."""
 
 import pytest
 
-from llmtrain.chaos.runner import KINDS, load_mix, weighted
+from llmtrain.chaos.kinds import KINDS
+from llmtrain.chaos.mix import load_mix
+from llmtrain.chaos.summary import weighted
 from llmtrain.config import ConfigError
 
 

@@ -1,6 +1,6 @@
 """The fault-free reference chaos compares against skips what the job skipped for good."""
 
-from llmtrain.chaos.runner import skipped_at_last
+from llmtrain.chaos.timeline import skipped_at_last
 
 
 def ev(ts: float, event: str, **fields) -> dict:

@@ -8,7 +8,7 @@ import fsspec
 import pytest
 from matplotlib.image import imread
 
-from llmtrain.chaos.runner import measured_ettr
+from llmtrain.chaos.timeline import measured_ettr
 from llmtrain.events import read_events
 from llmtrain.metrics.goodput import account
 from llmtrain.report.html import Run, write_report

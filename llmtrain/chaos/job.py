@@ -1,0 +1,211 @@
+"""The running chaos job as the fault kinds see it: its event log (what it is doing, and
+waiting for what it must do), its ranks and nodes, the verdicts so far, and the hands a
+kind needs to judge a recovery and bring a lost node back as a spare."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmtrain.chaos import logs
+from llmtrain.chaos.local_cluster import LocalCluster
+from llmtrain.chaos.mount import FaultMount
+from llmtrain.chaos.netns import Network
+from llmtrain.chaos.scripted_gpu import write_gpu_script
+from llmtrain.chaos.settings import ChaosConfig
+from llmtrain.chaos.timeline import sizes
+from llmtrain.chaos.verdict import WENT_ON, Verdict, recovery_path
+from llmtrain.events import read_events
+
+
+class Job:
+    """One chaos run's job: ``cluster`` (its nodes and store), ``mount`` (its checkpoint
+    filesystem), ``network`` (the nodes' namespaces, or None on loopback), ``spares``
+    (the spare pool's store namespace), and the verdicts of the faults injected so far."""
+
+    def __init__(self, cfg: ChaosConfig, workdir: Path, names: list[str], spare_nodes: int,
+                 cluster: LocalCluster, mount: FaultMount, network: Network | None,
+                 faults_file: Path, rng: random.Random):
+        self.cfg, self.dir, self.names, self.spare_nodes = cfg, workdir, names, spare_nodes
+        self.rng = rng  # the run's: its schedule's draws and the ranks' picks, one sequence
+        self.cluster, self.mount, self.network = cluster, mount, network
+        self.run = workdir / "run"
+        self.faults_file = faults_file  # run-time faults (``reliability.faults``)
+        self.spares: Any = None  # the spare pool's store namespace, once the job runs
+        self.verdicts: list[Verdict] = []
+        self.log_marks: list[dict[str, int]] = []  # each verdict's: the nodes' log sizes
+        # verdicts judged again at the end (what a fault caused may come late), by index
+        self.rejudge: dict[int, Callable[[], None]] = {}
+        self.truncated: set[int] = set()  # committed steps chaos broke on purpose
+        self.started_at: dict[str, float] = {}  # node -> when chaos last started it
+
+    # -- its event log ------------------------------------------------------------------
+
+    def events(self, kind: str | None = None, since: float = 0.0) -> list[dict]:
+        """The job's events (of ``kind``) since ``since``."""
+        try:
+            return [e for e in read_events(str(self.run), kind) if e["ts"] >= since]
+        except FileNotFoundError:
+            return []
+
+    def latest(self, kind: str, since: float = 0.0) -> dict | None:
+        """The last event of ``kind`` since ``since``."""
+        found = self.events(kind, since)
+        return found[-1] if found else None
+
+    def latest_before(self, kind: str, since: float, until: float) -> dict | None:
+        """The last event of ``kind`` between ``since`` and ``until``."""
+        found = [e for e in self.events(kind, since) if e["ts"] < until]
+        return found[-1] if found else None
+
+    def wait(self, probe: Callable[[], Any], what: str, timeout: float) -> Any:
+        """``probe()``'s first true value, polled; a TimeoutError naming ``what`` if none
+        comes within ``timeout`` seconds."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            value = probe()
+            if value:
+                return value
+            time.sleep(0.2)
+        raise TimeoutError(f"chaos: no {what} within {timeout:.0f} s; see {self.dir}/*.log")
+
+    def ended(self, since: float) -> dict | None:
+        """The job's end at its last step, since ``since``."""
+        return next((e for e in self.events("run_end", since)
+                     if e["steps"] == self.cfg.steps), None)
+
+    # -- its ranks and nodes --------------------------------------------------------------
+
+    def world(self) -> tuple[float, int]:
+        """Since when the job has had its present size, and that size."""
+        return max(sizes(self.events()), default=(0.0, 0))
+
+    def ranks(self) -> dict[int, dict]:
+        """The ranks of the job as it is: rank -> its startup event (pid, host)."""
+        since, size = self.world()
+        return {e["rank"]: e for e in self.events("startup", since) if e["rank"] < size}
+
+    def hosts(self) -> set[str]:
+        """The nodes this attempt's ranks run on."""
+        return {e["host"] for e in self.ranks().values()}
+
+    def step(self) -> int:
+        """The last step the job logged."""
+        last = self.latest("step")
+        return last["step"] if last else 0
+
+    def pick_rank(self) -> tuple[int, dict]:
+        """The rank a fault hits (``cfg.rank``, or a random one), and its startup event."""
+        ranks = self.ranks()
+        rank = (self.cfg.rank if self.cfg.rank is not None
+                else self.rng.choice(sorted(ranks)))
+        return rank, ranks[rank]
+
+    def start(self, name: str, spare: bool = True) -> None:
+        """Starts node ``name`` (``spare``: on standby) with its scripted GPU."""
+        # a node, or a warm spare, says it launched (``node_launch``, or ``warm_path_off``
+        # before it waits cold); a cold spare says nothing until it is needed
+        if not spare or self.cfg.warm:
+            self.started_at[name] = time.time()
+        else:
+            self.started_at.pop(name, None)
+        self.cluster.start(name, env={"LLMTRAIN_NVML_SCRIPT": str(self.gpu_script(name))},
+                           spare=spare)
+
+    def gpu_script(self, name: str) -> Path:
+        """Node ``name``'s scripted GPU state (its NVML stand-in's script)."""
+        return self.dir / "nvml" / f"{name}.json"
+
+    def set_gpu(self, name: str, healthy: bool) -> None:
+        """Node ``name``'s GPU turns healthy, or reports uncorrectable ECC errors."""
+        write_gpu_script(self.gpu_script(name), healthy)
+
+    def end_node(self, name: str) -> None:
+        """Node ``name`` ends whole (launcher, agent, workers), if it has not."""
+        if self.cluster.nodes[name].poll() is None:
+            self.cluster.kill(name)
+        self.cluster.nodes[name].wait()
+
+    # -- the verdicts ---------------------------------------------------------------------
+
+    def verdict(self, kind: str, target: str, at_step: int | None = None) -> Verdict:
+        """A new fault's verdict, injected now (at the job's last step, or ``at_step``)."""
+        v = Verdict(kind, target, self.step() if at_step is None else at_step, time.time())
+        self.verdicts.append(v)
+        self.log_marks.append(self.log_sizes())
+        return v
+
+    def index(self, v: Verdict) -> int:
+        """``v``'s place among the verdicts."""
+        return next(i for i, x in enumerate(self.verdicts) if x is v)
+
+    def window(self, v: Verdict) -> tuple[float, dict[str, int], dict[str, int] | None]:
+        """What belongs to fault ``v``: from its injection to the next fault's (or the
+        end): that time, and the nodes' log marks at both ends (None: to the end)."""
+        i = self.index(v)
+        if i + 1 < len(self.verdicts):
+            return self.verdicts[i + 1].injected_at, self.log_marks[i], self.log_marks[i + 1]
+        return float("inf"), self.log_marks[i], None
+
+    def log_sizes(self) -> dict[str, int]:
+        """How far each node's log has been written."""
+        return logs.log_sizes(self.dir, self.names)
+
+    def tracebacks(self, since: dict[str, int], until: dict[str, int] | None) -> list[str]:
+        """The tracebacks in the nodes' logs between two marks of :meth:`log_sizes`."""
+        return logs.tracebacks(self.dir, self.names, since, until)
+
+    # -- recoveries -----------------------------------------------------------------------
+
+    def recovered(self, v: Verdict, since: float, node: str | None = None,
+                  timeout: float = 240) -> dict:
+        """Waits for the first step after the recovery, warm or cold; fills in its path,
+        time and steps lost. ``node``: the one that held the lost rank; if it lives on
+        without its worker after a warm recovery, it is started again as the next spare."""
+        rec = self.wait(lambda: self.latest("warm_recovery", since)
+                        or self.latest("recovery", since), "recovery", timeout)
+        v.path = recovery_path(rec)
+        if v.action.startswith("flight-recorder report"):  # a watchdog's verdict
+            v.action += "; " + WENT_ON.get(v.path, "restart from the last checkpoint")
+        v.recover_s = rec["marks"]["first_step"] - v.injected_at
+        if v.path != "cold":
+            v.restored = rec["step"]
+            if node is not None:  # its agent has no worker left: back as a spare
+                self.end_node(node)
+                self.back(v, node)
+        else:
+            loaded = self.latest("checkpoint_loaded", since)
+            v.restored = loaded["step"] if loaded else 0
+        # a save at the stop (gpu_bad) can be past the step the fault was injected at
+        v.steps_lost = max(0, v.at_step - v.restored)
+        return rec
+
+    def back(self, v: Verdict, node: str) -> None:
+        """``node``, which left the job, comes back repaired as a spare: at once while
+        spares wait for the job; with none, ``repair_s`` after its fault, and a job that
+        runs without it takes it in (a warm grow, or a restart): the verdict says which,
+        and the time it cost the others."""
+        if self.spare_nodes:
+            self.start(node)
+            return
+        time.sleep(max(0.0, v.injected_at + self.cfg.repair_s - time.time()))
+        since = time.time()
+        self.start(node)
+        if self.world()[1] == self.cfg.nodes:
+            return
+        back = self.wait(lambda: self.latest("warm_grow", since)
+                         or self.latest("recovery", since) or self.ended(since),
+                         f"the job to take {node} back", 180)
+        if back["event"] == "run_end":  # it reached its last step first: nothing to grow
+            return
+        v.returned = "grow" if back["event"] == "warm_grow" else "cold"
+        v.return_s = (back["total_s"] if v.returned == "grow" else
+                      back["marks"]["first_step"] - since)
+
+    @staticmethod
+    def lost_ranks(rec: dict) -> list[int] | None:
+        """The ranks a recovery says died: lost (warm) or silent (cold)."""
+        return rec.get("lost", rec.get("silent_ranks"))

@@ -1,0 +1,32 @@
+"""node_loss: a whole node (launcher, agent, workers) dies; a spare takes over (or, with
+none, the others go on without it). Right if the world re-forms without it, at full size
+(one short without spares); the node, repaired, comes back as a spare."""
+
+from __future__ import annotations
+
+import contextlib
+
+from llmtrain.chaos.job import Job
+from llmtrain.chaos.kinds.registry import fault_kind
+from llmtrain.chaos.verdict import WENT_ON, Verdict
+
+
+@fault_kind("node_loss")
+def node_loss(job: Job) -> Verdict:
+    """Kills a rank's node whole; judges the world re-formed without it."""
+    _, info = job.pick_rank()
+    node = info["host"]
+    v = job.verdict("node_loss", node)
+    job.cluster.kill(node)
+    seen = job.wait(lambda: job.latest("failure", v.injected_at), "failure", 120)
+    v.seen(seen["ts"])
+    job.recovered(v, v.injected_at)
+    # the spare's startup event follows its first step (not seen in time: judged below)
+    with contextlib.suppress(TimeoutError):
+        job.wait(lambda: node not in job.hosts(), f"a world without {node}", 60)
+    hosts = job.hosts()
+    v.diagnosis = f"world re-formed on {sorted(hosts)}"
+    v.correct = node not in hosts and len(hosts) == job.cfg.nodes - (not job.spare_nodes)
+    v.action = WENT_ON.get(v.path, "restart from the last checkpoint")
+    job.back(v, node)  # repaired
+    return v

@@ -1,0 +1,57 @@
+"""What a chaos job's event log says about the run as a whole: when it changed size, how
+long it ran short, which steps it skipped for good, and its measured ETTR against the
+Young/Daly model's."""
+
+from __future__ import annotations
+
+from llmtrain.metrics import goodput
+
+
+def sizes(events: list[dict]) -> list[tuple[float, int]]:
+    """When the job changed size, and to what, in order: each attempt's start, and each
+    shrink or grow (when agreed: every rank's trainer is built anew after it)."""
+    changes = [(e["ts"], e["world_size"]) for e in events if e["event"] == "attempt_start"]
+    changes += [(e["marks"]["agreed"], e["world_size"]) for e in events
+                if e["event"] in ("warm_recovery", "warm_grow") and e["kind"] != "spare"]
+    return sorted(changes)
+
+
+def time_below(events: list[dict], full: int) -> float:
+    """Seconds the job ran at fewer than ``full`` ranks (from a shrink, or a restart
+    without a node, to the next change of size, or the end)."""
+    changes = sizes(events)
+    ends = [t for t, _ in changes[1:]] + [max((e["ts"] for e in events), default=0.0)]
+    return sum(max(0.0, end - t) for (t, size), end in zip(changes, ends) if size < full)
+
+
+def measured_ettr(events: list[dict], recover_s: list[float], checkpoint_every: int) -> dict:
+    """The run's ETTR from its whole event log, the number ``llmtrain report`` states (the
+    trainer's last ``goodput`` event is taken before the ranks' shutdown and the launchers'
+    exit, and reads higher), against the Young/Daly model's for the save cost, the
+    recoveries' mean time (``recover_s``, one per fault that cost one) and the failure rate
+    measured."""
+    b = goodput.account(events)
+    step_times = sorted(e["step_time_s"] for e in events if e["event"] == "step")
+    if b.wall_s == 0 or not step_times:
+        return {}
+    mtbf = b.wall_s / max(1, len(recover_s))
+    restart_cost = sum(recover_s) / len(recover_s) if recover_s else 0.0
+    predicted = goodput.expected_ettr(b.save_cost_s or 0.0,
+                                      checkpoint_every * step_times[len(step_times) // 2],
+                                      mtbf, restart_cost)
+    return {"ettr": b.ettr, "ettr_predicted": predicted, "wall_s": b.wall_s,
+            "badput_s": b.badput_s, "mtbf_s": mtbf, "restart_cost_s": restart_cost}
+
+
+def skipped_at_last(events: list[dict]) -> list[int]:
+    """The steps whose update a job skipped the last time it ran them: a restore to an
+    earlier step (a warm recovery, a checkpoint, a rollback) replays a skipped step, and a
+    NaN that struck once does not come again, so the replay applies it."""
+    back = goodput.restores(events) + [(e["ts"], e["step"]) for e in events
+                                       if e["event"] == "checkpoint_loaded"]
+    last: dict[int, float] = {}
+    for e in events:
+        if e["event"] == "step_skipped":
+            last[e["step"]] = max(last.get(e["step"], 0.0), e["ts"])
+    return sorted(step for step, ts in last.items()
+                  if not any(t > ts and to < step for t, to in back))
