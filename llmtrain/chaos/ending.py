@@ -101,7 +101,7 @@ def compare(job: Job, train_args: tuple[str, ...], script: str, final_step: int)
     replicas (neither changes the weights): it is a quarter of a short soak's time."""
     import torch
 
-    from llmtrain.checkpoint.shards import load_unsharded
+    from llmtrain.checkpoint.shard_read import load_unsharded
     ref = job.dir / "reference"
     skips = ",".join(map(str, skipped_at_last(job.events())))
     # the job's LR schedule (llmtrain's trainer; a script's schedule is its own, and
