@@ -16,6 +16,7 @@ from llmtrain.chaos.processes import kill_tree
 from llmtrain.chaos.summary import weighted
 from llmtrain.chaos.timeline import measured_ettr, sizes, skipped_at_last, time_below
 from llmtrain.checkpoint import storage
+from llmtrain.distributed.signed_store import SignedStore
 
 
 def job_end(job: Job) -> dict | None:
@@ -34,7 +35,7 @@ def launchers_gone(job: Job) -> bool:
     return bool(hosts) and all(job.cluster.nodes[h].poll() is not None for h in hosts)
 
 
-def pool_state(spares) -> dict:
+def pool_state(spares: SignedStore) -> dict:
     """The spare pool's counters and each registered spare's slot, as the store has them."""
     with contextlib.suppress(Exception):
         registered = spares.add("spares/registered", 0)

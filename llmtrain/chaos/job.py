@@ -18,6 +18,7 @@ from llmtrain.chaos.scripted_gpu import write_gpu_script
 from llmtrain.chaos.settings import ChaosConfig
 from llmtrain.chaos.timeline import sizes
 from llmtrain.chaos.verdict import WENT_ON, Verdict, recovery_path
+from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import read_events
 
 
@@ -34,7 +35,7 @@ class Job:
         self.cluster, self.mount, self.network = cluster, mount, network
         self.run = workdir / "run"
         self.faults_file = faults_file  # run-time faults (``reliability.faults``)
-        self.spares: Any = None  # the spare pool's store namespace, once the job runs
+        self.spares: SignedStore | None = None  # the spare pool's namespace, once it runs
         self.verdicts: list[Verdict] = []
         self.log_marks: list[dict[str, int]] = []  # each verdict's: the nodes' log sizes
         # verdicts judged again at the end (what a fault caused may come late), by index

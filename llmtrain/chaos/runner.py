@@ -80,7 +80,8 @@ from llmtrain.chaos.scripted_gpu import write_gpu_script
 from llmtrain.chaos.settings import ChaosConfig
 from llmtrain.chaos.summary import not_run, passed, row, table
 from llmtrain.config import ConfigError
-from llmtrain.recovery.warm import job_namespace, spares_waiting
+from llmtrain.recovery.pool import spares_waiting
+from llmtrain.recovery.warm import job_namespace
 from llmtrain.stop_request import request_stop
 
 # what ``llmtrain chaos`` (llmtrain/cli.py) and benchmarks use of a chaos run
@@ -253,7 +254,7 @@ class Chaos:
         weights = [self.cfg.mix[k.name] for k in kinds] if self.cfg.mix else None
         schedule = self.rng.sample(kinds, len(kinds))
         last = self.cfg.steps - 3 * self.cfg.checkpoint_every
-        while schedule or self.cfg.repeat:
+        while kinds and (schedule or self.cfg.repeat):  # (none: every kind was left out)
             scheduled = bool(schedule)
             kind = schedule.pop(0) if schedule else self.rng.choices(kinds, weights)[0]
             self._settle(job, spare=not kind.keeps_ranks)

@@ -16,7 +16,8 @@ from llmtrain.chaos.job import Job
 from llmtrain.chaos.kinds.registry import fault_kind
 from llmtrain.chaos.kinds.store_verdict import AFTERMATH_S, judge_store_fault
 from llmtrain.chaos.verdict import Verdict
-from llmtrain.recovery.warm import job_namespace, spares_waiting
+from llmtrain.recovery.pool import spares_waiting
+from llmtrain.recovery.warm import job_namespace
 
 STORE_DOWN_S = 3.0  # a restarted store is back this long after its process died
 
