@@ -59,17 +59,8 @@ from llmtrain.recovery import pool
 from llmtrain.recovery.roll_call import count_in, mark_gone, owner, tally
 from llmtrain.recovery.sockets import cut
 
-# What llmtrain.launch.agent, llmtrain.launch.node and llmtrain.chaos.runner still import
-# from here, though it lives in the pool, the roll call, eviction and verdicts modules:
-# drop these once they import it from there.
-from llmtrain.recovery.eviction import EvictionWatch
-from llmtrain.recovery.pool import PoolPlace, assignment, leave_pool, spares_waiting
-from llmtrain.recovery.roll_call import mark_holder_gone
-from llmtrain.recovery.verdicts import Verdicts
-
 __all__ = ["ColdPath", "Plan", "WarmPath", "buddy_of", "ward_of", "outside_store",
-           "job_namespace", "owner", "EvictionWatch", "PoolPlace", "Verdicts", "assignment",
-           "leave_pool", "mark_holder_gone", "spares_waiting"]
+           "job_namespace"]
 
 log = logging.getLogger(__name__)
 
