@@ -140,7 +140,7 @@ def test_a_signed_value_is_bound_to_its_key_and_job(server):
     raw = stranger(server).get(f"{NAMESPACE}round/g0/failed")
     evil = stranger(server)
     evil.set(f"{NAMESPACE}round/g1/failed", raw)  # replayed into the next generation
-    evil.set(f"llmtrain/warm/other/round/g0/failed", raw)  # into another job
+    evil.set("llmtrain/warm/other/round/g0/failed", raw)  # into another job
     with pytest.raises(Forged):
         store.get("round/g1/failed")
     other = job_namespace(stranger(server), "other")

@@ -4,7 +4,6 @@ the same diagnoses as reading every rank, in a bounded size."""
 import json
 import time
 
-import torch.distributed as dist
 
 from llmtrain.reliability.heartbeats import (LISTED, ControlPlane, awaited, desync_in,
                                              not_arrived, positions, verdict)

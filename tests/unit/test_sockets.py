@@ -8,7 +8,6 @@ import subprocess
 import threading
 import time
 
-import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
 from llmtrain.recovery import sockets

@@ -1,7 +1,6 @@
 import json
 import time
 
-import torch.distributed as dist
 
 from llmtrain.config import ReliabilityConfig
 from llmtrain.reliability.watchdog import Watchdog
