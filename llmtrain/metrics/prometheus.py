@@ -149,6 +149,9 @@ class Exporter:
             # Series appear on first use: a rank that never knows a value (only rank 0
             # has the job's loss) exports nothing rather than a misleading 0.
             self.m[name] = cls(name, doc, LABELS + extra, registry=self.registry, **kwargs)
+        # what every step sets, its series looked up at the first (a lookup takes the
+        # metric's lock; made earlier, a heartbeat at 0 would read as long stale)
+        self._each_step: list | None = None
         self.server = None
         self.port: int | None = None
         self.target_url: str | None = None
@@ -232,10 +235,15 @@ class Exporter:
 
     def step_done(self, step: int, seconds: float) -> None:
         now = time.time()
-        self.set("llmtrain_step", step)
-        self.set("llmtrain_last_step_timestamp_seconds", now)
-        self.set("llmtrain_heartbeat_timestamp_seconds", now)
-        self.series("llmtrain_step_seconds").observe(seconds)
+        if self._each_step is None:
+            self._each_step = [self.series(name) for name in (
+                "llmtrain_step", "llmtrain_last_step_timestamp_seconds",
+                "llmtrain_heartbeat_timestamp_seconds", "llmtrain_step_seconds")]
+        last_step, ended, heartbeat, step_seconds = self._each_step
+        last_step.set(step)
+        ended.set(now)
+        heartbeat.set(now)
+        step_seconds.observe(seconds)
 
     def stragglers(self, slowdowns: dict[int, float]) -> None:
         """The watchdog's slowest ranks (and, at the median, those that were)."""
