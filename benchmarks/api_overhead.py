@@ -75,8 +75,6 @@ def plain_step(parts, loader, device) -> None:
 
 
 def worker() -> None:
-    import torch
-
     import llmtrain
     sys.path.insert(0, str(ROOT / "examples"))
     import hf_causal_lm as example
@@ -97,8 +95,7 @@ def worker() -> None:
                     tokens = run.parts.state["data"].next().to(run.device)
                     loss = model(input_ids=tokens, labels=tokens).loss
                     loss.backward()
-                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    run.optimizer_step(loss, norm)
+                    run.optimizer_step(loss, max_norm=1.0)
                     run.parts.state["schedule"].step()
                     optimizer.zero_grad()
                 loss.item()

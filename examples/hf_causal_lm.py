@@ -84,8 +84,7 @@ def main() -> int:
                 tokens = run.parts.state["data"].next().to(run.device)
                 loss = model(input_ids=tokens, labels=tokens).loss
                 loss.backward()
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                run.optimizer_step(loss, norm)  # instead of optimizer.step()
+                run.optimizer_step(loss, max_norm=1.0)  # instead of clipping and optimizer.step()
                 run.parts.state["schedule"].step()
                 optimizer.zero_grad()
     return run.exit_code

@@ -65,7 +65,7 @@ from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import require_writable
 from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.metrics.reporting import Reporter, RunInfo, memory_gb
-from llmtrain.optim import clip_gradients
+from llmtrain.optim import clip_to, global_norm, square_norm_share
 from llmtrain.placement import SPARE_ENV, place, refuse_if_excluded, spare_assignment, stop_agent
 from llmtrain.recovery.coordinator import warm_recovery, was_reported
 from llmtrain.recovery.fence import Fence
@@ -464,22 +464,43 @@ class Session:
         rank whose arithmetic is wrong disagrees with both neighbours."""
         self.guard.compare_recompute(self._step + 1, own, peer)
 
-    def optimizer_step(self, loss: torch.Tensor,
-                       grad_norm: torch.Tensor | None = None) -> None:
+    def optimizer_step(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None, *,
+                       max_norm: float = 0.0) -> None:
         """Judges the step (its loss and global gradient norm: non-finite, or a spike)
         and applies the optimizer's step unless it is bad, once a save's copy of the
-        state is done. ``loss``: this rank's mean loss of the step; ``grad_norm``: the
-        global gradient norm if the loop computed it (clipping), else computed here when
-        integrity is on. No host sync with a fused AdamW or SGD; one with any other
-        optimizer (see ``llmtrain.reliability.integrity.optimizer_step``)."""
+        state is done. No host sync with a fused AdamW or SGD; one with any other
+        optimizer (see ``llmtrain.reliability.integrity.optimizer_step``).
+
+        Args:
+            loss: this rank's mean loss of the step.
+            grad_norm: the global gradient norm, if the loop computed it (its own
+                ``clip_grad_norm_``); else llmtrain computes it, in the same collective
+                as the verdict's exchange of losses (one collective fewer).
+            max_norm: clips the gradients to this global norm first (0: no clipping),
+                with the norm llmtrain computes: the loop then calls no
+                ``clip_grad_norm_`` of its own.
+
+        Raises:
+            ValueError: both ``grad_norm`` and ``max_norm`` given (clip in one place).
+        """
         step = self._step + 1
-        if grad_norm is None and self.settings.integrity.enable:
-            grad_norm = clip_gradients(self.parts.model, 0.0, need_norm=True)
-        elif isinstance(grad_norm, DTensor):  # clip_grad_norm_'s over FSDP2's shards
+        if grad_norm is not None and max_norm:
+            raise ValueError("optimizer_step: give grad_norm (the loop clipped) or max_norm "
+                             "(llmtrain clips), not both")
+        if isinstance(grad_norm, DTensor):  # clip_grad_norm_'s over FSDP2's shards
             grad_norm = grad_norm.full_tensor()
-        self._loss, self._grad_norm = loss.detach(), grad_norm
+        share = (square_norm_share(self.parts.model, self.device) if grad_norm is None
+                 and (max_norm or self.settings.integrity.enable) else None)
+        self._loss = loss.detach()
         self.watchdog.beat(step, "optimizer")
-        verdict = self.integrity.judge(step, self._loss, grad_norm)
+        verdict = None
+        if self.settings.integrity.enable:
+            verdict, grad_norm = self.integrity.judge(step, self._loss, grad_norm, share)
+        elif share is not None:
+            grad_norm = global_norm(share)
+        if max_norm:
+            clip_to(self.parts.model, max_norm, grad_norm)
+        self._grad_norm = grad_norm
         self._wait_staged(step)
         optimizer_step(self.parts.optimizer, verdict)
 

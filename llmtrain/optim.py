@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from llmtrain.config import OptimConfig
+from llmtrain.state_registry import local_shard
 
 
 def build_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
@@ -34,15 +36,44 @@ def lr_schedule(optimizer: torch.optim.Optimizer, o: OptimConfig,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float,
-                   need_norm: bool) -> torch.Tensor | None:
-    """The global gradient norm (when clipping, or ``need_norm``), clipped to ``max_norm``."""
-    if not (max_norm or need_norm):
-        return None
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # sums the shards' partial norms across ranks
-    if max_norm:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
-    return norm
+def square_norm_share(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm, a float32 scalar: the
+    squares of the gradient shards it holds, each divided by the number of ranks that
+    hold the same shard (a DTensor's replicated mesh dimensions, as HSDP's replicas; a
+    plain tensor: every rank), so that one all-reduce of the shares, with whatever else
+    it carries, gives the squared norm of the whole model's gradient. No communication
+    here, and no DTensor dispatch (``clip_grad_norm_`` reduces over FSDP2's shards with a
+    collective of its own)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        grad, copies = p.grad, world
+        if isinstance(grad, DTensor):
+            copies = math.prod(grad.device_mesh.size(dim) for dim, placement
+                               in enumerate(grad.placements) if placement.is_replicate())
+            grad = local_shard(grad)
+        by_copies.setdefault(copies, []).append(grad)
+    share = torch.zeros((), dtype=torch.float32, device=device)
+    for copies, grads in by_copies.items():
+        norms = torch._foreach_norm(grads)
+        share += torch.stack(norms).float().square().sum() / copies
+    return share
+
+
+def global_norm(share: torch.Tensor) -> torch.Tensor:
+    """The global gradient norm from each rank's :func:`square_norm_share` (one
+    all-reduce)."""
+    total = share.clone()
+    dist.all_reduce(total)
+    return total.sqrt()
+
+
+def clip_to(model: torch.nn.Module, max_norm: float, norm: torch.Tensor) -> None:
+    """Scales the gradients down so that their global ``norm`` is at most ``max_norm``,
+    as ``clip_grads_with_norm_`` does, on each rank's own shards (no dispatch)."""
+    grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
+    if grads:
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].device))

@@ -16,7 +16,6 @@ from llmtrain.data.sampler import training_batches
 from llmtrain.distributed.compile_cache import compile_cache_for
 from llmtrain.distributed.parallelize import precompute_fp8_scales
 from llmtrain.model import count_params, flops_per_token
-from llmtrain.optim import clip_gradients
 
 __all__ = ["Summary", "Trainer", "run_info"]
 
@@ -130,10 +129,9 @@ class Trainer:
             loss_sum += loss.detach()
             if i == 0 and session.recompute_due():
                 self.recompute(step, own=loss.detach())
-        grad_norm = clip_gradients(self.model, self.cfg.optim.max_grad_norm,
-                                   need_norm=self.cfg.integrity.enable)
         loss = loss_sum / len(micro_batches)
-        session.optimizer_step(loss, grad_norm)
+        # clipped to the global norm llmtrain computes with the verdict: one collective
+        session.optimizer_step(loss, max_norm=self.cfg.optim.max_grad_norm)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss

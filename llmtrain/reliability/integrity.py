@@ -218,15 +218,20 @@ class Integrity:
 
     # -- every step, on the device --------------------------------------------------
 
-    def judge(self, step: int, local_loss: torch.Tensor,
-              grad_norm: torch.Tensor | None) -> torch.Tensor | None:
-        """The step's verdict for :func:`optimizer_step` (1.0: do not apply), or None
-        when integrity is off. Costs one all-reduce of ``world_size`` floats."""
-        if not self.cfg.enable:
-            return None
-        losses = torch.zeros(self.world, device=self.device)
+    def judge(self, step: int, local_loss: torch.Tensor, grad_norm: torch.Tensor | None,
+              norm_share: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's verdict for :func:`optimizer_step` (1.0: do not apply) and its global
+        gradient norm: ``grad_norm`` as given, or, from each rank's ``norm_share``
+        (:func:`llmtrain.optim.square_norm_share`), summed in the same exchange as the
+        losses. Costs one all-reduce of ``world_size + 1`` floats; integrity must be on."""
+        losses = torch.zeros(self.world + 1, device=self.device)
         losses[self.rank] = local_loss.detach().float()
+        if norm_share is not None:
+            losses[self.world] = norm_share
         dist.all_reduce(losses)
+        if norm_share is not None:
+            grad_norm = losses[self.world].sqrt()
+        losses = losses[:self.world]
         loss = losses.mean()
         norm = (grad_norm.detach().float() if grad_norm is not None
                 else torch.zeros((), device=self.device))
@@ -237,7 +242,7 @@ class Integrity:
         self.history[self.judged % self.cfg.spike_window] = torch.where(skip, math.nan, loss)
         self.judged += 1
         self.pending.append((step, torch.cat([torch.stack([code.float(), loss, norm]), losses])))
-        return skip.float()
+        return skip.float(), grad_norm
 
     def state_dict(self) -> dict:
         """Plain values: the window's losses (None for a skipped step's), the count of

@@ -27,7 +27,7 @@ def integrity(tmp_path):
 
 
 def judge(it: Integrity, step: int, loss: float, norm: float = 1.0) -> float:
-    return it.judge(step, torch.tensor(loss), torch.tensor(norm)).item()
+    return it.judge(step, torch.tensor(loss), torch.tensor(norm))[0].item()
 
 
 def test_a_loss_spike_is_judged_on_the_step_it_appears(integrity):
