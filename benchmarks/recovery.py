@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 
 from llmtrain.chaos.local_cluster import LocalCluster
-from llmtrain.chaos.runner import write_gpu_script
+from llmtrain.chaos.scripted_gpu import write_gpu_script
 from llmtrain.events import read_events
 from reaper import reaping
 

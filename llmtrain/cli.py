@@ -11,9 +11,7 @@ import importlib
 import json
 import logging
 import os
-import signal
 import socket
-import sys
 from typing import Callable, NamedTuple
 
 from llmtrain import collector
@@ -223,8 +221,6 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
     if unknown:
         raise ConfigError(f"--faults: unknown {sorted(unknown)}; choose from {chaos.KINDS}")
     chaos.kinds_named(cfg.faults, cfg.script)  # a kind a script's loop cannot meet: refused
-    # a stopped chaos run removes what it made (namespaces, mounts, nodes) on the way out
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = chaos.Chaos(cfg).execute()
     out = os.path.join(args.workdir, "verdict.json")
     with open(out, "w") as f:
@@ -314,8 +310,8 @@ def _chaos_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--faults", default="", help="comma-separated kinds (default: all, with "
-                                                "--script all a script's loop can meet; see "
-                                                "llmtrain/chaos/runner.py)")
+                                                "--script all a script's loop can meet; each "
+                                                "kind is a module of llmtrain/chaos/kinds/)")
     p.add_argument("--repeat", action="store_true",
                    help="after each kind once, keep injecting at random until near the end")
     p.add_argument("--mix", default="", help="draw the kinds by a fleet's failure mix: a "

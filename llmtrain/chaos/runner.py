@@ -76,7 +76,6 @@ from llmtrain.chaos.kinds import (FAULT_KINDS, KINDS, FaultKind, kinds_named, sc
 from llmtrain.chaos.local_cluster import LocalCluster
 from llmtrain.chaos.mix import load_mix
 from llmtrain.chaos.mount import FaultMount
-from llmtrain.chaos.scripted_gpu import write_gpu_script
 from llmtrain.chaos.settings import ChaosConfig
 from llmtrain.chaos.summary import not_run, passed, row, table
 from llmtrain.config import ConfigError
@@ -86,7 +85,7 @@ from llmtrain.stop_request import request_stop
 
 # what ``llmtrain chaos`` (llmtrain/cli.py) and benchmarks use of a chaos run
 __all__ = ["KINDS", "Chaos", "ChaosConfig", "kinds_named", "load_mix", "passed",
-           "script_kinds", "table", "write_gpu_script"]
+           "script_kinds", "table"]
 
 log = logging.getLogger(__name__)
 FENCE_TIMEOUT_S = 2.0  # the job's: a store stall longer than this refuses its saves
