@@ -4,15 +4,12 @@ failed GPU and a hang, with a spare waiting (and then end bitwise equal to a fau
 run of the same script) and without one (the job shrinks, and grows back once the node
 returns); nothing committed is lost.
 
-Two runs by default, about a minute each here: the HF model with spares (AdamW's moments,
-the LR schedule's state and the loader's position must all come back bit for bit through
-four warm recoveries) and the CNN without (SGD's momentum resharded through four shrinks
-and four grows). tests/system/test_examples.py covers the other pair under a single node
-kill (the CNN with a spare, the HF model without); ``LLMTRAIN_CHAOS_EXAMPLES=all`` runs
-the other pair here too."""
+Four runs, about a minute each here: each example with spares (AdamW's moments, SGD's
+momentum, the LR schedule's state and the loader's position must all come back bit for
+bit through four warm recoveries) and without (the state resharded through four shrinks
+and four grows)."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -27,9 +24,6 @@ from llmtrain.events import read_events
 EXAMPLES = ROOT / "examples"
 # the kinds a warm path answers: a rank killed, a node lost, a GPU failed, a rank stopped
 WARM_KINDS = ("kill_rank", "node_loss", "gpu_bad", "hang")
-ALL = os.environ.get("LLMTRAIN_CHAOS_EXAMPLES", "") == "all"
-OTHER_PAIR = pytest.mark.skipif(not ALL, reason="tests/system/test_examples.py covers this "
-                                                "pair; LLMTRAIN_CHAOS_EXAMPLES=all runs it")
 
 
 def chaos(work, example: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -50,10 +44,8 @@ def chaos(work, example: str, *args: str) -> tuple[subprocess.CompletedProcess, 
 
 @pytest.mark.slow
 @pytest.mark.alone
-@pytest.mark.parametrize("example, spares", [
-    ("hf_causal_lm.py", True), ("cnn_sgd.py", False),
-    pytest.param("cnn_sgd.py", True, marks=OTHER_PAIR),
-    pytest.param("hf_causal_lm.py", False, marks=OTHER_PAIR)])
+@pytest.mark.parametrize("example", ["hf_causal_lm.py", "cnn_sgd.py"])
+@pytest.mark.parametrize("spares", [True, False], ids=["spares", "no_spare"])
 def test_an_example_recovers_warm_from_each_fault(tmp_path, faultfs, example, spares):
     """(The faultfs fixture only proves FUSE works here, or fails under CI=true; chaos
     mounts its own.)"""
