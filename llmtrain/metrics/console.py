@@ -87,9 +87,12 @@ class ConsoleReporter:
             return
         ended = ("done, stopped on request" if s.stopped else "done" if s.complete
                  else "stopped early")
+        # what follows the step count is this process's share: from a resume or a join on
+        since = (f" ({s.trained} trained here from step {s.steps - s.trained})"
+                 if s.trained != s.steps else "")
         tokens = (f", {s.tokens / 1e6:.2f}M tokens in {s.wall_s:.1f} s "
                   f"({s.tokens_per_s:,.0f} tok/s)" if s.tokens else f" in {s.wall_s:.1f} s")
-        self.line(f"{ended}: {s.steps} steps{tokens}; loss {s.first_loss:.3f} -> "
+        self.line(f"{ended}: {s.steps} steps{since}{tokens}; loss {s.first_loss:.3f} -> "
                   f"{s.final_loss:.3f}; peak memory {s.memory_gb:.2f} GB per rank")
 
     def line(self, text: str) -> None:

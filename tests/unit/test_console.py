@@ -27,3 +27,16 @@ def test_progress_setting_overrides_detection():
     log = io.StringIO()
     ConsoleReporter(MetricsConfig(progress="bar"), total_steps=100, stream=log).step(REPORT)
     assert log.getvalue().startswith("\r[")
+
+
+def test_the_last_line_says_which_steps_this_process_trained():
+    from llmtrain import Summary
+    out = io.StringIO()
+    console = ConsoleReporter(MetricsConfig(), total_steps=1000, stream=out)
+    whole = dict(tokens=0, wall_s=10.0, tokens_per_s=0.0, first_loss=2.0, final_loss=1.0,
+                 memory_gb=0.1, complete=True)
+    console.ended(Summary(steps=1000, trained=1000, **whole))
+    console.ended(Summary(steps=1000, trained=400, **whole))  # resumed (or joined) at 600
+    first, second = out.getvalue().splitlines()
+    assert first.startswith("done: 1000 steps in 10.0 s;"), first
+    assert second.startswith("done: 1000 steps (400 trained here from step 600) in"), second
