@@ -22,7 +22,7 @@ LAYERS = [
     {"collector", "config", "configs", "events", "exit_codes", "fsio", "fault_points",  # foundations
      "log", "stop_request", "state_registry"},
     {"model", "optim", "sharded_model", "data", "distributed", "checkpoint", "metrics", "reliability",  # components
-     "recovery", "control", "placement"},
+     "recovery", "control", "placement", "parts"},
     {"api"},  # the public API: what any training loop, llmtrain's own among them, calls
     {"trainer"},
     {"launch"},
