@@ -212,6 +212,6 @@ def test_missing_or_empty_event_log_says_what_to_do(tmp_path):
 
 
 def test_straggler_windows_of_runs_before_and_after_the_event_was_bounded():
-    from llmtrain.report.html import _window
+    from llmtrain.report.run import _window
     assert _window({"slowdowns": [1.0, 1.8, 1.0]}) == (3, [(0, 1.0), (1, 1.8), (2, 1.0)], 1.0)
     assert _window({"ranks": 4096, "top": [[7, 1.8]], "p50": 1.0}) == (4096, [[7, 1.8]], 1.0)
