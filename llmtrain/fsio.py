@@ -173,11 +173,20 @@ def create_atomic(url: str, data: bytes) -> None:
     sync_dir(os.path.dirname(path))
 
 
-def probe_writable(url: str, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """Creates the directory ``url`` if needed and writes, then removes, a small file
-    ``name`` in it: raises whatever the storage raises when it cannot take files."""
+def probe_writable(url: str, name: str,
+                   create: bool = True) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Writes, then removes, a small file ``name`` in the directory ``url``, created if
+    needed: raises whatever the storage raises when it cannot take files. Returns the
+    filesystem and the path probed. ``create=False``: a local directory that does not
+    exist yet is left uncreated, and the nearest one above it that does is probed (where
+    the run would create it), so that a check leaves nothing behind."""
     fs, path = fsspec.core.url_to_fs(url)
-    makedirs(path, fs)
+    if not create and is_local(fs):
+        while not fs.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)
+        url = path
+    else:
+        makedirs(path, fs)
     probe = join(url, name)
     write_atomic(probe, b"ok")
     fs.rm_file(fsspec.core.url_to_fs(probe)[1])

@@ -397,6 +397,10 @@ def verify(url: str, *, checksums: bool, part: tuple[int, int] = (0, 1),
     """
     manifest = read_manifest(url)
     if manifest is None:
+        fs, root = fsspec.core.url_to_fs(url)
+        if not fs.exists(root):
+            return [f"{url}: no checkpoint there (nothing at that path; `llmtrain ckpt list "
+                    f"CHECKPOINTS_DIR` lists a run's checkpoints)"]
         return [f"{url}: no {MANIFEST}, the save never completed"]
     if "files" not in manifest:
         return [f"{url}: {MANIFEST} is unreadable"]

@@ -73,5 +73,8 @@ def test_dcp_format_is_read_by_stock_tools_and_conversions_round_trip(tmp_path):
 
 
 def test_a_checkpoint_that_does_not_verify_is_not_converted(tmp_path):
+    (tmp_path / "unfinished").mkdir()
     with pytest.raises(ConfigError, match="no MANIFEST.json, the save never completed"):
+        convert(str(tmp_path / "unfinished"), "dcp", str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match="nothing: no checkpoint there .nothing at that path"):
         convert(str(tmp_path / "nothing"), "dcp", str(tmp_path / "out"))

@@ -218,6 +218,9 @@ def test_node_checks_storage_and_shm(tmp_path):
                                      "checkpoint_storage": str(blocked / "ckpt")})
     findings = {f.check: f for f in checker.node()}
     assert findings["run_storage"].severity == "ok"
+    # writable where the run would create it, and left uncreated: a check from any
+    # directory leaves no run dir behind
+    assert not (tmp_path / "ok").exists() and not list(tmp_path.glob(".llmtrain-health*"))
     assert findings["checkpoint_storage"].severity == "fatal"
     assert "not writable" in findings["checkpoint_storage"].message
     assert findings["shm"].severity == "fatal" and "--shm-size" in findings["shm"].message

@@ -261,7 +261,8 @@ class HealthChecker:
 
     def _storage(self, check: str, url: str) -> Finding:
         try:
-            fs, path = probe_writable(url, f".llmtrain-health-{self.host}-{os.getpid()}")
+            fs, path = probe_writable(url, f".llmtrain-health-{self.host}-{os.getpid()}",
+                                      create=False)  # a check leaves no run dir behind
         except Exception as e:  # noqa: BLE001 - any failure means the node cannot save
             return Finding(check, "fatal", f"{url} is not writable from this node "
                            f"({type(e).__name__}: {e}): checkpoints would fail; check the "
