@@ -15,7 +15,12 @@ from llmtrain.events import read_events
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 STORAGE_KINDS = ("unreadable_checkpoint", "slow_retention", "store_stall", "store_restart")
-RANK_KINDS = tuple(k for k in KINDS if k not in STORAGE_KINDS)
+# A node lost, a worker killed and a GPU failed are recovered warm by llmtrain's trainer in
+# tests/system/test_warm_recovery.py (bitwise, nobody restarting) and by any loop in
+# tests/system/test_chaos_examples.py (each example, with spares and without): this soak
+# leaves them to those, and runs every other kind.
+ELSEWHERE = ("kill_rank", "node_loss", "gpu_bad")
+RANK_KINDS = tuple(k for k in KINDS if k not in STORAGE_KINDS + ELSEWHERE)
 
 
 def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
@@ -55,7 +60,7 @@ run stops once every kind has run, so the room costs no time. A kind the schedul
     assert 0 < verdict["ettr"] < 1 and 0 < verdict["ettr_predicted"] < 1
     assert proc.returncode == 0, table
 
-    # A lost rank is replaced warm, and so is a stopped one (its agent kills it at the
+    # A rank killed mid-save is replaced warm, and so is a stopped one (its agent kills it at the
     # watchdog's word) and a partitioned one (its agent cannot be asked: its peers cut their
     # connections to it); a desync report ends in a cold restart of all, as do the loss of
     # every rank at once (how truncated_shard forces a load) and a preemption (an agreed
@@ -63,8 +68,7 @@ run stops once every kind has run, so the room costs no time. A kind the schedul
     # (Only the kinds that ran are judged: partition, left out on loopback, is not.)
     by_kind = {v["kind"]: v for v in verdict["verdicts"]}
     paths = {k: v["path"] for k, v in by_kind.items()}
-    warm = [k for k in ("kill_rank", "kill_in_save", "node_loss", "gpu_bad", "hang", "partition")
-            if k not in verdict["not_run"]]
+    warm = [k for k in ("kill_in_save", "hang", "partition") if k not in verdict["not_run"]]
     assert [paths[k] for k in warm] == ["warm"] * len(warm), table
     cold = ("desync", "truncated_shard", "preempt")
     assert [paths[k] for k in cold] == ["cold"] * len(cold), table

@@ -42,8 +42,7 @@ def chaos(work, example: str, *args: str) -> tuple[subprocess.CompletedProcess, 
     return proc, json.loads(verdict.read_text())
 
 
-@pytest.mark.slow
-@pytest.mark.alone
+@pytest.mark.slow  # not alone: run beside another test, as a loaded machine would
 @pytest.mark.parametrize("example", ["hf_causal_lm.py", "cnn_sgd.py"])
 @pytest.mark.parametrize("spares", [True, False], ids=["spares", "no_spare"])
 def test_an_example_recovers_warm_from_each_fault(tmp_path, faultfs, example, spares):
