@@ -431,7 +431,7 @@ class Session:
         """What follows a trained step: reports, the state's check, a snapshot, the vote,
         a save."""
         self.watchdog.beat(step, "step")
-        self.reporter.line(self.recovery.first_step_done())
+        self.reporter.announce(self.recovery.first_step_done())
         self.reporter.step_timed(step, seconds)
         if step == self._first_step + 1:
             self.reporter.startup_done()

@@ -37,23 +37,44 @@ def preset_names() -> list[str]:
                   if p.name.endswith(".toml"))
 
 
-def read_preset(preset: str) -> dict[str, Any]:
-    """The TOML tables of ``preset``: a packaged preset's name or a TOML file's path."""
+def read_preset(preset: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The TOML tables of ``preset``: a packaged preset's name or a TOML file's path. A
+    file whose top level says ``preset = "NAME"`` (a packaged preset, or another TOML file,
+    relative to this one) starts from that preset's tables, its own fields on top; without
+    it, a file starts from the dataclasses' defaults."""
     path = Path(preset)
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
             raise ConfigError(f"config file {preset!r} does not exist")
-        text = path.read_text()
+        text, me = path.read_text(), str(path.resolve())
     else:
         res = resources.files("llmtrain.configs").joinpath(f"{preset}.toml")
         if not res.is_file():
             raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(preset_names())}"
                               f" (or give the path of a .toml file)")
-        text = res.read_text()
+        text, me = res.read_text(), preset
     try:
-        return tomllib.loads(text)
+        tables = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config {preset!r} is not valid TOML: {e}") from None
+    base = tables.pop("preset", None)
+    if base is None:
+        return tables
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config {preset!r}: preset = {base!r} must name a preset "
+                          f"({', '.join(preset_names())}) or a .toml file")
+    if base.endswith(".toml") and not Path(base).is_absolute():
+        base = str(path.parent / base)
+    if me in _seen:
+        raise ConfigError(f"config {preset!r}: its presets go round in a circle "
+                          f"({' -> '.join(_seen + (me,))})")
+    merged = read_preset(base, _seen + (me,))
+    for section, table in tables.items():
+        if isinstance(table, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **table}
+        else:
+            merged[section] = table
+    return merged
 
 
 # Keys that moved to another section: a config written before says where they are now.

@@ -126,7 +126,15 @@ class Reporter:
         self.console.ended(s)
 
     def line(self, text: str | None) -> None:
+        """Rank 0 says ``text`` (nothing when None)."""
         if self.is_rank0 and text:
+            self.console.line(text)
+
+    def announce(self, text: str | None) -> None:
+        """This rank says ``text``, whichever rank it is: for what one rank alone knows
+        to say, as a warm recovery's lowest survivor (rank 0 may be the rank that was
+        lost, its place taken by a spare that saw no failure)."""
+        if text:
             self.console.line(text)
 
     def health_pass(self, findings: list, readings: dict) -> None:

@@ -2,6 +2,7 @@
 their own; and the run report, opened in a real browser (headless Chromium), shows its
 figures without a console error."""
 
+import os
 import re
 import subprocess
 import sys
@@ -11,10 +12,13 @@ import pytest
 from conftest import ROOT, check, llmtrain
 from needs import tool
 
+from llmtrain.distributed.process_group import free_port
+
 MARK = "<!-- docs-test -->"
 # every command family the docs promise can be run; a block that loses its mark fails here
 PROMISED = ("llmtrain --help", "llmtrain config", "llmtrain ckpt list", "llmtrain ckpt verify",
-            "llmtrain ckpt inspect", "llmtrain analyze", "llmtrain report")
+            "llmtrain ckpt inspect", "llmtrain analyze", "llmtrain report", "llmtrain launch",
+            "llmtrain rdzv-store", "load_unsharded")
 
 
 def marked_blocks() -> list[tuple[str, str]]:
@@ -29,12 +33,19 @@ def marked_blocks() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """What the docs' commands assume: ``runs/debug_cpu`` a finished 20-step run of the
-    debug preset with checkpoints at steps 10 and 20, and ``docs/`` and ``examples/``
+    """What the docs' commands assume: ``runs/debug_cpu`` a finished run of ``make train``
+    (the Makefile's own recipe: torchrun, 2 ranks, the debug_cpu preset; 20 steps, not the
+    preset's 200, with checkpoints at steps 10 and 20), and ``docs/`` and ``examples/``
     beside it."""
     work = tmp_path_factory.mktemp("docs")
-    check(llmtrain(work / "runs" / "debug_cpu", "--training.steps", "20",
-                   "--checkpoint.interval_steps", "10", "--metrics.port", "0"))
+    bin_dir = Path(sys.executable).parent
+    args = (f"--training.run_dir {work / 'runs' / 'debug_cpu'} --training.steps 20 "
+            f"--checkpoint.interval_steps 10 --metrics.port 0")
+    # this interpreter's venv, taken as built (-o: never reinstalled from here)
+    check(subprocess.run(["make", "-C", str(ROOT), "train", f"BIN={bin_dir}",
+                          "-o", f"{bin_dir}/llmtrain", f"ARGS={args}"],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}))
     for shown in ("docs", "examples"):
         (work / shown).symlink_to(ROOT / shown)
     return work
@@ -53,7 +64,7 @@ def test_the_docs_promise_the_cheap_commands():
                                                     enumerate(BLOCKS)])
 def test_a_documented_command_runs(workdir, page, script):
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-           "HOME": str(workdir)}
+           "HOME": str(workdir), "PORT": str(free_port())}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{page}:\n{script}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
@@ -62,6 +73,9 @@ def test_a_documented_command_runs(workdir, page, script):
         assert "desync at gloo:all_reduce #2" in proc.stdout and "rank(s) [1]" in proc.stdout
     if "runs/cnn --training.steps 30" in script:  # the own loop's second run resumes
         assert "resumed from the checkpoint of step 20" in proc.stdout, proc.stdout[-3000:]
+    if "kill -9 $(tree $node2)" in script:  # the single-machine cluster: a spare took over
+        assert re.search(r"warm recovery: rank\(s\) \[\d\] replaced by spare", proc.stdout), \
+            proc.stdout
     if "ckpt list" in script:
         assert re.search(r"\b20\s+committed", proc.stdout), proc.stdout
 

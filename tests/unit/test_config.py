@@ -118,3 +118,33 @@ def test_unwritable_checkpoint_storage_is_fatal_before_training(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == ExitCode.FATAL
     assert "checkpoint.url='/proc/llmtrain-checkpoints' is not writable" in proc.stderr
+
+
+def test_a_toml_file_names_the_preset_it_starts_from(tmp_path):
+    """Without ``preset``, a file starts from the table's defaults (4 layers, bf16); with
+    it, from that preset (debug_cpu's 2 layers, fp32), its own fields on top, through a
+    chain of files; a circle or a wrong name is an error naming the file."""
+    plain = tmp_path / "plain.toml"
+    plain.write_text("[training]\nsteps = 10\n")
+    cfg = load_config(str(plain))
+    assert (cfg.model.n_layers, cfg.parallelism.param_dtype) == (4, "bfloat16")
+    named = tmp_path / "named.toml"
+    named.write_text('preset = "debug_cpu"\n[training]\nsteps = 10\n')
+    cfg = load_config(str(named))
+    assert (cfg.model.n_layers, cfg.parallelism.param_dtype, cfg.training.steps,
+            cfg.training.global_batch_size) == (2, "float32", 10, 16)
+    chained = tmp_path / "sub" / "chained.toml"
+    chained.parent.mkdir()
+    chained.write_text('preset = "../named.toml"\n[model]\ndim = 64\n')
+    cfg = load_config(str(chained))
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.training.steps) == (64, 2, 10)
+    (tmp_path / "a.toml").write_text('preset = "b.toml"\n')
+    (tmp_path / "b.toml").write_text('preset = "./a.toml"\n')
+    with pytest.raises(ConfigError, match="circle"):
+        load_config(str(tmp_path / "a.toml"))
+    (tmp_path / "wrong.toml").write_text('preset = "llama9"\n')
+    with pytest.raises(ConfigError, match="unknown preset 'llama9'"):
+        load_config(str(tmp_path / "wrong.toml"))
+    (tmp_path / "number.toml").write_text("preset = 3\n")
+    with pytest.raises(ConfigError, match="must name a preset"):
+        load_config(str(tmp_path / "number.toml"))
