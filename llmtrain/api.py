@@ -582,7 +582,7 @@ class Session:
         elif not was_reported(error):
             # The first sign of a failure elsewhere (a dead peer breaks our collective):
             # the start of the recovery clock, unless the warm path reported it already.
-            self.events.emit("failure", step=self._step,
+            self.events.emit("failure", host=self.world.host, step=self._step,
                              error=f"{type(error).__name__}: {error}"[:500])
         self.close(failed=True)
 

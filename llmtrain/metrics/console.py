@@ -28,7 +28,7 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def _count(n: int) -> str:
+def param_count(n: int) -> str:
     """A parameter count as people say it: 8.3K, 124.4M, 8.03B."""
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
@@ -67,7 +67,7 @@ class ConsoleReporter:
     def run_started(self, *, model: str, params: int, world_size: int, device: str,
                     backend: str, micro_batches: int, run_dir: str) -> None:
         batches = f"{micro_batches} micro-batch(es) per step, " if micro_batches else ""
-        self.line(f"llmtrain: {model} model, {_count(params)} params, {world_size} rank(s) "
+        self.line(f"llmtrain: {model} model, {param_count(params)} params, {world_size} rank(s) "
                   f"on {device} ({backend}), {batches}run dir {run_dir}")
 
     def started_up(self, phases: dict[str, float], since_launch_s: float) -> None:

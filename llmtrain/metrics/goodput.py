@@ -322,7 +322,8 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     recorded progress to the failure's detection (a rank's collective failing, or a
     watchdog/health verdict), on to the new processes' start (rendezvous and spawn), the
     process group, the checkpoint load, and the first step at ``first_step_at``; and the
-    ranks of the previous attempt that died without a word (killed, or crashed hard).
+    ranks of the previous attempt that died without a word (killed, or crashed hard), with
+    the nodes they ran on, and the kind of event that first said something broke.
 
     None when the previous attempt ended at the run's last step (its ``run_end`` is
     ``complete``): this start extends the run, and no failure came before. After one that
@@ -337,8 +338,9 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
         return None
     progress = max((e["end"] for e in previous if e["event"] == "span"
                     and e["category"] != "other"), default=previous[0]["ts"])
-    detected = min((e["ts"] for e in previous if e["event"] in _FAILURE_SIGNS
-                    and e["ts"] >= progress), default=None)
+    first = min((e for e in previous if e["event"] in _FAILURE_SIGNS and e["ts"] >= progress),
+                key=lambda e: e["ts"], default=None)
+    detected = first["ts"] if first else None
     spans = {e["name"]: e for e in current if e["event"] == "span"}
     marks = {"last_progress": progress, "failure_detected": detected,
              "process_start": current[0]["process_start"],
@@ -351,9 +353,13 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     spoke = {e["rank"] for e in previous if e["event"] in _FAILURE_SIGNS}
     silent = (sorted(set(range(previous[0].get("world_size", 0))) - spoke)
               if spoke and not ends else [])
+    hosts = {e["rank"]: e["host"] for e in previous
+             if e["event"] in ("startup", "health") and e.get("host")}
     return {"marks": marks, "total_s": first_step_at - (detected or progress),
             "parts_s": {f"{a}->{b}": t1 - t0 for (a, t0), (b, t1) in zip(known, known[1:])},
-            "silent_ranks": silent}
+            "silent_ranks": silent,
+            "silent_hosts": {r: hosts[r] for r in silent if r in hosts},
+            "detected_by": first["event"] if first else None}
 
 
 _FAILURE_SIGNS = ("failure", "hang", "collective_error", "stop_vote", "node_excluded",

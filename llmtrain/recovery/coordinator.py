@@ -292,7 +292,8 @@ class WarmRecovery:
         detected, interval = time.time(), self.snapshots.schedule.interval
         deadline = time.monotonic() + self.cfg.budget_s
         local = not broke_a_collective(error)
-        self.events.emit("failure", step=step, error=f"{type(error).__name__}: {error}"[:500],
+        self.events.emit("failure", host=self.world.host, step=step,
+                         error=f"{type(error).__name__}: {error}"[:500],
                          path="warm", cause="local" if local else "peer")
         mark_reported(error)
         if self.watch is not None:
@@ -330,8 +331,9 @@ class WarmRecovery:
         self.ledger.restart_at(plan.step)
         if self.world.rank == min(set(range(self.world.world_size)) - set(plan.lost)):
             # reported once the first step after it is done: the whole cost of the fault
-            self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
-                              "kind": plan.kind, "spares": plan.spares, "failed_at": step,
+            self.recovered = {"gen": plan.gen, "lost": plan.lost, "joined": plan.lost,
+                              "step": plan.step, "kind": plan.kind, "spares": plan.spares,
+                              "failed_at": step,
                               "snapshot_interval": interval, "marks": {
                                   "failure_detected": detected, "agreed": agreed,
                                   "group_formed": formed, "restored": restored}}
@@ -383,6 +385,7 @@ class WarmRecovery:
             self.ledger.restart_at(plan.step)
             marks = {k: plan.marks[k] for k in list(plan.marks)[:2]}
             self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
+                              "joined": [n for n, old in enumerate(plan.kept) if old < 0],
                               "kind": plan.kind, "world_size": plan.world_size,
                               "failed_at": plan.marks["failed_at"],
                               "snapshot_interval": plan.marks["snapshot_interval"],
@@ -455,6 +458,9 @@ class WarmRecovery:
             return None
         rec, self.recovered = self.recovered, None
         marks = {**rec.pop("marks"), "first_step": time.time()}
+        # the nodes: the lost ranks' in the failed generation, the new ranks' in this one
+        rec["hosts_lost"] = self.path.hosts(rec["lost"], rec["gen"] - 1)
+        rec["hosts_joined"] = self.path.hosts(rec["joined"], rec["gen"])
         names = list(marks)
         parts = {f"{a}->{b}": marks[b] - marks[a] for a, b in zip(names, names[1:])}
         total = marks["first_step"] - marks[names[0]]

@@ -157,6 +157,16 @@ class WarmPath:
         self.store.set(f"where/{self.rank}", self._key(""))
         self.store.set(f"rank_of/{owner()}", str(self.rank))
 
+    def hosts(self, ranks: list[int], gen: int) -> dict[int, str]:
+        """The node each of ``ranks`` ran on in generation ``gen`` (the holder each set
+        as it entered it); a rank whose key is gone is left out."""
+        found = {}
+        for r in ranks:
+            holder = self.store.genuine(self._key(f"owner/{r}", gen))
+            if holder is not None:
+                found[r] = holder.decode().rpartition(":")[0]
+        return found
+
     def cut_from_peers(self) -> int:
         """Shuts this rank's ends of its connections to the other ranks (their published
         ends, :func:`llmtrain.recovery.eviction.publish_endpoints`), as it leaves a broken

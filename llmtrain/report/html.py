@@ -25,6 +25,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from llmtrain.events import read_events
 from llmtrain.fsio import is_local, join
 from llmtrain.metrics import goodput
+from llmtrain.metrics.console import param_count
 from llmtrain.report.figures import FIGURES, STYLE, badput
 from llmtrain.report.formatting import cells, duration, table, utc
 from llmtrain.report.incidents import PATHS, incidents_table
@@ -157,7 +158,7 @@ def _summary(run: Run) -> list[tuple[str, str]]:
     config = start.get("config") or {}
     if start:
         model = (config.get("model") or {}).get("name", "model")
-        rows.append(("Model", esc(f"{model}, {start.get('params', 0) / 1e6:,.1f}M params, "
+        rows.append(("Model", esc(f"{model}, {param_count(start.get('params', 0))} params, "
                                   f"{_ranks(run) or start.get('world_size')} ranks on "
                                   f"{str(start.get('device', '?')).split(':')[0]}")))
     steps = of["step"]

@@ -42,21 +42,24 @@ def incidents(run: Run) -> list[Incident]:
     told: set[int] = set()  # the failure events a recovery's story names as its detection
     found = _warm_stories(run, told) + _cold_stories(run, told)
     spells = {id(spell[0]): spell for spell in run.straggler_spells}
-    spells.update(_health_spells(run))
+    spells.update(_spells(run, told))
+    repeats = {id(e) for spell in spells.values() for e in spell[1:]}
     for e in run.events:
         kind = e["event"]
-        if kind not in SAY or id(e) in told or (kind == "health" and e.get("severity") == "ok"):
+        if kind not in SAY or id(e) in told or id(e) in repeats or (
+                kind == "health" and e.get("severity") == "ok"):
             continue
-        if kind in ("straggler", "health") and id(e) not in spells:
-            continue  # a repeat, counted in its spell's first row
         spell = spells.get(id(e), [e])
         ranks, text, level = SAY[kind](e)
-        if kind == "health" and len(spell) > 1:
+        if kind != "straggler" and len(spell) > 1:
             ranks = ", ".join(dict.fromkeys(SAY[kind](s)[0] for s in spell))
+        if kind == "health" and len(spell) > 1:
             hosts = ", ".join(dict.fromkeys(where(s) for s in spell))
             text = (f"{str(e.get('severity')).upper()} {e.get('check')} on {hosts}: "
                     f"{e.get('message')}; reported {len(spell)} times until "
                     f"{utc(spell[-1]['ts'])}")
+        elif kind != "straggler" and len(spell) > 1:
+            text += f" (said {len(spell)} times, until {utc(spell[-1]['ts'])})"
         if kind == "straggler" and len(spell) > 1:
             text += (f"; reported {len(spell)} times until {utc(spell[-1]['ts'])}, at worst "
                      f"{max(s.get('slowdown') or 0 for s in spell)}× slower")
@@ -66,13 +69,23 @@ def incidents(run: Run) -> list[Incident]:
     return sorted(found, key=lambda i: (i.ts, i.story))
 
 
-def _health_spells(run: Run) -> dict[int, list[Event]]:
-    """Health findings that say the same (one check, severity and message: a clock not
-    synchronized on every node), grouped under the first."""
+def _spells(run: Run, told: set[int]) -> dict[int, list[Event]]:
+    """Events that say the same, grouped under the first: health findings of one check,
+    severity and message (a clock not synchronized on every node), and any other kind's
+    events whose sentence is the same word for word (every rank saying the warm path is
+    off, for the same reason)."""
     spells: dict[tuple, list[Event]] = {}
-    for e in run.of["health"]:
-        if e.get("severity") != "ok":
-            spells.setdefault((e.get("check"), e.get("severity"), e.get("message")), []).append(e)
+    for e in run.events:
+        kind = e["event"]
+        if kind not in SAY or kind == "straggler" or id(e) in told:
+            continue
+        if kind == "health":
+            if e.get("severity") == "ok":
+                continue
+            key: tuple = (kind, e.get("check"), e.get("severity"), e.get("message"))
+        else:
+            key = (kind, *SAY[kind](e)[1:])
+        spells.setdefault(key, []).append(e)
     return {id(spell[0]): spell for spell in spells.values()}
 
 

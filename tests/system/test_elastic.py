@@ -64,6 +64,9 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference
     (rec,) = events(c.run, "recovery")
     marks = rec["marks"]
     assert marks["failure_detected"] is not None and 0 < rec["total_s"] < 120
+    # node2's rank died without a word; node1's rank said its collective failed
+    assert rec["silent_ranks"] and rec["detected_by"] == "failure", rec
+    assert rec["silent_hosts"] == {str(r): "node2" for r in rec["silent_ranks"]}, rec
     assert (marks["last_progress"] <= marks["failure_detected"] < marks["process_start"]
             < marks["process_group_up"] < marks["checkpoint_loaded"] < marks["first_step"])
     # the same final weights as a run that never failed, bit for bit

@@ -227,6 +227,13 @@ def test_a_rank_whose_own_step_fails_is_replaced_never_its_waiting_peer(cluster,
     assert {e["step"] for e in peers} == {11, 29}, peers
     recoveries = sorted(events(c.run, "warm_recovery"), key=lambda e: e["gen"])
     assert [r["lost"] for r in recoveries] == [[first], [second]], recoveries
+    # each event names the nodes: the one that failed, and the spare that took its rank
+    assert [r["hosts_lost"] for r in recoveries] == [{str(first): "node2"},
+                                                     {str(second): "node1"}], recoveries
+    for r in recoveries:
+        (host,) = r["hosts_joined"].values()
+        assert host in ("spare1", "spare2") and list(r["hosts_joined"]) == [str(r["lost"][0])]
+    assert {f["host"] for f in failures.values()} == {"node1", "node2"}
     assert not events(c.run, "warm_recovery_failed")
     assert len(events(c.run, "attempt_start")) == 1  # nobody restarted
     got = final_weights(c.run, STEPS)
@@ -262,7 +269,10 @@ def test_a_node_lost_without_a_spare_shrinks_the_job_and_a_spare_that_comes_grow
         assert c.wait(name) == ExitCode.CLEAN, c.log(name)
     assert (shrink["kind"], shrink["lost"], shrink["step"], shrink["world_size"]) == (
         "shrink", [1], 10, 1)
+    first_rank1 = next(e["host"] for e in events(c.run, "startup") if e["rank"] == 1)
+    assert (shrink["hosts_lost"], shrink["hosts_joined"]) == ({"1": first_rank1}, {})
     (grow,) = events(c.run, "warm_grow")
+    assert (grow["joined"], grow["hosts_joined"]) == ([1], {"1": "node3"}), grow
     g = grow["step"]
     assert grow["world_size"] == 2 and shrink["ts"] < grow["ts"] and 10 < g < 80
     assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2]

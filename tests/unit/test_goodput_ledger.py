@@ -159,6 +159,7 @@ def test_a_start_after_a_finished_run_is_no_recovery():
     events = two_attempts_with_a_hang()
     hang = recovery(events[:-2], 10.5)
     assert hang["total_s"] == pytest.approx(2.5) and hang["marks"]["failure_detected"] == 8.0
+    assert hang["detected_by"] == "hang"
     finished = events[:6] + [run_end(7.5, 20, complete=True),
                              *events[7:-2]]  # the hang replaced by the run's end
     assert recovery(finished, 10.5) is None
@@ -168,6 +169,7 @@ def test_a_start_after_a_finished_run_is_no_recovery():
     preempted = [*early[:6], {"ts": 7.2, "event": "preempted", "rank": 0}, *early[6:]]
     assert recovery(preempted, 10.5)["marks"]["failure_detected"] == 7.2
     assert recovery(preempted, 10.5)["silent_ranks"] == []  # rank 1 ended with rank 0
+    assert recovery(preempted, 10.5)["detected_by"] == "preempted"
 
 
 def test_a_restart_after_a_failed_gpus_stop_vote_is_a_recovery():

@@ -64,7 +64,8 @@ def test_each_warm_recovery_shrink_and_grow_is_an_incident_with_its_path_and_tim
 
 def test_the_summary_counts_generations_world_sizes_and_prices_warm_recoveries(recorded):
     page, changes, out = recorded
-    assert "<th>Model</th><td>debug, 0.5M params, 1-2 ranks on cpu</td>" in page
+    # the count as the console's first line said it (459,392 parameters)
+    assert "<th>Model</th><td>debug, 459.4K params, 1-2 ranks on cpu</td>" in page
     assert ("<th>Attempts</th><td>1 (0 cold restarts), 4 generations: 1 warm spare, "
             "1 warm shrink, 1 warm grow</td>") in page
     assert re.search(r"<th>World size</th><td>1-2 ranks: 2 → 1 \([\d.]+ s in\) → 2 ", page)
@@ -198,3 +199,24 @@ def test_every_kind_of_failure_has_its_row(tmp_path):
     assert "<td>1</td>" in row(incidents, "collective error")
     assert "TrainingDiverged: loss is NaN" in row(incidents, "fatal")
     assert "<td>fatal</td>" in section(page, "attempts")
+
+
+def test_ranks_that_say_the_same_are_one_row(tmp_path):
+    """Every rank saying the warm path is off, for the same reason on the same node, is
+    one row naming them all; another node's word is a row of its own."""
+    log = Log(world=2)
+    log.attempt(0, "node-a")
+    for rank in (0, 1):
+        log.emit("warm_path_off", rank=rank, host="node-a", at=log.t + rank * 0.1,
+                 reason="no rendezvous store outside the workers (run under llmtrain launch)")
+    log.emit("warm_path_off", rank=None, host="node-b", reason="warm.enable is false")
+    log.train(1, 10)
+    log.write(str(tmp_path / "run"))
+    page = Path(write_report(str(tmp_path / "run"))).read_text(encoding="utf-8")
+    rows = re.findall(r"<tr class=\w+>.*?</tr>", section(page, "incidents"))
+    off = [r for r in rows if "<td>warm path off</td>" in r]
+    assert len(off) == 2, off
+    (a,) = [r for r in off if "on node-a" in r]
+    (b,) = [r for r in off if "on node-b" in r]
+    assert "<td>0, 1</td>" in a and "(said 2 times, until" in a
+    assert "said" not in b
