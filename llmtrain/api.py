@@ -225,7 +225,8 @@ class Session:
                 on_exit=self.recovery.give_up)  # the agents must restart all, not wait
             self.health = start_monitor(s.health, self.device, host=world.host,
                                         local_rank=world.local_rank, events=events,
-                                        on_pass=self.reporter.health_pass)
+                                        on_pass=self.reporter.health_pass,
+                                        on_fatal=self._gpu_failed)
             self.control = RunControl(s.control, self.control_group, run_dir=s.run_dir,
                                       rank=world.rank, host=world.host, events=events,
                                       health=self.health, can_grow=self.recovery.can_grow)
@@ -342,6 +343,15 @@ class Session:
             if restored is None:
                 raise
             self._went_back(self.guard.restored(restored))
+
+    def _gpu_failed(self, finding) -> None:
+        """The health monitor's thread, as it sees this rank's GPU fail: the node is
+        excluded and, on the warm path, the rank says it is gone at once, so that its
+        peers stop waiting for it in the step's collectives and a spare takes its place,
+        whatever the step is doing; its own training thread stops at the step's end (or
+        at the collective its peers left), as when it sees the verdict itself."""
+        self.control.unhealthy(self._step)
+        self.recovery.leave_early()
 
     def beat(self, phase: str) -> None:
         """Tells the watchdog what the step does now ("forward", "backward", ...): a hang

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -68,6 +69,7 @@ class RunControl:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._on_signal)
         self.excluded = False
+        self._excluding = threading.Lock()
         self.preempted = False  # stopped by a signal or a peer: a restart goes on
         self._finishing = False  # stopped on a request: the run ends here
         self.stopped_by_peer = False
@@ -109,8 +111,9 @@ class RunControl:
         """Whether this rank's GPU failed a check; its node is excluded at first sight,
         so the record exists however the run ends."""
         fatal = self.health.fatal_finding()
-        if fatal is not None and not self.excluded:
-            self.exclude_node(fatal.sentence(), step, findings=[asdict(fatal)])
+        with self._excluding:  # the training thread and the health monitor's
+            if fatal is not None and not self.excluded:
+                self.exclude_node(fatal.sentence(), step, findings=[asdict(fatal)])
         return fatal is not None
 
     def vote(self, step: int, *, time_due: bool, idle: bool = False) -> Verdict:

@@ -5,6 +5,7 @@ would only repeat."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -29,14 +30,26 @@ def place(plan: dict) -> dict[str, str]:
             "GROUP_RANK": str(plan["rank"] // plan["local_world_size"])}
 
 
+# What the first model build of a process imports on first use, which a spare imports
+# while it waits instead: FSDP2's fully_shard turns each parameter into a DTensor under
+# torch._disable_dynamo, whose first call imports torch._dynamo (0.57 s of the CNN
+# example's 0.59 s first build here; a survivor's rebuild takes 3 ms). Paid at the
+# assignment, it was most of every recovery's group formation.
+SPARE_IMPORTS = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
+                 "torch.distributed.checkpoint")
+
+
 def spare_assignment() -> dict | None:
     """A warm spare's wait (a process a standby ``llmtrain launch`` started, which holds
-    its place in the job's pool): says it is ready, then waits for the plan that assigns
-    it a lost rank (one JSON line on stdin) and takes that rank's place in its
-    environment. None when its input ends first: the job no longer needs it."""
+    its place in the job's pool): imports what a first model build would
+    (``SPARE_IMPORTS``), says it is ready, then waits for the plan that assigns it a lost
+    rank (one JSON line on stdin) and takes that rank's place in its environment. None
+    when its input ends first: the job no longer needs it."""
     if "LLMTRAIN_RDZV_ENDPOINT" not in os.environ:
         raise ConfigError("a warm spare needs the rendezvous store's address in "
                           "LLMTRAIN_RDZV_ENDPOINT (run it under llmtrain launch --standby)")
+    for name in SPARE_IMPORTS:
+        importlib.import_module(name)
     if "LLMTRAIN_SPARE_READY_FD" in os.environ:  # the launcher puts it in the pool now
         with open(int(os.environ.pop("LLMTRAIN_SPARE_READY_FD")), "w") as ready:
             ready.write("ready\n")

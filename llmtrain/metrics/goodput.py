@@ -353,8 +353,7 @@ def recovery(events: list[dict], first_step_at: float) -> dict | None:
     spoke = {e["rank"] for e in previous if e["event"] in _FAILURE_SIGNS}
     silent = (sorted(set(range(previous[0].get("world_size", 0))) - spoke)
               if spoke and not ends else [])
-    hosts = {e["rank"]: e["host"] for e in previous
-             if e["event"] in ("startup", "health") and e.get("host")}
+    hosts = {e["rank"]: e["host"] for e in previous if e["event"] == "startup" and e.get("host")}
     return {"marks": marks, "total_s": first_step_at - (detected or progress),
             "parts_s": {f"{a}->{b}": t1 - t0 for (a, t0), (b, t1) in zip(known, known[1:])},
             "silent_ranks": silent,
@@ -366,4 +365,4 @@ _FAILURE_SIGNS = ("failure", "hang", "collective_error", "stop_vote", "node_excl
                   "preempted")
 # Every event ``account`` and ``recovery`` read: a follower of the log may keep only these.
 INPUTS = frozenset({"attempt_start", "span", "checkpoint_loaded", "checkpoint_staged",
-                    "warm_recovery", "rollback", "run_end", *_FAILURE_SIGNS})
+                    "warm_recovery", "rollback", "run_end", "startup", *_FAILURE_SIGNS})

@@ -134,6 +134,7 @@ class WarmRecovery:
         self.replication: dist.ProcessGroup | None = None  # the generation's, once formed
         self.control: dist.ProcessGroup | None = None  # the generation's, once started
         self.left = False  # this generation's groups were left (never twice)
+        self.left_early = False  # the health monitor marked this rank gone (its GPU failed)
         self.recovered: dict | None = None  # the last recovery, until its first step is done
         self.watch: FailureWatch | None = None  # this generation's, on NCCL
 
@@ -185,8 +186,20 @@ class WarmRecovery:
 
     def leave(self) -> bool:
         """This rank leaves on purpose (its GPU failed), unsaved: the survivors go on."""
-        self.path.leave()
+        if not self.left_early:
+            self.path.leave()
         return True
+
+    def leave_early(self) -> None:
+        """The health monitor's thread saw this rank's GPU fail: the rank is marked gone
+        now, which wakes its peers blocked in the step's collectives (their failure
+        watch on NCCL; on gloo, this rank's connections to them are cut), rather than at
+        the step's end. A collective of this rank's that fails after it is then its own
+        failure: it leaves, never reports as a survivor."""
+        self.left_early = True
+        self.path.leave()  # on NCCL, the peers' failure watch aborts their collectives
+        if dist.get_backend() == "gloo":  # gloo has no abort: its connections are cut
+            self.path.cut_from_peers()
 
     def give_up(self) -> None:
         self.path.give_up()
@@ -291,7 +304,7 @@ class WarmRecovery:
             return None
         detected, interval = time.time(), self.snapshots.schedule.interval
         deadline = time.monotonic() + self.cfg.budget_s
-        local = not broke_a_collective(error)
+        local = not broke_a_collective(error) or self.left_early
         self.events.emit("failure", host=self.world.host, step=step,
                          error=f"{type(error).__name__}: {error}"[:500],
                          path="warm", cause="local" if local else "peer")

@@ -74,6 +74,10 @@ class Recovery(Protocol):
     def leave(self) -> bool:
         """This rank leaves on purpose (its GPU failed): True when the others go on."""
 
+    def leave_early(self) -> None:
+        """From another thread (the health monitor's), as this rank's GPU fails: it says
+        it is gone now, before its training thread gets to :meth:`leave`."""
+
     def can_grow(self) -> bool: ...
 
     def grow(self, step: int) -> None: ...
@@ -127,6 +131,9 @@ class NoWarmRecovery:
 
     def leave(self) -> bool:
         return False
+
+    def leave_early(self) -> None:
+        pass
 
     def can_grow(self) -> bool:
         return False

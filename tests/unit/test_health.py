@@ -308,6 +308,49 @@ def test_monitor_sees_an_xid_event_and_reports_changes_once(tmp_path):
         monitor.close()
 
 
+def test_the_monitor_tells_of_a_gpu_failing_mid_run_at_once_and_once(tmp_path):
+    """A GPU that fails while the job trains is told to ``on_fatal`` on the monitor's own
+    thread within one polling interval (no step end, no vote awaited), once however many
+    passes see it; one already failed at the first pass is left to the training loop."""
+    import threading
+    import time
+    path = tmp_path / "gpus.json"
+    state = node(2)
+    write_script(path, state)
+    told, seen = [], threading.Event()
+    checker = HealthChecker(HealthConfig(), Backend(ScriptedNVML(str(path), HOST), "scripted"),
+                            host=HOST)
+
+    def on_fatal(finding):
+        told.append((finding, threading.current_thread().name))
+        seen.set()
+
+    monitor = HealthMonitor(checker, [1], interval_s=0.05, node_checks=False,
+                            events=_Events(), on_fatal=on_fatal)
+    monitor.start()
+    try:
+        time.sleep(0.2)
+        assert told == []
+        bad = copy.deepcopy(state)
+        bad["gpus"][1]["ecc"]["volatile"]["dram"] = 2
+        write_script(path, bad)
+        assert seen.wait(5), "no word of the failed GPU"
+        time.sleep(0.2)  # more passes see it: still told once
+        ((finding, thread),) = told
+        assert finding.gpu == 1 and finding.severity == "fatal" and thread == "llmtrain-health"
+    finally:
+        monitor.close()
+    told.clear()
+    early = HealthMonitor(checker, [1], interval_s=0.05, node_checks=False, events=_Events(),
+                          on_fatal=on_fatal)
+    early.start()  # the first pass finds it: the loop's first step end acts on it
+    try:
+        time.sleep(0.2)
+        assert early.fatal_finding() is not None and told == []
+    finally:
+        early.close()
+
+
 def test_monitor_without_xid_events_reads_the_kernel_log(tmp_path):
     """Under MIG or vGPU NVML refuses event registration: the monitor starts anyway and
     reads XIDs from the kernel log at each pass."""

@@ -35,9 +35,14 @@ class HealthMonitor:
     """
 
     def __init__(self, checker: HealthChecker, gpus: list[int], *, interval_s: float,
-                 node_checks: bool, events, on_pass: Callable[[list, dict], None] | None = None):
+                 node_checks: bool, events, on_pass: Callable[[list, dict], None] | None = None,
+                 on_fatal: Callable[[Finding], None] | None = None):
+        """``on_fatal``: called once, on the monitor's thread, with the first fatal
+        finding of a pass after the first (the first pass runs before training starts,
+        whose first step end sees it)."""
         self.checker, self.gpus, self.interval_s = checker, gpus, interval_s
         self.node_checks, self.events, self.on_pass = node_checks, events, on_pass
+        self.on_fatal = on_fatal
         self._fatal: Finding | None = None
         self.last: dict[tuple[str, int | None], str] = {}
         self._stop = threading.Event()
@@ -50,9 +55,13 @@ class HealthMonitor:
         self._thread.start()
 
     def _run(self) -> None:
+        told = self._fatal is not None
         while not self._stop.wait(self.interval_s):
             try:
                 self.check()
+                if self._fatal is not None and not told and self.on_fatal is not None:
+                    self.on_fatal(self._fatal)  # raised: told at the next pass
+                    told = True
             except Exception as e:  # noqa: BLE001 - a broken check must not kill training
                 log.warning("llmtrain health: check failed: %s: %s", type(e).__name__, e)
 
@@ -120,14 +129,17 @@ def rank_gpu(backend: Backend | None, device) -> int | None:
 
 
 def start_monitor(cfg: HealthConfig, device, *, host: str, local_rank: int, events,
-                  on_pass: Callable[[list, dict], None]) -> HealthWatch:
-    """Watches this rank's GPU (and, on local rank 0, the node) while training."""
+                  on_pass: Callable[[list, dict], None],
+                  on_fatal: Callable[[Finding], None] | None = None) -> HealthWatch:
+    """Watches this rank's GPU (and, on local rank 0, the node) while training;
+    ``on_fatal`` is told of a GPU that fails while it trains, at once, on the monitor's
+    thread (:class:`HealthMonitor`)."""
     if not cfg.monitor:
         return NoHealthMonitor()
     backend = open_backend(cfg)
     gpu = rank_gpu(backend, device)
     monitor = HealthMonitor(HealthChecker(cfg, backend, host=host), [] if gpu is None else [gpu],
                             interval_s=cfg.interval_s, node_checks=local_rank == 0,
-                            events=events, on_pass=on_pass)
+                            events=events, on_pass=on_pass, on_fatal=on_fatal)
     monitor.start()
     return monitor
