@@ -109,13 +109,15 @@ def test_activation_checkpointing_and_hsdp_keep_the_losses(tmp_path, two_rank_sh
     """Recomputing activations (full, or selective: matmul outputs kept) and replicating
     instead of sharding (HSDP, 2 replicas x 1 shard) change memory and traffic, not the
     math. The plain run is the shared 12-step one, compared over the variants' 6 steps.
-    Equal losses are also what checkpointing not applied gives: that it is applied (the
-    wrappers, the recomputation) is tests/unit/test_parallelize.py's to check."""
+    Full recomputation runs under HSDP (either changing the losses fails the run, one
+    process start fewer), selective under FSDP. Equal losses are also what checkpointing
+    not applied gives: that it is applied (the wrappers, the recomputation) is
+    tests/unit/test_parallelize.py's to check."""
     args = ("--training.steps", "6", "--metrics.log_every", "1", "--checkpoint.enable", "false")
     variants = {
-        "full": ("--parallelism.activation_checkpoint", "full"),
+        "full_hsdp": ("--parallelism.activation_checkpoint", "full",
+                      "--parallelism.dp_replicate", "2"),
         "selective": ("--parallelism.activation_checkpoint", "selective"),
-        "hsdp": ("--parallelism.dp_replicate", "2"),
     }
     plain = {s: loss for s, loss in step_losses(two_rank_short).items() if s <= 6}
     assert sorted(plain) == list(range(1, 7))

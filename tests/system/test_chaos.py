@@ -12,7 +12,10 @@ from llmtrain.chaos.kinds import KINDS
 from llmtrain.config import ReliabilityConfig, WarmConfig
 from llmtrain.events import read_events
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+# The two soaks run alone (their schedules run by the clock, and one faults the store every
+# test's jobs would share a core with); the shrink-and-grow run beside another test, as the
+# examples' chaos runs do.
+pytestmark = [pytest.mark.slow]
 
 STORAGE_KINDS = ("unreadable_checkpoint", "slow_retention", "store_stall", "store_restart")
 # A node lost, a worker killed and a GPU failed are recovered warm by llmtrain's trainer in
@@ -23,6 +26,7 @@ ELSEWHERE = ("kill_rank", "node_loss", "gpu_bad")
 RANK_KINDS = tuple(k for k in KINDS if k not in STORAGE_KINDS + ELSEWHERE)
 
 
+@pytest.mark.alone
 def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     """Every rank-level fault hits rank 0, the hardest rank to lose: it hosts its round's
     store and leads the watchdog's reports. (The faultfs fixture only proves FUSE works
@@ -97,6 +101,7 @@ run stops once every kind has run, so the room costs no time. A kind the schedul
     assert hang["reported_after_s"] - hang["detected_after_s"] < dump_timeout_s / 2, hang
 
 
+@pytest.mark.alone
 def test_storage_and_store_faults_cost_no_checkpoint_and_no_restart(tmp_path, faultfs):
     """The faults of the commit protocol's storage and its store, against one running job:
     an old checkpoint whose manifest fails every read (retention passes it over, leaves it,
