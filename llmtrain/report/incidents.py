@@ -252,4 +252,6 @@ def _redone(reached: int | None, back_to: int) -> str:
     if reached is None:
         return "-"
     n = max(0, reached - back_to)
+    if n == 1:
+        return f"1 (step {reached})"
     return f"{n} (steps {back_to + 1}-{reached})" if n else "0"
