@@ -36,16 +36,16 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     the last one, cost half the steps they did at 20. The schedule runs by the clock (a
     fault waits for a spare to start, ~4 s here) while training runs on: the fifteen kinds
     took until step 240-265 in four runs at half a second's quiet time, and until 270+ in
-    two at a second; with two-block steps (about 45 ms) they took until step 340+ in a CI run
-and the last kind found no room under 400, so 600 steps (faults until 570) leave it; the
-run stops once every kind has run, so the room costs no time. A kind the schedule had
-    no room for fails the test. (The store and storage faults have a short soak of their
+    two at a second; with two-block steps (about 45 ms) they took until step 340+ in a CI
+    run. The schedule runs by the clock, so a faster machine spends more steps on it:
+    3000 leave room on any, and the run stops once every kind has run, so the room costs
+    no time. A kind the schedule had no room for fails the test. (The store and storage faults have a short soak of their
     own, below: with them the eighteen kinds ran out of room even at 490.) Once every kind has run, chaos stops the job (llmtrain
     stop), and the reference trains as many steps on the same LR schedule.
     The job runs with the warm path, as chaos does by default."""
     work = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
-                           "--steps", "600", "--checkpoint-every", "10",
+                           "--steps", "3000", "--checkpoint-every", "10",
                            "--faults", ",".join(RANK_KINDS), "--interval", "0.5",
                            "--seed", "1", "--rank", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
@@ -117,12 +117,15 @@ def test_storage_and_store_faults_cost_no_checkpoint_and_no_restart(tmp_path, fa
     the job must finish bitwise equal to a fault-free run, and no committed checkpoint may
     be lost.
 
-    The job trains on while its store stands still: at about 0.15 s a step here the stall
-    alone takes some 200 steps, and the four kinds took until step 400-500, so 800 leave
-    room (chaos says which kind had none); the run stops once every kind has run."""
+    The job trains on while its store stands still: at about 0.15 s a step the stall alone
+    took some 200 steps and the four kinds until step 400-500, but on a quiet machine at
+    about 40 ms a step the stall took 750 and the last kind found no room under 800. The
+    steps are a clock's worth, whatever the machine: 4000 leave room (chaos says which
+    kind had none), and the run stops once every kind has run, so the room costs no
+    time."""
     work = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
-                           "--steps", "800", "--checkpoint-every", "10", "--interval", "0.5",
+                           "--steps", "4000", "--checkpoint-every", "10", "--interval", "0.5",
                            "--seed", "1", "--faults", ",".join(STORAGE_KINDS)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200)
     verdict = json.loads((work / "verdict.json").read_text())
@@ -164,7 +167,7 @@ def test_without_spares_lost_nodes_shrink_the_job_and_come_back_into_it(tmp_path
     work = tmp_path / "chaos"
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
                            "--spares", "0", "--repair-s", "1", "--faults",
-                           "hang,kill_rank,preempt,truncated_shard", "--steps", "400",
+                           "hang,kill_rank,preempt,truncated_shard", "--steps", "2000",
                            "--checkpoint-every", "10", "--interval", "0.5", "--seed", "18",
                            "--rank", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
