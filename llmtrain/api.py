@@ -69,6 +69,7 @@ from llmtrain.placement import SPARE_ENV, place, refuse_if_excluded, spare_assig
 from llmtrain.recovery.coordinator import warm_recovery, was_reported
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.interface import Resized
+from llmtrain.recovery.presence import say_bye
 from llmtrain.recovery.warm import Plan, outside_store
 from llmtrain.reliability.guard import IntegrityGuard
 from llmtrain.reliability.health.monitor import start_monitor
@@ -602,6 +603,8 @@ class Session:
         abandoned (NCCL's aborted): destroying them can wait for ever on a dead peer.
         After a FATAL or EXCLUDE_NODE end, stops this node's torchrun agent, which would
         otherwise restart the workers into the same failure."""
+        if not failed:  # an end on purpose: its process is not to be counted gone
+            say_bye()
         self._close(failed, timeout_s)
         if self._open:
             stop_agent(self.exit_code)

@@ -156,7 +156,8 @@ def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_rdzv_store(args: argparse.Namespace, rest: list[str]) -> int:
     with collector.paused(freeze=True):
         from llmtrain.launch.store import serve_store
-    return serve_store(args.bind, args.port, args.exit_when_unused, args.lease_timeout_s)
+    return serve_store(args.bind, args.port, args.exit_when_unused, args.lease_timeout_s,
+                       presence_port=args.presence_port)
 
 
 def cmd_report(args: argparse.Namespace, rest: list[str]) -> int:
@@ -299,6 +300,10 @@ def _rdzv_store_arguments(p: argparse.ArgumentParser) -> None:
                         "store run as one task of the job, as the torchx component does)")
     p.add_argument("--lease-timeout-s", type=float, default=30.0,
                    help="a launcher silent this long counts as ended (its node died)")
+    p.add_argument("--presence-port", type=int, default=0,
+                   help="port of the presence listener, which knows at once when a rank's "
+                        "process dies (its node's too) for the warm path; 0: any free port, "
+                        "published in the store (needs the job's secret)")
 
 
 def _chaos_arguments(p: argparse.ArgumentParser) -> None:

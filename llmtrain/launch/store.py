@@ -22,6 +22,7 @@ import time
 import torch.distributed as dist
 
 from llmtrain.config import ConfigError
+from llmtrain.recovery.presence import serve_presence
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +48,12 @@ def store_server(host: str, port: int) -> dist.TCPStore:
 
 
 def serve_store(host: str, port: int, exit_when_unused: bool = False,
-                stale_s: float = 30.0, first_within_s: float = 600.0) -> int:
+                stale_s: float = 30.0, first_within_s: float = 600.0,
+                presence_port: int = 0) -> int:
     """A rendezvous store in its own process, so no training node is a single point of
-    failure for the rendezvous (torchrun agents connect with ``is_host=0``). It serves
+    failure for the rendezvous (torchrun agents connect with ``is_host=0``), with the
+    presence listener beside it on ``presence_port`` (0: any free port; see
+    :mod:`llmtrain.recovery.presence`). It serves
     until SIGTERM/SIGINT, or with ``exit_when_unused`` until every launcher that took a
     lease has ended (:class:`Leases`), or none came within ``first_within_s`` (every node
     failed before it could take one): then it exits 1."""
@@ -65,8 +69,12 @@ def serve_store(host: str, port: int, exit_when_unused: bool = False,
     store = store_server(host, port)
     print(f"llmtrain rdzv-store: serving {host}:{store.port}", flush=True)
     here = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-    leases = Leases(dist.TCPStore(here, store.port, is_master=False, use_libuv=True),
-                    stale_s) if exit_when_unused else None
+    client = dist.TCPStore(here, store.port, is_master=False, use_libuv=True)
+    presence = serve_presence(host, presence_port, client)
+    if presence is not None:
+        print(f"llmtrain rdzv-store: presence on {presence.address[0]}:{presence.address[1]}",
+              flush=True)
+    leases = Leases(client, stale_s) if exit_when_unused else None
     started = time.monotonic()
     while not stop.wait(LEASE_BEAT_S):
         if leases is None:

@@ -52,9 +52,11 @@ from llmtrain.recovery.eviction import evict, publish_endpoints
 from llmtrain.recovery.fence import Fence, round_of
 from llmtrain.recovery.interface import Evict, NoWarmRecovery, Recovery, Resized, membership
 from llmtrain.recovery.pool import spares_ready, spares_waiting
+from llmtrain.recovery.presence import hold_presence
 from llmtrain.recovery.registry_snapshots import (capture_state, load_items, load_shared_items,
                                                   restore_snapshot, take_snapshot)
 from llmtrain.recovery.reshard import Mesh, reshard
+from llmtrain.recovery.roll_call import owner
 from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, outside_store
 from llmtrain.state_registry import StateRegistry
 
@@ -522,6 +524,7 @@ def warm_recovery(settings: Settings, job: Job, *, world: WorldInfo,
                                "(two or more ranks read from torch's source only; its "
                                "shrink, grow and preemption shrink have never run on "
                                "NCCL); a failure it cannot handle goes cold")
+    hold_presence(owner(), timedelta(seconds=settings.warm.budget_s))  # dies: known at once
     per_node = plan["local_world_size"] if plan is not None else world.local_world_size
     round_id = plan["round_id"] if plan is not None else (
         fence.round_name(job_store) or round_of(job_store, None))

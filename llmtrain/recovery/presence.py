@@ -1,0 +1,277 @@
+"""Presence: a rank whose process dies is known at once, its whole node's too.
+
+Every rank on the warm path holds one TCP connection, for its process's life, to the
+presence listener that ``llmtrain rdzv-store`` runs beside the store. When a process dies,
+whatever killed it (a kill, a crash, the OOM killer, its whole node's processes taken
+down), its kernel closes the connection, and the listener marks it gone in the warm path's
+roll call, as a live agent marks its dead worker (:func:`llmtrain.recovery.roll_call.
+mark_holder_gone`). The survivors' agreement then has every rank accounted for at once,
+rather than waiting out a lost node's silence for ``warm.settle_s`` (nobody was left on
+that node to say its ranks are gone). A process that ends on purpose says ``bye`` first
+and is not marked; one that stays (a shrink, a grow) keeps its connection.
+
+What it cannot see: a node whose kernel dies (power, a panic) closes nothing, and its
+ranks' silence is waited out as before. Nor does the listener outlive its store: after a
+store restart each rank connects to the new one (:class:`PresenceClient` retries).
+
+Nobody without the job's secret can have a process counted gone: the listener sends a
+nonce, and a connection counts only once it answers with the HMAC of the nonce, the job's
+rendezvous id and the process (``host:pid``) under the job's secret. The listener's
+address is published in the store, signed with the same secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from llmtrain.distributed.signed_store import SignedStore, job_secret, signed
+
+log = logging.getLogger(__name__)
+
+# where the store's process publishes the listener's HOST:PORT (signed)
+ADDRESS_AT = "llmtrain/presence"
+RETRY_S = 1.0
+
+
+def _mac(secret: bytes, nonce: str, rdzv_id: str, holder: str) -> str:
+    message = "\0".join(("llmtrain-presence", nonce, rdzv_id, holder)).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """TCP keep-alive probes on an idle connection (after 30 s, every 10 s), so that no
+    firewall or NAT between a rank and the listener times it out while both live."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _published(store: dist.Store) -> SignedStore:
+    return signed(dist.PrefixStore(ADDRESS_AT, store), ADDRESS_AT)
+
+
+@dataclass
+class _Peer:
+    nonce: str
+    buffer: bytes = b""
+    job: tuple[str, str] | None = None  # (rdzv_id, holder), once it proved the secret
+    bye: bool = False
+
+
+class PresenceListener:
+    """The store process's listener: one thread, one selector over every rank's
+    connection; ``mark(rdzv_id, holder)`` runs, on a thread of its own, for each one
+    that dropped without saying ``bye``."""
+
+    def __init__(self, bind: str, port: int, secret: bytes,
+                 mark: Callable[[str, str], None]):
+        self.secret, self.mark = secret, mark
+        self.server = socket.create_server((bind, port), reuse_port=False)
+        self.server.setblocking(False)
+        self.address = self.server.getsockname()[:2]
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.server, selectors.EVENT_READ)
+        self.peers: dict[socket.socket, _Peer] = {}
+        threading.Thread(target=self._serve, name="llmtrain-presence", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.fileobj is self.server:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.server.accept()
+        except OSError:
+            return
+        nonce = secrets.token_hex(16)
+        try:
+            conn.sendall(nonce.encode() + b"\n")
+        except OSError:
+            conn.close()
+            return
+        conn.setblocking(False)
+        _keep_alive(conn)
+        self.peers[conn] = _Peer(nonce)
+        self.selector.register(conn, selectors.EVENT_READ)
+
+    def _read(self, conn: socket.socket) -> None:
+        peer = self.peers[conn]
+        try:
+            data = conn.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._dropped(conn, peer)
+            return
+        peer.buffer += data
+        while b"\n" in peer.buffer and conn in self.peers:
+            line, peer.buffer = peer.buffer.split(b"\n", 1)
+            self._line(conn, peer, line)
+        if len(peer.buffer) > 4096:  # no line of ours is this long
+            self._drop(conn)
+
+    def _line(self, conn: socket.socket, peer: _Peer, line: bytes) -> None:
+        if peer.job is None:
+            try:
+                hello = json.loads(line)
+                rdzv_id, holder, mac = str(hello["rdzv_id"]), str(hello["holder"]), hello["mac"]
+            except (ValueError, KeyError, TypeError):
+                mac = None
+            if not isinstance(mac, str) or not hmac.compare_digest(
+                    mac, _mac(self.secret, peer.nonce, rdzv_id, holder)):
+                log.warning("llmtrain presence: a connection did not prove the job's secret; "
+                            "closed (it counts for nothing)")
+                self._drop(conn)
+                return
+            peer.job = (rdzv_id, holder)
+        elif line == b"bye":
+            peer.bye = True
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.selector.unregister(conn)
+        del self.peers[conn]
+        conn.close()
+
+    def _dropped(self, conn: socket.socket, peer: _Peer) -> None:
+        self._drop(conn)
+        if peer.job is None or peer.bye:
+            return
+        rdzv_id, holder = peer.job
+        log.info("llmtrain presence: %s of job %s is gone (its connection closed)",
+                 holder, rdzv_id)
+        threading.Thread(target=self._mark, args=(rdzv_id, holder),
+                         name="llmtrain-presence-mark", daemon=True).start()
+
+    def _mark(self, rdzv_id: str, holder: str) -> None:
+        try:
+            self.mark(rdzv_id, holder)
+        except Exception as e:  # noqa: BLE001 - the warm path's settle wait still holds
+            log.warning("llmtrain presence: could not mark %s gone: %s: %s", holder,
+                        type(e).__name__, e)
+
+
+def serve_presence(bind: str, port: int, store: dist.Store) -> PresenceListener | None:
+    """The listener beside the store served at ``store`` (a client of it), its address
+    published there; None without the job's secret (then a lost node's ranks are waited
+    out for ``warm.settle_s``, as before)."""
+    secret = job_secret()
+    if secret is None:
+        log.info("llmtrain presence: off (no %s): a lost node is known after warm.settle_s",
+                 "LLMTRAIN_JOB_SECRET")
+        return None
+    from llmtrain.recovery.roll_call import mark_holder_gone
+    from llmtrain.recovery.warm import job_namespace
+
+    def mark(rdzv_id: str, holder: str) -> None:
+        mark_holder_gone(job_namespace(store, rdzv_id), holder)
+
+    listener = PresenceListener(bind, port, secret, mark)
+    host = bind if bind not in ("", "0.0.0.0", "::") else socket.gethostname()
+    _published(store).set("address", f"{host}:{listener.address[1]}")
+    return listener
+
+
+class PresenceClient:
+    """A rank's connection to the presence listener, held by a thread of its own for the
+    process's life; connects again (every ``RETRY_S``) after the listener's store
+    restarted. ``bye`` before an exit on purpose."""
+
+    def __init__(self, connect: Callable[[], dist.Store], rdzv_id: str, holder: str,
+                 secret: bytes):
+        self.connect, self.rdzv_id, self.holder, self.secret = connect, rdzv_id, holder, secret
+        self.sock: socket.socket | None = None
+        self.held = threading.Event()  # set while a connection counts
+        self._bye = threading.Event()
+        threading.Thread(target=self._hold, name="llmtrain-presence", daemon=True).start()
+
+    def _hold(self) -> None:
+        said_down = False
+        while not self._bye.is_set():
+            try:
+                self._open()
+                said_down = False
+                self.held.set()
+                while self.sock.recv(64):  # the listener sends nothing after the nonce
+                    pass
+            except (OSError, RuntimeError, ValueError) as e:  # DistError: a RuntimeError
+                if not said_down and not self._bye.is_set():
+                    log.info("llmtrain presence: not held (%s: %s); trying again every "
+                             "%g s", type(e).__name__, e, RETRY_S)
+                    said_down = True
+            self.held.clear()
+            if not self._bye.is_set():
+                time.sleep(RETRY_S)
+
+    def _open(self) -> None:
+        address = _published(self.connect()).genuine("address")
+        if address is None:
+            raise ValueError("no presence listener published in the store")
+        host, _, port = address.decode().rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=5.0)
+        nonce = b""
+        while not nonce.endswith(b"\n"):
+            chunk = sock.recv(64)
+            if not chunk:
+                raise ConnectionError("the presence listener closed before its nonce")
+            nonce += chunk
+        hello = {"rdzv_id": self.rdzv_id, "holder": self.holder,
+                 "mac": _mac(self.secret, nonce.decode().strip(), self.rdzv_id, self.holder)}
+        sock.sendall(json.dumps(hello).encode() + b"\n")
+        sock.settimeout(None)
+        _keep_alive(sock)
+        self.sock = sock
+
+    def bye(self) -> None:
+        """This process ends on purpose: it is not to be counted gone."""
+        self._bye.set()
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.sendall(b"bye\n")
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the holding thread's recv
+            except OSError:
+                pass
+            sock.close()
+
+
+_client: PresenceClient | None = None
+
+
+def hold_presence(holder: str, timeout: timedelta) -> PresenceClient | None:
+    """This process's connection to the presence listener (opened once, kept across
+    generations), under ``llmtrain launch`` with an external store and the job's secret;
+    None otherwise."""
+    global _client
+    endpoint, secret = os.environ.get("LLMTRAIN_RDZV_ENDPOINT"), job_secret()
+    if _client is None and endpoint and secret is not None:
+        from llmtrain.distributed.process_group import rendezvous_store
+        _client = PresenceClient(lambda: rendezvous_store(timeout),
+                                 os.environ.get("LLMTRAIN_RDZV_ID", "job"), holder, secret)
+    return _client
+
+
+def say_bye() -> None:
+    """This process ends on purpose (a clean end of its session)."""
+    if _client is not None:
+        _client.bye()

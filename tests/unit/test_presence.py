@@ -1,0 +1,115 @@
+"""The presence listener: a rank's process whose connection drops without a word is marked
+gone, at once; one that says bye is not; a connection that cannot prove the job's secret
+counts for nothing; a rank's client finds the listener through the store and connects
+again after the store's restart. Real sockets on loopback and a real TCPStore."""
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from llmtrain.distributed.signed_store import SECRET_ENV
+from llmtrain.recovery.presence import PresenceClient, PresenceListener, serve_presence
+
+SECRET = "ab" * 32
+
+
+@pytest.fixture
+def store(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           use_libuv=True, timeout=timedelta(seconds=10))
+    yield server
+
+
+def client_of(store: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", store.port, is_master=False, use_libuv=True,
+                         timeout=timedelta(seconds=5))
+
+
+class Marks:
+    def __init__(self):
+        self.seen, self.event = [], threading.Event()
+
+    def __call__(self, rdzv_id: str, holder: str) -> None:
+        self.seen.append((rdzv_id, holder))
+        self.event.set()
+
+
+def test_a_process_whose_connection_drops_is_marked_and_one_that_says_bye_is_not(store):
+    marks = Marks()
+    listener = PresenceListener("127.0.0.1", 0, bytes.fromhex(SECRET), marks)
+    from llmtrain.recovery import presence
+    presence._published(client_of(store)).set("address", f"127.0.0.1:{listener.address[1]}")
+    leaving = PresenceClient(lambda: client_of(store), "job", "node2:1234",
+                             bytes.fromhex(SECRET))
+    dying = PresenceClient(lambda: client_of(store), "job", "node2:1235",
+                           bytes.fromhex(SECRET))
+    assert leaving.held.wait(5) and dying.held.wait(5)
+    leaving.bye()
+    time.sleep(0.3)
+    assert marks.seen == []  # said bye: an end on purpose
+    dying._bye.set()  # (so that its thread does not connect again) and the socket closes
+    began = time.monotonic()  # as a killed process's kernel closes it, without a bye
+    dying.sock.shutdown(socket.SHUT_RDWR)
+    assert marks.event.wait(5), "a dropped connection was not marked"
+    assert marks.seen == [("job", "node2:1235")] and time.monotonic() - began < 1.0
+
+
+def test_a_connection_without_the_secret_counts_for_nothing(store):
+    marks = Marks()
+    listener = PresenceListener("127.0.0.1", 0, bytes.fromhex(SECRET), marks)
+    for hello in (b'{"rdzv_id": "job", "holder": "node1:1", "mac": "00"}\n', b"not json\n",
+                  b'{"rdzv_id": "job"}\n'):
+        sock = socket.create_connection(listener.address, timeout=5)
+        assert len(sock.recv(64).strip()) == 32  # the nonce
+        sock.sendall(hello)
+        assert sock.recv(64) == b""  # closed by the listener
+        sock.close()
+    forged = PresenceClient(lambda: client_of(store), "job", "node1:1", b"\x01" * 32)
+    time.sleep(0.5)
+    forged._bye.set()
+    assert marks.seen == []
+
+
+def test_a_client_holds_again_after_the_store_and_its_listener_restart(monkeypatch):
+    """The store's process restarts, empty, and with it the listener: the client finds
+    the new listener through the store, and a drop after that is marked by it."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+
+    def serve():
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               use_libuv=True, timeout=timedelta(seconds=10))
+        marks = Marks()
+        listener = PresenceListener("127.0.0.1", 0, bytes.fromhex(SECRET), marks)
+        from llmtrain.recovery import presence
+        presence._published(client_of(server)).set("address",
+                                                   f"127.0.0.1:{listener.address[1]}")
+        return server, listener, marks
+
+    current = {}
+    current["store"], listener, _ = serve()
+    client = PresenceClient(lambda: client_of(current["store"]), "job", "node1:7",
+                            bytes.fromhex(SECRET))
+    assert client.held.wait(5)
+    current["store"], _, marks = serve()  # the new process, before the old one goes
+    listener.server.close()  # the old process's listener and connections go
+    for conn in list(listener.peers):
+        conn.close()
+    deadline = time.monotonic() + 10
+    while client.held.is_set():  # it saw the old one go...
+        assert time.monotonic() < deadline, "the client never saw the listener go"
+        time.sleep(0.05)
+    assert client.held.wait(10), "the client never held the new listener"  # ...and came back
+    client._bye.set()
+    client.sock.shutdown(socket.SHUT_RDWR)
+    assert marks.event.wait(5) and marks.seen == [("job", "node1:7")]
+
+
+def test_the_store_publishes_its_listener_only_with_the_jobs_secret(store, monkeypatch):
+    assert serve_presence("127.0.0.1", 0, client_of(store)) is not None
+    monkeypatch.delenv(SECRET_ENV)
+    assert serve_presence("127.0.0.1", 0, client_of(store)) is None
