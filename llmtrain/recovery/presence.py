@@ -16,8 +16,9 @@ store restart each rank connects to the new one (:class:`PresenceClient` retries
 
 Nobody without the job's secret can have a process counted gone: the listener sends a
 nonce, and a connection counts only once it answers with the HMAC of the nonce, the job's
-rendezvous id and the process (``host:pid``) under the job's secret. The listener's
-address is published in the store, signed with the same secret.
+rendezvous id and the process (``host:pid``) under the job's secret. The listener's port
+is published in the store, signed with the same secret; it listens on the store's own
+address, so a rank reaches it at the host it reaches the store at.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from llmtrain.distributed.signed_store import SignedStore, job_secret, signed
 
 log = logging.getLogger(__name__)
 
-# where the store's process publishes the listener's HOST:PORT (signed)
+# where the store's process publishes the listener's port (signed)
 ADDRESS_AT = "llmtrain/presence"
 RETRY_S = 1.0
 
@@ -187,8 +188,7 @@ def serve_presence(bind: str, port: int, store: dist.Store) -> PresenceListener 
         mark_holder_gone(job_namespace(store, rdzv_id), holder)
 
     listener = PresenceListener(bind, port, secret, mark)
-    host = bind if bind not in ("", "0.0.0.0", "::") else socket.gethostname()
-    _published(store).set("address", f"{host}:{listener.address[1]}")
+    _published(store).set("port", str(listener.address[1]))
     return listener
 
 
@@ -197,9 +197,12 @@ class PresenceClient:
     process's life; connects again (every ``RETRY_S``) after the listener's store
     restarted. ``bye`` before an exit on purpose."""
 
-    def __init__(self, connect: Callable[[], dist.Store], rdzv_id: str, holder: str,
-                 secret: bytes):
-        self.connect, self.rdzv_id, self.holder, self.secret = connect, rdzv_id, holder, secret
+    def __init__(self, host: str, connect: Callable[[], dist.Store], rdzv_id: str,
+                 holder: str, secret: bytes):
+        """``host``: the store's, as this rank reaches it; ``connect``: a new client of
+        the store, where the listener's port is published."""
+        self.host, self.connect = host, connect
+        self.rdzv_id, self.holder, self.secret = rdzv_id, holder, secret
         self.sock: socket.socket | None = None
         self.held = threading.Event()  # set while a connection counts
         self._bye = threading.Event()
@@ -224,11 +227,10 @@ class PresenceClient:
                 time.sleep(RETRY_S)
 
     def _open(self) -> None:
-        address = _published(self.connect()).genuine("address")
-        if address is None:
+        port = _published(self.connect()).genuine("port")
+        if port is None:
             raise ValueError("no presence listener published in the store")
-        host, _, port = address.decode().rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=5.0)
+        sock = socket.create_connection((self.host, int(port)), timeout=5.0)
         nonce = b""
         while not nonce.endswith(b"\n"):
             chunk = sock.recv(64)
@@ -266,7 +268,8 @@ def hold_presence(holder: str, timeout: timedelta) -> PresenceClient | None:
     endpoint, secret = os.environ.get("LLMTRAIN_RDZV_ENDPOINT"), job_secret()
     if _client is None and endpoint and secret is not None:
         from llmtrain.distributed.process_group import rendezvous_store
-        _client = PresenceClient(lambda: rendezvous_store(timeout),
+        _client = PresenceClient(endpoint.rpartition(":")[0],
+                                 lambda: rendezvous_store(timeout),
                                  os.environ.get("LLMTRAIN_RDZV_ID", "job"), holder, secret)
     return _client
 

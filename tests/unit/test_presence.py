@@ -43,10 +43,10 @@ def test_a_process_whose_connection_drops_is_marked_and_one_that_says_bye_is_not
     marks = Marks()
     listener = PresenceListener("127.0.0.1", 0, bytes.fromhex(SECRET), marks)
     from llmtrain.recovery import presence
-    presence._published(client_of(store)).set("address", f"127.0.0.1:{listener.address[1]}")
-    leaving = PresenceClient(lambda: client_of(store), "job", "node2:1234",
+    presence._published(client_of(store)).set("port", str(listener.address[1]))
+    leaving = PresenceClient("127.0.0.1", lambda: client_of(store), "job", "node2:1234",
                              bytes.fromhex(SECRET))
-    dying = PresenceClient(lambda: client_of(store), "job", "node2:1235",
+    dying = PresenceClient("127.0.0.1", lambda: client_of(store), "job", "node2:1235",
                            bytes.fromhex(SECRET))
     assert leaving.held.wait(5) and dying.held.wait(5)
     leaving.bye()
@@ -69,7 +69,8 @@ def test_a_connection_without_the_secret_counts_for_nothing(store):
         sock.sendall(hello)
         assert sock.recv(64) == b""  # closed by the listener
         sock.close()
-    forged = PresenceClient(lambda: client_of(store), "job", "node1:1", b"\x01" * 32)
+    forged = PresenceClient("127.0.0.1", lambda: client_of(store), "job", "node1:1",
+                            b"\x01" * 32)
     time.sleep(0.5)
     forged._bye.set()
     assert marks.seen == []
@@ -86,13 +87,12 @@ def test_a_client_holds_again_after_the_store_and_its_listener_restart(monkeypat
         marks = Marks()
         listener = PresenceListener("127.0.0.1", 0, bytes.fromhex(SECRET), marks)
         from llmtrain.recovery import presence
-        presence._published(client_of(server)).set("address",
-                                                   f"127.0.0.1:{listener.address[1]}")
+        presence._published(client_of(server)).set("port", str(listener.address[1]))
         return server, listener, marks
 
     current = {}
     current["store"], listener, _ = serve()
-    client = PresenceClient(lambda: client_of(current["store"]), "job", "node1:7",
+    client = PresenceClient("127.0.0.1", lambda: client_of(current["store"]), "job", "node1:7",
                             bytes.fromhex(SECRET))
     assert client.held.wait(5)
     current["store"], _, marks = serve()  # the new process, before the old one goes
