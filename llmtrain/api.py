@@ -81,6 +81,10 @@ __all__ = ["Action", "Parts", "RunInfo", "Session", "Settings", "Summary", "Worl
 
 log = logging.getLogger(__name__)
 
+# what a session that goes on at another size waits, at most, for what is left of the
+# generation it left (see Session._resize)
+RESIZE_CLOSE_S = 1.0
+
 def start(settings: Settings, build: Callable[[World], Parts], *,
           info: RunInfo | None = None,
           fits: Callable[[int], tuple[int, int]] | None = None) -> Session:
@@ -533,7 +537,11 @@ class Session:
         plan, held = resized.assignment, resized.held
         if self._began is None:
             self._began = (self._first_step, self._started_at, self.reporter.losses()[0])
-        self._close(failed=True)
+        # The generation's groups were left before Resized was raised (the writes in flight
+        # waited for then): what is still pending on them (a vote) is void, and may never
+        # complete; the usual 30 s wait for it would stall the job (one HSDP shrink took
+        # 30.3 s to form its group, where others took 0.2-0.7 s: that wait, as far as seen).
+        self._close(failed=True, timeout_s=RESIZE_CLOSE_S)
         # LOCAL_RANK (its GPU) stays: a shrink drops whole nodes, a grow adds them
         os.environ.update(place(plan))
         del resized
