@@ -93,10 +93,13 @@ class PresenceListener:
     def _serve(self) -> None:
         while True:
             for key, _ in self.selector.select(timeout=1.0):
-                if key.fileobj is self.server:
-                    self._accept()
-                else:
-                    self._read(key.fileobj)
+                try:
+                    if key.fileobj is self.server:
+                        self._accept()
+                    else:
+                        self._read(key.fileobj)
+                except Exception:  # noqa: BLE001 - one connection must not end the listener
+                    log.exception("llmtrain presence: a connection's event failed")
 
     def _accept(self) -> None:
         try:
@@ -206,16 +209,22 @@ class PresenceClient:
         self.sock: socket.socket | None = None
         self.held = threading.Event()  # set while a connection counts
         self._bye = threading.Event()
+        self._lock = threading.Lock()  # bye against a connection being made
         threading.Thread(target=self._hold, name="llmtrain-presence", daemon=True).start()
 
     def _hold(self) -> None:
         said_down = False
         while not self._bye.is_set():
             try:
-                self._open()
+                sock = self._open()
+                with self._lock:
+                    if self._bye.is_set():  # the process ended while this connected
+                        _say_bye(sock)
+                        return
+                    self.sock = sock
                 said_down = False
                 self.held.set()
-                while self.sock.recv(64):  # the listener sends nothing after the nonce
+                while sock.recv(64):  # the listener sends nothing after the nonce
                     pass
             except (OSError, RuntimeError, ValueError) as e:  # DistError: a RuntimeError
                 if not said_down and not self._bye.is_set():
@@ -226,7 +235,7 @@ class PresenceClient:
             if not self._bye.is_set():
                 time.sleep(RETRY_S)
 
-    def _open(self) -> None:
+    def _open(self) -> socket.socket:
         port = _published(self.connect()).genuine("port")
         if port is None:
             raise ValueError("no presence listener published in the store")
@@ -242,19 +251,24 @@ class PresenceClient:
         sock.sendall(json.dumps(hello).encode() + b"\n")
         sock.settimeout(None)
         _keep_alive(sock)
-        self.sock = sock
+        return sock
 
     def bye(self) -> None:
         """This process ends on purpose: it is not to be counted gone."""
-        self._bye.set()
-        sock, self.sock = self.sock, None
+        with self._lock:
+            self._bye.set()
+            sock, self.sock = self.sock, None
         if sock is not None:
-            try:
-                sock.sendall(b"bye\n")
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the holding thread's recv
-            except OSError:
-                pass
-            sock.close()
+            _say_bye(sock)
+
+
+def _say_bye(sock: socket.socket) -> None:
+    try:
+        sock.sendall(b"bye\n")
+        sock.shutdown(socket.SHUT_RDWR)  # wakes the holding thread's recv
+    except OSError:
+        pass
+    sock.close()
 
 
 _client: PresenceClient | None = None

@@ -48,6 +48,9 @@ def test_a_process_whose_connection_drops_is_marked_and_one_that_says_bye_is_not
                              bytes.fromhex(SECRET))
     dying = PresenceClient("127.0.0.1", lambda: client_of(store), "job", "node2:1235",
                            bytes.fromhex(SECRET))
+    early = PresenceClient("127.0.0.1", lambda: client_of(store), "job", "node2:1233",
+                           bytes.fromhex(SECRET))
+    early.bye()  # ended before its connection was made: it says bye on it, and is not held
     assert leaving.held.wait(5) and dying.held.wait(5)
     leaving.bye()
     time.sleep(0.3)
