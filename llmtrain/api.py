@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 # generation it left (see Session._resize)
 RESIZE_CLOSE_S = 1.0
 
+
 def start(settings: Settings, build: Callable[[World], Parts], *,
           info: RunInfo | None = None,
           fits: Callable[[int], tuple[int, int]] | None = None) -> Session:

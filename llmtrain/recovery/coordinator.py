@@ -199,7 +199,9 @@ class WarmRecovery:
         the step's end. A collective of this rank's that fails after it is then its own
         failure: it leaves, never reports as a survivor."""
         self.left_early = True
-        self.path.leave()  # on NCCL, the peers' failure watch aborts their collectives
+        # on NCCL, the peers' failure watch aborts their collectives (read from torch's
+        # source, never run with two or more ranks: see warm_path_unproven)
+        self.path.leave()
         if dist.get_backend() == "gloo":  # gloo has no abort: its connections are cut
             self.path.cut_from_peers()
 

@@ -82,7 +82,7 @@ class PresenceListener:
     def __init__(self, bind: str, port: int, secret: bytes,
                  mark: Callable[[str, str], None]):
         self.secret, self.mark = secret, mark
-        self.server = socket.create_server((bind, port), reuse_port=False)
+        self.server = socket.create_server((bind, port))
         self.server.setblocking(False)
         self.address = self.server.getsockname()[:2]
         self.selector = selectors.DefaultSelector()
