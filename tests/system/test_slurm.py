@@ -151,15 +151,20 @@ def test_preemption_checkpoints_and_requeues_and_a_node_failing_the_gate_is_drai
     bad["gpus"][0]["remapped_rows"]["failure"] = True
     bad_script = write_script(tmp_path / "bad.json", bad)
     # The scripted NVML stand-in fails the gate on n4 only: a python wrapper that gives
-    # that node the bad device states.
-    python = tmp_path / "python"
+    # that node the bad device states. Until the test sends the preemption signal, the
+    # wrapper also slows the first run's steps tenfold from step 5 on, so that the signal
+    # lands before its last step however fast this machine is (at full speed the 55 steps
+    # left can take less than the signal's way to the ranks); the requeued run goes fast.
+    python, signalled = tmp_path / "python", tmp_path / "signalled"
     python.write_text(f"""#!/bin/bash
 [[ "${{SLURMD_NODENAME:-}}" == n4 ]] && export LLMTRAIN_NVML_SCRIPT={bad_script}
+[[ -e {signalled} ]] || export LLMTRAIN_FAULTS="slow@step:step=5,factor=10"
 exec {sys.executable} "$@"
 """)
     python.chmod(0o755)
     job = Job(cluster, tmp_path, 4, train_nodes=2, spare_nodes=1,
-              train_args=(*TRAIN, "--checkpoint.interval_steps", "1000"),
+              train_args=(*TRAIN, "--checkpoint.interval_steps", "1000",
+                          "--reliability.faults", "env"),
               env={"LLMTRAIN_PYTHON": str(python)})
     job.until("n4 drained", lambda: "DRAIN" in cluster.node("n4").get("State", ""))
     assert "llmtrain excluded" in cluster.node("n4")["Reason"]
@@ -168,6 +173,7 @@ exec {sys.executable} "$@"
     job.until("training", lambda: [e for e in job.events("step") if e["step"] >= 5])
 
     # What --signal=B:USR1@120 does 120 s before the time limit: USR1 to the batch shell.
+    signalled.touch()
     cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
 
     def requeued():
