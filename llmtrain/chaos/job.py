@@ -22,6 +22,11 @@ from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import read_events
 
 
+class JobStopped(RuntimeError):
+    """A rank ended the job on an error no restart fixes (its ``fatal`` event, exit 78:
+    a bad config, training diverged): nothing a wait is for can come any more."""
+
+
 class Job:
     """One chaos run's job: ``cluster`` (its nodes and store), ``mount`` (its checkpoint
     filesystem), ``network`` (the nodes' namespaces, or None on loopback), ``spares``
@@ -64,12 +69,16 @@ class Job:
 
     def wait(self, probe: Callable[[], Any], what: str, timeout: float) -> Any:
         """``probe()``'s first true value, polled; a TimeoutError naming ``what`` if none
-        comes within ``timeout`` seconds."""
+        comes within ``timeout`` seconds, a JobStopped as soon as the job has ended on a
+        fatal error (rather than minutes of waits that cannot end well)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             value = probe()
             if value:
                 return value
+            if fatal := self.latest("fatal"):
+                raise JobStopped(f"chaos: no {what}: rank {fatal['rank']} ended the job: "
+                                 f"{fatal['error']}")
             time.sleep(0.2)
         raise TimeoutError(f"chaos: no {what} within {timeout:.0f} s; see {self.dir}/*.log")
 

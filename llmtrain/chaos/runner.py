@@ -70,7 +70,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from llmtrain.chaos import ending, netns
-from llmtrain.chaos.job import Job
+from llmtrain.chaos.job import Job, JobStopped
 from llmtrain.chaos.kinds import (FAULT_KINDS, KINDS, FaultKind, kinds_named, script_kinds,
                                   trainer_only_kinds)
 from llmtrain.chaos.local_cluster import LocalCluster
@@ -248,7 +248,14 @@ class Chaos:
     def _inject(self, job: Job) -> None:
         """The schedule: every kind once in a seeded order, then (with repeat) by the
         mix's weights or uniformly, until the job nears its last step; then (without
-        repeat) asks the job to stop."""
+        repeat) asks the job to stop. A job that ended on a fatal error ends the schedule:
+        the fault in flight says so, the end's verdict judges the rest."""
+        try:
+            self._schedule(job)
+        except JobStopped as e:
+            print(f"chaos: {e}", flush=True)
+
+    def _schedule(self, job: Job) -> None:
         kinds = [k for k in self.requested() if k.name not in self.left_out]
         weights = [self.cfg.mix[k.name] for k in kinds] if self.cfg.mix else None
         schedule = self.rng.sample(kinds, len(kinds))
@@ -267,11 +274,15 @@ class Chaos:
             before = len(job.verdicts)
             try:
                 kind.inject(job)
-            except TimeoutError as e:
+            except (TimeoutError, JobStopped) as e:
                 if len(job.verdicts) == before:
                     raise  # the job itself stopped answering, before any fault
                 job.verdicts[-1].diagnosis = f"missed: {e}"
-            print(row(job.verdicts[-1]), flush=True)
+                if isinstance(e, JobStopped):
+                    raise  # (its row is printed on the way out)
+            finally:
+                if len(job.verdicts) > before:
+                    print(row(job.verdicts[-1]), flush=True)
         if not schedule and not self.cfg.repeat:  # every kind has run: no need to wait
             self._launched(job)
             request_stop(str(job.run), "chaos: every fault kind has run")

@@ -3,9 +3,16 @@ kind left out for want of network namespaces has no row, no rate and no share of
 totals; the table names it as not run; under CI=true it fails the run, and outside CI
 the run passes only on what did run, saying what was skipped."""
 
+import random
+import time
+
+import pytest
+
+from llmtrain.chaos.job import Job, JobStopped
 from llmtrain.chaos.runner import Chaos, ChaosConfig
 from llmtrain.chaos.summary import by_kind, passed, table, weighted
 from llmtrain.chaos.verdict import Verdict
+from llmtrain.events import EventLog
 
 
 def _result(chaos: Chaos, verdicts: list[Verdict]) -> dict:
@@ -82,3 +89,23 @@ def test_a_kind_the_steps_left_no_room_for_is_not_run(tmp_path):
     result = _result(chaos, [_recovered("hang")])
     assert result["not_run"] == {"store_stall": "no room: the job neared its last step first"}
     assert passed(result, ci=False) is False  # no room fails everywhere
+
+
+def test_a_job_ended_by_a_fatal_error_ends_the_schedule_at_once(tmp_path, capsys):
+    """A run stopped as diverged once waited out 180 s for a grow and 300 s for a full
+    world before the chaos run failed with no verdict: its waits now end at the ``fatal``
+    event, and the schedule with them, every kind left counted as not run."""
+    chaos = Chaos(ChaosConfig(workdir=str(tmp_path / "chaos"), faults="kill_rank,hang"))
+    job = Job(chaos.cfg, tmp_path, ["node1", "node2"], 0, cluster=None, mount=None,
+              network=None, faults_file=tmp_path / "faults.txt", rng=random.Random(0))
+    with pytest.raises(TimeoutError):  # no fatal yet: a plain wait runs out
+        job.wait(lambda: False, "a step", 0.3)
+    EventLog(str(job.run), 0).emit("fatal", step=9, error="TrainingDiverged: training diverged")
+    began = time.monotonic()
+    with pytest.raises(JobStopped, match="rank 0 ended the job: TrainingDiverged"):
+        job.wait(lambda: False, "a step", 60)
+    chaos._inject(job)  # its first wait (a full world) meets the fatal event
+    assert time.monotonic() - began < 5
+    assert "rank 0 ended the job" in capsys.readouterr().out
+    assert job.verdicts == []
+    assert set(chaos.kinds_result(set())["not_run"]) == {"kill_rank", "hang"}
