@@ -237,7 +237,7 @@ class Session:
                                       rank=world.rank, host=world.host, events=events,
                                       health=self.health, can_grow=self.recovery.can_grow)
             manifest = {"model": self.info.name, **self.info.manifest,
-                        "mesh": list(self._fits(world.world_size))}
+                        "mesh": list(self._fits(world.world_size)), "tp": s.parallelism.tp}
             self.checkpoints = checkpoints_for(s, manifest=manifest, events=events,
                                                device=self.device, fence=self.fence.check,
                                                control_group=self.control_group)
@@ -256,7 +256,7 @@ class Session:
             self.device = init_process_group(s.parallelism, s.reliability, self.world, store)
         with span(category, "device_mesh"):
             self.mesh = build_mesh(self.device, self._fits(self.world.world_size),
-                                   s.reliability.collective_timeout_s)
+                                   s.reliability.collective_timeout_s, s.parallelism.tp)
         w = self.world
         self.parts = self._build(World(w.rank, w.world_size, w.local_rank, w.host,
                                        self.device, self.mesh, first=category == "startup",
@@ -286,7 +286,7 @@ class Session:
     def _begin(self, step: int) -> None:
         self._step = self._first_step = step
         self.recovery.start(step, self.control_group)
-        self.reporter.run_start(self.device, self.info.micro_batches)
+        self.reporter.run_start(self.device, self.info.micro_batches, self.mesh)
         self.reporter.resume_at(step)
         self.ledger.steps_done(step)  # productive time starts here
         self._started_at = time.perf_counter()

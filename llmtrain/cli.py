@@ -62,7 +62,10 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
     out["derived"] = {"params": count_params(cfg.model),
                       "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_len),
                       "accumulation_steps": cfg.accumulation_steps(args.world_size),
-                      "mesh_shape": cfg.mesh_shape(args.world_size)}
+                      "mesh_shape": cfg.mesh_shape(args.world_size),
+                      "mesh": dict(zip(("dp_replicate", "dp_shard", "tp"),
+                                       (*cfg.mesh_shape(args.world_size), cfg.parallelism.tp))),
+                      "tokens_per_step": cfg.training.global_batch_size * cfg.data.seq_len}
     print(json.dumps(out, indent=2))
     return ExitCode.CLEAN
 

@@ -20,18 +20,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from llmtrain.config import ModelConfig
 
 
-def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """SwiGLU hidden size by Llama's rule.
-
-    Two thirds of the classic 4*dim keeps the three SwiGLU matrices at the cost of a
-    two-matrix MLP; the multiplier and the rounding to ``multiple_of`` reproduce the
-    published Llama 3 shapes (8B: 14336, 70B: 28672, 405B: 53248).
-    """
-    hidden = int(2 * 4 * cfg.dim / 3)
-    hidden = int(cfg.ffn_dim_multiplier * hidden)
-    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
-
-
 def count_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
     """Parameter count from the config alone, so it can size models too big to build.
 
@@ -41,7 +29,7 @@ def count_params(cfg: ModelConfig, *, exclude_embedding: bool = False) -> int:
     head_dim = cfg.dim // cfg.n_heads
     kv_dim = cfg.n_kv_heads * head_dim
     attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * kv_dim
-    feed_forward = 3 * cfg.dim * ffn_hidden_dim(cfg)
+    feed_forward = 3 * cfg.dim * cfg.ffn_hidden_dim()
     block = attention + feed_forward + 2 * cfg.dim
     embedding = cfg.vocab_size * cfg.dim
     output = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
@@ -151,7 +139,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg))
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim())
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)

@@ -23,8 +23,9 @@ _RESERVED = ("rng", "integrity")  # the session's own items in the state registr
 class World:
     """Where ``build`` builds: this process's rank of ``world_size`` (``local_rank`` on
     node ``host``), its device, and the device mesh of ``settings.parallelism`` (1-D
-    ``dp_shard`` for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP) on the process group
-    the session formed. ``first``: the process's first build (not a re-formed group's);
+    ``dp_shard`` for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP, each with a last
+    ``tp`` dim when ``parallelism.tp`` is above 1) on the process group the session
+    formed. ``first``: the process's first build (not a re-formed group's);
     ``timed(part)``: a context manager that counts its block in the start-up timeline."""
     rank: int
     world_size: int

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.checkpoint import hf
 from llmtrain.config import JobConfig
-from llmtrain.distributed.parallelize import fp8_all_gather, parallelize
+from llmtrain.distributed.parallelize import data_parallel, fp8_all_gather, parallelize
 from llmtrain.model import Transformer
 from llmtrain.optim import build_optimizer, lr_schedule
 
@@ -37,7 +37,7 @@ def build(cfg: JobConfig, mesh: DeviceMesh, device: torch.device,
         model = Transformer(cfg.model)
     with span("shard"):
         model = parallelize(model, mesh, cfg.parallelism)
-        fp8_scales = fp8_all_gather(cfg.parallelism, device.type, mesh.shape[-1])
+        fp8_scales = fp8_all_gather(cfg.parallelism, device.type, data_parallel(mesh).shape[-1])
     with span("materialize"):
         model.to_empty(device=device)
         model.init_weights(t.seed)

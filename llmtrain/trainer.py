@@ -6,8 +6,12 @@ guard, the watchdog, the health monitor, run control, reporting) is the session'
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from llmtrain import fault_points, sharded_model
 from llmtrain.api import Parts, RunInfo, Session, Summary, World
@@ -60,9 +64,11 @@ class Trainer:
         self.compile_cache = compile_cache_for(cfg, world.rank, world.local_rank,
                                                session.events)
         with session.timed("data"):  # first: a bad shard fails before a group
-            self.data = training_batches(cfg, world.rank, world.world_size)
-        self._data_for = (world.rank, world.world_size)
+            self._data_for = cfg.data_rank(world.rank, world.world_size)
+            self.data = training_batches(cfg, *self._data_for)
         self._first_done = False
+        # split logits (tensor parallel): the loss and its backward work on them in place
+        self.loss_parallel = loss_parallel if cfg.parallelism.tp > 1 else contextlib.nullcontext
 
     def build(self, world: World) -> Parts:
         """The model, its optimizer and schedule on ``world``'s mesh, and the data of its
@@ -71,10 +77,10 @@ class Trainer:
         # CPU denormals run math (and torchao's FP8 emulation) 50x slower late in
         # training, when gradients get small; flushing them costs no accuracy.
         torch.set_flush_denormal(world.device.type == "cpu")
-        if self._data_for != (world.rank, world.world_size):
+        if self._data_for != cfg.data_rank(world.rank, world.world_size):
             self.data.close()
-            self.data = training_batches(cfg, world.rank, world.world_size)
-            self._data_for = (world.rank, world.world_size)
+            self._data_for = cfg.data_rank(world.rank, world.world_size)
+            self.data = training_batches(cfg, *self._data_for)
         # a re-formed group restores from memory, not from init_from
         self.model, self.optimizer, self.scheduler, self.fp8_scales = sharded_model.build(
             cfg, world.mesh, world.device, world.timed,
@@ -123,10 +129,12 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             session.beat("forward")
-            loss = self.loss(inputs, targets, step)
-            session.beat("backward")
-            (loss / len(micro_batches)).backward()
-            loss_sum += loss.detach()
+            with self.loss_parallel():
+                loss = self.loss(inputs, targets, step)
+                session.beat("backward")
+                (loss / len(micro_batches)).backward()
+            loss = loss.detach()
+            loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss
             if i == 0 and session.recompute_due():
                 self.recompute(step, own=loss.detach())
         loss = loss_sum / len(micro_batches)

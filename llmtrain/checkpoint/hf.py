@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from llmtrain.checkpoint import shard_read, storage
 from llmtrain.config import ConfigError, DataConfig, ModelConfig
 from llmtrain.fsio import is_local, join, write_atomic
-from llmtrain.model import Transformer, ffn_hidden_dim, global_offset, unwrapped_name
+from llmtrain.model import Transformer, global_offset, unwrapped_name
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_FILE_BYTES = 5 * 2**30  # per safetensors file, as Hugging Face shards them
@@ -73,7 +73,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.dim // cfg.n_heads, "intermediate_size": ffn_hidden_dim(cfg),
+            "head_dim": cfg.dim // cfg.n_heads, "intermediate_size": cfg.ffn_hidden_dim(),
             "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps,
             # rope_theta for transformers 4, rope_parameters for 5
             "rope_theta": cfg.rope_theta,
@@ -236,10 +236,10 @@ def _check_config(hf: dict, cfg: ModelConfig, url: str) -> None:
     if hf.get("head_dim", cfg.dim // cfg.n_heads) != cfg.dim // cfg.n_heads:
         raise ConfigError(f"checkpoint.init_from={url!r} has head_dim={hf['head_dim']}, not "
                           f"hidden_size / num_attention_heads; llmtrain's model cannot hold it")
-    if ffn_hidden_dim(cfg) != hf.get("intermediate_size"):
+    if cfg.ffn_hidden_dim() != hf.get("intermediate_size"):
         raise ConfigError(
             f"model.ffn_dim_multiplier={cfg.ffn_dim_multiplier} and model.multiple_of="
-            f"{cfg.multiple_of} give a SwiGLU hidden size of {ffn_hidden_dim(cfg)}, but "
+            f"{cfg.multiple_of} give a SwiGLU hidden size of {cfg.ffn_hidden_dim()}, but "
             f"checkpoint.init_from={url!r} has intermediate_size="
             f"{hf.get('intermediate_size')}; choose values that give it (Llama 3 8B: 1.3 "
             f"and 1024)")

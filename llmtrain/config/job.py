@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +54,12 @@ class JobConfig:
         """(dp_replicate, dp_shard) for ``world_size`` ranks (:func:`mesh_shape`)."""
         return mesh_shape(self.parallelism, world_size)
 
+    def data_rank(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The data-parallel rank of ``rank`` and their count: each tensor-parallel group
+        (``parallelism.tp`` consecutive ranks) reads one share of every batch."""
+        tp = self.parallelism.tp
+        return rank // tp, world_size // tp
+
     def settings(self) -> Settings:
         """The sections the reliability components read: what llmtrain's trainer gives
         the public API (:class:`llmtrain.api.Session`)."""
@@ -61,12 +68,14 @@ class JobConfig:
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step that keep the global batch fixed."""
-        t = self.training
-        per_step = t.micro_batch_size * world_size
+        t, tp = self.training, self.parallelism.tp
+        per_step = t.micro_batch_size * (world_size // tp)
+        ranks = (f"{world_size} ranks" if tp == 1 else
+                 f"{world_size // tp} data-parallel ranks ({world_size} / parallelism.tp={tp})")
         if t.global_batch_size % per_step:
             raise ConfigError(
                 f"training.global_batch_size={t.global_batch_size} is not a multiple of "
-                f"training.micro_batch_size={t.micro_batch_size} x {world_size} ranks "
+                f"training.micro_batch_size={t.micro_batch_size} x {ranks} "
                 f"= {per_step}; choose a global batch divisible by {per_step}")
         return t.global_batch_size // per_step
 
@@ -90,14 +99,47 @@ class JobConfig:
         if d.source == "embedded" and m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size={m.vocab_size} is too small for the byte "
                               f"tokenizer of data.source='embedded': it needs >= 256")
+        self._check_tp()
         self.settings().validate(world_size)
         self.accumulation_steps(world_size)
+
+
+    def _check_tp(self) -> None:
+        """Tensor parallelism splits heads, KV heads, the FFN's hidden units and the
+        vocabulary over ``parallelism.tp`` ranks, and the sequence (sequence parallel
+        norms): each must divide evenly. The same at every world size."""
+        tp = self.parallelism.tp
+        if tp == 1:
+            return
+        m = self.model
+        split = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads,
+                 "the FFN's hidden size (model.dim, ffn_dim_multiplier, multiple_of)":
+                     m.ffn_hidden_dim(),
+                 "model.vocab_size": m.vocab_size, "data.seq_len": self.data.seq_len}
+        uneven = {name: n for name, n in split.items() if n % tp}
+        if uneven:
+            fits = math.gcd(*split.values())
+            hint = (f"parallelism.tp={max(d for d in range(1, fits + 1) if fits % d == 0)}"
+                    if fits > 1 else "parallelism.tp=1")
+            raise ConfigError(
+                f"parallelism.tp={tp} does not divide "
+                + ", ".join(f"{name}={n}" for name, n in uneven.items())
+                + f": tensor parallelism splits each of them over the tp ranks; set {hint} "
+                  f"(the largest that divides them all) or change the model")
 
 
 def mesh_shape(p: ParallelismConfig, world_size: int) -> tuple[int, int]:
     """(dp_replicate, dp_shard) for ``world_size`` ranks, or ConfigError. One of the two
     may be -1, the rest: with ``dp_replicate = -1`` a replica keeps its size at any world
-    size, and a job that loses a replica goes on with the others (no resharding)."""
+    size, and a job that loses a replica goes on with the others (no resharding). With
+    ``tp`` above 1 they divide the world size / tp: each data-parallel rank is a group of
+    ``tp`` consecutive ranks."""
+    if world_size % p.tp:
+        raise ConfigError(
+            f"parallelism.tp={p.tp} does not divide a world of {world_size} ranks: every "
+            f"tensor-parallel group needs {p.tp} ranks; run a multiple of {p.tp} ranks "
+            f"(whole nodes), or lower parallelism.tp")
+    world_size //= p.tp
     if 0 in (p.dp_replicate, p.dp_shard) or p.dp_replicate == p.dp_shard == -1:
         raise ConfigError(
             f"parallelism.dp_replicate={p.dp_replicate}, parallelism.dp_shard="
@@ -168,6 +210,12 @@ class Settings:
                 f"reliability.hang_timeout_s={r.hang_timeout_s}, or the backend aborts "
                 f"before the watchdog can dump and diagnose the hang")
         step_ranges("integrity.skip_steps", self.integrity.skip_steps)
+        if self.parallelism.tp > 1 and self.integrity.recompute_every:
+            raise ConfigError(
+                f"integrity.recompute_every={self.integrity.recompute_every} needs "
+                f"parallelism.tp=1: a rank cannot compute another's micro-batch alone when "
+                f"its blocks are split over a tensor-parallel group; set "
+                f"integrity.recompute_every=0")
         mesh_shape(self.parallelism, world_size)
 
 

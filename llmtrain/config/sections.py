@@ -4,6 +4,7 @@ allowed values (checked by :mod:`llmtrain.config.parsing` as it is set) and what
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,17 @@ class ModelConfig:
                          doc="standard deviation of the weight init (the residual "
                              "projections': this / sqrt(2 n_layers))")
 
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size by Llama's rule.
+
+        Two thirds of the classic 4*dim keeps the three SwiGLU matrices at the cost of a
+        two-matrix MLP; the multiplier and the rounding to ``multiple_of`` reproduce the
+        published Llama 3 shapes (8B: 14336, 70B: 28672, 405B: 53248).
+        """
+        hidden = int(2 * 4 * self.dim / 3)
+        hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
 
 @dataclass
 class DataConfig:
@@ -66,6 +78,10 @@ class ParallelismConfig:
                      doc="auto: CUDA when a GPU is visible, else CPU")
     backend: str = _f("auto", choices=("auto", "gloo", "nccl"),
                       doc="auto: nccl on cuda, gloo on cpu")
+    tp: int = _f(1, ge=1, doc="tensor parallel: each block's matmuls split over this many "
+                              "consecutive ranks (keep it within a node: its collectives run "
+                              "in every block); dp_replicate x dp_shard make up the "
+                              "world size / tp")
     dp_replicate: int = _f(1, ge=-1, doc="replica groups (HSDP); 1 is plain FSDP; -1: as many "
                                           "replicas of dp_shard ranks as fit, so that an "
                                           "elastic job shrinks and grows by whole replicas")

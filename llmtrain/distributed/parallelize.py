@@ -1,5 +1,16 @@
-"""Turns a plain Transformer into the one that trains: FP8 linears, activation
-checkpointing, torch.compile and FSDP2, applied in that order (each wraps the previous).
+"""Turns a plain Transformer into the one that trains: FP8 linears, tensor parallelism,
+activation checkpointing, torch.compile and FSDP2, applied in that order (each wraps the
+previous).
+
+Tensor parallelism (``parallelism.tp`` above 1) follows Megatron's split of a Llama
+block over the mesh's ``tp`` dim: the attention's q, k and v projections and the MLP's
+w1 and w3 column-wise (each rank computes its own heads and hidden units), wo and w2
+row-wise; between blocks the residual stream is split along the sequence (sequence
+parallel), so each rank normalizes only its tokens, and gathered once before each
+attention and MLP. The embedding is split by vocabulary rows, the output projection by
+vocabulary columns, whose logits stay split: the loss is computed on them in place
+(``loss_parallel``), never gathering a [tokens, vocabulary] tensor. FSDP2 then shards
+every parameter over the data-parallel dims.
 """
 
 from __future__ import annotations
@@ -12,6 +23,10 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from llmtrain.config import ConfigError, ParallelismConfig
@@ -82,6 +97,56 @@ def apply_fp8(model: nn.Module, p: ParallelismConfig, device_type: str, shards: 
     convert_to_float8_training(model, config=config, module_filter_fn=_fp8_fits)
 
 
+def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel part of the job's mesh (what FSDP2 shards over): the mesh
+    itself, or without its ``tp`` dim."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return mesh
+    dp = tuple(n for n in names if n != "tp")
+    return mesh[dp if len(dp) > 1 else dp[0]]
+
+
+def _tp_styles(linear: nn.Module, fp8: str, device_type: str):
+    """Column- and row-wise styles for ``linear``: torchao's FP8 ones for a tensorwise
+    FP8 linear on GPUs (they cast before the collective, which then moves FP8: half the
+    bytes), else torch's (gloo has no float8 dtypes: FP8 matmuls, collectives in the
+    activations' dtype)."""
+    from torchao.float8.float8_linear import Float8Linear
+    if fp8 == "tensorwise" and device_type == "cuda" and isinstance(linear, Float8Linear):
+        from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel,
+                                                           Float8RowwiseParallel)
+        return Float8ColwiseParallel, Float8RowwiseParallel
+    return ColwiseParallel, RowwiseParallel
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, fp8: str) -> None:
+    """Splits ``model``'s blocks, embedding and output over ``tp_mesh`` (see the
+    module's docstring); the output's logits stay split along the vocabulary, for a
+    loss under ``torch.distributed.tensor.parallel.loss_parallel``."""
+    col, row = _tp_styles(model.output, fp8, tp_mesh.device_type)
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": col(input_layouts=Shard(1), output_layouts=Shard(-1),
+                      use_local_output=False),
+    })
+    for block in model.layers.values():
+        col, row = _tp_styles(block.attention.wq, fp8, tp_mesh.device_type)
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": col(), "attention.wk": col(), "attention.wv": col(),
+            "attention.wo": row(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": col(), "feed_forward.w3": col(),
+            "feed_forward.w2": row(output_layouts=Shard(1)),
+        })
+
+
 def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
     if mode == "full":
         return checkpoint_wrapper(block, preserve_rng_state=False)
@@ -91,9 +156,13 @@ def _checkpointed(block: nn.Module, mode: str) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelismConfig) -> nn.Module:
-    """Shards ``model`` (a :class:`llmtrain.model.Transformer`) in place over ``mesh``."""
+    """Shards ``model`` (a :class:`llmtrain.model.Transformer`) in place over ``mesh``
+    (with ``parallelism.tp`` above 1, its last dim ``tp``)."""
+    dp_mesh = data_parallel(mesh)
     if p.fp8 != "none":
-        apply_fp8(model, p, mesh.device_type, mesh.shape[-1])
+        apply_fp8(model, p, mesh.device_type, dp_mesh.shape[-1])
+    if p.tp > 1:
+        apply_tp(model, mesh["tp"], p.fp8)
     for name, block in list(model.layers.items()):
         if p.activation_checkpoint != "none":
             block = _checkpointed(block, p.activation_checkpoint)
@@ -102,7 +171,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelismConfig) -> nn.
         model.layers[name] = block
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, p.param_dtype),
                               reduce_dtype=getattr(torch, p.reduce_dtype))
-    shard = partial(fully_shard, mesh=mesh, mp_policy=mp)
+    shard = partial(fully_shard, mesh=dp_mesh, mp_policy=mp)
     for i, block in enumerate(model.layers.values()):
         # The last block's parameters are needed again at once by backward: keep them.
         last = i == len(model.layers) - 1

@@ -205,15 +205,16 @@ def init_process_group(p: ParallelismConfig, r: ReliabilityConfig, world: WorldI
 
 
 def build_mesh(device: torch.device, shape: tuple[int, int],
-               collective_timeout_s: float) -> DeviceMesh:
-    """A 1-D ``dp_shard`` mesh for FSDP, or 2-D ``(dp_replicate, dp_shard)`` for HSDP. Its
+               collective_timeout_s: float, tp: int = 1) -> DeviceMesh:
+    """A 1-D ``dp_shard`` mesh for FSDP, or 2-D ``(dp_replicate, dp_shard)`` for HSDP;
+    with ``tp`` above 1, a last dim ``tp`` of that many consecutive ranks (a node's). Its
     groups get the job's collective timeout too: made with the backend's default (NCCL's
     10 minutes), a longer ``reliability.hang_timeout_s`` would never be reached on them."""
     replicate, shard = shape
-    mesh = (init_device_mesh(device.type, (shard,), mesh_dim_names=("dp_shard",))
-            if replicate == 1 else
-            init_device_mesh(device.type, (replicate, shard),
-                             mesh_dim_names=("dp_replicate", "dp_shard")))
+    dims = [("dp_replicate", replicate)] * (replicate > 1) + [("dp_shard", shard)]
+    dims += [("tp", tp)] * (tp > 1)
+    mesh = init_device_mesh(device.type, tuple(n for _, n in dims),
+                            mesh_dim_names=tuple(name for name, _ in dims))
     for dim in range(mesh.ndim):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout_s),
                                               mesh.get_group(dim))

@@ -96,6 +96,13 @@ def preflight(cfg: JobConfig, lc: LaunchConfig) -> None:
     """Raises ConfigError/ShardError for a config or data that no restart would fix. The
     config must validate at every world size the job may run at, not only its ends: a
     global batch that 2 and 8 ranks divide but 6 do not ends a shrink to 6 FATAL."""
+    tp = cfg.parallelism.tp
+    if lc.nproc_per_node % tp:
+        raise ConfigError(
+            f"parallelism.tp={tp} does not divide --nproc-per-node={lc.nproc_per_node}: a "
+            f"tensor-parallel group would span nodes, and its collectives (several in every "
+            f"block) would cross the network; set parallelism.tp to a divisor of "
+            f"{lc.nproc_per_node}")
     # a script of the user's trains its own model on its own data: the settings only
     check = cfg.settings().validate if lc.script else cfg.validate
     failures = {}
@@ -122,7 +129,8 @@ def _unfit(cfg: JobConfig, lc: LaunchConfig, failures: dict[int, str]) -> str:
     first = min(failures)
     fixes = []
     if not lc.script and any(_fails(cfg.accumulation_steps, w) for w in sizes):
-        per_step = math.lcm(*(cfg.training.micro_batch_size * w for w in sizes))
+        per_step = math.lcm(*(cfg.training.micro_batch_size * (w // cfg.parallelism.tp)
+                              for w in sizes))
         fixes.append(f"training.global_batch_size="
                      f"{-(-cfg.training.global_batch_size // per_step) * per_step} "
                      f"(a multiple of {per_step})")
@@ -262,6 +270,11 @@ def warm_off_reason(cfg: JobConfig, lc: LaunchConfig, env: dict[str, str]) -> st
     if lc.node_range[1] == 1:
         return ("the job has one node: a lost rank's snapshot has no replica on another "
                 "node to come back from (--warm.enable false silences this)")
+    if cfg.parallelism.tp > 1:
+        return (f"parallelism.tp={cfg.parallelism.tp}: the warm path does not yet replace "
+                f"a rank of a tensor-parallel group from its data-parallel peer, so a lost "
+                f"rank restarts the job cold from its last checkpoint (--warm.enable false "
+                f"silences this)")
     if not lc.external_store or "LLMTRAIN_RDZV_ENDPOINT" not in env:
         return ("the rendezvous store lives in torchrun's agents and dies with a node; run "
                 "`llmtrain rdzv-store` on a host that does not train and pass "

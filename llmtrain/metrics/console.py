@@ -65,10 +65,11 @@ class ConsoleReporter:
         self.stream.flush()
 
     def run_started(self, *, model: str, params: int, world_size: int, device: str,
-                    backend: str, micro_batches: int, run_dir: str) -> None:
+                    backend: str, micro_batches: int, run_dir: str, mesh: str = "") -> None:
         batches = f"{micro_batches} micro-batch(es) per step, " if micro_batches else ""
-        self.line(f"llmtrain: {model} model, {param_count(params)} params, {world_size} rank(s) "
-                  f"on {device} ({backend}), {batches}run dir {run_dir}")
+        mesh = f" (mesh {mesh})" if mesh else ""
+        self.line(f"llmtrain: {model} model, {param_count(params)} params, {world_size} "
+                  f"rank(s){mesh} on {device} ({backend}), {batches}run dir {run_dir}")
 
     def started_up(self, phases: dict[str, float], since_launch_s: float) -> None:
         """Where the start-up's time went, once the first step is done."""

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.config import Settings
 from llmtrain.distributed.process_group import WorldInfo
@@ -103,7 +104,7 @@ class Reporter:
         """The run's first and last reported losses (NaN before any)."""
         return self._first_loss, self._loss
 
-    def run_start(self, device: torch.device, micro_batches: int) -> None:
+    def run_start(self, device: torch.device, micro_batches: int, mesh: DeviceMesh) -> None:
         info = self.info
         self.peak_flops = peak_flops(self.cfg.metrics.peak_tflops, info.fp8, device)
         if not self.is_rank0:
@@ -113,7 +114,10 @@ class Reporter:
         self.console.run_started(model=info.name, params=info.params,
                                  world_size=self.world.world_size, device=device.type,
                                  backend=dist.get_backend(), micro_batches=micro_batches,
-                                 run_dir=self.cfg.run_dir)
+                                 run_dir=self.cfg.run_dir,
+                                 mesh=" x ".join(f"{name} {size}" for name, size in
+                                                 zip(mesh.mesh_dim_names, mesh.shape))
+                                 if mesh.ndim > 1 else "")
 
     def run_end(self, s) -> None:
         """Rank 0: the run's end (``s``: the session's Summary) as an event, its goodput,

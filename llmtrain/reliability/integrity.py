@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.config import IntegrityConfig, step_ranges
 from llmtrain.events import EventLog, read_events
@@ -89,10 +90,13 @@ def _number(x: float | None) -> float | str | None:
     return x if x is None or math.isfinite(x) else str(x)
 
 
-def replica_groups(mesh: torch.Tensor) -> list[list[int]]:
-    """The groups of ranks holding the same shards (HSDP replicas) in a (replicate,
-    shard) or (shard,) mesh of ranks."""
-    return mesh.reshape(-1, mesh.shape[-1]).T.tolist()
+def replica_groups(mesh: DeviceMesh) -> list[list[int]]:
+    """The groups of ranks holding the same shards (HSDP replicas) in the job's mesh:
+    ``(dp_replicate, dp_shard)``, ``(dp_shard,)``, either with a last ``tp`` dim. The
+    ranks of one coordinate in every dim but ``dp_replicate`` hold the same shards."""
+    ranks = mesh.mesh
+    replicas = ranks.shape[0] if (mesh.mesh_dim_names or ())[:1] == ("dp_replicate",) else 1
+    return ranks.reshape(replicas, -1).T.tolist()
 
 
 def learned_skips(run_dir: str) -> set[int]:
@@ -172,12 +176,13 @@ class Integrity:
 
     @classmethod
     def for_run(cls, cfg: IntegrityConfig, run_dir: str, events: EventLog,
-                device: torch.device, mesh, samples_per_step: int, spare: bool) -> Integrity:
+                device: torch.device, mesh: DeviceMesh, samples_per_step: int,
+                spare: bool) -> Integrity:
         """This rank's, over the job's ``mesh``; the steps earlier rollbacks learned to
         skip are read from the run's events in ``run_dir`` (a ``spare`` learns them from
         its buddy's replica instead, not from a collective its peers are not in)."""
         return cls(cfg, events=events, device=device, rank=dist.get_rank(),
-                   world_size=dist.get_world_size(), replicas=replica_groups(mesh.mesh),
+                   world_size=dist.get_world_size(), replicas=replica_groups(mesh),
                    global_batch_size=samples_per_step,
                    learned_skips=set() if spare else learned_skips(run_dir))
 

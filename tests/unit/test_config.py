@@ -1,8 +1,10 @@
+import json
 import subprocess
 import sys
 
 import pytest
 
+from llmtrain.cli import main
 from llmtrain.config import ConfigError, load_config, parse_overrides, preset_names
 from llmtrain.exit_codes import ExitCode
 from llmtrain.model import count_params
@@ -148,3 +150,39 @@ def test_a_toml_file_names_the_preset_it_starts_from(tmp_path):
     (tmp_path / "number.toml").write_text("preset = 3\n")
     with pytest.raises(ConfigError, match="must name a preset"):
         load_config(str(tmp_path / "number.toml"))
+
+
+def test_tensor_parallel_must_split_heads_ffn_vocab_and_sequence_evenly():
+    cfg = load_config("debug_cpu", [("parallelism.tp", 4)])  # 2 KV heads
+    with pytest.raises(ConfigError) as e:
+        cfg.validate(4)
+    assert str(e.value).startswith("parallelism.tp=4 does not divide model.n_kv_heads=2:")
+    assert "set parallelism.tp=2 (the largest that divides them all)" in str(e.value)
+    cfg = load_config("debug_cpu", [("parallelism.tp", 2), ("data.seq_len", 63)])
+    with pytest.raises(ConfigError, match=r"does not divide data.seq_len=63"):
+        cfg.validate(4)
+    with pytest.raises(ConfigError, match=r"parallelism.tp=2 does not divide a world of 3"):
+        load_config("debug_cpu", [("parallelism.tp", 2)]).validate(3)
+    with pytest.raises(ConfigError, match=r"integrity.recompute_every=5 needs parallelism.tp=1"):
+        load_config("debug_cpu", [("parallelism.tp", 2),
+                                  ("integrity.recompute_every", 5)]).validate(4)
+
+
+def test_tensor_parallel_ranks_share_their_data_and_the_batch_counts_dp_ranks():
+    cfg = load_config("debug_cpu", [("parallelism.tp", 2), ("training.micro_batch_size", 4)])
+    cfg.validate(4)
+    assert cfg.mesh_shape(4) == (1, 2)
+    assert cfg.accumulation_steps(4) == 2  # 16 sequences over 2 data-parallel ranks of 4
+    assert [cfg.data_rank(rank, 4) for rank in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def test_llama3_405b_trains_on_16k_gpus_with_tp_8_and_16m_tokens_a_step(capsys):
+    """FSDP alone at 16,384 ranks needs a global batch of at least 16,384 sequences (134M
+    tokens); with TP 8 inside each node, 2,048 sequences of 8,192 tokens make a step."""
+    assert main(["config", "--config", "llama3_405b", "--world-size", "16384",
+                 "--data.path", "s3://bucket/tokens"]) == 0
+    derived = json.loads(capsys.readouterr().out)["derived"]
+    assert derived["mesh"] == {"dp_replicate": 1, "dp_shard": 2048, "tp": 8}
+    assert derived["tokens_per_step"] == 2048 * 8192 <= 2 ** 24
+    assert derived["accumulation_steps"] == 1
+    assert load_config("llama3_70b").parallelism.tp == 8

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from llmtrain.config import ModelConfig
 from llmtrain.model import (Attention, RMSNorm, Transformer, apply_rope, count_params,
-                            ffn_hidden_dim, flops_per_token, rope_tables)
+                            flops_per_token, rope_tables)
 
 
 @pytest.fixture(autouse=True)
@@ -133,13 +133,13 @@ def test_count_params_matches_built_model(tie):
 ])
 def test_published_llama3_sizes_are_exact(fields, hidden, total):
     cfg = ModelConfig(**fields)
-    assert ffn_hidden_dim(cfg) == hidden
+    assert cfg.ffn_hidden_dim() == hidden
     assert count_params(cfg) == total
 
 
 def test_llama3_405b_size():
     cfg = ModelConfig(**LLAMA3_405B)
-    assert ffn_hidden_dim(cfg) == 53248
+    assert cfg.ffn_hidden_dim() == 53248
     assert count_params(cfg) == pytest.approx(405.9e9, rel=1e-3)
 
 
