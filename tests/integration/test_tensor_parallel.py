@@ -9,10 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
+import needs
 from conftest import ROOT, check, events, llmtrain, step_losses
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.shard_read import ShardReader
+from llmtrain.config import load_config
+from llmtrain.model import Transformer
 from test_checkpoint import assert_bitwise_equal, final_weights
 
 pytestmark = pytest.mark.slow
@@ -122,3 +127,31 @@ def test_fp8_with_tensor_parallel_trains(tmp_path, tp_run):
     assert sorted(fp8) == list(range(1, 11))
     assert fp8[10] < fp8[1] - 1.0
     assert any(fp8[step] != fp32[step] for step in fp8)
+
+
+def test_a_tp_checkpoint_exports_to_hf(tmp_path, tp_run):
+    """``ckpt export --to hf`` of the tp 2 x dp 2 checkpoint: transformers' Llama gives
+    our model's logits from it, and a tp 2 x dp 2 run started from the export (each rank
+    reading the rows and columns of its own shards) takes the first step a one-process
+    run started from it takes."""
+    transformers = needs.module("transformers", "pip install -e '.[dev]'")
+    ckpt = storage.step_dir(str(tp_run[0] / "checkpoints"), 10)
+    out = tmp_path / "hf"
+    check(subprocess.run([sys.executable, "-m", "llmtrain", "ckpt", "export", ckpt,
+                          "--to", "hf", str(out)], capture_output=True, text=True, cwd=ROOT))
+    ours = Transformer(load_config("debug_cpu").model)
+    state = {f"model.{k}": v for k, v in ours.state_dict().items()}
+    dcp.load(state, storage_reader=ShardReader(ckpt), no_dist=True)
+    ours.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(tokens).logits, ours(tokens),
+                                   atol=1e-5, rtol=0)
+    runs = {"tp": tmp_path / "from_hf_tp", "one": tmp_path / "from_hf_one"}
+    start = ("--checkpoint.enable", "false", "--checkpoint.init_from", str(out))
+    train(runs["tp"], *TP2, *start, steps=1)
+    check(llmtrain(runs["one"], "--training.steps", "1", *BATCH, *start))
+    first = {name: step_losses(run)[1] for name, run in runs.items()}
+    assert first["tp"] == pytest.approx(first["one"], rel=2e-4)
+    assert first["tp"] < step_losses(tp_run[0])[1] - 1.0  # trained weights, not the init
