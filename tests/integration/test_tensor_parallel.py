@@ -115,14 +115,18 @@ def test_a_tp_checkpoint_resumes_a_data_parallel_run(tmp_path, tp_run):
         assert got[step] == pytest.approx(ref[step], rel=2e-4), step
 
 
-def test_fp8_with_tensor_parallel_trains(tmp_path, tp_run):
-    """torchao float8 (tensorwise) linears split by the TP plan: on gloo, which has no
-    float8 dtype, with torch's column- and row-wise styles (FP8 matmuls, collectives in
-    float32; a GPU's take torchao's FP8 styles). It trains, and not as fp32 does: its
-    losses are its own."""
+def test_fp8_with_hsdp_and_tensor_parallel_trains(tmp_path, tp_run):
+    """torchao float8 (tensorwise) linears split by the TP plan, on a 3-D mesh (two HSDP
+    replicas of a tp 2 group): on gloo, which has no float8 dtype, with torch's column-
+    and row-wise styles (FP8 matmuls, collectives in float32; a GPU's take torchao's FP8
+    styles). It trains, and not as fp32 does: its losses are its own; the replicas'
+    states, fingerprinted every 5 steps, agree."""
     run = tmp_path / "fp8"
-    train(run, *TP2, "--parallelism.fp8", "tensorwise", "--checkpoint.enable", "false",
-          steps=10)
+    stdout = train(run, *TP2, "--parallelism.fp8", "tensorwise", "--checkpoint.enable",
+                   "false", "--parallelism.dp_replicate", "2", "--integrity.sdc_every", "5",
+                   steps=10)
+    assert "(mesh dp_replicate 2 x dp_shard 1 x tp 2)" in stdout
+    assert events(run, "state_check_failed") == []
     fp8, fp32 = step_losses(run), step_losses(tp_run[0])
     assert sorted(fp8) == list(range(1, 11))
     assert fp8[10] < fp8[1] - 1.0

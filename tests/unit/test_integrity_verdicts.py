@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.config import ConfigError, IntegrityConfig, step_ranges
 from llmtrain.events import read_events, EventLog
-from llmtrain.reliability.integrity import Integrity, TrainingDiverged, fingerprint
+from llmtrain.reliability.integrity import (Integrity, TrainingDiverged, fingerprint,
+                                           replica_groups)
 from llmtrain.state_registry import StateRegistry
 
 
@@ -151,3 +153,19 @@ def test_verdicts_restored_from_another_world_size_are_read_and_saved(integrity)
     judge(restored, 5, 3.0)  # judged by this one rank
     assert [len(row) for _, row in restored.state_dict()["pending"]] == [7, 7, 4]
     assert [(b.step, b.ranks) for b in restored.read()] == [(4, [2])]
+
+
+@pytest.mark.parametrize("dims, groups", [
+    ({"dp_shard": 4}, [[0], [1], [2], [3]]),
+    ({"dp_replicate": 2, "dp_shard": 2}, [[0, 2], [1, 3]]),
+    ({"dp_shard": 2, "tp": 2}, [[0], [1], [2], [3]]),  # each rank its own shards
+    ({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, [[0, 4], [1, 5], [2, 6], [3, 7]]),
+])
+def test_replicas_are_the_ranks_of_one_coordinate_in_every_dim_but_dp_replicate(
+        integrity, dims, groups):
+    """(A mesh of names only: the groups are read from its ranks, no group is formed.)"""
+    integrity()  # (its fixture forms the one-rank default group a mesh asks for)
+    size = math.prod(dims.values())
+    mesh = DeviceMesh("cpu", torch.arange(size).reshape(*dims.values()),
+                      mesh_dim_names=tuple(dims), _init_backend=False)
+    assert replica_groups(mesh) == groups
