@@ -108,9 +108,16 @@ class JobConfig:
         """Tensor parallelism splits heads, KV heads, the FFN's hidden units and the
         vocabulary over ``parallelism.tp`` ranks, and the sequence (sequence parallel
         norms): each must divide evenly. The same at every world size."""
-        tp = self.parallelism.tp
+        p = self.parallelism
+        tp = p.tp
         if tp == 1:
             return
+        if p.compile and p.activation_checkpoint == "full":
+            raise ConfigError(
+                f"parallelism.activation_checkpoint='full' with parallelism.compile and "
+                f"parallelism.tp={tp} fails in torch's compiled checkpoint (a device mesh "
+                f"among the saved tensors); use activation_checkpoint='selective', or "
+                f"compile=false")
         m = self.model
         split = {"model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads,
                  "the FFN's hidden size (model.dim, ffn_dim_multiplier, multiple_of)":

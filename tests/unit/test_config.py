@@ -163,6 +163,11 @@ def test_tensor_parallel_must_split_heads_ffn_vocab_and_sequence_evenly():
         cfg.validate(4)
     with pytest.raises(ConfigError, match=r"parallelism.tp=2 does not divide a world of 3"):
         load_config("debug_cpu", [("parallelism.tp", 2)]).validate(3)
+    with pytest.raises(ConfigError, match=r"activation_checkpoint='full' with parallelism.compile "
+                                          r"and parallelism.tp=2 fails .* use "
+                                          r"activation_checkpoint='selective'"):
+        load_config("debug_cpu", [("parallelism.tp", 2), ("parallelism.compile", True),
+                                  ("parallelism.activation_checkpoint", "full")]).validate(2)
     with pytest.raises(ConfigError, match=r"integrity.recompute_every=5 needs parallelism.tp=1"):
         load_config("debug_cpu", [("parallelism.tp", 2),
                                   ("integrity.recompute_every", 5)]).validate(4)
