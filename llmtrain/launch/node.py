@@ -270,11 +270,6 @@ def warm_off_reason(cfg: JobConfig, lc: LaunchConfig, env: dict[str, str]) -> st
     if lc.node_range[1] == 1:
         return ("the job has one node: a lost rank's snapshot has no replica on another "
                 "node to come back from (--warm.enable false silences this)")
-    if cfg.parallelism.tp > 1:
-        return (f"parallelism.tp={cfg.parallelism.tp}: the warm path does not yet replace "
-                f"a rank of a tensor-parallel group from its data-parallel peer, so a lost "
-                f"rank restarts the job cold from its last checkpoint (--warm.enable false "
-                f"silences this)")
     if not lc.external_store or "LLMTRAIN_RDZV_ENDPOINT" not in env:
         return ("the rendezvous store lives in torchrun's agents and dies with a node; run "
                 "`llmtrain rdzv-store` on a host that does not train and pass "

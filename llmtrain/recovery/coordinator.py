@@ -89,11 +89,13 @@ class Job(Protocol):
         """Forms the next generation on ``store``; returns its control group."""
 
 
-def world_sizes(world: WorldInfo,
-                fits: Callable[[int], tuple[int, int]]) -> Callable[[int], tuple[int, int] | str] | None:
+def world_sizes(world: WorldInfo, fits: Callable[[int], tuple[int, int]],
+                tp: int = 1) -> Callable[[int], tuple[int, int] | str] | None:
     """What a shrink or a grow may reach: the mesh ``fits`` gives a number of ranks (as a
     cold restart at that size would), or why not (below the launcher's ``--nnodes``
-    minimum; the ConfigError ``fits`` raised). None when no launcher said its minimum."""
+    minimum; the ConfigError ``fits`` raised; with tensor parallelism, a mesh whose
+    replicas are not the same as now: only whole replicas may come and go). None when no
+    launcher said its minimum."""
     floor = world.min_nodes
     if floor is None:
         return None
@@ -103,9 +105,15 @@ def world_sizes(world: WorldInfo,
             return (f"{ranks // world.local_world_size} node(s) are fewer than --nnodes "
                     f"allows ({floor})")
         try:
-            return fits(ranks)
+            mesh, now = fits(ranks), fits(world.world_size)
         except ConfigError as e:
             return str(e)
+        if tp > 1 and mesh[1] != now[1]:
+            return (f"with parallelism.tp={tp} only whole replicas come and go, but "
+                    f"{ranks} ranks would shard over dp_shard={mesh[1]} instead of "
+                    f"{now[1]}; set parallelism.dp_shard={now[1]} and "
+                    f"parallelism.dp_replicate=-1")
+        return mesh
     return shape
 
 
@@ -125,6 +133,7 @@ class WarmRecovery:
         self._spares_look: BackgroundLook | None = None  # rank 0's, made at its first vote
         self.round_id = path.round_id
         self.timeout_s = cfg.reliability.collective_timeout_s
+        self.tp = cfg.parallelism.tp  # the same at every size: whole replicas come and go
         # never further apart than checkpoints: warm must not redo more than cold
         most = (min(w.snapshot_max_every, c.interval_steps)
                 if c.enable and c.interval_steps else w.snapshot_max_every)
@@ -459,7 +468,7 @@ class WarmRecovery:
         registry, own = self.job.registry, plan.kept[self.world.rank]
         newcomers = frozenset(n for n, old in enumerate(plan.kept) if old < 0)
         header = reshard(self.held, {int(o): n for o, n in plan.providers.items()},
-                         Mesh(*plan.old_mesh), Mesh(*plan.mesh),
+                         Mesh(*plan.old_mesh, tp=self.tp), Mesh(*plan.mesh, tp=self.tp),
                          registry.entries(),
                          own=own if own >= 0 else None, group=self.replication,
                          newcomers=newcomers)
@@ -532,6 +541,6 @@ def warm_recovery(settings: Settings, job: Job, *, world: WorldInfo,
         fence.round_name(job_store) or round_of(job_store, None))
     path = WarmPath(settings.warm, store, round_id, world.rank, world.world_size, per_node,
                     gen=plan["gen"] if plan is not None else 0,
-                    shapes=world_sizes(world, fits))
+                    shapes=world_sizes(world, fits, settings.parallelism.tp))
     return WarmRecovery(settings, path, job, world=world, events=events, ledger=ledger,
                         fence=fence, held=held)

@@ -11,7 +11,10 @@ overlap it, copied where this rank holds one (its own snapshot, or the replica o
 ward), else sent by a rank that holds it. Each rank so receives at most its new shard's
 bytes, never the whole state (an all-gather would send the whole state to every rank).
 A shrink of HSDP that drops whole replicas leaves every survivor's shard where it is:
-nothing is sent.
+nothing is sent. With tensor parallelism (``tp`` consecutive ranks split each block, and
+FSDP shards their pieces again, in strides), only whole replicas come and go: a rank's
+tensors are then those of its *unit*, its place within a replica, and move whole from a
+rank of the same unit (a grow's newcomer), or stay where they are.
 
 The pieces one rank sends another travel in one buffer with its XXH3 checksum, checked
 before any byte lands in the state: every held snapshot was verified against its own
@@ -45,11 +48,20 @@ _DIGEST = 16  # bytes of an XXH3-128 digest
 
 @dataclass(frozen=True)
 class Mesh:
-    """A data-parallel mesh's shape: ``replicate`` × ``shard`` ranks, rank ``r*shard+s``
-    holding shard ``s`` (as :func:`llmtrain.distributed.process_group.build_mesh` lays
-    it out)."""
+    """A mesh's shape: ``replicate`` × ``shard`` data-parallel ranks, each a group of
+    ``tp`` consecutive ranks; rank ``(r*shard+s)*tp+t`` holds shard ``s`` of tensor-parallel
+    piece ``t`` (as :func:`llmtrain.distributed.process_group.build_mesh` lays it out)."""
     replicate: int
     shard: int
+    tp: int = 1
+
+    @property
+    def units(self) -> int:
+        """The ranks of one replica: each holds tensors no other rank of it holds."""
+        return self.shard * self.tp
+
+    def unit_of(self, rank: int) -> int:
+        return rank % self.units
 
     def shard_of(self, rank: int) -> int:
         return rank % self.shard
@@ -91,6 +103,38 @@ def _sharded(t: torch.Tensor) -> bool:
         raise ValueError(f"cannot reshard a tensor placed {t.placements} from memory "
                          f"(only FSDP's dim-0 shards): use the cold path")
     return True
+
+
+def whole_units(old: Mesh, new: Mesh) -> bool:
+    """Whether only whole replicas come and go: every rank's tensors are then its unit's,
+    moved whole. The only resize with tensor parallelism (its strided shards are not
+    FSDP's rows)."""
+    return (old.shard, old.tp) == (new.shard, new.tp)
+
+
+def plan_unit_moves(rank: int, count: int, providers: dict[int, int], old: Mesh, new: Mesh
+                    ) -> Moves:
+    """What ``rank`` copies, sends and receives when only whole replicas come and go
+    (:func:`whole_units`): each new rank takes all ``count`` state tensors of its unit
+    whole, from its own memory when it holds a snapshot of that unit, else from a rank
+    that does (a newcomer's, the unsharded ones too)."""
+    holders: dict[int, dict[int, int]] = defaultdict(dict)  # unit -> new rank -> old rank
+    for o in sorted(providers):
+        holders[old.unit_of(o)].setdefault(providers[o], o)
+    missing = [u for u in range(old.units) if u not in holders]
+    if missing:
+        raise SnapshotError(f"no survivor holds the tensors of unit(s) {missing} in memory")
+    moves = Moves()
+    for n in range(new.replicate * new.units):
+        held = holders[new.unit_of(n)]
+        p = n if n in held else sorted(held)[n % len(held)]
+        for i in range(count):
+            piece = _Piece(i, held[p], None)
+            if n == rank:
+                (moves.copies if p == rank else moves.receives[p]).append(piece)
+            elif p == rank:
+                moves.sends[n].append(piece)
+    return moves
 
 
 def plan_moves(rank: int, rows: list[int | None], providers: dict[int, int], old: Mesh,
@@ -154,12 +198,14 @@ def reshard(held: dict[int, Snapshot], providers: dict[int, int], old: Mesh, new
     old rank, whose unsharded tensors and header it keeps, None for a newcomer). Returns
     that header; a newcomer's is rank 0's, whose shared items it takes."""
     rank = dist.get_rank(group)
-    rows = [t.shape[0] if _sharded(t) else None for t in live]
-    moves = plan_moves(rank, rows, providers, old, new, newcomers)
+    whole = whole_units(old, new)
+    rows = [None if whole or not _sharded(t) else t.shape[0] for t in live]
+    moves = (plan_unit_moves(rank, len(live), providers, old, new) if whole else
+             plan_moves(rank, rows, providers, old, new, newcomers))
     parts = {o: snap.parts() for o, snap in held.items()}
     locals_ = [local_shard(t) for t in live]
     row_bytes = [t.element_size() * math.prod(t.shape[1:]) for t in locals_]
-    if own is not None:
+    if own is not None and not whole:  # (whole units: the moves copy a survivor's own)
         own_layout = held[own].header["layout"]
         for i, (t, n_rows) in enumerate(zip(locals_, rows)):
             if n_rows is None:

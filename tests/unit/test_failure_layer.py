@@ -51,10 +51,6 @@ def test_the_launcher_says_why_the_default_warm_path_cannot_work():
     assert "--external-store" in reason and "--warm.enable false" in reason
     outside = LaunchConfig(nnodes="2", rdzv_endpoint="127.0.0.1:29999", external_store=True)
     assert warm_off_reason(cfg, outside, worker_env(cfg, outside, "node1")) == ""  # gloo
-    cfg.parallelism.tp = 2  # not yet: a lost TP rank restarts the job cold
-    assert "parallelism.tp=2: the warm path does not yet replace" in warm_off_reason(
-        cfg, outside, worker_env(cfg, outside, "node1"))
-    cfg.parallelism.tp = 1
     cfg.parallelism.backend = "nccl"
     env = worker_env(cfg, outside, "node1")
     assert warm_off_reason(cfg, outside, env) == ""

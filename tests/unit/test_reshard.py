@@ -15,10 +15,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from llmtrain.checkpoint.snapshots import Schedule, Snapshots
+from llmtrain.checkpoint.snapshots import Schedule, SnapshotError, Snapshots
+from llmtrain.config import load_config
+from llmtrain.distributed.process_group import WorldInfo
+from llmtrain.recovery.coordinator import world_sizes
 from llmtrain.state_registry import state_entries, state_tensors
 from llmtrain.events import EventLog
-from llmtrain.recovery.reshard import Mesh, plan_moves, reshard
+from llmtrain.recovery.reshard import Mesh, plan_moves, plan_unit_moves, reshard, whole_units
 from llmtrain.state_registry import local_shard
 
 
@@ -119,3 +122,40 @@ def test_dropping_a_whole_replica_moves_nothing_and_a_rank_receives_at_most_its_
                           for a, b in [p.rows])
     assert total_sent == sum(_received(plan_moves(r, rows, providers, Mesh(1, 8), Mesh(1, 6)))
                              for r in range(6))
+
+
+def test_with_tensor_parallelism_whole_replicas_move_each_rank_its_places_tensors_whole():
+    """Two replicas of a tp 2 group (ranks (r*1+s)*2+t): a shrink keeps the survivors'
+    tensors where they are; a grow sends each newcomer every tensor of its tp place from
+    the survivor of that place; a place nobody holds is an error, never a guess."""
+    old, new = Mesh(2, 1, tp=2), Mesh(1, 1, tp=2)
+    assert whole_units(old, new) and not whole_units(Mesh(1, 2), Mesh(1, 1))
+    for rank in (0, 1):  # old ranks 2 and 3 go on as 0 and 1
+        moves = plan_unit_moves(rank, 3, {2: 0, 3: 1}, old, new)
+        assert not moves.sends and not moves.receives
+        assert [(p.tensor, p.source, p.rows) for p in moves.copies] == [
+            (i, rank + 2, None) for i in range(3)]
+    grown = {rank: plan_unit_moves(rank, 2, {0: 0, 1: 1}, new, old) for rank in range(4)}
+    assert {peer: [(p.tensor, p.source) for p in pieces]
+            for peer, pieces in grown[1].sends.items()} == {3: [(0, 1), (1, 1)]}
+    assert [(p.tensor, p.source) for p in grown[2].receives[0]] == [(0, 0), (1, 0)]
+    assert not grown[2].copies and not grown[0].receives
+    with pytest.raises(SnapshotError, match=r"unit\(s\) \[1\]"):
+        plan_unit_moves(0, 2, {2: 0}, old, new)  # the place of old rank 3: nobody
+
+
+def test_with_tensor_parallelism_a_resize_that_would_change_dp_shard_is_refused():
+    """tp 2 on nodes of 2 ranks: with dp_shard -1 a shrink from 2 nodes to 1 would
+    shard over 1 rank instead of 2 (strided TP pieces the reshard cannot cut): the size
+    is not one the warm path may reach, and the reason names the fix; whole replicas
+    (dp_replicate -1, dp_shard 1) are."""
+    world = WorldInfo(rank=0, world_size=4, local_rank=0, host="node1", local_world_size=2,
+                      min_nodes=1, max_nodes=2)
+    fsdp = load_config("debug_cpu", [("parallelism.tp", 2)])
+    reason = world_sizes(world, fsdp.mesh_shape, tp=2)(2)
+    assert "only whole replicas come and go" in reason
+    assert "set parallelism.dp_shard=2 and parallelism.dp_replicate=-1" in reason
+    assert world_sizes(world, fsdp.mesh_shape, tp=1)(2) == (1, 1)  # (without TP: resharded)
+    hsdp = load_config("debug_cpu", [("parallelism.tp", 2), ("parallelism.dp_replicate", -1),
+                                     ("parallelism.dp_shard", 1)])
+    assert world_sizes(world, hsdp.mesh_shape, tp=2)(2) == (1, 1)
