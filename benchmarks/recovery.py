@@ -41,16 +41,24 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
 - **shrink_cold**: the same with ``--warm.shrink false``: the warm path finds no spare and
   goes cold, and the survivor restarts alone from the newest checkpoint under torchrun.
   The baseline of the shrink.
+- **warm_tp**: the warm path with tensor parallelism: two ranks a node, a tp 2 group each
+  (``parallelism.tp`` 2, each node an HSDP replica of its own), two standby launchers
+  (one spare each: a node lost whole needs two); a lost rank's place goes to a spare,
+  which takes that rank's pieces from its buddy's replica.
+- **shrink_tp** (``node_loss`` only): the same with no spare: the lost node's replica is
+  dropped and the other tp group goes on from its own memory (nothing sent).
 
 With ``--script examples/hf_causal_lm.py`` (or any loop on llmtrain's public API) the
 same faults and paths are timed on that loop instead of llmtrain's own trainer, its
 figures' names prefixed with the script's name.
 
 Goals: warm <= 1.0 s median for each of the first three faults, with warm / cold <= 0.15;
-the hang warm <= 3.0 s; the shrink and the grow <= 2.0 s each.
+the hang warm <= 3.0 s; the shrink and the grow <= 2.0 s each; with TP, a rank killed
+and a node lost <= 1.0 s.
 
     python benchmarks/recovery.py [--repeats 2] [--faults node_loss,kill_rank,gpu_bad]
-        [--paths warm,cold,shrink,shrink_cold,shrink_hsdp,grow] [--script LOOP.py]
+        [--paths warm,cold,shrink,shrink_cold,shrink_hsdp,grow,warm_tp,shrink_tp]
+        [--script LOOP.py]
 
 Prints a table per fault and path, then one JSON line of the figures.
 """
@@ -75,8 +83,11 @@ TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0", "--health.interval_s", "1")
 FAULTS = ("node_loss", "kill_rank", "gpu_bad", "hang")
-PATHS = ("warm", "cold", "shrink", "shrink_cold", "shrink_hsdp", "grow")
-SHRINKS = ("shrink", "shrink_cold", "shrink_hsdp", "grow")  # node loss with no spare
+PATHS = ("warm", "cold", "shrink", "shrink_cold", "shrink_hsdp", "grow", "warm_tp",
+         "shrink_tp")
+SHRINKS = ("shrink", "shrink_cold", "shrink_hsdp", "grow", "shrink_tp")  # node loss, no spare
+TP = ("--nproc-per-node", "2", "--parallelism.tp", "2", "--parallelism.dp_replicate", "-1",
+      "--parallelism.dp_shard", "1", "--training.micro_batch_size", "4")
 
 
 def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300,
@@ -101,15 +112,17 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300,
 def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict:
     run = workdir / "run"
     warm, with_spare = path not in ("cold", "shrink_cold"), path not in SHRINKS
-    per_node = 2 if path == "shrink_hsdp" else 1
+    per_node = 2 if path in ("shrink_hsdp", "warm_tp", "shrink_tp") else 1
     options = {"cold": ("--warm.enable", "false"), "shrink_cold": ("--warm.shrink", "false"),
                "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "-1",
                                "--parallelism.dp_shard", "2",
                                "--training.global_batch_size", "32"),
+               "warm_tp": TP, "shrink_tp": TP,
                }.get(path, ())
+    spares = ("node3", "node4") if path == "warm_tp" else ("node3",)
     loop = ("--script", str(Path(script).resolve())) if script else ()
     cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options + loop)
-    gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
+    gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", *spares)}
 
     def start(name: str, spare: bool = False) -> None:
         write_gpu_script(gpus[name], healthy=True)
@@ -118,7 +131,8 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
         start("node1")
         start("node2")
         if with_spare and warm:
-            start("node3", spare=True)
+            for name in spares:
+                start(name, spare=True)
         wait_for(run, "checkpoint_committed", lambda e: e["step"] >= 40)
         if with_spare and not warm:
             start("node3", spare=True)
