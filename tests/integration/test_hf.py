@@ -2,6 +2,7 @@
 2-rank run started from it (each rank reading its own slices)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,24 @@ SMALL = ("--data.embedded_max_bytes", "100000", "--metrics.prometheus", "false",
 DEV = "pip install -e '.[dev]'"
 
 
-def test_export_to_transformers_and_init_from_it(tmp_path):
+def transformers_agree(ckpt: str, out: Path, cfg: ModelConfig) -> Transformer:
+    """Our model loaded from checkpoint ``ckpt`` and transformers' Llama from its export
+    ``out`` give the same logits; returns ours."""
     transformers = needs.module("transformers", DEV)
+    ours = Transformer(cfg)
+    state = {f"model.{k}": v for k, v in ours.state_dict().items()}
+    dcp.load(state, storage_reader=ShardReader(ckpt), no_dist=True)
+    ours.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(tokens).logits, ours(tokens),
+                                   atol=1e-5, rtol=0)
+    return ours
+
+
+def test_export_to_transformers_and_init_from_it(tmp_path):
+    needs.module("transformers", DEV)
     check(llmtrain(tmp_path / "a", "--training.steps", "2", "--checkpoint.interval_steps",
                    "2", *SMALL))
     ckpt = storage.step_dir(str(tmp_path / "a" / "checkpoints"), 2)
@@ -34,15 +51,7 @@ def test_export_to_transformers_and_init_from_it(tmp_path):
     assert "data.source='embedded'" in no_tokenizer and "no tokenizer" in no_tokenizer
 
     cfg = load_config("debug_cpu", [("data.embedded_max_bytes", "100000")])
-    ours = Transformer(cfg.model)
-    state = {f"model.{k}": v for k, v in ours.state_dict().items()}
-    dcp.load(state, storage_reader=ShardReader(ckpt), no_dist=True)
-    ours.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
-    theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    tokens = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(theirs.eval()(tokens).logits, ours(tokens),
-                                   atol=1e-5, rtol=0)
+    ours = transformers_agree(ckpt, out, cfg.model)
 
     # A 2-rank run from the exported weights: its first loss is those weights' loss on
     # the first batch.

@@ -11,17 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 
-import needs
 from conftest import ROOT, check, events, llmtrain, step_losses, wait_for_event
 from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.shard_read import ShardReader
 from llmtrain.config import load_config
 from llmtrain.exit_codes import ExitCode
-from llmtrain.model import Transformer
 from test_checkpoint import assert_bitwise_equal, final_weights
+from test_hf import transformers_agree
 
 pytestmark = pytest.mark.slow
 
@@ -142,20 +139,11 @@ def test_fp8_with_hsdp_and_tensor_parallel_trains(tmp_path, tp_run):
 def test_a_tp_checkpoint_exports_to_hf(tmp_path, tp_run):
     """``ckpt export --to hf`` of the tp 2 x dp 2 checkpoint: transformers' Llama gives
     our model's logits from it."""
-    transformers = needs.module("transformers", "pip install -e '.[dev]'")
     ckpt = storage.step_dir(str(tp_run[0] / "checkpoints"), 10)
     out = tmp_path / "hf"
     check(subprocess.run([sys.executable, "-m", "llmtrain", "ckpt", "export", ckpt,
                           "--to", "hf", str(out)], capture_output=True, text=True, cwd=ROOT))
-    ours = Transformer(load_config("debug_cpu").model)
-    state = {f"model.{k}": v for k, v in ours.state_dict().items()}
-    dcp.load(state, storage_reader=ShardReader(ckpt), no_dist=True)
-    ours.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})
-    theirs = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(theirs.eval()(tokens).logits, ours(tokens),
-                                   atol=1e-5, rtol=0)
+    transformers_agree(ckpt, out, load_config("debug_cpu").model)
 
 
 def test_compiled_tensor_parallel_blocks_give_eager_gradients(tmp_path, tp_run):
