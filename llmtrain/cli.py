@@ -65,7 +65,7 @@ def cmd_config(args: argparse.Namespace, rest: list[str]) -> int:
                       "mesh_shape": cfg.mesh_shape(args.world_size),
                       "mesh": dict(zip(("dp_replicate", "dp_shard", "tp"),
                                        (*cfg.mesh_shape(args.world_size), cfg.parallelism.tp))),
-                      "tokens_per_step": cfg.training.global_batch_size * cfg.data.seq_len}
+                      "tokens_per_step": cfg.tokens_per_step()}
     print(json.dumps(out, indent=2))
     return ExitCode.CLEAN
 

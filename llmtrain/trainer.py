@@ -28,7 +28,7 @@ def run_info(cfg: JobConfig) -> RunInfo:
     """What the run's reports and checkpoint manifests say of llmtrain's own model."""
     t, d = cfg.training, cfg.data
     return RunInfo(name=cfg.model.name, params=count_params(cfg.model),
-                   tokens_per_step=t.global_batch_size * d.seq_len,
+                   tokens_per_step=cfg.tokens_per_step(),
                    flops_per_token=flops_per_token(cfg.model, d.seq_len),
                    samples_per_step=t.global_batch_size, fp8=cfg.parallelism.fp8 != "none",
                    config=cfg.to_dict(),
@@ -77,10 +77,11 @@ class Trainer:
         # CPU denormals run math (and torchao's FP8 emulation) 50x slower late in
         # training, when gradients get small; flushing them costs no accuracy.
         torch.set_flush_denormal(world.device.type == "cpu")
-        if self._data_for != cfg.data_rank(world.rank, world.world_size):
+        data_for = cfg.data_rank(world.rank, world.world_size)
+        if self._data_for != data_for:
             self.data.close()
-            self._data_for = cfg.data_rank(world.rank, world.world_size)
-            self.data = training_batches(cfg, *self._data_for)
+            self._data_for = data_for
+            self.data = training_batches(cfg, *data_for)
         # a re-formed group restores from memory, not from init_from
         self.model, self.optimizer, self.scheduler, self.fp8_scales = sharded_model.build(
             cfg, world.mesh, world.device, world.timed,

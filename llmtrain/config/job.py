@@ -54,6 +54,10 @@ class JobConfig:
         """(dp_replicate, dp_shard) for ``world_size`` ranks (:func:`mesh_shape`)."""
         return mesh_shape(self.parallelism, world_size)
 
+    def tokens_per_step(self) -> int:
+        """Tokens in one optimizer step: the global batch's sequences, whole."""
+        return self.training.global_batch_size * self.data.seq_len
+
     def data_rank(self, rank: int, world_size: int) -> tuple[int, int]:
         """The data-parallel rank of ``rank`` and their count: each tensor-parallel group
         (``parallelism.tp`` consecutive ranks) reads one share of every batch."""
@@ -125,14 +129,12 @@ class JobConfig:
                  "model.vocab_size": m.vocab_size, "data.seq_len": self.data.seq_len}
         uneven = {name: n for name, n in split.items() if n % tp}
         if uneven:
-            fits = math.gcd(*split.values())
-            hint = (f"parallelism.tp={max(d for d in range(1, fits + 1) if fits % d == 0)}"
-                    if fits > 1 else "parallelism.tp=1")
             raise ConfigError(
                 f"parallelism.tp={tp} does not divide "
                 + ", ".join(f"{name}={n}" for name, n in uneven.items())
-                + f": tensor parallelism splits each of them over the tp ranks; set {hint} "
-                  f"(the largest that divides them all) or change the model")
+                + f": tensor parallelism splits each of them over the tp ranks; set "
+                  f"parallelism.tp={math.gcd(*split.values())} (the largest that divides "
+                  f"them all) or change the model")
 
 
 def mesh_shape(p: ParallelismConfig, world_size: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ every parameter over the data-parallel dims.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from functools import partial
 
@@ -30,6 +31,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from llmtrain.config import ConfigError, ParallelismConfig
+
+log = logging.getLogger(__name__)
 
 # Selective checkpointing keeps the outputs of these ops (the expensive ones to redo) and
 # recomputes the cheap elementwise work in between.
@@ -124,6 +127,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, fp8: str) -> None:
     """Splits ``model``'s blocks, embedding and output over ``tp_mesh`` (see the
     module's docstring); the output's logits stay split along the vocabulary, for a
     loss under ``torch.distributed.tensor.parallel.loss_parallel``."""
+    if tp_mesh.device_type == "cuda":
+        # The plan is torch's DTensor styles (and torchao's FP8 ones), whose collectives
+        # on NCCL are the same all-gathers and reduce-scatters gloo runs here; read from
+        # their source, never run on GPUs.
+        log.warning("llmtrain: tensor parallelism across GPUs (NCCL) has never run: it has "
+                    "run on gloo (CPU) only")
     col, row = _tp_styles(model.output, fp8, tp_mesh.device_type)
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
