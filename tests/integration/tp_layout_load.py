@@ -2,7 +2,7 @@
 (``URL``) into llmtrain's model sharded at this job's layout (the world size and the
 ``--parallelism.tp`` among the overrides), as a resume does, then checks on rank 0 that
 every weight, gathered whole, equals the checkpoint's value read with no process group.
-Exits 0 when all are equal, 1 naming those that are not.
+Every rank exits 0 when all are equal, 1 when rank 0 named some that are not.
 
     torchrun --nproc-per-node N tests/integration/tp_layout_load.py URL [--section.field V ...]
 """
@@ -40,8 +40,12 @@ def main(url: str, overrides: list[str]) -> int:
         print(f"{len(saved)} weights, mesh {mesh.mesh_dim_names} {tuple(mesh.shape)}; "
               f"differ: {differ}")
         code = int(bool(differ) or saved.keys() != whole.keys())
+    # every rank leaves with rank 0's verdict, and none before rank 0 has given it: a peer
+    # that tore down its gloo connections while rank 0 still compared made another abort
+    verdict = torch.tensor([code])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
-    return code
+    return int(verdict.item())
 
 
 if __name__ == "__main__":
