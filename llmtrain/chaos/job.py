@@ -47,6 +47,7 @@ class Job:
         self.rejudge: dict[int, Callable[[], None]] = {}
         self.truncated: set[int] = set()  # committed steps chaos broke on purpose
         self.started_at: dict[str, float] = {}  # node -> when chaos last started it
+        self.last_fault = False  # the fault in flight is the schedule's last
 
     # -- its event log ------------------------------------------------------------------
 
@@ -195,11 +196,12 @@ class Job:
 
     def back(self, v: Verdict, node: str) -> None:
         """``node``, which left the job, comes back repaired as a spare: at once while
-        spares wait for the job; with none, ``repair_s`` after its fault, and a job that
-        runs without it takes it in (a warm grow, or a restart): the verdict says which,
-        and the time it cost the others."""
+        spares wait for the job (unless no fault is left to need it); with none,
+        ``repair_s`` after its fault, and a job that runs without it takes it in (a warm
+        grow, or a restart): the verdict says which, and the time it cost the others."""
         if self.spare_nodes:
-            self.start(node)
+            if not self.last_fault:
+                self.start(node)
             return
         time.sleep(max(0.0, v.injected_at + self.cfg.repair_s - time.time()))
         since = time.time()

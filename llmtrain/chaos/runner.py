@@ -33,7 +33,10 @@ The job runs with the warm path (``--warm.enable``) unless ``warm`` is off: a lo
 is replaced by the waiting spare from its buddy's in-memory replica, and the verdict says
 which path each recovery took. Two spares wait, so that one is ready while the other,
 used, starts again; a node that a warm recovery left without its worker is started again
-as a spare too. Before each fault chaos waits for a spare to be waiting.
+as a spare too (but not after the schedule's last fault: no fault is left to need it). The
+spares start with the job's nodes, and before each fault chaos waits for a spare to be
+waiting (in the pool: one still importing makes the recovery wait for its imports, and
+the verdict's time says so).
 
 With no spares (``spares = 0``) the job may run one node short (``--nnodes N-1:N``): a
 lost or preempted node's survivors shrink in memory (or restart cold at the smaller
@@ -228,9 +231,9 @@ class Chaos:
             job.set_gpu(name, healthy=True)
         for name in self.names[:self.cfg.nodes]:
             job.start(name, spare=False)
-        job.wait(lambda: job.latest("step"), "the first step", 300)
-        for name in self.names[self.cfg.nodes:]:
+        for name in self.names[self.cfg.nodes:]:  # (a spare waits for the job, not for a round)
             job.start(name)
+        job.wait(lambda: job.latest("step"), "the first step", 300)
         job.spares = job_namespace(cluster.store_client(), "local", cluster.env)
         return job
 
@@ -272,6 +275,7 @@ class Chaos:
                 self.no_room += [kind.name] * scheduled
                 continue
             before = len(job.verdicts)
+            job.last_fault = not (schedule or self.cfg.repeat)
             try:
                 kind.inject(job)
             except (TimeoutError, JobStopped) as e:
