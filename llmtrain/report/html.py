@@ -206,17 +206,20 @@ def _failure_rows(run: Run) -> list[tuple[str, str]]:
                     f"generations: " + ", ".join(f"{kinds.count(k)} {k}"
                                                  for k in dict.fromkeys(kinds)))
     rows = [("Attempts", attempts)]
-    sizes = run.world_sizes
-    if len({s for _, s in sizes}) > 1:
+    # the changes of size (a restart at the size the job had is none)
+    sizes = [(t, s) for i, (t, s) in enumerate(run.world_sizes)
+             if not i or s != run.world_sizes[i - 1][1]]
+    if len(sizes) > 1:
         rows.append(("World size", html.escape(
             f"{_ranks(run)} ranks: " + " → ".join(
                 f"{s} ({duration(t - run.t0)} in)" if i else f"{s}"
                 for i, (t, s) in enumerate(sizes)))))
-    recoveries = [(PATHS.get(e.get("kind", "spare"), "warm"), e.get("total_s"))
-                  for e in changes] + [("cold", e.get("total_s")) for e in of["recovery"]]
+    recoveries = sorted([(e["ts"], PATHS.get(e.get("kind", "spare"), "warm"), e.get("total_s"))
+                         for e in changes] + [(e["ts"], "cold", e.get("total_s"))
+                                              for e in of["recovery"]])
     if recoveries:
         rows.append(("Recoveries", html.escape(
-            f"{len(recoveries)}: " + ", ".join(f"{p} {t:.2f} s" for p, t in recoveries
+            f"{len(recoveries)}: " + ", ".join(f"{p} {t:.2f} s" for _, p, t in recoveries
                                                 if t is not None)
             + " (from the failure, or the vote to grow, to the first step after it)")))
     rows.append(("Hangs / collective errors", str(len(of["hang"]) + len(of["collective_error"]))))

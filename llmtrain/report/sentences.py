@@ -74,7 +74,7 @@ SAY: dict[str, Callable[[Event], Said]] = {
                                        else "") + f": {short(e.get('error'), 300)}; a "
         f"restart would fail the same way, so the job stopped"), "bad"),
     "checkpoint_failed": lambda e: (_rank(e), f"checkpoint of step {e.get('step')} failed: "
-                                              f"{e.get('error')}", "bad"),
+                                              f"{short(e.get('error'), 300)}", "bad"),
     "checkpoint_rejected": lambda e: (_rank(e), (
         f"checkpoint of step {e.get('step')} rejected: "
         + "; ".join(map(str, e.get("problems") or []))), "bad"),

@@ -1,16 +1,20 @@
 """The short soak: every kind of fault once against one running multi-node job."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
 from needs import IN_CI
+from report_page import rows, section
 
 from llmtrain.chaos.kinds import KINDS
 from llmtrain.config import ReliabilityConfig, WarmConfig
 from llmtrain.events import read_events
+from llmtrain.report.html import write_report
 
 # The two soaks run alone (their schedules run by the clock, and one faults the store every
 # test's jobs would share a core with); the shrink-and-grow run beside another test, as the
@@ -183,3 +187,25 @@ def test_without_spares_lost_nodes_shrink_the_job_and_come_back_into_it(tmp_path
     assert (verdict["shrinks"], verdict["grows"]) == (3, 3), table
     assert verdict["below_full_s"] > 0 and "bitwise_equal_to_reference" not in verdict
     assert proc.returncode == 0, table
+
+    # The run's report tells each: in order in its header (the cold restart, at the size
+    # the job had, no change of size), and an Incidents row for every shrink, grow and
+    # cold restart, with its time to the first step after it
+    run = str(work / "run")
+    page = Path(write_report(run)).read_text(encoding="utf-8")
+    told = re.search(r"<th>Recoveries</th><td>7: ([^<]*)</td>", page)[1]
+    assert re.findall(r"(warm shrink|warm grow|cold) [\d.]+ s", told) == [
+        "warm shrink", "warm grow"] * 2 + ["cold", "warm shrink", "warm grow"], told
+    sizes = re.search(r"<th>World size</th><td>1-2 ranks: ([^<]*)</td>", page)[1]
+    assert [int(size.split()[0]) for size in sizes.split(" → ")] == [2, 1] * 3 + [2], sizes
+    incidents = section(page, "incidents")
+    changes = {"warm shrink": [e for e in read_events(run, "warm_recovery")
+                               if e["kind"] == "shrink"],
+               "warm grow": read_events(run, "warm_grow"),
+               "cold restart": read_events(run, "recovery")}
+    assert [len(changes[k]) for k in changes] == [3, 3, 1], changes
+    for name, told in changes.items():
+        found = rows(incidents, name)
+        assert len(found) == len(told), (name, found)
+        for row, e in zip(found, told):
+            assert f"<td>{e['total_s']:.2f} s</td>" in row, (row, e)

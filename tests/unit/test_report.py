@@ -7,6 +7,7 @@ from pathlib import Path
 import fsspec
 import pytest
 from matplotlib.image import imread
+from report_page import section
 
 from llmtrain.chaos.timeline import measured_ettr
 from llmtrain.events import read_events
@@ -117,10 +118,6 @@ def two_attempts_with_a_hang() -> Log:
     log.emit("run_end", steps=80, tokens=60 * 16384, wall_s=40.0, tokens_per_s=32768.0,
              first_loss=8.0 * 0.97 ** 30, final_loss=8.0 * 0.97 ** 80, memory_gb=30.0)
     return log
-
-
-def section(page: str, heading_id: str) -> str:
-    return page.split(f"<h2 id={heading_id}>", 1)[1].split("<h2", 1)[0]
 
 
 def test_report_of_a_run_with_a_hang_restart_and_straggler(tmp_path):

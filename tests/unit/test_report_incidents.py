@@ -12,19 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 from needs import module, tool
-from test_report import Log, section, two_attempts_with_a_hang
+from report_page import row, section
+from test_report import Log, two_attempts_with_a_hang
 
 from llmtrain.events import read_events
 from llmtrain.report.html import write_report
 
 RECORDED = ROOT / "tests" / "data" / "runs" / "warm-spare-shrink-grow"
-
-
-def row(incidents: str, event: str) -> str:
-    """The Incidents row of ``event`` (its cells from the event name on)."""
-    (found,) = re.findall(rf"<tr class=\w+><td>[^<]*</td><td>[^<]*</td><td>{event}</td>.*?</tr>",
-                          incidents)
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +172,10 @@ def test_every_kind_of_failure_has_its_row(tmp_path):
     log.emit("evicted", id="hang-2", ranks=[2], unreachable={})
     log.emit("collective_error", id="collective_error-3", reason="desync: ranks called "
              "different collectives", culprits=[1], detected_after_s=2)
+    log.emit("checkpoint_failed", rank=1, step=40, error="RuntimeError: [/__w/pytorch/pytorch/"
+             "third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+             "[10.77.0.2]:720. This is typically caused by a remote worker crashing. GLHF!\n"
+             "(at distributed/distributed_c10d.py:4287 in all_gather)")
     log.emit("fatal", host="node-a", step=40, error="TrainingDiverged: loss is NaN")
     log.write(str(tmp_path / "run"))
     page = Path(write_report(str(tmp_path / "run"))).read_text(encoding="utf-8")
@@ -198,6 +196,9 @@ def test_every_kind_of_failure_has_its_row(tmp_path):
     assert "evicted rank(s) 2 after hang-2" in row(incidents, "evicted")
     assert "<td>1</td>" in row(incidents, "collective error")
     assert "TrainingDiverged: loss is NaN" in row(incidents, "fatal")
+    # a transport's error without its source location and boilerplate
+    assert ("checkpoint of step 40 failed: RuntimeError: Connection closed by peer "
+            "[10.77.0.2]:720</td>") in row(incidents, "checkpoint failed")
     assert "<td>fatal</td>" in section(page, "attempts")
 
 
