@@ -174,15 +174,18 @@ def _wrapped(module: nn.Module, p: ParallelismConfig) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelismConfig) -> nn.Module:
-    """Shards ``model`` (a :class:`llmtrain.model.Transformer`) in place over ``mesh``
-    (with ``parallelism.tp`` above 1, its last dim ``tp``)."""
+    """Shards ``model`` (a :class:`llmtrain.model.Transformer`) in place over ``mesh``: its
+    blocks split over the mesh's ``tp`` dim if it has one (``build_mesh`` makes it for
+    ``parallelism.tp`` above 1; a test may make one of a single rank), then FSDP2 over the
+    rest."""
     dp_mesh = data_parallel(mesh)
+    tp = "tp" in (mesh.mesh_dim_names or ())
     if p.fp8 != "none":
         apply_fp8(model, p, mesh.device_type, dp_mesh.shape[-1])
-    if p.tp > 1:
+    if tp:
         apply_tp(model, mesh["tp"], p.fp8)
     for name, block in list(model.layers.items()):
-        if p.compile and p.tp > 1:
+        if p.compile and tp:
             # With TP, the attention and the MLP each (checkpointed inside), never the
             # sequence-parallel norms between them: with a whole block compiled, or the
             # norms alone, the gradients came out wrong (torch 2.13 on gloo: grad norm

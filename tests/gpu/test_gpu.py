@@ -322,6 +322,45 @@ def test_fp8_weights_all_gathered_in_fp8_with_precomputed_scales(mesh):
     assert losses == pytest.approx(reference, rel=0.02), (losses, reference)
 
 
+def test_the_tp_plan_at_tp_1_with_torchaos_fp8_styles(mesh):
+    """The tensor-parallel path on the one GPU: a mesh whose ``tp`` dim has one rank, the
+    tensorwise FP8 projections split by torchao's ``Float8ColwiseParallel`` and
+    ``Float8RowwiseParallel`` (the styles a TP job takes on GPUs, which gloo cannot run),
+    FSDP2 over ``dp_shard``, the loss under ``loss_parallel`` as the trainer takes it. Three
+    steps train with finite losses close to FP8's without TP from the same weights (one
+    rank's split is the whole: FP8's scales and the sums' order aside, the same numbers).
+    What one GPU cannot show: TP's collectives across GPUs (NCCL), which have never run."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel,
+                                                       Float8RowwiseParallel)
+
+    from llmtrain.distributed.parallelize import _tp_styles
+    tp_mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    tp = built(tp_mesh, fp8="tensorwise")
+    block = next(iter(tp.model.layers.values()))
+    wq = block.attention.wq
+    assert _tp_styles(wq, "tensorwise", "cuda") == (Float8ColwiseParallel, Float8RowwiseParallel)
+    assert wq.weight.device_mesh.mesh_dim_names == ("dp_shard", "tp")
+    losses = []
+    for seed in (1, 2, 3):
+        tokens = torch.randint(0, 256, (4, 65), device="cuda",
+                               generator=torch.Generator("cuda").manual_seed(seed))
+        with loss_parallel():
+            loss = F.cross_entropy(tp.model(tokens[:, :-1]).flatten(0, 1).float(),
+                                   tokens[:, 1:].flatten())
+            loss.backward()
+        tp.optimizer.step()
+        tp.optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.full_tensor().item())
+    no_tp = built(mesh, fp8="tensorwise")
+    reference = [train_step(no_tp, seed) for seed in (1, 2, 3)]
+    print(f"\nTP at tp 1, torchao's FP8 styles: losses {losses}; without TP {reference}")
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert losses == pytest.approx(reference, rel=0.02), (losses, reference)
+
+
 def test_pinned_prefetch_and_pinned_staging():
     from llmtrain.checkpoint.staging import ReusedBufferStager
     stager = ReusedBufferStager(cuda=True, share_memory=False)

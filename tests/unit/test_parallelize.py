@@ -135,3 +135,39 @@ def test_activation_checkpointing_wraps_and_recomputes_every_block(built, mode):
     assert results[mode][0] == pytest.approx(results["plain"][0], rel=1e-6)
     for k, grad in results["plain"][3].items():
         torch.testing.assert_close(results[mode][3][k], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_tp_plan_on_a_one_rank_tp_dim_trains_as_the_model_without_it(built, one_rank_mesh):
+    """The TP path on a mesh whose ``tp`` dim has one rank (what ``make gpu-check`` runs
+    on one GPU, there with torchao's FP8 styles): every block projection, the embedding
+    and the output are DTensors on both dims (the plan's, then FSDP2's), the logits come
+    out split along the vocabulary for ``loss_parallel``, and three steps' losses are the
+    model's without TP, but for the order of a few float32 sums."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from llmtrain.sharded_model import build as build_sharded
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    tp = build_sharded(load_config("debug_cpu"), mesh, torch.device("cpu"),
+                       lambda name: contextlib.nullcontext())
+    split = {name: p.device_mesh.mesh_dim_names for name, p in tp.model.named_parameters()
+             if name.endswith(("wq.weight", "w2.weight", "tok_embeddings.weight",
+                               "output.weight"))}
+    assert len(split) == 2 * len(tp.model.layers) + 2
+    assert set(split.values()) == {("dp_shard", "tp")}, split
+    inputs, _ = batch(1)
+    logits = tp.model(inputs)
+    assert isinstance(logits, DTensor) and logits.placements == (Shard(logits.ndim - 1),)
+    plain = built()
+    losses = {"plain": [train_step(plain, seed) for seed in (1, 2, 3)], "tp": []}
+    for seed in (1, 2, 3):
+        inputs, targets = batch(seed)
+        with loss_parallel():
+            loss = F.cross_entropy(tp.model(inputs).flatten(0, 1), targets.flatten())
+            loss.backward()
+        tp.optimizer.step()
+        tp.optimizer.zero_grad(set_to_none=True)
+        losses["tp"].append(loss.full_tensor().item())
+    assert losses["tp"] == pytest.approx(losses["plain"], rel=1e-5), losses
+    assert losses["tp"][2] != losses["tp"][0]  # it stepped
