@@ -30,6 +30,8 @@ TP2 = ("--parallelism.tp", "2", "--parallelism.deterministic", "true",
        "--parallelism.dp_replicate", "-1", "--parallelism.dp_shard", "1")
 CKPT = ("--checkpoint.interval_steps", "10", "--checkpoint.keep_every", "10",
         "--warm.snapshot_every", "10")
+# a run cut short of STEPS on the reference's LR schedule: its steps are the reference's
+SHORT = ("--optim.decay_steps", str(STEPS))
 
 
 def train(run: Path, *args: str, steps: int = STEPS, **kwargs) -> str:
@@ -68,31 +70,35 @@ def test_tp2_dp2_trains_as_dp4(tmp_path, tp_run):
 
 def test_a_tp_run_resumed_after_a_kill_ends_bitwise_equal(tmp_path, tp_run):
     """Rank 3 killed at step 14: torchrun restarts the job, which resumes from checkpoint
-    10 with the same layout and ends with the uninterrupted run's weights, bit for bit."""
+    10 with the same layout and, at step 20, holds the uninterrupted run's weights of step
+    20, bit for bit."""
     run = tmp_path / "killed"
-    train(run, *TP2, *CKPT, "--reliability.faults", "kill@step:rank=3,step=14,restart=0",
-          torchrun_args=("--max-restarts", "1"))
+    train(run, *TP2, *CKPT, *SHORT, "--reliability.faults",
+          "kill@step:rank=3,step=14,restart=0", torchrun_args=("--max-restarts", "1"),
+          steps=20)
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [10]
-    assert_bitwise_equal(final_weights(tp_run[0], STEPS), final_weights(run, STEPS))
+    assert_bitwise_equal(final_weights(tp_run[0], 20), final_weights(run, 20))
 
 
 @pytest.fixture(scope="module")
-def dcp_checkpoint(tmp_path_factory) -> Path:
-    """tp 2 x dp 2's checkpoint of step 10 in torch's stock DCP format."""
-    run = tmp_path_factory.mktemp("tp") / "dcp"
-    train(run, *TP2, *CKPT, "--checkpoint.format", "dcp", steps=10)
-    return run / "checkpoints"
+def fp8_dcp_run(tmp_path_factory) -> Path:
+    """tp 2 x 2 replicas with FP8 linears, 10 steps, the replicas' states fingerprinted
+    every 5; its checkpoint of step 10 in torch's stock DCP format."""
+    run = tmp_path_factory.mktemp("tp") / "fp8_dcp"
+    train(run, *TP2, *CKPT, "--checkpoint.format", "dcp", "--parallelism.fp8", "tensorwise",
+          "--integrity.sdc_every", "5", steps=10)
+    return run
 
 
 @pytest.mark.parametrize("fmt, layout", [("raw", (4, 1)), ("raw", (2, 2)), ("dcp", (4, 1))],
                          ids=["raw-tp1_dp4", "raw-tp2_dp1", "dcp-tp1_dp4"])
 def test_a_tp2_dp2_checkpoint_loads_at_another_layout_with_equal_values(
-        layout, fmt, tp_run, dcp_checkpoint):
+        layout, fmt, tp_run, fp8_dcp_run):
     """Loaded into the model sharded at tp 1 x dp 4 or tp 2 x dp 1 (as a resume loads it),
     every weight, gathered whole, equals the checkpoint's value read with no process
     group: DCP reshards the tp 2 x dp 2 pieces onto the new ones."""
     nproc, tp = layout
-    root = tp_run[0] / "checkpoints" if fmt == "raw" else dcp_checkpoint
+    root = (tp_run[0] if fmt == "raw" else fp8_dcp_run) / "checkpoints"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={nproc}", str(Path(__file__).with_name("tp_layout_load.py")),
@@ -106,29 +112,27 @@ def test_a_tp2_dp2_checkpoint_loads_at_another_layout_with_equal_values(
 
 def test_a_tp_checkpoint_resumes_a_data_parallel_run(tmp_path, tp_run):
     """llmtrain's own resume of the tp 2 x dp 2 checkpoint of step 10 at tp 1 x dp 4
-    (planned: the layouts differ): its losses follow the tp run's."""
+    (planned: the layouts differ): its losses to step 20 follow the tp run's."""
     other = tmp_path / "dp4"
     shutil.copytree(tp_run[0] / "checkpoints", other / "checkpoints")
     for step in range(20, STEPS + 1, 10):
         storage.remove(storage.step_dir(str(other / "checkpoints"), step))
-    train(other, "--checkpoint.enable", "true")
+    train(other, "--checkpoint.enable", "true", *SHORT, steps=20)
     loaded = events(other, "checkpoint_loaded")
     assert [(e["step"], e["planned_ranks"]) for e in loaded] == [(10, [0, 1, 2, 3])]
     ref, got = step_losses(tp_run[0]), step_losses(other)
-    assert sorted(got) == list(range(11, STEPS + 1))
+    assert sorted(got) == list(range(11, 21))
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=2e-4), step
 
 
-def test_fp8_with_hsdp_and_tensor_parallel_trains(tmp_path, tp_run):
+def test_fp8_with_hsdp_and_tensor_parallel_trains(fp8_dcp_run, tp_run):
     """torchao float8 (tensorwise) linears split by the TP plan, on a 3-D mesh (two HSDP
     replicas of a tp 2 group): on gloo, which has no float8 dtype, with torch's column-
     and row-wise styles (FP8 matmuls, collectives in float32; a GPU's take torchao's FP8
     styles). It trains, and not as fp32 does: its losses are its own; the replicas'
     states, fingerprinted every 5 steps, agree."""
-    run = tmp_path / "fp8"
-    train(run, *TP2, "--parallelism.fp8", "tensorwise", "--checkpoint.enable", "false",
-          "--integrity.sdc_every", "5", steps=10)
+    run = fp8_dcp_run
     assert events(run, "state_check_failed") == []
     fp8, fp32 = step_losses(run), step_losses(tp_run[0])
     assert sorted(fp8) == list(range(1, 11))
@@ -175,7 +179,8 @@ def test_warm_recovery_with_a_tp_group_on_each_node(cluster, tp_run):
     spare is left: its replica is dropped and the other tp group goes on from its own
     memory (nothing sent, nothing read from storage), every later step's loss the
     reference's but for float32 reduction order (2 micro-batches a rank instead of 1)."""
-    c = cluster("1:2", ("--training.steps", str(STEPS), *BATCH, *TP2, *CKPT,
+    end = 40  # (the reference's schedule; steps after the shrink left to compare)
+    c = cluster("1:2", ("--training.steps", str(end), *SHORT, *BATCH, *TP2, *CKPT,
                         "--metrics.address", "127.0.0.1", "--metrics.port", "0"))
     for name in ("node1", "node2"):
         c.start(name, "--nproc-per-node", "2")
@@ -199,8 +204,8 @@ def test_warm_recovery_with_a_tp_group_on_each_node(cluster, tp_run):
     assert len(events(c.run, "attempt_start")) == 1 and not events(c.run, "checkpoint_loaded")
     assert_bitwise_equal(final_weights(tp_run[0], 20), final_weights(c.run, 20))
     ref, got = step_losses(tp_run[0]), step_losses(c.run)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in range(shrink["step"] + 1, STEPS + 1):
+    assert sorted(got) == list(range(1, end + 1)) and shrink["step"] < end - 5, shrink
+    for step in range(shrink["step"] + 1, end + 1):
         assert got[step] == pytest.approx(ref[step], rel=2e-4), step
-    assert storage.verify(storage.step_dir(str(c.run / "checkpoints"), STEPS),
+    assert storage.verify(storage.step_dir(str(c.run / "checkpoints"), end),
                           checksums=True) == []
