@@ -23,11 +23,9 @@ train: $(BIN)/llmtrain
 
 test: $(BIN)/llmtrain
 	$(BIN)/python -m compileall -q llmtrain  # bytecode once, not in each of hundreds of processes
-	@# a test file's tests stay on one worker, so the runs its tests share run once; the
-	@# files go out in the order tests/conftest.py gives them, the longest runs first; then
+	@# a test file's tests stay on one worker, so the runs its tests share run once; then
 	@# the tests marked alone, one at a time
-	$(BIN)/python -m pytest tests -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder \
-	  -m "not alone" --durations=25 $(ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_JOBS) --dist loadfile -m "not alone" --durations=25 $(ARGS)
 	$(BIN)/python -m pytest tests -m alone --durations=5 $(ARGS)
 
 # On a GPU node: the CUDA/NCCL/NVML/FP8 checks (tests/gpu), then the GPU figures. The venv's

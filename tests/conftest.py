@@ -134,20 +134,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(needs, "needs")
 
 
-# The suite's directories, their files' longest runs first: ``make test`` hands whole files
-# to its workers in this order (``--no-loadscope-reorder``; by default pytest-xdist hands
-# out the files with the most tests first, which left the few-test files of the longest
-# runs, a chaos run's or a compile's, to start last and run on with one worker idle)
-LONGEST_FIRST = ("system", "integration", "docs", "gpu", "unit")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def place(item: pytest.Item) -> int:
-        top = item.path.relative_to(ROOT / "tests").parts[0]
-        return LONGEST_FIRST.index(top) if top in LONGEST_FIRST else len(LONGEST_FIRST)
-    items.sort(key=place)
-
-
 @pytest.fixture
 def one_rank_mesh(tmp_path):
     """A one-rank gloo process group in this process, and its 1-D device mesh."""
