@@ -34,7 +34,7 @@ is replaced by the waiting spare from its buddy's in-memory replica, and the ver
 which path each recovery took. Two spares wait, so that one is ready while the other,
 used, starts again; a node that a warm recovery left without its worker is started again
 as a spare too (but not after the schedule's last fault: no fault is left to need it). The
-spares start with the job's nodes, and before each fault chaos waits for a spare to be
+warm spares start with the job's nodes, and before each fault chaos waits for a spare to be
 waiting (in the pool: one still importing makes the recovery wait for its imports, and
 the verdict's time says so).
 
@@ -231,9 +231,15 @@ class Chaos:
             job.set_gpu(name, healthy=True)
         for name in self.names[:self.cfg.nodes]:
             job.start(name, spare=False)
-        for name in self.names[self.cfg.nodes:]:  # (a spare waits for the job, not for a round)
+        # a warm spare waits in the job's pool, never in a round: it starts with the nodes;
+        # a cold one (--cold) could take the place of a node slow to join the first round
+        early, late = ((self.names[self.cfg.nodes:], []) if self.cfg.warm
+                       else ([], self.names[self.cfg.nodes:]))
+        for name in early:
             job.start(name)
         job.wait(lambda: job.latest("step"), "the first step", 300)
+        for name in late:
+            job.start(name)
         job.spares = job_namespace(cluster.store_client(), "local", cluster.env)
         return job
 
