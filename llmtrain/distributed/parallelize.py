@@ -100,13 +100,18 @@ def apply_fp8(model: nn.Module, p: ParallelismConfig, device_type: str, shards: 
     convert_to_float8_training(model, config=config, module_filter_fn=_fp8_fits)
 
 
+def has_tp(mesh: DeviceMesh) -> bool:
+    """Whether ``mesh`` has a ``tp`` dim (``build_mesh`` makes one for ``parallelism.tp``
+    above 1; a test may make one of a single rank)."""
+    return "tp" in (mesh.mesh_dim_names or ())
+
+
 def data_parallel(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel part of the job's mesh (what FSDP2 shards over): the mesh
     itself, or without its ``tp`` dim."""
-    names = mesh.mesh_dim_names or ()
-    if "tp" not in names:
+    if not has_tp(mesh):
         return mesh
-    dp = tuple(n for n in names if n != "tp")
+    dp = tuple(n for n in mesh.mesh_dim_names if n != "tp")
     return mesh[dp if len(dp) > 1 else dp[0]]
 
 
@@ -175,11 +180,10 @@ def _wrapped(module: nn.Module, p: ParallelismConfig) -> nn.Module:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, p: ParallelismConfig) -> nn.Module:
     """Shards ``model`` (a :class:`llmtrain.model.Transformer`) in place over ``mesh``: its
-    blocks split over the mesh's ``tp`` dim if it has one (``build_mesh`` makes it for
-    ``parallelism.tp`` above 1; a test may make one of a single rank), then FSDP2 over the
-    rest."""
+    blocks split over the mesh's ``tp`` dim if it has one (:func:`has_tp`), then FSDP2
+    over the rest."""
     dp_mesh = data_parallel(mesh)
-    tp = "tp" in (mesh.mesh_dim_names or ())
+    tp = has_tp(mesh)
     if p.fp8 != "none":
         apply_fp8(model, p, mesh.device_type, dp_mesh.shape[-1])
     if tp:
