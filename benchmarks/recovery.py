@@ -42,9 +42,9 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   goes cold, and the survivor restarts alone from the newest checkpoint under torchrun.
   The baseline of the shrink.
 - **warm_tp**: the warm path with tensor parallelism: two ranks a node, a tp 2 group each
-  (``parallelism.tp`` 2, each node an HSDP replica of its own), two standby launchers
-  (one spare each: a node lost whole needs two); a lost rank's place goes to a spare,
-  which takes that rank's pieces from its buddy's replica.
+  (``parallelism.tp`` 2, each node an HSDP replica of its own), one standby node with a
+  warm spare per local rank (a node lost whole needs two); a lost rank's place goes to a
+  spare, which takes that rank's pieces from its buddy's replica.
 - **shrink_tp** (``node_loss`` only): the same with no spare: the lost node's replica is
   dropped and the other tp group goes on from its own memory (nothing sent).
 
@@ -119,10 +119,9 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
                                "--training.global_batch_size", "32"),
                "warm_tp": TP, "shrink_tp": TP,
                }.get(path, ())
-    spares = ("node3", "node4") if path == "warm_tp" else ("node3",)
     loop = ("--script", str(Path(script).resolve())) if script else ()
     cluster = LocalCluster(workdir, run, "2:2" if with_spare else "1:2", TRAIN + options + loop)
-    gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", *spares)}
+    gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
 
     def start(name: str, spare: bool = False) -> None:
         write_gpu_script(gpus[name], healthy=True)
@@ -131,8 +130,7 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
         start("node1")
         start("node2")
         if with_spare and warm:
-            for name in spares:
-                start(name, spare=True)
+            start("node3", spare=True)
         wait_for(run, "checkpoint_committed", lambda e: e["step"] >= 40)
         if with_spare and not warm:
             start("node3", spare=True)

@@ -151,9 +151,10 @@ def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
 def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     with collector.paused(freeze=True):  # torch too: its preflight, gate and store lease need it
         importlib.import_module("torch.distributed")
-        from llmtrain.launch import node
+        from llmtrain.launch.config import from_args
+        from llmtrain.launch.node import launch
     cfg = _config(args, rest)
-    return node.launch(cfg, node.from_args(args), ["--config", args.config, *rest])
+    return launch(cfg, from_args(args), ["--config", args.config, *rest])
 
 
 def cmd_rdzv_store(args: argparse.Namespace, rest: list[str]) -> int:
@@ -286,9 +287,9 @@ def _health_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _launch_arguments(p: argparse.ArgumentParser) -> None:
-    """``llmtrain launch``'s options: the node agent's own (llmtrain.launch.node)."""
+    """``llmtrain launch``'s options: the node launcher's own (llmtrain.launch.config)."""
     _add_config(p)
-    from llmtrain.launch.node import add_arguments
+    from llmtrain.launch.config import add_arguments
     add_arguments(p)
 
 

@@ -58,10 +58,11 @@ def spare_assignment() -> dict | None:
         return None
     plan = json.loads(line)
     per_node = plan["local_world_size"]
-    # its place on a node, as torchrun numbers a node's workers: the spares of one standby
-    # host that take a node's ranks (a grow, a lost node) each take their own GPU
-    os.environ.update(place(plan), LOCAL_RANK=str(plan["rank"] % per_node),
-                      LOCAL_WORLD_SIZE=str(per_node))
+    # its GPU: the one its launcher gave it (one spare per device of a standby node, so
+    # that two spares of a node never share one, whatever ranks they take), or where
+    # torchrun would put the rank
+    local = os.environ.get("LOCAL_RANK", str(plan["rank"] % per_node))
+    os.environ.update(place(plan), LOCAL_RANK=local, LOCAL_WORLD_SIZE=str(per_node))
     os.environ.pop(SPARE_ENV, None)
     return plan
 

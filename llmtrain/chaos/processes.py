@@ -10,7 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from llmtrain.launch.node import child_pids
+from llmtrain.launch.children import child_pids
 
 
 def descendants(pid: int) -> list[int]:

@@ -183,11 +183,12 @@ class Schedule:
         self.seen_clean = False  # a step begun after a replication ended (see above)
         self.restart(0, None)
 
-    def restart(self, step: int, control) -> None:
-        """The next snapshot ``every`` steps after ``step``, agreed on ``control`` (a gloo
-        group of every rank's training thread; None: no agreement, a fixed interval)."""
+    def restart(self, step: int, control, soon: bool = False) -> None:
+        """The next snapshot ``every`` steps after ``step`` (``soon``: at the next step),
+        agreed on ``control`` (a gloo group of every rank's training thread; None: no
+        agreement, a fixed interval)."""
         self.control = control if self.budget else None
-        self.next, self.interval = step + self.every, self.every
+        self.next, self.interval = step + (1 if soon else self.every), self.every
         self.vote: tuple[dist.Work, torch.Tensor] | None = None
         self.ticks: list[tuple[int, float]] = []  # each step since the last snapshot: its end
 
@@ -305,11 +306,12 @@ class Snapshots:
 
     # -- lifecycle (one replication group per generation of the job) ------------------
 
-    def start(self, group, control, step: int) -> None:
+    def start(self, group, control, step: int, soon: bool = False) -> None:
         """Starts replicating over ``group`` (a gloo group of every rank), the first
-        snapshot due ``every`` steps after ``step``; the interval is agreed on ``control``
-        (see :class:`Schedule`). Called on the training thread."""
-        self.schedule.restart(step, control)
+        snapshot due ``every`` steps after ``step`` (``soon``: at the next step); the
+        interval is agreed on ``control`` (see :class:`Schedule`). Called on the training
+        thread."""
+        self.schedule.restart(step, control, soon)
         self._idle = threading.Event()
         self._idle.set()
         if self.buddy is not None:

@@ -153,7 +153,7 @@ class Reporter:
         phases = self.ledger.phases()
         since_launch = time.time() - launch_time()
         self.events.emit("startup", phases=phases, since_launch_s=since_launch,
-                         pid=os.getpid(), host=self.world.host)
+                         pid=os.getpid(), host=self.world.host, local_rank=self.world.local_rank)
         for name, seconds in phases.items():
             self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)
         if not self.is_rank0:

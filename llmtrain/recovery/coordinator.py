@@ -178,9 +178,13 @@ class WarmRecovery:
 
     def start(self, step: int, control: dist.ProcessGroup) -> None:
         """Replicates snapshots from ``step`` on, every group of the generation formed;
-        on NCCL, watches for the generation's failure (see FailureWatch)."""
+        on NCCL, watches for the generation's failure (see FailureWatch). A generation a
+        warm recovery made takes its first snapshot at its first step: until then its
+        newcomers hold none of their own, nor a replica of their wards', and a second
+        failure within the interval went cold (a node lost 1 step after a spare joined
+        could not shrink the job)."""
         self.control, self.left = control, False
-        self.snapshots.start(self.replication, control, step)
+        self.snapshots.start(self.replication, control, step, soon=self.path.gen > 0)
         publish_endpoints(self.path.store, self.world.rank)
         if dist.get_backend() == "nccl":
             budget = timedelta(seconds=self.cfg.budget_s)

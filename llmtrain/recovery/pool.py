@@ -43,9 +43,11 @@ def spares_ready(store: SignedStore, wanted: int) -> bool:
     return found == wanted
 
 
-def join_pool(store: SignedStore) -> int:
-    """A spare's number in the job's pool; its plan will come to ``spares/<number>/plan``."""
-    return store.add("spares/registered", 1)
+def join_pool(store: SignedStore, count: int = 1) -> int:
+    """A spare's number in the job's pool (its plan will come to ``spares/<number>/plan``),
+    or the first of ``count`` consecutive numbers, one node's spares: claims take the pool
+    in order, so a lost node's ranks go to one standby node's spares."""
+    return store.add("spares/registered", count) - count + 1
 
 
 def leave_pool(store: SignedStore, number: int) -> bool:
@@ -102,15 +104,16 @@ class PoolPlace:
 
     KEEP_EVERY_S = 0.5
 
-    def __init__(self, store: SignedStore, budget_s: float):
+    def __init__(self, store: SignedStore, budget_s: float, number: int | None = None):
+        """Joins the pool (``number``: the place :func:`join_pool` gave it already)."""
         self.store, self.budget_s = store, budget_s
         self.me = uuid.uuid4().hex
         self.ready = False  # set once the spare says it is (imports done, model built)
-        self._join()
+        self._join(number)
         self._claimed_seen: float | None = None
 
-    def _join(self) -> None:
-        self.number = join_pool(self.store)
+    def _join(self, number: int | None = None) -> None:
+        self.number = number or join_pool(self.store)
         self.store.set(f"spares/{self.number}/who", self.me)
         self._said_ready, self._kept = False, time.monotonic()
 

@@ -173,12 +173,15 @@ def test_compiled_tensor_parallel_blocks_give_eager_gradients(tmp_path, tp_run):
 
 def test_warm_recovery_with_a_tp_group_on_each_node(cluster, tp_run):
     """The reference job on 2 "nodes" of 2 ranks (a tp group, a replica, each) and a
-    standby launcher. One worker of node2 is killed at step 12: its place goes to the
-    spare, which takes that rank's pieces of the snapshot of step 10 from its buddy's
-    replica; checkpoint 20 is bit for bit the reference's. Then node1 dies whole and no
-    spare is left: its replica is dropped and the other tp group goes on from its own
-    memory (nothing sent, nothing read from storage), every later step's loss the
-    reference's but for float32 reduction order (2 micro-batches a rank instead of 1)."""
+    standby node of 2 warm spares, one per device. One worker of node2 is killed at step
+    12: its place goes to a spare, which takes that rank's pieces of the snapshot of step
+    10 from its buddy's replica; checkpoint 20 is bit for bit the reference's. Then node2
+    dies whole: its other rank goes to the standby node's second spare, on the other
+    device, and that node holds a whole tp group. A few steps later node1 dies and no
+    spare is left (the new generation snapshots at its first step):
+    its replica is dropped and the other tp group goes on from its own memory (nothing
+    sent, nothing read from storage), every later step's loss the reference's but for
+    float32 reduction order (2 micro-batches a rank instead of 1)."""
     end = 40  # (the reference's schedule; steps after the shrink left to compare)
     c = cluster("1:2", ("--training.steps", str(end), *SHORT, *BATCH, *TP2, *CKPT,
                         "--metrics.address", "127.0.0.1", "--metrics.port", "0"))
@@ -187,20 +190,33 @@ def test_warm_recovery_with_a_tp_group_on_each_node(cluster, tp_run):
     c.start("spare1", "--nproc-per-node", "2", spare=True)
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 12,
                    timeout=180)
-    victim = next(e for e in events(c.run, "startup") if e["host"] == "node2")
+    victim, other = [e for e in events(c.run, "startup") if e["host"] == "node2"]
     os.kill(victim["pid"], signal.SIGKILL)
     spare = wait_for_event(c.run, "warm_recovery", c.nodes["node1"], timeout=120)
     assert (spare["kind"], spare["lost"], spare["joined"], spare["hosts_joined"]) == (
         "spare", [victim["rank"]], [victim["rank"]], {str(victim["rank"]): "spare1"}), spare
     wait_for_event(c.run, "checkpoint_committed", c.nodes["node2"],
                    where=lambda e: e["step"] >= 20, timeout=120)
-    c.kill("node1")
-    shrink = wait_for_event(c.run, "warm_recovery", c.nodes["node2"], timeout=120,
+    c.kill("node2")
+    second = wait_for_event(c.run, "warm_recovery", c.nodes["node1"], timeout=120,
                             where=lambda e: e["gen"] == 2)
+    assert (second["kind"], second["lost"], second["hosts_joined"]) == (
+        "spare", [other["rank"]], {str(other["rank"]): "spare1"}), second
+    wait_for_event(c.run, "startup", c.nodes["spare1"],
+                   where=lambda e: e["host"] == "spare1" and e["rank"] == other["rank"])
+    # one device each: the standby node's spares are bound to its local ranks
+    assert sorted(e["local_rank"] for e in events(c.run, "startup")
+                  if e["host"] == "spare1") == [0, 1]
+    # a few steps for the snapshot of step 21, the new generation's first, to reach the
+    # buddies (without it, the next snapshot is 30's, and the shrink below went cold)
+    wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 25,
+                   timeout=120)
+    c.kill("node1")
+    shrink = wait_for_event(c.run, "warm_recovery", c.nodes["spare1"], timeout=120,
+                            where=lambda e: e["gen"] == 3)
     assert (shrink["kind"], shrink["world_size"], set(shrink["hosts_lost"].values())) == (
         "shrink", 2, {"node1"}), shrink
-    for name in ("node2", "spare1"):
-        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    assert c.wait("spare1") == ExitCode.CLEAN, c.log("spare1")
     assert len(events(c.run, "attempt_start")) == 1 and not events(c.run, "checkpoint_loaded")
     assert_bitwise_equal(final_weights(tp_run[0], 20), final_weights(c.run, 20))
     ref, got = step_losses(tp_run[0]), step_losses(c.run)

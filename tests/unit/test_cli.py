@@ -55,7 +55,7 @@ def test_each_commands_parser_reads_its_options(argv, expected):
 
 
 def test_launch_takes_the_node_agents_options():
-    from llmtrain.launch.node import add_arguments
+    from llmtrain.launch.config import add_arguments
     own = argparse.ArgumentParser()
     add_arguments(own)
     launch = _subparsers(build_parser()).choices["launch"]

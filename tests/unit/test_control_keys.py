@@ -21,7 +21,9 @@ from llmtrain.distributed.failure import FailureWatch
 from llmtrain.distributed.signed_store import (SECRET_ENV, SECRET_FILE_ENV, Forged, SignedStore,
                                                job_secret, report_forged_to)
 from llmtrain.events import EventLog, read_events
-from llmtrain.launch.node import LaunchConfig, Vacancies, ensure_secret, supervise_spare
+from llmtrain.launch.config import LaunchConfig
+from llmtrain.launch.node import ensure_secret
+from llmtrain.launch.standby import Vacancies, answer_evictions
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.eviction import EvictionWatch, evict
 from llmtrain.recovery.roll_call import owner
@@ -77,7 +79,7 @@ def test_a_forged_eviction_kills_no_worker(server, forged):
     assert forged() == [f"evict/{holder}"]
     # the job's own ask (a hang's watchdog, with the secret) is answered: the worker dies
     evict(store, [3], wait_s=0)
-    assert supervise_spare(worker, watch) == -9
+    assert answer_evictions(worker, watch) and worker.wait(timeout=5) == -9
 
 
 def test_a_forged_failure_key_aborts_nothing(server, forged):

@@ -17,7 +17,9 @@ from conftest import signed_store
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch, broke_a_collective, nccl_problems
 from llmtrain.distributed.nccl_env import WARM_NCCL_ENV
-from llmtrain.launch.node import LaunchConfig, warm_off_reason, worker_env
+from llmtrain.launch.children import worker_env
+from llmtrain.launch.config import LaunchConfig
+from llmtrain.launch.node import warm_off_reason
 
 
 def test_a_warm_launch_gives_its_workers_the_nccl_settings(monkeypatch):

@@ -4,7 +4,8 @@ cannot train at, before torchrun starts."""
 import pytest
 
 from llmtrain.config import ConfigError, load_config
-from llmtrain.launch.node import LaunchConfig, preflight
+from llmtrain.launch.config import LaunchConfig
+from llmtrain.launch.node import preflight
 
 
 def test_a_size_between_min_and_max_that_cannot_train_is_refused_with_the_fix():

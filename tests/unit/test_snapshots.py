@@ -178,6 +178,23 @@ def test_the_interval_grows_until_snapshots_fit_the_budget():
     assert Schedule(every=3).proposal() == 3  # no budget: a fixed interval
 
 
+def test_a_generation_a_warm_recovery_made_snapshots_at_its_first_step():
+    """A spare that joined at step 20 holds no snapshot of its own: with ``soon`` (what a
+    warm generation's start passes), the first comes at step 21, not at 30."""
+    def taken(schedule: Schedule) -> list[int]:
+        steps = []
+        for step in range(21, 42):
+            if schedule.due(step):
+                steps.append(step)
+                schedule.advance(step, 0.0, None)
+        return steps
+    schedule = Schedule(every=10)
+    schedule.restart(20, None)
+    assert taken(schedule) == [30, 40]
+    schedule.restart(20, None, soon=True)
+    assert taken(schedule) == [21, 31, 41]
+
+
 def _schedule_worker(rank: int, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 2), rank=rank,
                             world_size=2)

@@ -11,7 +11,7 @@ import time
 
 from llmtrain.config import WarmConfig
 from llmtrain.recovery import sockets
-from llmtrain.launch.node import supervise_spare
+from llmtrain.launch.standby import answer_evictions
 from llmtrain.recovery.eviction import EvictionWatch, evict, publish_endpoints
 from llmtrain.recovery.roll_call import owner, rank_of
 from llmtrain.recovery.warm import WarmPath
@@ -104,14 +104,20 @@ def test_a_spare_holding_a_rank_is_killed_by_its_launcher_when_evicted():
     store.set("round/g1/size", "4")
     store.set(f"rank_of/{holder}", "3")
     watch = EvictionWatch(store, [holder])
-    supervised = []
-    launcher = threading.Thread(target=lambda: supervised.append(supervise_spare(spare, watch)))
-    launcher.start()
+    answered = threading.Event()
+
+    def launcher() -> None:  # its launcher's loop
+        while spare.poll() is None and not answered.is_set():
+            if answer_evictions(spare, watch):
+                answered.set()
+            time.sleep(0.05)
+    watching = threading.Thread(target=launcher)
+    watching.start()
     time.sleep(0.3)
     assert spare.poll() is None  # the old key killed nothing
     assert evict(store, [3], wait_s=5) == {}  # answered: nobody is cut off
-    launcher.join(timeout=5)
-    assert supervised == [-signal.SIGKILL]
+    watching.join(timeout=5)
+    assert answered.is_set() and spare.wait(timeout=5) == -signal.SIGKILL
 
 
 def test_an_eviction_asks_the_process_that_holds_the_rank_after_a_shrink_renumbered_it():

@@ -15,7 +15,8 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from llmtrain.launch.agent import tolerate_store_outages
-from llmtrain.launch.node import LaunchConfig, Vacancies, store_errors
+from llmtrain.launch.config import LaunchConfig
+from llmtrain.launch.standby import Vacancies, store_errors
 from llmtrain.recovery.pool import PoolPlace, spares_waiting
 from llmtrain.recovery.warm import job_namespace
 

@@ -14,8 +14,9 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from llmtrain.config import JobConfig
-from llmtrain.launch import node
-from llmtrain.launch.node import LaunchConfig, Vacancies, standby_vacancies
+from llmtrain.launch import standby
+from llmtrain.launch.config import LaunchConfig
+from llmtrain.launch.standby import Vacancies, standby_vacancies
 from llmtrain.launch.store import store_server
 
 RDZV_ID = "job"
@@ -24,7 +25,7 @@ RDZV_ID = "job"
 @pytest.fixture
 def rendezvous(monkeypatch):
     """(LaunchConfig of a 2-node job, a maker of its agents' rendezvous handlers)."""
-    monkeypatch.setattr(node, "STANDBY_GRACE_S", 0.0)
+    monkeypatch.setattr(standby, "STANDBY_GRACE_S", 0.0)
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as the launcher runs them
     server = store_server("127.0.0.1", 0)
     lc = LaunchConfig(nnodes="2:2", rdzv_endpoint=f"127.0.0.1:{server.port}", rdzv_id=RDZV_ID,

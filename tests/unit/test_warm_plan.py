@@ -8,8 +8,8 @@ import time
 import pytest
 
 from llmtrain.config import WarmConfig
-from llmtrain.recovery.pool import (PoolPlace, assignment, join_pool, leave_pool, spares_ready,
-                                    spares_waiting)
+from llmtrain.recovery.pool import (PoolPlace, assignment, claim, join_pool, leave_pool,
+                                    spares_ready, spares_waiting)
 from llmtrain.recovery.roll_call import mark_gone, owner
 from llmtrain.recovery.verdicts import Verdicts, agreements
 from llmtrain.recovery.warm import ColdPath, WarmPath, buddy_of
@@ -149,6 +149,16 @@ def test_a_spare_is_claimed_or_withdrawn_never_both():
     assert assignment(store, first) is None
     assert not leave_pool(store, second)  # claimed: its plan is what it gets
     assert spares_waiting(store) == 0
+
+
+def test_a_lost_nodes_ranks_go_to_one_standby_nodes_spares():
+    """Each standby launcher registers its spares (one per local rank) as one block of
+    pool numbers, and a claim takes the pool in order: the 2 ranks of a lost node go to
+    the 2 spares of the standby node that registered first, not one from each."""
+    store = signed_store()
+    first, second = join_pool(store, 2), join_pool(store, 2)
+    assert (first, second) == (1, 3)
+    assert claim(store, 2) == [1, 2] and spares_waiting(store) == 2
 
 
 def test_a_dead_workers_late_gone_mark_does_not_count_the_spare_that_took_its_rank():

@@ -72,11 +72,13 @@ def test_a_start_that_fails_after_the_group_formed_abandons_it(tmp_path, monkeyp
     assert calls == ["abandon"]
 
 
-def test_spares_of_one_standby_host_take_their_ranks_places_on_a_node(tmp_path, monkeypatch):
-    """Two spares of one standby host take the two ranks of a grown node: each takes its
-    rank's place on a node, as torchrun numbers a node's workers (its local rank, the GPU
-    its process group binds, and the node's size and number). Every spare took local rank
-    0 of a one-rank node: both bound cuda:0."""
+def test_spares_of_one_standby_host_keep_their_own_devices_whatever_ranks_they_take(
+        tmp_path, monkeypatch):
+    """A standby launcher binds each of its spares to one local rank (its GPU) from its
+    start. Two spares of one host take ranks 3 and 2 of a grown node: each keeps its own
+    device, and takes the node's size and number as torchrun gives them. (Numbered by
+    rank modulo the node's size, two spares taking ranks 1 and 3 of two lost nodes bound
+    the same GPU.) A spare that no launcher bound takes its rank's place on a node."""
     cfg = JobConfig()
     cfg.training.run_dir = str(tmp_path)
     places = []
@@ -88,15 +90,24 @@ def test_spares_of_one_standby_host_take_their_ranks_places_on_a_node(tmp_path, 
     monkeypatch.setattr(worker, "run_worker", run_worker)
     monkeypatch.setenv("LLMTRAIN_RDZV_ENDPOINT", "127.0.0.1:29400")
     monkeypatch.delenv("LLMTRAIN_SPARE_READY_FD", raising=False)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         monkeypatch.setenv(name, "0")  # as the standby launcher left them; put back after
-    for rank in (2, 3):  # a job of one 2-rank node grows by one
+
+    def spare(rank: int, local_rank: int | None) -> None:
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", str(local_rank))
         plan = {"kind": "grow", "rank": rank, "world_size": 4, "local_world_size": 2,
-                "gen": 1, "step": 10}
+                "gen": 1, "step": 10}  # a job of one 2-rank node grows by one
         monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(plan) + "\n"))
         assert worker.run_spare(cfg) == ExitCode.CLEAN
+    spare(3, 0)
+    spare(2, 1)
+    spare(3, None)
     assert [(w.rank, w.world_size, w.local_rank, per_node, node)
-            for w, per_node, node in places] == [(2, 4, 0, "2", "1"), (3, 4, 1, "2", "1")]
+            for w, per_node, node in places] == [(3, 4, 0, "2", "1"), (2, 4, 1, "2", "1"),
+                                                 (3, 4, 1, "2", "1")]
 
 
 def test_a_loop_on_an_excluded_node_refuses_to_start(tmp_path, monkeypatch):

@@ -1,0 +1,363 @@
+"""A spare node's launcher (``llmtrain launch --standby``): it waits outside the
+rendezvous and joins only when a round is short of nodes (:func:`await_vacancy`), or, with
+the warm path on, runs one warm spare per local rank and supervises those that take a
+lost rank's place (:func:`serve_warm`).
+
+In torch 2.13, a spare sitting in the rendezvous while a rank (not its whole node) fails
+makes the agents restart for ever: after the restart one of the three lands in the
+round's wait list, the others see a "new node" and restart to admit it, and so on. A
+standby launcher reads the rendezvous state from the store instead, and joins when a round
+has waited for nodes for ``STANDBY_GRACE_S``: a node is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+import select
+import subprocess
+import sys
+import time
+
+from llmtrain.config import JobConfig
+from llmtrain.events import EventTail
+from llmtrain.exit_codes import ExitCode
+from llmtrain.launch.children import forward_signals, worker_command, worker_env
+from llmtrain.launch.config import LaunchConfig
+
+log = logging.getLogger(__name__)
+
+
+STANDBY_GRACE_S = 3.0
+
+
+class Vacancies:
+    """The job's rendezvous as a spare sees it. A round is short when it has waited for
+    nodes for ``STANDBY_GRACE_S`` (forming with fewer than the minimum, or running with
+    fewer than the maximum); a spare takes a ticket for its place, so that no more spares
+    join a round than it lacks nodes. ``restarts_only``: only a restart's round counts
+    (not the first, whose nodes may still be starting, nor a running one, which a warm
+    recovery may have left with a dead node's agent missing)."""
+
+    def __init__(self, lc: LaunchConfig, restarts_only: bool = False):
+        self.endpoint, self.timeout_s = lc.rdzv_endpoint, lc.join_timeout_s
+        self.rdzv_id, self.restarts_only = lc.rdzv_id, restarts_only
+        self._connect()
+        self.min_nodes, self.max_nodes = lc.node_range
+        self.short_since: float | None = None
+        self.refused: str | None = None  # the round whose places other spares took
+
+    def client(self):
+        """A new client of the rendezvous store."""
+        import datetime
+
+        import torch.distributed as dist
+        host, _, port = self.endpoint.rpartition(":")
+        return dist.TCPStore(host, int(port), is_master=False, use_libuv=True,
+                             timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    def _connect(self) -> None:
+        """Connects (again: a TCPStore client whose server restarted stays broken)."""
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        self.store = self.client()
+        self.backend = C10dRendezvousBackend(self.store, self.rdzv_id)
+        self.broken = False
+
+    def _missing(self):
+        """(the round's ticket key, nodes it lacks) or None."""
+        got = self.backend.get_state()
+        state = rendezvous_state(got[0]) if got else None
+        if state is None or state.closed or (self.restarts_only and state.round == 0):
+            return None
+        have = len(state.participants)
+        lack = (self.min_nodes - have if not state.complete and have else
+                self.max_nodes - have if state.complete and not self.restarts_only else 0)
+        return (f"llmtrain/vacancy/{self.rdzv_id}/{state.round}/{have}", lack) if lack > 0 \
+            else None
+
+    def claim(self) -> bool:
+        """True once a round has been short for the grace and this spare holds one of
+        the places it lacks. A store error is raised; the next call connects again."""
+        if self.broken:
+            self._connect()
+        try:
+            missing = self._missing()
+        except store_errors():
+            self.broken = True
+            raise
+        now = time.monotonic()
+        self.short_since = (self.short_since or now) if missing else None
+        if not missing or now - self.short_since < STANDBY_GRACE_S or missing[0] == self.refused:
+            return False
+        key, lack = missing
+        try:
+            ticket = self.store.add(key, 1)
+        except store_errors():
+            self.broken = True
+            raise
+        if ticket <= lack:
+            return True
+        self.refused = key
+        return False
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a request to the rendezvous store raises when the store is out (stalled,
+    restarting, gone): torch's DistError (a RuntimeError), a socket's OSError, and
+    torchrun's RendezvousError for requests through its rendezvous backend."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    return (RuntimeError, OSError, RendezvousError)
+
+
+class _StoreOutage:
+    """Says once an outage, in a log line, that the rendezvous store is out (and once that
+    it is back), where a launcher looks at the store every half second."""
+
+    def __init__(self, who: str):
+        self.who, self.out = who, False
+
+    def failed(self, error: BaseException) -> None:
+        if not self.out:
+            log.warning("%s: the rendezvous store is out (%s: %s); waiting for it",
+                        self.who, type(error).__name__, str(error).splitlines()[0][:200])
+        self.out = True
+
+    def answered(self) -> None:
+        if self.out:
+            log.warning("%s: the rendezvous store answers again", self.who)
+        self.out = False
+
+
+class _RendezvousStateOnly(pickle.Unpickler):
+    """torchrun keeps its rendezvous state in the store as a pickle, which anyone who
+    reaches the store's port can replace: read here, it may build torch's state classes
+    and datetimes, nothing else (a pickle that names any other callable is refused)."""
+
+    ALLOWED = {("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+               ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+               ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}")
+        return super().find_class(module, name)
+
+
+def rendezvous_state(data: bytes):
+    """torchrun's rendezvous state from its pickle in the store; None (said in a log line)
+    when it is not one, such as a value a stranger wrote there to run code."""
+    try:
+        return _RendezvousStateOnly(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001 - any malformed pickle: not torch's state
+        log.warning("the rendezvous state in the store is not torchrun's (%s): ignored", e)
+        return None
+
+
+def standby_vacancies(cfg: JobConfig, lc: LaunchConfig) -> Vacancies:
+    """The rounds a standby joins. A warm job's running round lacks a node after every
+    warm recovery (the lost node's agent, whose rank a warm spare took): joining it would
+    restart every rank cold, so there only a restart's round counts. Chaos caught a warm
+    spare whose rank was lost doing that, when its launcher went on as a plain standby."""
+    return Vacancies(lc, restarts_only=cfg.warm.enable and lc.external_store)
+
+
+def await_vacancy(vacancies: Vacancies, run_dir: str, steps: int, since: float) -> bool:
+    """Waits, as a spare, until the job's rendezvous is short of nodes (True), or the job
+    has finished (False)."""
+    ends = EventTail(run_dir, keep=frozenset({"run_end"}))  # each poll reads what is new
+    outage = _StoreOutage("standby")
+    while True:
+        try:
+            if vacancies.claim():
+                return True
+            outage.answered()
+        except store_errors() as e:
+            outage.failed(e)
+        if finished(ends.read(), steps, since):
+            return False
+        time.sleep(0.5)
+
+
+class _Spare:
+    """One warm spare process of a standby node, bound to the GPU ``local_rank`` from its
+    start (whatever rank it takes, two spares of one node never share a device, nor a
+    metrics port), and its place in the job's pool."""
+
+    def __init__(self, cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
+                 local_rank: int):
+        ready, says_ready = os.pipe()
+        # in a session of its own, as torchrun's workers are: an eviction kills its children too
+        command = worker_command(lc) if lc.script else [sys.executable, "-m", "llmtrain", "spare"]
+        self.proc = subprocess.Popen(
+            [*command, *train_args], stdin=subprocess.PIPE, text=True, start_new_session=True,
+            env={**worker_env(cfg, lc, host), "LLMTRAIN_SPARE": "1",  # see llmtrain.start
+                 "LLMTRAIN_SPARE_READY_FD": str(says_ready),
+                 "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(lc.nproc_per_node)},
+            pass_fds=(says_ready,))
+        os.close(says_ready)
+        self.ready = open(ready, "rb", buffering=0)
+        self.place = None  # its PoolPlace, once this node's spares have joined the pool
+        self.holder: str | None = None  # who holds a rank (roll_call.owner), once it does
+        self.evictions = self.verdicts = None
+        self.code: int | None = None  # its exit code, once it ended or left the pool
+        self.rejoin = False  # it held a rank that the warm path did not replace
+
+    @property
+    def waiting(self) -> bool:
+        """In the pool, no rank taken yet."""
+        return self.holder is None and self.code is None
+
+    @property
+    def holding(self) -> bool:
+        """Running as the rank it took."""
+        return self.holder is not None and self.code is None
+
+    def look_ready(self) -> None:
+        """Marks its place ready once the spare has said so (imports done)."""
+        if select.select([self.ready], [], [], 0)[0] and self.ready.read(64):
+            self.place.ready = True
+
+    def take(self, plan: dict, pool, host: str, budget_s: float) -> None:
+        """Hands the spare ``plan`` (a lost rank's place); from now on it is supervised as
+        an agent supervises its workers."""
+        from llmtrain.recovery.eviction import EvictionWatch
+        from llmtrain.recovery.roll_call import owner
+        from llmtrain.recovery.verdicts import Verdicts
+        self.holder = owner(self.proc.pid, host)
+        self.evictions = EvictionWatch(pool, [self.holder])
+        self.verdicts = Verdicts(pool, [self.holder], budget_s)
+        try:
+            self.proc.stdin.write(json.dumps(plan) + "\n")
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died just now: the survivors go cold in budget
+            pass
+
+    def release(self) -> None:
+        """Ends a spare that left the pool: end of input, and it exits CLEAN."""
+        self.proc.stdin.close()
+        self.code = self.proc.wait()
+        self.ready.close()
+
+    def ended(self, rc: int, signalled: list[int]) -> None:
+        """The spare holding a rank ended with ``rc``: whether this node must join a cold
+        restart as a node, as an agent would restart its worker (its rank ended and the
+        warm path did not replace it; once every rank ran in a spare, the job waited for a
+        restart that nobody started)."""
+        self.code = rc
+        self.ready.close()
+        done = rc in (ExitCode.CLEAN, ExitCode.FATAL, ExitCode.EXCLUDE_NODE)
+        self.rejoin = not (done or signalled) and (
+            rc == ExitCode.RETRYABLE or not _replaced(self.verdicts, self.holder))
+
+
+def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
+               since: float) -> tuple[int | None, list[int], bool]:
+    """Warm spares, one per local rank (``--nproc-per-node``): each ``llmtrain spare``
+    imports torch once, then waits for a plan on its stdin, while this launcher holds its
+    place in the job's pool and hands it the plan that assigns it a lost rank. A lost
+    node of N ranks finds N spares on one standby node; its ranks take this node's
+    places in pool order, one device each. The spares join the pool at once (a lost rank
+    is better off waiting for its imports than going cold) and say when they are ready,
+    seconds later: a grow waits for that (its survivors waited 3 s for a spare's imports,
+    not 0.3).
+
+    Returns the spares' exit code, the signals forwarded to them, and whether this node
+    must join a cold restart as a node (a rank one of them took ended and the warm path
+    did not replace it). The code is CLEAN if the job finished (with or without them), the
+    first other code of a spare that ended otherwise, and None when a cold restart's round
+    lacks a node (the warm path could not replace one): the spares left the pool, and
+    this node holds a place in that round, one place for the node, however many spares
+    it ran."""
+    from llmtrain.recovery.pool import PoolPlace, assignment, join_pool, leave_pool
+    from llmtrain.recovery.warm import job_namespace
+    vacancies = Vacancies(lc, restarts_only=True)
+    pool = job_namespace(vacancies.store, lc.rdzv_id, reconnect=vacancies.client)
+    spares = [_Spare(cfg, lc, host, train_args, k) for k in range(lc.nproc_per_node)]
+    signalled = forward_signals(*(s.proc for s in spares))  # preemption reaches a rank held
+    # one block of numbers: the pool hands a lost node's ranks to one node's spares
+    first = join_pool(pool, len(spares))
+    for k, s in enumerate(spares):
+        s.place = PoolPlace(pool, cfg.warm.budget_s, first + k)
+    vacancy, done, outage = False, False, _StoreOutage("warm spare")
+    ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))  # what is new
+    looked = time.monotonic()
+    while any(s.code is None for s in spares):
+        for s in spares:  # a rank's end is known without the store, its verdict is not
+            if s.holding and (rc := s.proc.poll()) is not None:
+                s.ended(rc, signalled)
+        try:
+            for s in spares:
+                if s.waiting:
+                    s.look_ready()
+                    s.place.keep()  # in the pool, ready when the spare is, after a restart too
+                    if (plan := assignment(pool, s.place.number)) is not None:
+                        s.take(plan, pool, host, cfg.warm.budget_s)
+                    elif s.proc.poll() is not None:  # it died waiting (a signal): no
+                        leave_pool(pool, s.place.number)  # survivor may count on it
+                        s.code = s.proc.returncode
+                elif s.holding and answer_evictions(s.proc, s.evictions):
+                    s.ended(s.proc.wait(), signalled)
+            outage.answered()
+        except store_errors() as e:  # no plan can come meanwhile: look again
+            outage.failed(e)
+            done = done or finished(ends.read(), cfg.training.steps, since)
+            if done:  # the job ended without them, and without its store perhaps
+                for s in spares:
+                    if s.waiting:
+                        s.release()
+            time.sleep(0.5)
+            continue
+        if time.monotonic() - looked > 0.5:
+            looked = time.monotonic()
+            done = done or finished(ends.read(), cfg.training.steps, since)
+            rejoin = any(s.rejoin for s in spares)
+            try:
+                # a ticket, held, only while no spare holds a rank: this node joins a
+                # round with all its devices
+                vacancy = vacancy or (not (done or rejoin or any(s.holding for s in spares))
+                                      and vacancies.claim())
+                for s in spares:
+                    if s.waiting and (done or vacancy or rejoin) and s.place.leave():
+                        s.release()
+            except store_errors() as e:
+                outage.failed(e)
+        time.sleep(0.05)
+    done = done or finished(ends.read(), cfg.training.steps, since)
+    rc = None if vacancy and not done else next(
+        (s.code for s in spares if s.code != ExitCode.CLEAN), ExitCode.CLEAN)
+    return rc, signalled, not done and any(s.rejoin for s in spares)
+
+
+def _replaced(verdicts, holder: str) -> bool:
+    """The warm path's verdict on the rank a spare held; a store that is out gives none,
+    and this node joins the cold restart, as a dead worker's agent would restart it."""
+    try:
+        return verdicts.replaced(holder)
+    except store_errors() as e:
+        _StoreOutage("warm spare's launcher").failed(e)
+        return False
+
+
+def answer_evictions(spare: subprocess.Popen, evictions) -> bool:
+    """One look, for a spare that took a rank, at what an agent watches for its workers:
+    the spare is killed (True) when a hang's watchdog asked
+    (:func:`llmtrain.recovery.eviction.evict`; without this, a stopped spare went
+    unanswered and its peers cut a later one). A store that is out raises (nobody can
+    ask meanwhile)."""
+    for holder in evictions.asked():  # it watches this spare alone
+        with contextlib.suppress(*store_errors()):  # killed first, then said
+            evictions.kill(holder, spare.pid)
+        return True
+    return False
+
+
+def finished(events: list[dict], steps: int, since: float) -> bool:
+    """The run has ended since ``since``: at its last step, or early on a stop request."""
+    return any(e["event"] == "run_end" and e["ts"] >= since
+               and (e["steps"] == steps or e.get("stopped")) for e in events)
