@@ -11,10 +11,13 @@ import logging
 import os
 import signal
 import sys
+from datetime import timedelta
 
 from llmtrain.config import ConfigError
 from llmtrain.distributed.process_group import node_name
 from llmtrain.exit_codes import ExitCode
+from llmtrain.recovery.presence import hold_presence
+from llmtrain.recovery.roll_call import owner
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,10 @@ def spare_assignment() -> dict | None:
                           "LLMTRAIN_RDZV_ENDPOINT (run it under llmtrain launch --standby)")
     for name in SPARE_IMPORTS:
         importlib.import_module(name)
+    # held from now on, for the process's life: a spare that dies waiting leaves the
+    # pool at once (llmtrain.recovery.pool.withdraw), and one holding a rank is known gone
+    budget_s = float(os.environ.get("LLMTRAIN_WARM_BUDGET_S", "30"))
+    hold_presence(owner(), timedelta(seconds=budget_s))
     if "LLMTRAIN_SPARE_READY_FD" in os.environ:  # the launcher puts it in the pool now
         with open(int(os.environ.pop("LLMTRAIN_SPARE_READY_FD")), "w") as ready:
             ready.write("ready\n")

@@ -47,6 +47,7 @@ class Job:
         self.rejudge: dict[int, Callable[[], None]] = {}
         self.truncated: set[int] = set()  # committed steps chaos broke on purpose
         self.started_at: dict[str, float] = {}  # node -> when chaos last started it
+        self.standby: set[str] = set()  # the nodes chaos last started as spares
         self.last_fault = False  # the fault in flight is the schedule's last
 
     # -- its event log ------------------------------------------------------------------
@@ -123,6 +124,7 @@ class Job:
             self.started_at[name] = time.time()
         else:
             self.started_at.pop(name, None)
+        (self.standby.add if spare else self.standby.discard)(name)
         self.cluster.start(name, env={"LLMTRAIN_NVML_SCRIPT": str(self.gpu_script(name))},
                            spare=spare)
 
@@ -175,7 +177,9 @@ class Job:
                   timeout: float = 240) -> dict:
         """Waits for the first step after the recovery, warm or cold; fills in its path,
         time and steps lost. ``node``: the one that held the lost rank; if it lives on
-        without its worker after a warm recovery, it is started again as the next spare."""
+        without its worker after a warm recovery, it is started again as the next spare
+        (a standby node still running needs nothing: it has put a new warm spare in the
+        lost one's place itself)."""
         rec = self.wait(lambda: self.latest("warm_recovery", since)
                         or self.latest("recovery", since), "recovery", timeout)
         v.path = recovery_path(rec)
@@ -184,8 +188,10 @@ class Job:
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
         if v.path != "cold":
             v.restored = rec["step"]
-            if node is not None:  # its agent has no worker left: back as a spare
-                self.end_node(node)
+            standing = (self.cfg.warm and node in self.standby
+                        and self.cluster.nodes[node].poll() is None)
+            if node is not None and not standing:  # its agent has no worker left: back
+                self.end_node(node)  # as a spare
                 self.back(v, node)
         else:
             loaded = self.latest("checkpoint_loaded", since)

@@ -33,7 +33,8 @@ The job runs with the warm path (``--warm.enable``) unless ``warm`` is off: a lo
 is replaced by the waiting spare from its buddy's in-memory replica, and the verdict says
 which path each recovery took. Two spares wait, so that one is ready while the other,
 used, starts again; a node that a warm recovery left without its worker is started again
-as a spare too (but not after the schedule's last fault: no fault is left to need it). The
+as a spare too (but not after the schedule's last fault: no fault is left to need it),
+except a standby node, which puts a new spare in the lost one's place itself. The
 warm spares start with the job's nodes, and before each fault chaos waits for a spare to be
 waiting (in the pool: one still importing makes the recovery wait for its imports, and
 the verdict's time says so).

@@ -53,11 +53,12 @@ def worker_env(cfg: JobConfig, lc: LaunchConfig, host: str) -> dict[str, str]:
     return env
 
 
-def forward_signals(*procs: subprocess.Popen) -> list[int]:
+def forward_signals(procs: list[subprocess.Popen]) -> list[int]:
     """A scheduler's SIGTERM (preemption, scancel) or USR1 goes on to ``procs`` (the agent,
-    which passes it to the workers, or a standby node's warm spares): they save, then exit
-    RETRYABLE. Slurm signals every process of a step itself, so there it is not passed on
-    a second time. Returns the signals received, as they come."""
+    which passes it to the workers, or a standby node's warm spares, a list they are added
+    to as they start): they save, then exit RETRYABLE. Slurm signals every process of a
+    step itself, so there it is not passed on a second time. Returns the signals
+    received, as they come."""
     received: list[int] = []
 
     def forward(signum, _frame) -> None:

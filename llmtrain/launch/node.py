@@ -177,7 +177,7 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
     warm = cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env
     proc = subprocess.Popen(torchrun_command(lc, train_args, warm), env=env)
-    forward_signals(proc)
+    forward_signals([proc])
     rc = _wait_agent(proc, run_dir, cfg.training.steps, started)
     code = _outcome(rc, run_dir, host, started, cfg.training.steps)
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))

@@ -28,6 +28,7 @@ from llmtrain.events import EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.children import forward_signals, worker_command, worker_env
 from llmtrain.launch.config import LaunchConfig
+from llmtrain.reliability.health.exclusion import excluded_hosts
 
 log = logging.getLogger(__name__)
 
@@ -202,11 +203,14 @@ class _Spare:
             pass_fds=(says_ready,))
         os.close(says_ready)
         self.ready = open(ready, "rb", buffering=0)
+        from llmtrain.recovery.roll_call import owner
+        self.me = owner(self.proc.pid, host)  # the process, as its presence names it
         self.place = None  # its PoolPlace, once this node's spares have joined the pool
         self.holder: str | None = None  # who holds a rank (roll_call.owner), once it does
         self.evictions = self.verdicts = None
         self.code: int | None = None  # its exit code, once it ended or left the pool
         self.rejoin = False  # it held a rank that the warm path did not replace
+        self.replaced = False  # it held a rank, lost and replaced: the job goes on
 
     @property
     def waiting(self) -> bool:
@@ -223,13 +227,12 @@ class _Spare:
         if select.select([self.ready], [], [], 0)[0] and self.ready.read(64):
             self.place.ready = True
 
-    def take(self, plan: dict, pool, host: str, budget_s: float) -> None:
+    def take(self, plan: dict, pool, budget_s: float) -> None:
         """Hands the spare ``plan`` (a lost rank's place); from now on it is supervised as
         an agent supervises its workers."""
         from llmtrain.recovery.eviction import EvictionWatch
-        from llmtrain.recovery.roll_call import owner
         from llmtrain.recovery.verdicts import Verdicts
-        self.holder = owner(self.proc.pid, host)
+        self.holder = self.me
         self.evictions = EvictionWatch(pool, [self.holder])
         self.verdicts = Verdicts(pool, [self.holder], budget_s)
         try:
@@ -254,6 +257,7 @@ class _Spare:
         done = rc in (ExitCode.CLEAN, ExitCode.FATAL, ExitCode.EXCLUDE_NODE)
         self.rejoin = not (done or signalled) and (
             rc == ExitCode.RETRYABLE or not _replaced(self.verdicts, self.holder))
+        self.replaced = not (done or signalled or self.rejoin)
 
 
 def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
@@ -273,65 +277,118 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     first other code of a spare that ended otherwise, and None when a cold restart's round
     lacks a node (the warm path could not replace one): the spares left the pool, and
     this node holds a place in that round, one place for the node, however many spares
-    it ran."""
-    from llmtrain.recovery.pool import PoolPlace, assignment, join_pool, leave_pool
-    from llmtrain.recovery.warm import job_namespace
-    vacancies = Vacancies(lc, restarts_only=True)
-    pool = job_namespace(vacancies.store, lc.rdzv_id, reconnect=vacancies.client)
-    spares = [_Spare(cfg, lc, host, train_args, k) for k in range(lc.nproc_per_node)]
-    signalled = forward_signals(*(s.proc for s in spares))  # preemption reaches a rank held
-    # one block of numbers: the pool hands a lost node's ranks to one node's spares
-    first = join_pool(pool, len(spares))
-    for k, s in enumerate(spares):
-        s.place = PoolPlace(pool, cfg.warm.budget_s, first + k)
-    vacancy, done, outage = False, False, _StoreOutage("warm spare")
-    ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))  # what is new
-    looked = time.monotonic()
-    while any(s.code is None for s in spares):
-        for s in spares:  # a rank's end is known without the store, its verdict is not
-            if s.holding and (rc := s.proc.poll()) is not None:
-                s.ended(rc, signalled)
-        try:
-            for s in spares:
-                if s.waiting:
-                    s.look_ready()
-                    s.place.keep()  # in the pool, ready when the spare is, after a restart too
-                    if (plan := assignment(pool, s.place.number)) is not None:
-                        s.take(plan, pool, host, cfg.warm.budget_s)
-                    elif s.proc.poll() is not None:  # it died waiting (a signal): no
-                        leave_pool(pool, s.place.number)  # survivor may count on it
-                        s.code = s.proc.returncode
-                elif s.holding and answer_evictions(s.proc, s.evictions):
-                    s.ended(s.proc.wait(), signalled)
-            outage.answered()
-        except store_errors() as e:  # no plan can come meanwhile: look again
-            outage.failed(e)
-            done = done or finished(ends.read(), cfg.training.steps, since)
-            if done:  # the job ended without them, and without its store perhaps
-                for s in spares:
-                    if s.waiting:
-                        s.release()
-            time.sleep(0.5)
-            continue
-        if time.monotonic() - looked > 0.5:
-            looked = time.monotonic()
-            done = done or finished(ends.read(), cfg.training.steps, since)
-            rejoin = any(s.rejoin for s in spares)
+    it ran.
+
+    A spare whose rank was lost, and replaced, is followed by a new one on its device:
+    the node stays warm. Once the node is excluded (a spare's GPU failed), its waiting
+    spares leave the pool: a rank given to one would refuse to start there."""
+    return _WarmStandby(cfg, lc, host, train_args, since).serve()
+
+
+class _WarmStandby:
+    """:func:`serve_warm`'s state: the node's spares, their pool, what is known of the
+    job (ended, this node excluded, a restart's round joined)."""
+
+    def __init__(self, cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
+                 since: float):
+        from llmtrain.recovery.pool import PoolPlace, join_pool
+        from llmtrain.recovery.warm import job_namespace
+        self.cfg, self.lc, self.host, self.train_args, self.since = (cfg, lc, host,
+                                                                      train_args, since)
+        self.vacancies = Vacancies(lc, restarts_only=True)
+        self.pool = job_namespace(self.vacancies.store, lc.rdzv_id,
+                                  reconnect=self.vacancies.client)
+        self.spares = [_Spare(cfg, lc, host, train_args, k) for k in range(lc.nproc_per_node)]
+        self.procs = [s.proc for s in self.spares]
+        self.signalled = forward_signals(self.procs)  # preemption reaches a rank held
+        # one block of numbers: the pool hands a lost node's ranks to one node's spares
+        first = join_pool(self.pool, len(self.spares))
+        for k, s in enumerate(self.spares):
+            s.place = PoolPlace(self.pool, cfg.warm.budget_s, first + k, holder=s.me)
+        self.vacancy = self.done = self.excluded = False
+        self.outage = _StoreOutage("warm spare")
+        self.ends = EventTail(cfg.training.run_dir, keep=frozenset({"run_end"}))  # what is new
+
+    def serve(self) -> tuple[int | None, list[int], bool]:
+        """Until no spare runs; :func:`serve_warm`'s outcome."""
+        looked = time.monotonic()
+        while any(s.code is None for s in self.spares):
+            for k, s in enumerate(self.spares):  # a rank's end is known without the
+                if s.holding and (rc := s.proc.poll()) is not None:  # store, its verdict
+                    self._end(k, rc)  # is not
             try:
-                # a ticket, held, only while no spare holds a rank: this node joins a
-                # round with all its devices
-                vacancy = vacancy or (not (done or rejoin or any(s.holding for s in spares))
-                                      and vacancies.claim())
-                for s in spares:
-                    if s.waiting and (done or vacancy or rejoin) and s.place.leave():
-                        s.release()
-            except store_errors() as e:
-                outage.failed(e)
-        time.sleep(0.05)
-    done = done or finished(ends.read(), cfg.training.steps, since)
-    rc = None if vacancy and not done else next(
-        (s.code for s in spares if s.code != ExitCode.CLEAN), ExitCode.CLEAN)
-    return rc, signalled, not done and any(s.rejoin for s in spares)
+                self._look()
+                self.outage.answered()
+            except store_errors() as e:  # no plan can come meanwhile: look again
+                self.outage.failed(e)
+                self._ended()
+                if self.done or self.excluded:  # the job ended without them (and without
+                    self._release()  # its store perhaps), or none may take a rank here
+                time.sleep(0.5)
+                continue
+            if time.monotonic() - looked > 0.5:
+                looked = time.monotonic()
+                self._leave_if_unneeded()
+            time.sleep(0.05)
+        self._ended()
+        rc = None if self.vacancy and not self.done else next(
+            (s.code for s in self.spares if s.code != ExitCode.CLEAN), ExitCode.CLEAN)
+        return rc, self.signalled, not self.done and any(s.rejoin for s in self.spares)
+
+    def _ended(self) -> None:
+        self.done = self.done or finished(self.ends.read(), self.cfg.training.steps, self.since)
+
+    def _look(self) -> None:
+        """Each spare's turn: a waiting one kept in the pool and handed its plan once one
+        comes; a rank held, its eviction answered. Store errors raise."""
+        from llmtrain.recovery.pool import PoolPlace, assignment, leave_pool
+        for k, s in enumerate(self.spares):
+            if s.waiting:
+                if s.place is None:  # a new spare, after one whose rank was lost
+                    s.place = PoolPlace(self.pool, self.cfg.warm.budget_s, holder=s.me)
+                s.look_ready()
+                s.place.keep()  # in the pool, ready when the spare is, after a restart too
+                if (plan := assignment(self.pool, s.place.number)) is not None:
+                    s.take(plan, self.pool, self.cfg.warm.budget_s)
+                elif s.proc.poll() is not None:  # it died waiting (a signal): no
+                    leave_pool(self.pool, s.place.number)  # survivor may count on it
+                    s.code = s.proc.returncode
+            elif s.holding and answer_evictions(s.proc, s.evictions):
+                self._end(k, s.proc.wait())
+
+    def _end(self, k: int, rc: int) -> None:
+        """Spare ``k``, which held a rank, ended with ``rc``; one whose rank was replaced
+        is followed by a new spare on its device."""
+        self.spares[k].ended(rc, self.signalled)
+        self.excluded = self.excluded or self.host in excluded_hosts(self.cfg.training.run_dir)
+        if self.spares[k].replaced and not (self.done or self.excluded or self.signalled):
+            log.info("warm spare: the rank held on local rank %d was lost and replaced; a "
+                     "new spare waits on that device", k)
+            self.spares[k] = _Spare(self.cfg, self.lc, self.host, self.train_args, k)
+            self.procs.append(self.spares[k].proc)
+
+    def _leave_if_unneeded(self) -> None:
+        """The waiting spares leave the pool once the job ended, this node was excluded,
+        a rank one held was not replaced (the job goes cold), or a restart's round lacks a
+        node (this node holds a ticket for its place, taken only while no spare holds a
+        rank: the node joins a round with all its devices)."""
+        self._ended()
+        rejoin = any(s.rejoin for s in self.spares)
+        try:
+            self.vacancy = self.vacancy or (
+                not (self.done or rejoin or any(s.holding for s in self.spares))
+                and self.vacancies.claim())
+            if self.done or self.vacancy or rejoin or self.excluded:
+                self._release(leave=True)
+        except store_errors() as e:
+            self.outage.failed(e)
+
+    def _release(self, leave: bool = False) -> None:
+        """Ends the waiting spares (``leave``: those whose place leaves the pool now; a
+        claimed one waits for its plan)."""
+        for s in self.spares:
+            if s.waiting and (not leave or s.place is None or s.place.leave()):
+                s.release()
 
 
 def _replaced(verdicts, holder: str) -> bool:

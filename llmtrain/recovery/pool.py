@@ -59,6 +59,21 @@ def leave_pool(store: SignedStore, number: int) -> bool:
     return True
 
 
+def withdraw(store: SignedStore, holder: str) -> bool:
+    """Takes the place of the waiting spare process ``holder`` (see
+    :func:`llmtrain.recovery.roll_call.owner`) out of the pool, its process gone without a
+    word (its node died, its launcher was killed): a claim no longer picks it, where the
+    recovery that did waited ``warm.budget_s`` for it, then went cold. False when it held
+    no place, or was claimed or left already."""
+    number = store.genuine(f"spares/of/{holder}")
+    if number is None or store.genuine(f"spares/{int(number)}/state"):
+        return False
+    if not leave_pool(store, int(number)):
+        return False
+    log.info("spare %s (place %d) is gone: out of the pool", holder, int(number))
+    return True
+
+
 def claim(store: SignedStore, wanted: int) -> list[int]:
     """Claims the next ``wanted`` spares of the pool, in order, passing over those that
     withdrew meanwhile; returns their numbers. Fewer than ``wanted`` (as many as were
@@ -104,9 +119,12 @@ class PoolPlace:
 
     KEEP_EVERY_S = 0.5
 
-    def __init__(self, store: SignedStore, budget_s: float, number: int | None = None):
-        """Joins the pool (``number``: the place :func:`join_pool` gave it already)."""
-        self.store, self.budget_s = store, budget_s
+    def __init__(self, store: SignedStore, budget_s: float, number: int | None = None,
+                 holder: str | None = None):
+        """Joins the pool (``number``: the place :func:`join_pool` gave it already) for the
+        spare process ``holder`` (:func:`llmtrain.recovery.roll_call.owner`), whose
+        death withdraws it (:func:`withdraw`)."""
+        self.store, self.budget_s, self.holder = store, budget_s, holder
         self.me = uuid.uuid4().hex
         self.ready = False  # set once the spare says it is (imports done, model built)
         self._join(number)
@@ -115,6 +133,8 @@ class PoolPlace:
     def _join(self, number: int | None = None) -> None:
         self.number = number or join_pool(self.store)
         self.store.set(f"spares/{self.number}/who", self.me)
+        if self.holder is not None:
+            self.store.set(f"spares/of/{self.holder}", str(self.number))
         self._said_ready, self._kept = False, time.monotonic()
 
     def keep(self) -> None:

@@ -8,7 +8,10 @@ roll call, as a live agent marks its dead worker (:func:`llmtrain.recovery.roll_
 mark_holder_gone`). The survivors' agreement then has every rank accounted for at once,
 rather than waiting out a lost node's silence for ``warm.settle_s`` (nobody was left on
 that node to say its ranks are gone). A process that ends on purpose says ``bye`` first
-and is not marked; one that stays (a shrink, a grow) keeps its connection.
+and is not marked; one that stays (a shrink, a grow) keeps its connection. A warm spare
+holds its connection from the start of its wait: one that dies waiting leaves the spare
+pool at once (:func:`llmtrain.recovery.pool.withdraw`), where a claim that picked it
+waited ``warm.budget_s`` for it, then went cold.
 
 What it cannot see: a node whose kernel dies (power, a panic) closes nothing, and its
 ranks' silence is waited out as before. Nor does the listener outlive its store: after a
@@ -184,11 +187,14 @@ def serve_presence(bind: str, port: int, store: dist.Store) -> PresenceListener 
         log.info("llmtrain presence: off (no %s): a lost node is known after warm.settle_s",
                  "LLMTRAIN_JOB_SECRET")
         return None
+    from llmtrain.recovery.pool import withdraw
     from llmtrain.recovery.roll_call import mark_holder_gone
     from llmtrain.recovery.warm import job_namespace
 
     def mark(rdzv_id: str, holder: str) -> None:
-        mark_holder_gone(job_namespace(store, rdzv_id), holder)
+        job = job_namespace(store, rdzv_id)
+        mark_holder_gone(job, holder)  # a rank's process
+        withdraw(job, holder)  # a waiting spare's
 
     listener = PresenceListener(bind, port, secret, mark)
     _published(store).set("port", str(listener.address[1]))

@@ -102,6 +102,43 @@ def test_three_faults_each_recovered_warm_and_the_weights_match(cluster, referen
         assert torch.equal(reference[name], got[name]), name
 
 
+def test_a_standby_node_whose_spares_rank_was_lost_offers_a_new_spare(cluster, reference):
+    """Two standby nodes. node2 dies: a spare takes its rank. That spare's worker is killed:
+    the other standby node's spare takes the rank, and the first standby node, its rank
+    lost and replaced, starts a new spare on that device. That new spare is the only one
+    waiting when the second standby node's worker is killed in turn, and takes the rank:
+    three warm recoveries, nobody restarted, the weights of a run that never failed."""
+    c = cluster("2:2", TRAIN)
+    for name in ("node1", "node2"):
+        c.start(name)
+    for name in ("spare1", "spare2"):
+        c.start(name, spare=True)
+    wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 8,
+                   timeout=180)
+    rank = next(e["rank"] for e in events(c.run, "startup") if e["host"] == "node2")
+    c.kill("node2")
+    holders = []
+    for gen in (1, 2, 3):
+        rec = wait_for_event(c.run, "warm_recovery", c.nodes["node1"], timeout=120,
+                             where=lambda e: e["gen"] == gen)
+        assert rec["lost"] == [rank] and rec["kind"] == "spare", rec
+        holders.append(rec["hosts_joined"][str(rank)])
+        spare = wait_for_event(c.run, "startup", c.nodes["node1"],
+                               where=lambda e: e["ts"] > rec["ts"] - 5 and e["rank"] == rank
+                               and e["host"] == holders[-1])
+        if gen < 3:
+            os.kill(spare["pid"], signal.SIGKILL)
+    # spare1, spare2, then the first of them again, on its new spare
+    assert holders[0] != holders[1] and holders[2] == holders[0], holders
+    for name in ("node1", "spare1", "spare2"):
+        assert c.wait(name) == ExitCode.CLEAN, c.log(name)
+    assert not events(c.run, "warm_recovery_failed")
+    assert len(events(c.run, "attempt_start")) == 1  # nobody restarted
+    got = final_weights(c.run, STEPS)
+    for name in reference:
+        assert torch.equal(reference[name], got[name]), name
+
+
 def test_a_corrupted_replica_is_caught_and_the_cold_path_takes_over(cluster, reference):
     """The survivor's replica of the lost rank has a bit flipped in memory: its checksum
     catches it before the spare gets it, every rank goes cold, and the job still ends

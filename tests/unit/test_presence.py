@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from llmtrain.distributed.signed_store import SECRET_ENV
+from llmtrain.distributed.signed_store import SECRET_ENV, job_secret
 from llmtrain.recovery.presence import PresenceClient, PresenceListener, serve_presence
 
 SECRET = "ab" * 32
@@ -116,3 +116,26 @@ def test_the_store_publishes_its_listener_only_with_the_jobs_secret(store, monke
     assert serve_presence("127.0.0.1", 0, client_of(store)) is not None
     monkeypatch.delenv(SECRET_ENV)
     assert serve_presence("127.0.0.1", 0, client_of(store)) is None
+
+
+def test_a_waiting_spare_that_dies_leaves_the_pool_and_no_claim_picks_it(store):
+    """A spare holds its presence from the start of its wait. Killed there (its standby
+    node lost, its launcher killed), its place leaves the pool at once: the next claim
+    takes the live spare after it, where one that picked the dead spare waited
+    warm.budget_s for it and went cold (a chaos run's rank kill did)."""
+    from llmtrain.recovery.pool import PoolPlace, claim, spares_waiting
+    from llmtrain.recovery.warm import job_namespace
+    assert serve_presence("127.0.0.1", 0, client_of(store)) is not None
+    pool = job_namespace(client_of(store), "job")
+    dead = PoolPlace(pool, 5, holder="node3:4242")
+    live = PoolPlace(pool, 5, holder="node3:4243")
+    spare = PresenceClient("127.0.0.1", lambda: client_of(store), "job", "node3:4242",
+                           job_secret())
+    assert spare.held.wait(5) and spares_waiting(pool) == 2
+    spare._bye.set()  # (no new connection) and the socket closes, as at a kill
+    spare.sock.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 5
+    while spares_waiting(pool) == 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert spares_waiting(pool) == 1
+    assert claim(pool, 1) == [live.number] != [dead.number]
