@@ -178,8 +178,8 @@ class Job:
         """Waits for the first step after the recovery, warm or cold; fills in its path,
         time and steps lost. ``node``: the one that held the lost rank; if it lives on
         without its worker after a warm recovery, it is started again as the next spare
-        (a standby node still running needs nothing: it has put a new warm spare in the
-        lost one's place itself)."""
+        (with spares, a standby node still running needs nothing: it has put a new warm
+        spare in the lost one's place itself)."""
         rec = self.wait(lambda: self.latest("warm_recovery", since)
                         or self.latest("recovery", since), "recovery", timeout)
         v.path = recovery_path(rec)
@@ -188,7 +188,9 @@ class Job:
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
         if v.path != "cold":
             v.restored = rec["step"]
-            standing = (self.cfg.warm and node in self.standby
+            # (without spares, the node comes back after its repair, for the job to grow
+            # back into: the standby is ended and started again, as any node)
+            standing = (self.cfg.warm and self.spare_nodes and node in self.standby
                         and self.cluster.nodes[node].poll() is None)
             if node is not None and not standing:  # its agent has no worker left: back
                 self.end_node(node)  # as a spare

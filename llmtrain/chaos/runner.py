@@ -34,7 +34,8 @@ is replaced by the waiting spare from its buddy's in-memory replica, and the ver
 which path each recovery took. Two spares wait, so that one is ready while the other,
 used, starts again; a node that a warm recovery left without its worker is started again
 as a spare too (but not after the schedule's last fault: no fault is left to need it),
-except a standby node, which puts a new spare in the lost one's place itself. The
+except a standby node, which puts a new spare in the lost one's place itself (with
+spares). The
 warm spares start with the job's nodes, and before each fault chaos waits for a spare to be
 waiting (in the pool: one still importing makes the recovery wait for its imports, and
 the verdict's time says so).

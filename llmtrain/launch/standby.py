@@ -206,6 +206,7 @@ class _Spare:
         from llmtrain.recovery.roll_call import owner
         self.me = owner(self.proc.pid, host)  # the process, as its presence names it
         self.place = None  # its PoolPlace, once this node's spares have joined the pool
+        self.said_ready = False
         self.holder: str | None = None  # who holds a rank (roll_call.owner), once it does
         self.evictions = self.verdicts = None
         self.code: int | None = None  # its exit code, once it ended or left the pool
@@ -222,10 +223,14 @@ class _Spare:
         """Running as the rank it took."""
         return self.holder is not None and self.code is None
 
-    def look_ready(self) -> None:
-        """Marks its place ready once the spare has said so (imports done)."""
-        if select.select([self.ready], [], [], 0)[0] and self.ready.read(64):
+    def look_ready(self) -> bool:
+        """Whether the spare has said it is ready (imports done, its presence held); its
+        place, if it has one, is marked so."""
+        if not self.said_ready and select.select([self.ready], [], [], 0)[0]:
+            self.said_ready = bool(self.ready.read(64))
+        if self.place is not None and self.said_ready:
             self.place.ready = True
+        return self.said_ready
 
     def take(self, plan: dict, pool, budget_s: float) -> None:
         """Hands the spare ``plan`` (a lost rank's place); from now on it is supervised as
@@ -344,7 +349,11 @@ class _WarmStandby:
         from llmtrain.recovery.pool import PoolPlace, assignment, leave_pool
         for k, s in enumerate(self.spares):
             if s.waiting:
-                if s.place is None:  # a new spare, after one whose rank was lost
+                if s.place is None:  # a new spare, after one whose rank was lost: in the
+                    if not s.look_ready():  # pool once ready, its presence held (a node
+                        if s.proc.poll() is not None:  # killed before then left a place
+                            s.code = s.proc.returncode  # that no grow got past)
+                        continue
                     s.place = PoolPlace(self.pool, self.cfg.warm.budget_s, holder=s.me)
                 s.look_ready()
                 s.place.keep()  # in the pool, ready when the spare is, after a restart too

@@ -52,8 +52,12 @@ def join_pool(store: SignedStore, count: int = 1) -> int:
 
 def leave_pool(store: SignedStore, number: int) -> bool:
     """Takes spare ``number`` out of the pool (the job ended, or a cold restart needs it as
-    a node). False when a survivor claimed it first: its plan is on the way."""
-    if store.claim(f"spares/{number}/state", "left").decode() != "left":
+    a node). False when a survivor claimed it first: its plan is on the way. One that left
+    already (:func:`withdraw`, its process gone) is not counted again."""
+    state = f"spares/{number}/state"
+    if store.genuine(state) == b"left":
+        return True
+    if store.claim(state, "left").decode() != "left":
         return False
     store.add("spares/left", 1)
     return True

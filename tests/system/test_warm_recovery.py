@@ -5,6 +5,7 @@ rank's place, state comes back from memory; and the cold path when the warm one 
 import os
 import shutil
 import signal
+import time
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.storage import step_dir
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.node import EXIT_GRACE_S
+from llmtrain.recovery.pool import spares_waiting
+from llmtrain.recovery.warm import job_namespace
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
 STEPS = 45
@@ -126,6 +129,11 @@ def test_a_standby_node_whose_spares_rank_was_lost_offers_a_new_spare(cluster, r
         spare = wait_for_event(c.run, "startup", c.nodes["node1"],
                                where=lambda e: e["ts"] > rec["ts"] - 5 and e["rank"] == rank
                                and e["host"] == holders[-1])
+        if gen == 2:  # the new spare is in the pool once ready: the fault waits for it
+            pool = job_namespace(c.store_client(), "local", c.env)
+            deadline = time.monotonic() + 60
+            while spares_waiting(pool) == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
         if gen < 3:
             os.kill(spare["pid"], signal.SIGKILL)
     # spare1, spare2, then the first of them again, on its new spare
