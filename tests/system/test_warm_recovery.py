@@ -111,11 +111,15 @@ def test_a_standby_node_whose_spares_rank_was_lost_offers_a_new_spare(cluster, r
     lost and replaced, starts a new spare on that device. That new spare is the only one
     waiting when the second standby node's worker is killed in turn, and takes the rank:
     three warm recoveries, nobody restarted, the weights of a run that never failed."""
+    # From step 10 every rank runs 3x slower (the same numbers): the job must outlast
+    # two recoveries and a new spare's start (imports) before the third fault; at full
+    # speed it once reached its end first.
+    slow = ("--reliability.faults", "slow@step:step=10,factor=3")
     c = cluster("2:2", TRAIN)
     for name in ("node1", "node2"):
-        c.start(name)
+        c.start(name, *slow)
     for name in ("spare1", "spare2"):
-        c.start(name, spare=True)
+        c.start(name, *slow, spare=True)
     wait_for_event(c.run, "step", c.nodes["node1"], where=lambda e: e["step"] >= 8,
                    timeout=180)
     rank = next(e["rank"] for e in events(c.run, "startup") if e["host"] == "node2")
