@@ -349,13 +349,14 @@ class _WarmStandby:
         from llmtrain.recovery.pool import PoolPlace, assignment, leave_pool
         for k, s in enumerate(self.spares):
             if s.waiting:
+                ready = s.look_ready()
                 if s.place is None:  # a new spare, after one whose rank was lost: in the
-                    if not s.look_ready():  # pool once ready, its presence held (a node
-                        if s.proc.poll() is not None:  # killed before then left a place
-                            s.code = s.proc.returncode  # that no grow got past)
+                    if not ready:  # pool once ready, its presence held (a node killed
+                        if s.proc.poll() is not None:  # before then left a place that
+                            s.release()  # no grow got past)
                         continue
                     s.place = PoolPlace(self.pool, self.cfg.warm.budget_s, holder=s.me)
-                s.look_ready()
+                    s.place.ready = True
                 s.place.keep()  # in the pool, ready when the spare is, after a restart too
                 if (plan := assignment(self.pool, s.place.number)) is not None:
                     s.take(plan, self.pool, self.cfg.warm.budget_s)
