@@ -1,5 +1,6 @@
-"""torchrun's elastic agent, taught one thing: a worker the warm path replaced is not a
-failure of the node.
+"""torchrun's elastic agent, taught two things: its rendezvous wakes at each change
+(:mod:`llmtrain.launch.rendezvous_wake`, on every launch), and a worker the warm path
+replaced is not a failure of the node (with ``warm.enable``).
 
 Stock torchrun answers any worker's death by stopping every other worker on the node and
 re-forming the rendezvous, which makes every other node's agent restart its workers too:
@@ -19,7 +20,7 @@ named as stuck is killed by its agent when the watchdog asks
 (:func:`llmtrain.recovery.eviction.evict`), so that its peers' collectives fail and the warm
 path replaces it like any dead worker. Everything else is torchrun.
 
-    python -m llmtrain.launch.agent <torchrun arguments>
+    python -m llmtrain.launch.agent [--warm] <torchrun arguments>
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 from llmtrain import collector
@@ -41,16 +43,29 @@ with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.
     from llmtrain.distributed.signed_store import report_forged_to
     from llmtrain.events import EventLog
     from llmtrain.exit_codes import ExitCode
+    from llmtrain.launch.rendezvous_wake import close_all, wake
     from llmtrain.recovery.eviction import EvictionWatch
     from llmtrain.recovery.roll_call import mark_holder_gone, owner
     from llmtrain.recovery.verdicts import Verdicts
     from llmtrain.recovery.warm import outside_store
 
+# the longest a hang's eviction waits for its agent's look; torchrun's monitor looks at the
+# workers more often (--monitor-interval)
+EVICTION_LOOK_S = 0.25
+
 # by name: run as ``python -m llmtrain.launch.agent``, __name__ is "__main__"
 log = logging.getLogger("llmtrain.launch.agent")
 
 
-class WarmAgent(LocalElasticAgent):
+class Agent(LocalElasticAgent):
+    """torchrun's agent with its rendezvous woken by changes."""
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        wake(worker_group.spec.rdzv_handler)
+        super()._rendezvous(worker_group)
+
+
+class WarmAgent(Agent):
     # set by main(): the rendezvous store is an `llmtrain rdzv-store`, not this agent's, so
     # this agent may end before the job does
     store_outside = False
@@ -149,7 +164,12 @@ class WarmAgent(LocalElasticAgent):
 
     def _kill_evicted(self, worker_group: WorkerGroup, handlers: dict) -> None:
         """Kills the workers (and their children) a hang's watchdog asked to evict, and
-        says so; their deaths then take the usual way to a warm verdict."""
+        says so; their deaths then take the usual way to a warm verdict. Looks every
+        ``EVICTION_LOOK_S`` at most (one store read), whatever the monitor's interval."""
+        now = time.monotonic()
+        if now - getattr(self, "_evictions_looked", 0.0) < EVICTION_LOOK_S:
+            return
+        self._evictions_looked = now
         asked = []
         with self._store_may_fail("looking for evictions"):
             asked = self._evictions.asked()
@@ -223,10 +243,15 @@ def main(argv: list[str]) -> None:
     with collector.paused(freeze=True):  # torch's modules live as long as the agent
         import torch.distributed.launcher.api as launcher
         from torch.distributed.run import main as torchrun
-    launcher.LocalElasticAgent = WarmAgent
+    warm = argv[:1] == ["--warm"]
+    argv = argv[1:] if warm else argv
+    launcher.LocalElasticAgent = WarmAgent if warm else Agent
     WarmAgent.store_outside = any(a.startswith("--rdzv-conf") and "is_host=0" in a
                                   for a in argv)
-    torchrun(argv)
+    try:
+        torchrun(argv)
+    finally:
+        close_all()
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ from llmtrain.launch.config import LaunchConfig
 
 
 def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False) -> list[str]:
-    """torchrun's command line (``warm``: with the agent that lets the warm path replace
-    a dead worker, ``llmtrain.launch.agent``)."""
+    """torchrun's command line, through llmtrain's agent (``llmtrain.launch.agent``:
+    ``warm``, the one that lets the warm path replace a dead worker)."""
     conf = (f"join_timeout={lc.join_timeout_s:.0f},last_call_timeout={lc.last_call_timeout_s:.0f},"
             f"keep_alive_interval=2,keep_alive_max_attempt=3")
     if lc.external_store:
         conf += ",is_host=0"
-    agent = "llmtrain.launch.agent" if warm else "torch.distributed.run"
-    return [sys.executable, "-m", agent, f"--nnodes={lc.nnodes}",
+    return [sys.executable, "-m", "llmtrain.launch.agent", *(["--warm"] if warm else []),
+            f"--nnodes={lc.nnodes}",
             f"--nproc-per-node={lc.nproc_per_node}", f"--max-restarts={lc.max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}",
             f"--rdzv-id={lc.rdzv_id}", f"--rdzv-conf={conf}",

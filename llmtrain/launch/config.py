@@ -19,7 +19,7 @@ class LaunchConfig:
     standby: bool = False         # a spare: wait outside the rendezvous until one is short
     join_timeout_s: float = 600.0
     last_call_timeout_s: float = 5.0
-    monitor_interval_s: float = 1.0
+    monitor_interval_s: float = 0.1  # torchrun's own default: a dead worker seen at once
     script: str = ""              # a training script of the user's (it calls llmtrain.start)
 
     @property
