@@ -16,6 +16,7 @@ from datetime import timedelta
 from llmtrain.config import ConfigError
 from llmtrain.distributed.process_group import node_name
 from llmtrain.exit_codes import ExitCode
+from llmtrain.process_origin import agent_pid
 from llmtrain.recovery.presence import hold_presence
 from llmtrain.recovery.roll_call import owner
 from llmtrain.reliability.health.exclusion import excluded_hosts
@@ -81,7 +82,7 @@ def stop_agent(code: int) -> None:
         return
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-        os.kill(os.getppid(), signal.SIGTERM)
+        os.kill(agent_pid(), signal.SIGTERM)
 
 
 def refuse_if_excluded(run_dir: str) -> None:

@@ -14,9 +14,11 @@ from llmtrain.distributed.nccl_env import warm_worker_env
 from llmtrain.launch.config import LaunchConfig
 
 
-def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False) -> list[str]:
+def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False,
+                     prepared: str | None = None) -> list[str]:
     """torchrun's command line, through llmtrain's agent (``llmtrain.launch.agent``:
-    ``warm``, the one that lets the warm path replace a dead worker)."""
+    ``warm``, the one that lets the warm path replace a dead worker); ``prepared``: the
+    folder of the node's prepared workers, which take each attempt's work."""
     conf = (f"join_timeout={lc.join_timeout_s:.0f},last_call_timeout={lc.last_call_timeout_s:.0f},"
             f"keep_alive_interval=2,keep_alive_max_attempt=3")
     if lc.external_store:
@@ -27,7 +29,17 @@ def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False
             "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}",
             f"--rdzv-id={lc.rdzv_id}", f"--rdzv-conf={conf}",
             f"--monitor-interval={lc.monitor_interval_s:g}",
-            *worker_command(lc)[1:], *train_args]
+            *_entry(lc, prepared), *train_args]
+
+
+def _entry(lc: LaunchConfig, prepared: str | None) -> list[str]:
+    """torchrun's worker command: the worker's, or the hand-off to a prepared worker in
+    folder ``prepared`` (:mod:`llmtrain.launch.handoff`, started as a bare python)."""
+    if prepared is None:
+        return worker_command(lc)[1:]
+    from llmtrain.launch.prepared import HANDOFF
+    return ["--no-python", sys.executable, "-I", "-S", HANDOFF, prepared,
+            *worker_command(lc)[1:]]
 
 
 def worker_command(lc: LaunchConfig) -> list[str]:

@@ -21,6 +21,7 @@ class LaunchConfig:
     last_call_timeout_s: float = 5.0
     monitor_interval_s: float = 0.1  # torchrun's own default: a dead worker seen at once
     script: str = ""              # a training script of the user's (it calls llmtrain.start)
+    prepared_workers: bool = False  # keep a worker imported per local rank for the next attempt
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -51,10 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--script", default="",
                    help="run this training script of yours (it calls llmtrain.start; it "
                         "gets --config and the overrides) instead of llmtrain's trainer")
+    p.add_argument("--prepared-workers", action="store_true",
+                   help="keep, for each local rank, a worker that has imported torch and "
+                        "llmtrain before its attempt starts: a cold restart skips the spawn "
+                        "and the imports (one idle process per GPU meanwhile)")
 
 
 def from_args(args: argparse.Namespace) -> LaunchConfig:
     return LaunchConfig(nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                         max_restarts=args.max_restarts, external_store=args.external_store,
-                        host=args.host, standby=args.standby, script=args.script)
+                        host=args.host, standby=args.standby, script=args.script,
+                        prepared_workers=args.prepared_workers)

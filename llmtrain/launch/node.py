@@ -46,6 +46,7 @@ from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.children import child_pids, forward_signals, torchrun_command, worker_env
 from llmtrain.launch.config import LaunchConfig
 from llmtrain.launch.standby import await_vacancy, finished, serve_warm, standby_vacancies
+from llmtrain.process_origin import PREPARED_DIR_ENV
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.gate import run_gate
 
@@ -176,13 +177,32 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     env = worker_env(cfg, lc, host)
     events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
     warm = cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env
-    proc = subprocess.Popen(torchrun_command(lc, train_args, warm), env=env)
-    forward_signals([proc])
-    rc = _wait_agent(proc, run_dir, cfg.training.steps, started)
+    prepared = _prepare_workers(lc, env)
+    try:
+        proc = subprocess.Popen(torchrun_command(
+            lc, train_args, warm, prepared and prepared.folder), env=env)
+        forward_signals([proc])
+        rc = _wait_agent(proc, run_dir, cfg.training.steps, started)
+    finally:
+        if prepared is not None:
+            prepared.close()
     code = _outcome(rc, run_dir, host, started, cfg.training.steps)
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
     events.close()
     return code
+
+
+def _prepare_workers(lc: LaunchConfig, env: dict[str, str]):
+    """With ``--prepared-workers``: this node's prepared workers, started now, beside the
+    rendezvous (:mod:`llmtrain.launch.prepared`)."""
+    if not lc.prepared_workers:
+        return None
+    import tempfile
+
+    from llmtrain.launch.prepared import PreparedConfig, PreparedWorkers
+    folder = tempfile.mkdtemp(prefix="llmtrain-prepared-")
+    env[PREPARED_DIR_ENV] = folder  # the agent's kills find the workers handed attempts
+    return PreparedWorkers(PreparedConfig(local_ranks=lc.nproc_per_node), folder, env)
 
 
 def ensure_secret(lc: LaunchConfig, env: MutableMapping[str, str] = os.environ) -> None:

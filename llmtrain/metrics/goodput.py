@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from llmtrain.events import EventLog
+from llmtrain.process_origin import agent_pid, handed_over_at
 
 CATEGORIES = ("startup", "checkpoint_load", "checkpoint_stall", "lost_steps", "hang",
               "restart", "other")
@@ -48,11 +49,15 @@ _PRIORITY = {"checkpoint_stall": 6, "checkpoint_load": 5, "startup": 4, "lost_st
 
 
 def process_start_time(pid: int | None = None) -> float:
-    """The unix time a process started, from /proc (the time this code runs if unknown).
+    """The unix time a process started, from /proc (the time this code runs if unknown);
+    this process's own: when it was handed its attempt, if it is a prepared worker
+    (:mod:`llmtrain.process_origin`), whose imports came before the fault.
 
     /proc gives it in clock ticks since boot. The boot time is taken as now less the
     boot-time clock, not from /proc/stat's ``btime``: that is whole seconds, which put
     starts up to a second early (a ledger longer than the run it measured)."""
+    if pid is None and (handed_over := handed_over_at()) is not None:
+        return handed_over
     try:
         with open(f"/proc/{pid or os.getpid()}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
@@ -66,7 +71,7 @@ def launch_time() -> float:
     """When this attempt's job started: the torchrun agent's start if torchrun launched us
     (so the agent's own start-up counts), else this process's start."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        return process_start_time(os.getppid())
+        return process_start_time(agent_pid())
     return process_start_time()
 
 

@@ -20,9 +20,11 @@ from llmtrain.distributed.process_group import WorldInfo
 from llmtrain.events import EventLog
 from llmtrain.metrics import goodput
 from llmtrain.metrics.console import ConsoleReporter, StepReport
-from llmtrain.metrics.goodput import GoodputLedger, IntervalAdvice, launch_time
+from llmtrain.metrics.goodput import (GoodputLedger, IntervalAdvice, launch_time,
+                                      process_start_time)
 from llmtrain.metrics.goodput_account import GoodputAccount
 from llmtrain.metrics.prometheus import start_exporter
+from llmtrain.process_origin import handed_over_at
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of the device name (FP8 doubles it).
 # The first name found in the device's wins: the PCIe and NVL H100s are slower.
@@ -152,8 +154,11 @@ class Reporter:
         after a restart, rank 0 also reports the recovery's parts."""
         phases = self.ledger.phases()
         since_launch = time.time() - launch_time()
+        # a prepared worker (llmtrain.launch.prepared) was started before its attempt
         self.events.emit("startup", phases=phases, since_launch_s=since_launch,
-                         pid=os.getpid(), host=self.world.host, local_rank=self.world.local_rank)
+                         pid=os.getpid(), host=self.world.host, local_rank=self.world.local_rank,
+                         prepared=handed_over_at() is not None,
+                         process_started=process_start_time(os.getpid()))
         for name, seconds in phases.items():
             self.exporter.set("llmtrain_startup_seconds", seconds, phase=name)
         if not self.is_rank0:

@@ -9,13 +9,11 @@ the connections it published (:func:`publish_endpoints`).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import time
 
 from llmtrain.distributed.signed_store import SignedStore
+from llmtrain.process_origin import kill_holder
 from llmtrain.recovery.roll_call import mark_gone, rank_of, where
 from llmtrain.recovery.sockets import endpoints
 
@@ -87,11 +85,11 @@ class EvictionWatch:
         return new
 
     def kill(self, holder: str, pgid: int) -> None:
-        """Kills ``holder``'s process group ``pgid`` (the worker and its children), then
+        """Kills ``holder``'s process group ``pgid`` (the worker and its children, or the
+        prepared worker its hand-off process passed the attempt to), then
         says so for the rank it holds: its peers need not wait for it, and the asker
         knows."""
-        with contextlib.suppress(ProcessLookupError):  # it died by itself meanwhile
-            os.killpg(pgid, signal.SIGKILL)
+        kill_holder(pgid)  # with a prepared worker it handed its attempt to
         rank = rank_of(self.store, holder)
         if rank is not None:
             mark_gone(self.store, rank, holder=holder)

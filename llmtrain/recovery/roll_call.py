@@ -10,11 +10,11 @@ which a shrink or a grow renumbers.
 
 from __future__ import annotations
 
-import os
 import uuid
 
 from llmtrain.distributed.process_group import node_name
 from llmtrain.distributed.signed_store import SignedStore
+from llmtrain.process_origin import holder_pid
 
 
 def where(store: SignedStore, rank: int) -> str | None:
@@ -25,7 +25,7 @@ def where(store: SignedStore, rank: int) -> str | None:
 
 def owner(pid: int | None = None, host: str | None = None) -> str:
     """Which process holds a rank: its node's name (default: this one's) and its id."""
-    return f"{host or node_name()}:{pid or os.getpid()}"
+    return f"{host or node_name()}:{pid or holder_pid()}"
 
 
 def rank_of(store: SignedStore, holder: str) -> int | None:

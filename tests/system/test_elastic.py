@@ -2,6 +2,8 @@
 loopback, each with its own node name), a rendezvous store in its own process, real
 torchrun c10d rendezvous, real kills."""
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -72,6 +74,36 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference
     # the same final weights as a run that never failed, bit for bit
     ref = final_weights(reference, STEPS)
     got = final_weights(c.run, STEPS)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(ref[name], got[name]), name
+
+
+def test_a_cold_restart_runs_in_prepared_workers_that_carry_nothing_of_the_one_before(
+        cluster, reference):
+    """With --prepared-workers, a restart's ranks run in processes that had imported
+    torch before the fault; each takes one attempt, and the job ends bit for bit as the
+    unbroken run: no RNG, process group or state of the failed attempt came with them."""
+    c = cluster("2:2", (*TRAIN, "--prepared-workers"))
+    c.start("node1")
+    c.start("node2")
+    wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
+                   where=lambda e: e["step"] == EVERY, timeout=180)
+    first = {e["host"]: e for e in events(c.run, "startup")}
+    assert sorted(first) == ["node1", "node2"] and all(e["prepared"] for e in first.values())
+    killed = time.time()
+    os.kill(first["node2"]["pid"], signal.SIGKILL)
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    assert c.wait("node2") == ExitCode.CLEAN, c.log("node2")
+    assert world_sizes(c.run) == [2, 2]
+    after = [e for e in events(c.run, "startup") if e["ts"] > killed]
+    assert sorted(e["host"] for e in after) == ["node1", "node2"], after
+    for e in after:  # prepared before the fault, and new: not a process of the first attempt
+        assert e["prepared"] and e["process_started"] < killed, e
+        assert e["pid"] not in {f["pid"] for f in first.values()}, e
+    (rec,) = events(c.run, "recovery")
+    assert rec["marks"]["process_start"] > killed  # the hand-off, not the process's start
+    ref, got = final_weights(reference, STEPS), final_weights(c.run, STEPS)
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name

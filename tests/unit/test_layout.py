@@ -20,7 +20,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "llmtrain"
 LAYERS = [
     {"collector", "config", "configs", "events", "exit_codes", "fsio", "fault_points",  # foundations
-     "log", "stop_request", "state_registry"},
+     "log", "stop_request", "state_registry", "process_origin"},
     {"model", "optim", "sharded_model", "data", "distributed", "checkpoint", "metrics", "reliability",  # components
      "recovery", "control", "placement", "parts"},
     {"api"},  # the public API: what any training loop, llmtrain's own among them, calls

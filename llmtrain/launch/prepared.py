@@ -1,0 +1,295 @@
+"""Prepared workers: for each local rank, a process that has imported torch and llmtrain
+(and, on a GPU node, made its CUDA context on its device) before its attempt begins, so
+that a cold restart skips a worker's spawn and imports (1.6-3 s on a 2-core machine, 7 s
+on an H100 node for a compiled run).
+
+With ``--prepared-workers``, ``llmtrain launch`` keeps one per local rank
+(:class:`PreparedWorkers`) and starts torchrun with :mod:`llmtrain.launch.handoff` as
+every worker's command. When torchrun starts an attempt's worker, the hand-off passes the
+attempt (command, environment, working folder, stdio) to its local rank's prepared worker
+over a Unix socket in a folder only this user can open (the peer's uid is checked too),
+as JSON: nothing is unpickled. The prepared worker takes it once, becomes that attempt's
+worker (its environment, ``sys.argv``, the command run as ``python`` would run it), and
+exits when the attempt's work ends. The launcher starts its successor at once; the
+successor listens at once but imports ``PreparedConfig.import_delay_s`` later (or as soon
+as a hand-off comes), so that its imports do not compete with the new attempt's start.
+
+A prepared worker never shares anything with an attempt before its own: it was started
+after the previous one was taken, and until it is handed an attempt it holds no process
+group, no RNG state that training reads (every rank seeds its generators at its start), no
+store connection and no model. What it keeps from its wait is its imports and, on a GPU,
+a CUDA context that it checks with a small kernel before it accepts (a device that failed
+since makes it refuse, and the hand-off starts a fresh process instead).
+
+What the hand-off changes for the rest of llmtrain is in :mod:`llmtrain.process_origin`:
+the rank's identity to its agent, its agent's pid, and its start-up timeline.
+
+    python -m llmtrain.launch.prepared FOLDER LOCAL_RANK TAKEN_FD IMPORT_DELAY_S
+        (started by the launcher)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import runpy
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmtrain.process_origin import HANDED_OVER_ENV, PREPARED_DIR_ENV
+
+log = logging.getLogger(__name__)
+
+HANDOFF = str(Path(__file__).with_name("handoff.py"))
+
+
+@dataclass
+class PreparedConfig:
+    local_ranks: int = 1
+    # A prepared worker's successor starts as soon as it is taken, and listens at once,
+    # but waits this long before its imports (which would take CPU from the attempt that
+    # just began), unless a hand-off comes first: then it imports at once, no later than a
+    # fresh process would.
+    import_delay_s: float = 3.0
+    retry_s: float = 5.0  # after a prepared worker ended before it was taken
+    # a hand-off whose process died leaves its worker running only this long
+    orphan_look_s: float = 0.2
+
+
+class PreparedWorkers:
+    """A node launcher's prepared workers, one per local rank, each followed by a new one
+    once it is taken. ``env`` is the workers' environment (the launcher's worker env)."""
+
+    def __init__(self, cfg: PreparedConfig, folder: str, env: dict[str, str]) -> None:
+        self.cfg, self.folder = cfg, folder
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)  # the hand-off's socket: this user's processes only
+        self.env = {**env, PREPARED_DIR_ENV: folder}
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._keep, args=(lr,), daemon=True,
+                                          name=f"prepared-{lr}")
+                         for lr in range(cfg.local_ranks)]
+        self._procs: dict[int, subprocess.Popen] = {}
+        for t in self._threads:
+            t.start()
+
+    def _keep(self, local_rank: int) -> None:
+        """One local rank's prepared worker, again and again: started, then once taken
+        (or ended untaken) followed by the next."""
+        while not self._closed.is_set():
+            read, write = os.pipe()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "llmtrain.launch.prepared", self.folder,
+                 str(local_rank), str(write), str(self.cfg.import_delay_s)],
+                env=self.env, pass_fds=(write,))
+            os.close(write)
+            self._procs[local_rank] = proc
+            with os.fdopen(read, "rb") as said:
+                taken = said.readline()  # its hand-off's pid, once taken; b"" if it ended
+            if taken:
+                threading.Thread(target=self._see_out, args=(proc, int(taken)), daemon=True,
+                                 name=f"prepared-{local_rank}-taken").start()
+            elif not self._closed.is_set():
+                log.warning("prepared worker %d for local rank %d ended untaken (exit %s); "
+                            "another starts in %.0f s", proc.pid, local_rank, proc.wait(),
+                            self.cfg.retry_s)
+                self._closed.wait(self.cfg.retry_s)
+
+    def _see_out(self, proc: subprocess.Popen, holder: int) -> None:
+        """A taken worker, to its end, which is reported to its hand-off process. Should
+        that process die first (torchrun's SIGKILL, an eviction) while the worker lives on
+        (stopped, or stuck holding the GIL), the worker is killed."""
+        while proc.poll() is None:
+            if not _alive(holder):
+                proc.kill()
+                break
+            time.sleep(self.cfg.orphan_look_s)
+        _write(Path(self.folder) / f"{proc.pid}.exit", str(proc.wait()))
+
+    def close(self) -> None:
+        """Ends the waiting prepared workers (one that was handed an attempt ends with its
+        attempt, as torchrun's workers do)."""
+        self._closed.set()
+        for proc in list(self._procs.values()):
+            if proc.poll() is None and not _taken(self.folder, proc.pid):
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (its agent has not reaped it yet) is dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _taken(folder: str, pid: int) -> bool:
+    return any(p.read_text() == str(pid) for p in Path(folder).glob("*.worker"))
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
+# --- the prepared worker's side -------------------------------------------------------
+
+def serve(folder: str, local_rank: int, taken_fd: int, import_delay_s: float) -> None:
+    """Listens, imports, waits for its attempt, then runs it; never returns."""
+    path = os.path.join(folder, f"{local_rank}.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a predecessor's, which ended
+    listener.bind(path)
+    listener.listen(1)  # a hand-off may connect now: it waits for the imports below
+    _die_with_launcher()
+    select.select([listener], [], [], import_delay_s)  # a hand-off, or the delay's end
+    ready = _prepare(local_rank)
+    while True:
+        conn, _ = listener.accept()
+        if _peer_uid(conn) == os.getuid():
+            break
+        conn.close()  # not this user's: never read
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # nobody else connects to a taken worker
+    listener.close()
+    attempt, fds = _receive(conn)
+    if not ready:
+        conn.sendall(json.dumps({"refused": "its device failed its check"}).encode() + b"\n")
+        os._exit(0)
+    holder = int(attempt["env"]["LLMTRAIN_HOLDER_PID"])
+    os.write(taken_fd, f"{holder}\n".encode())
+    os.close(taken_fd)
+    conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
+    _die_with_launcher(False)
+    _become(attempt, fds)
+    threading.Thread(target=_die_with_handoff, args=(conn,), daemon=True).start()
+    code = _run(attempt["argv"])
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+    os._exit(code)
+
+
+def _prepare(local_rank: int) -> bool:
+    """The imports an attempt would pay, and on a GPU node the device's context. False
+    where the device fails a small kernel (the attempt then starts afresh, and finds the
+    fault itself)."""
+    from llmtrain import collector
+    with collector.paused(freeze=True):  # as `llmtrain train` imports (llmtrain.collector)
+        import importlib
+
+        import torch
+        importlib.import_module("llmtrain.launch.worker")  # the trainer and all it imports
+    if not torch.cuda.is_available():
+        return True
+    try:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except RuntimeError as e:  # never run on a failed device: see docs/gpu.md
+        log.warning("prepared worker: the device failed its check (%s)", e)
+        return False
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 20)
+        if not chunk:
+            raise SystemExit("prepared worker: the hand-off ended before its attempt")
+        data += chunk
+    return json.loads(data), fds
+
+
+def _become(attempt: dict, fds: list[int]) -> None:
+    """Takes the attempt's stdio, environment and folder, as torchrun's child has them."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdout.reconfigure(write_through=True)  # as ``python -u``
+    sys.stderr.reconfigure(write_through=True)
+    os.environ.clear()
+    os.environ.update(attempt["env"])
+    os.environ[HANDED_OVER_ENV] = repr(time.time())
+    os.chdir(attempt["cwd"])
+    threads = os.environ.get("OMP_NUM_THREADS")  # torchrun's, read at torch's import
+    if threads:
+        import torch
+        torch.set_num_threads(int(threads))
+
+
+def _run(argv: list[str]) -> int:
+    """``python ARGV...`` in this process: ``-m MODULE ARGS`` or ``SCRIPT ARGS``."""
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - what python prints, then exit 1
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _die_with_handoff(conn: socket.socket) -> None:
+    """The hand-off process ended (torchrun killed it): so does this worker."""
+    while True:
+        try:
+            if not conn.recv(1):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_with_launcher(yes: bool = True) -> None:
+    """A waiting prepared worker ends with its launcher (Linux's parent-death signal); one
+    handed an attempt lives as long as the attempt, as torchrun's workers do."""
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError):  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL if yes else 0)
+    if yes and os.getppid() == 1:  # it died before the line above
+        os._exit(0)
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[2]
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
