@@ -22,6 +22,9 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   group formed, restored, first step.
 - **cold**: torchrun restarts every worker; the spare joins the rendezvous; the new
   processes load the newest checkpoint. Parts from the ``recovery`` event.
+- **cold_prepared**: the cold path with ``--prepared-workers``: each node keeps a worker
+  per local rank that imported torch and llmtrain before the fault, and the restart's
+  ranks run in them (the spawn and the imports skipped).
 - **shrink** (``node_loss`` only): no spare, ``--nnodes 1:2``, the defaults otherwise:
   the survivor goes on alone at half the world size (the global batch kept, in more
   micro-batches) in its own process, its state resharded in memory from its snapshot and
@@ -57,7 +60,7 @@ the hang warm <= 3.0 s; the shrink and the grow <= 2.0 s each; with TP, a rank k
 and a node lost <= 1.0 s.
 
     python benchmarks/recovery.py [--repeats 2] [--faults node_loss,kill_rank,gpu_bad]
-        [--paths warm,cold,shrink,shrink_cold,shrink_hsdp,grow,warm_tp,shrink_tp]
+        [--paths warm,cold,cold_prepared,shrink,shrink_cold,shrink_hsdp,grow,warm_tp,shrink_tp]
         [--script LOOP.py]
 
 Prints a table per fault and path, then one JSON line of the figures.
@@ -83,8 +86,8 @@ TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0", "--health.interval_s", "1")
 FAULTS = ("node_loss", "kill_rank", "gpu_bad", "hang")
-PATHS = ("warm", "cold", "shrink", "shrink_cold", "shrink_hsdp", "grow", "warm_tp",
-         "shrink_tp")
+PATHS = ("warm", "cold", "cold_prepared", "shrink", "shrink_cold", "shrink_hsdp", "grow",
+         "warm_tp", "shrink_tp")
 SHRINKS = ("shrink", "shrink_cold", "shrink_hsdp", "grow", "shrink_tp")  # node loss, no spare
 TP = ("--nproc-per-node", "2", "--parallelism.tp", "2", "--parallelism.dp_replicate", "-1",
       "--parallelism.dp_shard", "1", "--training.micro_batch_size", "4")
@@ -111,9 +114,11 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300,
 
 def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict:
     run = workdir / "run"
-    warm, with_spare = path not in ("cold", "shrink_cold"), path not in SHRINKS
+    warm, with_spare = path not in ("cold", "cold_prepared", "shrink_cold"), path not in SHRINKS
     per_node = 2 if path in ("shrink_hsdp", "warm_tp", "shrink_tp") else 1
-    options = {"cold": ("--warm.enable", "false"), "shrink_cold": ("--warm.shrink", "false"),
+    options = {"cold": ("--warm.enable", "false"),
+               "cold_prepared": ("--warm.enable", "false", "--prepared-workers"),
+               "shrink_cold": ("--warm.shrink", "false"),
                "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "-1",
                                "--parallelism.dp_shard", "2",
                                "--training.global_batch_size", "32"),
@@ -190,6 +195,7 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
 GOAL_WARM_S, GOAL_HANG_WARM_S, GOAL_WARM_OVER_COLD = 1.0, 3.0, 0.15
 GOAL_SHRINK_S = 2.0  # node loss without a spare, to the first step at the smaller size
 GOAL_GROW_S = 2.0  # the others' time lost to taking a spare in
+GOAL_COLD_S = {"kill_rank": 2.0, "node_loss": 3.0, "hang": 4.0}  # a cold restart
 
 
 def table(name: str, runs: list[dict]) -> dict:
@@ -229,6 +235,11 @@ def main() -> None:
         figures[f"{prefix}{fault}_warm_over_cold"] = round(
             figures[f"{prefix}{fault}_warm_fault_to_first_step_s"]
             / figures[f"{prefix}{fault}_cold_fault_to_first_step_s"], 3)
+    for fault in (f for f in faults if {(f, "cold_prepared"), (f, "cold")} <= results.keys()):
+        figures[f"{prefix}{fault}_cold_prepared_over_cold"] = round(
+            figures[f"{prefix}{fault}_cold_prepared_fault_to_first_step_s"]
+            / figures[f"{prefix}{fault}_cold_fault_to_first_step_s"], 3)
+    figures["goal_cold_s"] = GOAL_COLD_S
     figures["goal_warm_s"] = GOAL_WARM_S
     figures["goal_hang_warm_s"] = GOAL_HANG_WARM_S
     figures["goal_warm_over_cold"] = GOAL_WARM_OVER_COLD

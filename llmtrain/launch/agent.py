@@ -1,5 +1,5 @@
 """torchrun's elastic agent, taught two things: its rendezvous wakes at each change
-(:mod:`llmtrain.launch.rendezvous_wake`, on every launch), and a worker the warm path
+(:mod:`llmtrain.distributed.rendezvous_wake`, on every launch), and a worker the warm path
 replaced is not a failure of the node (with ``warm.enable``).
 
 Stock torchrun answers any worker's death by stopping every other worker on the node and
@@ -20,12 +20,13 @@ named as stuck is killed by its agent when the watchdog asks
 (:func:`llmtrain.recovery.eviction.evict`), so that its peers' collectives fail and the warm
 path replaces it like any dead worker. Everything else is torchrun.
 
-    python -m llmtrain.launch.agent [--warm] <torchrun arguments>
+    python -m llmtrain.launch.agent [--warm] [--after-go] <torchrun arguments>
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -40,11 +41,12 @@ with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from llmtrain.distributed.signed_store import report_forged_to
+    from llmtrain.distributed.signed_store import job_secret, report_forged_to
     from llmtrain.events import EventLog
     from llmtrain.exit_codes import ExitCode
-    from llmtrain.launch.rendezvous_wake import close_all, wake
+    from llmtrain.distributed.rendezvous_wake import close_all, wake
     from llmtrain.recovery.eviction import EvictionWatch
+    from llmtrain.recovery.presence import RDZV_NODE, GoneNodes, hold_presence, say_bye
     from llmtrain.recovery.roll_call import mark_holder_gone, owner
     from llmtrain.recovery.verdicts import Verdicts
     from llmtrain.recovery.warm import outside_store
@@ -58,11 +60,22 @@ log = logging.getLogger("llmtrain.launch.agent")
 
 
 class Agent(LocalElasticAgent):
-    """torchrun's agent with its rendezvous woken by changes."""
+    """torchrun's agent with its rendezvous woken by changes, and its node's death known
+    at once: it holds a presence connection named for its rendezvous node, and drops the
+    nodes whose connections closed (:mod:`llmtrain.recovery.presence`)."""
+
+    _reported = 0  # the dropped nodes already said in the run's events
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        wake(worker_group.spec.rdzv_handler)
+        handler = worker_group.spec.rdzv_handler
+        job = _job_store()
+        woken = wake(handler, gone=GoneNodes(job) if job is not None else None)
+        if job is not None and woken is not None:
+            hold_presence(RDZV_NODE + str(handler._this_node), PRESENCE_TIMEOUT)
         super()._rendezvous(worker_group)
+        if woken is not None and len(woken.dropped) > self._reported:
+            _say_dropped(woken.dropped[self._reported:])
+            self._reported = len(woken.dropped)
 
 
 class WarmAgent(Agent):
@@ -212,6 +225,31 @@ class WarmAgent(Agent):
         return local_rank in self._replaced
 
 
+PRESENCE_TIMEOUT = timedelta(seconds=30)
+
+
+def _job_store():
+    """The job's signed namespace in an external rendezvous store, or None."""
+    if "LLMTRAIN_RDZV_ENDPOINT" not in os.environ or job_secret() is None:
+        return None
+    try:
+        return outside_store(PRESENCE_TIMEOUT)
+    except (RuntimeError, OSError) as e:  # the store out: torch's keep-alive still expires
+        log.warning("the rendezvous store did not answer (%s); dead nodes leave the "
+                    "rendezvous when their keep-alive expires", e)
+        return None
+
+
+def _say_dropped(nodes: list[str]) -> None:
+    if not os.environ.get("LLMTRAIN_RUN_DIR"):
+        return
+    events = EventLog(os.environ["LLMTRAIN_RUN_DIR"], rank=None)
+    for node in nodes:  # torch's node name: host_pid_n
+        events.emit("rendezvous_node_dropped", node=node, host=node.rsplit("_", 2)[0],
+                    why="its agent's presence connection closed")
+    events.close()
+
+
 def tolerate_store_outages(handler) -> None:
     """torchrun's agent asks its rendezvous ``handler`` every monitor interval whether
     nodes wait to join; a store that stalls or restarts made that raise, and torchrun then
@@ -245,12 +283,20 @@ def main(argv: list[str]) -> None:
         from torch.distributed.run import main as torchrun
     warm = argv[:1] == ["--warm"]
     argv = argv[1:] if warm else argv
+    if argv[:1] == ["--after-go"]:  # a standby's: imported, it joins when told
+        argv = argv[1:]
+        with collector.paused(freeze=True):  # what torchrun imports as it starts
+            importlib.import_module("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend")
+            importlib.import_module("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+        if sys.stdin.readline().strip() != "go":
+            return
     launcher.LocalElasticAgent = WarmAgent if warm else Agent
     WarmAgent.store_outside = any(a.startswith("--rdzv-conf") and "is_host=0" in a
                                   for a in argv)
     try:
         torchrun(argv)
     finally:
+        say_bye()  # an agent that ends is no loss (one killed is)
         close_all()
 
 

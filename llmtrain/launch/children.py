@@ -15,15 +15,18 @@ from llmtrain.launch.config import LaunchConfig
 
 
 def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False,
-                     prepared: str | None = None) -> list[str]:
+                     prepared: str | None = None, after_go: bool = False) -> list[str]:
     """torchrun's command line, through llmtrain's agent (``llmtrain.launch.agent``:
     ``warm``, the one that lets the warm path replace a dead worker); ``prepared``: the
-    folder of the node's prepared workers, which take each attempt's work."""
+    folder of the node's prepared workers, which take each attempt's work; ``after_go``:
+    the agent imports, then waits for a line ``go`` on its stdin before it joins (a
+    standby's)."""
     conf = (f"join_timeout={lc.join_timeout_s:.0f},last_call_timeout={lc.last_call_timeout_s:.0f},"
             f"keep_alive_interval=2,keep_alive_max_attempt=3")
     if lc.external_store:
         conf += ",is_host=0"
     return [sys.executable, "-m", "llmtrain.launch.agent", *(["--warm"] if warm else []),
+            *(["--after-go"] if after_go else []),
             f"--nnodes={lc.nnodes}",
             f"--nproc-per-node={lc.nproc_per_node}", f"--max-restarts={lc.max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}",

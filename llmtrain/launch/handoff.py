@@ -114,7 +114,8 @@ def end(folder: str, pid: int, code) -> None:
             time.sleep(0.02)
     code = -signal.SIGKILL if code is None else code
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         time.sleep(1)
     sys.exit(code)

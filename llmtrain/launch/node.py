@@ -30,6 +30,7 @@ short of nodes, or wait warm to take a lost rank's place (:mod:`llmtrain.launch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -169,18 +170,22 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
             events.emit("node_exit", host=host, spare_exit=rc, exit_code=int(code))
             events.close()
             return code
-    if lc.standby and not vacancy and not await_vacancy(
-            standby_vacancies(cfg, lc), run_dir, cfg.training.steps, started):
-        events.emit("spare_released", host=host)
-        events.close()
-        return ExitCode.CLEAN  # the job finished without needing this spare
     env = worker_env(cfg, lc, host)
-    events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
     warm = cfg.warm.enable and "LLMTRAIN_RDZV_ENDPOINT" in env
+    # a standby's agent and prepared workers import while it waits: it joins a round as
+    # soon as the round is short of it
+    waits = lc.standby and not vacancy
     prepared = _prepare_workers(lc, env)
     try:
         proc = subprocess.Popen(torchrun_command(
-            lc, train_args, warm, prepared and prepared.folder), env=env)
+            lc, train_args, warm, prepared and prepared.folder, after_go=waits), env=env,
+            stdin=subprocess.PIPE if waits else None)
+        if waits and not _go(proc, await_vacancy(standby_vacancies(cfg, lc), run_dir,
+                                                 cfg.training.steps, started)):
+            events.emit("spare_released", host=host)
+            events.close()
+            return ExitCode.CLEAN  # the job finished without needing this spare
+        events.emit("node_launch", host=host, nnodes=lc.nnodes, rdzv_id=lc.rdzv_id)
         forward_signals([proc])
         rc = _wait_agent(proc, run_dir, cfg.training.steps, started)
     finally:
@@ -190,6 +195,16 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     events.emit("node_exit", host=host, torchrun_exit=rc, exit_code=int(code))
     events.close()
     return code
+
+
+def _go(agent: subprocess.Popen, join: bool) -> bool:
+    """Tells a standby's waiting agent to join the job's rendezvous, or to end; ``join``."""
+    with contextlib.suppress(BrokenPipeError):
+        agent.stdin.write(b"go\n" if join else b"end\n")
+        agent.stdin.close()
+    if not join:
+        agent.wait()
+    return join
 
 
 def _prepare_workers(lc: LaunchConfig, env: dict[str, str]):

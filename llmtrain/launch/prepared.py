@@ -24,7 +24,7 @@ since makes it refuse, and the hand-off starts a fresh process instead).
 What the hand-off changes for the rest of llmtrain is in :mod:`llmtrain.process_origin`:
 the rank's identity to its agent, its agent's pid, and its start-up timeline.
 
-    python -m llmtrain.launch.prepared FOLDER LOCAL_RANK TAKEN_FD IMPORT_DELAY_S
+    python -m llmtrain.launch.prepared FOLDER LOCAL_RANK LISTENER_FD TAKEN_FD IMPORT_DELAY_S
         (started by the launcher)
 """
 
@@ -44,7 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,23 +77,36 @@ class PreparedWorkers:
         os.chmod(folder, 0o700)  # the hand-off's socket: this user's processes only
         self.env = {**env, PREPARED_DIR_ENV: folder}
         self._closed = threading.Event()
-        self._threads = [threading.Thread(target=self._keep, args=(lr,), daemon=True,
-                                          name=f"prepared-{lr}")
+        # listening from now on: a hand-off that comes before its worker is up waits
+        self._threads = [threading.Thread(target=self._keep, args=(lr, self._listen(lr)),
+                                          daemon=True, name=f"prepared-{lr}")
                          for lr in range(cfg.local_ranks)]
         self._procs: dict[int, subprocess.Popen] = {}
         for t in self._threads:
             t.start()
 
-    def _keep(self, local_rank: int) -> None:
+    def _listen(self, local_rank: int) -> socket.socket:
+        """The socket a local rank's hand-offs connect to, for its next prepared worker."""
+        path = os.path.join(self.folder, f"{local_rank}.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a predecessor's that ended untaken
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        return listener
+
+    def _keep(self, local_rank: int, listener: socket.socket) -> None:
         """One local rank's prepared worker, again and again: started, then once taken
         (or ended untaken) followed by the next."""
         while not self._closed.is_set():
             read, write = os.pipe()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "llmtrain.launch.prepared", self.folder,
-                 str(local_rank), str(write), str(self.cfg.import_delay_s)],
-                env=self.env, pass_fds=(write,))
+                 str(local_rank), str(listener.fileno()), str(write),
+                 str(self.cfg.import_delay_s)],
+                env=self.env, pass_fds=(listener.fileno(), write))
             os.close(write)
+            listener.close()  # the worker's now
             self._procs[local_rank] = proc
             with os.fdopen(read, "rb") as said:
                 taken = said.readline()  # its hand-off's pid, once taken; b"" if it ended
@@ -106,6 +118,8 @@ class PreparedWorkers:
                             "another starts in %.0f s", proc.pid, local_rank, proc.wait(),
                             self.cfg.retry_s)
                 self._closed.wait(self.cfg.retry_s)
+            if not self._closed.is_set():
+                listener = self._listen(local_rank)
 
     def _see_out(self, proc: subprocess.Popen, holder: int) -> None:
         """A taken worker, to its end, which is reported to its hand-off process. Should
@@ -116,7 +130,9 @@ class PreparedWorkers:
                 proc.kill()
                 break
             time.sleep(self.cfg.orphan_look_s)
-        _write(Path(self.folder) / f"{proc.pid}.exit", str(proc.wait()))
+        code = proc.wait()
+        with contextlib.suppress(OSError):  # the folder went with its launcher's end
+            _write(Path(self.folder) / f"{proc.pid}.exit", str(code))
 
     def close(self) -> None:
         """Ends the waiting prepared workers (one that was handed an attempt ends with its
@@ -153,14 +169,12 @@ def _write(path: Path, text: str) -> None:
 
 # --- the prepared worker's side -------------------------------------------------------
 
-def serve(folder: str, local_rank: int, taken_fd: int, import_delay_s: float) -> None:
-    """Listens, imports, waits for its attempt, then runs it; never returns."""
+def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
+          import_delay_s: float) -> None:
+    """Imports, waits for its attempt on the socket its launcher made, then runs it;
+    never returns."""
     path = os.path.join(folder, f"{local_rank}.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)  # a predecessor's, which ended
-    listener.bind(path)
-    listener.listen(1)  # a hand-off may connect now: it waits for the imports below
+    listener = socket.socket(fileno=listener_fd)  # a hand-off may wait in it already
     _die_with_launcher()
     select.select([listener], [], [], import_delay_s)  # a hand-off, or the delay's end
     ready = _prepare(local_rank)
@@ -193,7 +207,9 @@ def serve(folder: str, local_rank: int, taken_fd: int, import_delay_s: float) ->
 
 
 def _prepare(local_rank: int) -> bool:
-    """The imports an attempt would pay, and on a GPU node the device's context. False
+    """The imports an attempt would pay, a first model build's one-time costs (on meta,
+    of the default shape: whatever the job's, the next build takes milliseconds), and on
+    a GPU node the device's context. False
     where the device fails a small kernel (the attempt then starts afresh, and finds the
     fault itself)."""
     from llmtrain import collector
@@ -202,6 +218,10 @@ def _prepare(local_rank: int) -> bool:
 
         import torch
         importlib.import_module("llmtrain.launch.worker")  # the trainer and all it imports
+        from llmtrain.config.sections import ModelConfig
+        from llmtrain.model import Transformer
+    with torch.device("meta"):  # a first model build's one-time costs (0.6 s of 0.6 s here)
+        Transformer(ModelConfig())
     if not torch.cuda.is_available():
         return True
     try:
@@ -255,10 +275,10 @@ def _run(argv: list[str]) -> int:
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
-        print(e.code, file=sys.stderr)
+        log.error("%s", e.code)  # python writes an exit's message to stderr
         return 1
-    except BaseException:  # noqa: BLE001 - what python prints, then exit 1
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - what python does with an uncaught exception
+        sys.excepthook(*sys.exc_info())
         return 1
     return 0
 
@@ -292,4 +312,4 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]))
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))

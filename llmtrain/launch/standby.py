@@ -39,7 +39,8 @@ STANDBY_GRACE_S = 3.0
 class Vacancies:
     """The job's rendezvous as a spare sees it. A round is short when it has waited for
     nodes for ``STANDBY_GRACE_S`` (forming with fewer than the minimum, or running with
-    fewer than the maximum); a spare takes a ticket for its place, so that no more spares
+    fewer than the maximum), or at once when as many nodes of the last full round are known
+    dead (:class:`llmtrain.recovery.presence.GoneNodes`): no survivor is still on its way; a spare takes a ticket for its place, so that no more spares
     join a round than it lacks nodes. ``restarts_only``: only a restart's round counts
     (not the first, whose nodes may still be starting, nor a running one, which a warm
     recovery may have left with a dead node's agent missing)."""
@@ -50,6 +51,7 @@ class Vacancies:
         self._connect()
         self.min_nodes, self.max_nodes = lc.node_range
         self.short_since: float | None = None
+        self.members: set[str] = set()  # the last full round's nodes (torch's names)
         self.refused: str | None = None  # the round whose places other spares took
 
     def client(self):
@@ -66,9 +68,20 @@ class Vacancies:
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
             C10dRendezvousBackend,
         )
+
+        from llmtrain.distributed.signed_store import job_secret
+        from llmtrain.recovery.presence import GoneNodes
+        from llmtrain.recovery.warm import job_namespace
         self.store = self.client()
         self.backend = C10dRendezvousBackend(self.store, self.rdzv_id)
+        self.gone = GoneNodes(job_namespace(self.store, self.rdzv_id)) \
+            if job_secret() is not None else None
         self.broken = False
+
+    def _known_dead(self) -> int:
+        """How many nodes of the last full round this standby saw are known dead (their
+        agents' presence connections closed): their places need no grace."""
+        return len(self.members & self.gone()) if self.gone is not None else 0
 
     def _missing(self):
         """(the round's ticket key, nodes it lacks) or None."""
@@ -77,6 +90,8 @@ class Vacancies:
         if state is None or state.closed or (self.restarts_only and state.round == 0):
             return None
         have = len(state.participants)
+        if state.complete and have >= self.min_nodes:
+            self.members = {str(n) for n in state.participants}
         lack = (self.min_nodes - have if not state.complete and have else
                 self.max_nodes - have if state.complete and not self.restarts_only else 0)
         return (f"llmtrain/vacancy/{self.rdzv_id}/{state.round}/{have}", lack) if lack > 0 \
@@ -94,7 +109,8 @@ class Vacancies:
             raise
         now = time.monotonic()
         self.short_since = (self.short_since or now) if missing else None
-        if not missing or now - self.short_since < STANDBY_GRACE_S or missing[0] == self.refused:
+        if not missing or missing[0] == self.refused or (
+                now - self.short_since < STANDBY_GRACE_S and self._known_dead() < missing[1]):
             return False
         key, lack = missing
         try:

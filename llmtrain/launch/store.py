@@ -87,6 +87,8 @@ def serve_store(host: str, port: int, exit_when_unused: bool = False,
             log.error("llmtrain rdzv-store: no llmtrain launch came within %g s; exiting "
                       "(check the nodes' logs)", first_within_s)
             return 1
+    if presence is not None:
+        presence.close()
     del store
     return 0
 

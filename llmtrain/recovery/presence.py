@@ -13,6 +13,11 @@ holds its connection from the start of its wait: one that dies waiting leaves th
 pool at once (:func:`llmtrain.recovery.pool.withdraw`), where a claim that picked it
 waited ``warm.budget_s`` for it, then went cold.
 
+Each node's torchrun agent holds one too, named for its rendezvous node: when a node dies
+whole, the cold path's rendezvous drops it at once (:class:`GoneNodes`), where torch's
+waited out its keep-alive (6 s with llmtrain's settings), and a standby sees the round
+short of it as soon.
+
 What it cannot see: a node whose kernel dies (power, a panic) closes nothing, and its
 ranks' silence is waited out as before. Nor does the listener outlive its store: after a
 store restart each rank connects to the new one (:class:`PresenceClient` retries).
@@ -91,6 +96,7 @@ class PresenceListener:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.server, selectors.EVENT_READ)
         self.peers: dict[socket.socket, _Peer] = {}
+        self._marking: list[threading.Thread] = []
         threading.Thread(target=self._serve, name="llmtrain-presence", daemon=True).start()
 
     def _serve(self) -> None:
@@ -167,8 +173,17 @@ class PresenceListener:
         rdzv_id, holder = peer.job
         log.info("llmtrain presence: %s of job %s is gone (its connection closed)",
                  holder, rdzv_id)
-        threading.Thread(target=self._mark, args=(rdzv_id, holder),
-                         name="llmtrain-presence-mark", daemon=True).start()
+        marking = threading.Thread(target=self._mark, args=(rdzv_id, holder),
+                                   name="llmtrain-presence-mark", daemon=True)
+        self._marking = [t for t in self._marking if t.is_alive()] + [marking]
+        marking.start()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Lets the marks under way finish (before the store's process ends: a thread left
+        inside a store request as it exits aborts it)."""
+        deadline = time.monotonic() + timeout_s
+        for t in list(self._marking):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _mark(self, rdzv_id: str, holder: str) -> None:
         try:
@@ -187,12 +202,17 @@ def serve_presence(bind: str, port: int, store: dist.Store) -> PresenceListener 
         log.info("llmtrain presence: off (no %s): a lost node is known after warm.settle_s",
                  "LLMTRAIN_JOB_SECRET")
         return None
+    from llmtrain.distributed.rendezvous_wake import announce_change
     from llmtrain.recovery.pool import withdraw
     from llmtrain.recovery.roll_call import mark_holder_gone
     from llmtrain.recovery.warm import job_namespace
 
     def mark(rdzv_id: str, holder: str) -> None:
         job = job_namespace(store, rdzv_id)
+        if holder.startswith(RDZV_NODE):  # a node's torchrun agent
+            node_gone(job, holder.removeprefix(RDZV_NODE))
+            announce_change(store, rdzv_id)  # its rendezvous reads the news at once
+            return
         mark_holder_gone(job, holder)  # a rank's process
         withdraw(job, holder)  # a waiting spare's
 
@@ -275,6 +295,37 @@ def _say_bye(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
+
+
+# A holder that is a node's torchrun agent, by its rendezvous node (torch's ``host_pid_n``):
+# when its connection closes, the cold rendezvous drops the node at once
+# (:mod:`llmtrain.distributed.rendezvous_wake`) instead of after its keep-alive expired.
+RDZV_NODE = "rdzv-node/"
+GONE_COUNT = "rdzv_gone/count"
+
+
+def node_gone(job: SignedStore, node: str) -> None:
+    """Records rendezvous ``node`` as dead, signed, for :class:`GoneNodes`."""
+    n = job.add(GONE_COUNT, 1)
+    job.set(f"rdzv_gone/{n}", node)
+
+
+class GoneNodes:
+    """The rendezvous nodes recorded dead (:func:`node_gone`), read as they come; a value
+    that is not the job's (unsigned, forged) is not counted."""
+
+    def __init__(self, job: SignedStore):
+        self.job, self.seen, self.nodes = job, 0, set()
+
+    def __call__(self) -> set[str]:
+        count = self.job.add(GONE_COUNT, 0)
+        while self.seen < count:
+            node = self.job.genuine(f"rdzv_gone/{self.seen + 1}")
+            if node is None:  # counted but not yet written (or forged): next read
+                break
+            self.nodes.add(node.decode())
+            self.seen += 1
+        return self.nodes
 
 
 _client: PresenceClient | None = None

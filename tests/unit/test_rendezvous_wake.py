@@ -10,7 +10,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
-from llmtrain.launch.rendezvous_wake import close_all, wake
+from llmtrain.distributed.rendezvous_wake import changes_key, close_all, wake
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_node_joining_the_wait_list_is_seen_at_the_running_nodes_next_look(sto
         time.sleep(0.05)
     assert running.num_nodes_waiting() == 1, "the waiting node was never seen"
     # a heartbeat is no change: the keep-alive writes the state without announcing it
-    key = f"{running._state_holder._backend._key}/llmtrain-changes"
+    key = changes_key("wake-test")
     changes = store.add(key, 0)
     running._state_holder.state.last_heartbeats[running._this_node] -= timedelta(seconds=6)
     running._op_executor.run(dynamic_rendezvous._RendezvousKeepAliveOp(),

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,35 @@ class WakeConfig:
     watch_s: float = 30.0
 
 
+def changes_key(run_id: str) -> str:
+    """The counter of a rendezvous's announced changes (``<key>/<n>``: the n-th's key)."""
+    return f"torch.rendezvous.{run_id}/llmtrain-changes"
+
+
+def announce_change(store, run_id: str) -> None:
+    """Wakes every node of rendezvous ``run_id`` that waits or looks (``store``: a client
+    of its store): they read its state at once. Raises what the store raises."""
+    n = store.add(changes_key(run_id), 1)
+    store.set(f"{changes_key(run_id)}/{n}", b"")
+
+
 class RendezvousWake:
     """Installs the wake on one torchrun rendezvous ``handler`` (a c10d
     ``DynamicRendezvousHandler``); :meth:`close` stops its watcher."""
 
-    def __init__(self, handler, cfg: WakeConfig | None = None) -> None:
+    def __init__(self, handler, cfg: WakeConfig | None = None,
+                 gone: Callable[[], set[str]] | None = None) -> None:
+        """``gone``: the rendezvous nodes (as torch names them, ``host_pid_n``) known to be
+        dead, which this node drops from the state it reads without waiting out their
+        keep-alive (:class:`llmtrain.recovery.presence.GoneNodes`)."""
         self.cfg = cfg or WakeConfig()
         self._handler = handler
         self._holder = handler._state_holder
         self._store = handler._store
-        self._key = f"{self._holder._backend._key}/llmtrain-changes"
+        self._run_id = handler._settings.run_id
+        self._key = changes_key(self._run_id)
+        self._gone = gone
+        self.dropped: list[str] = []  # the nodes this one dropped as gone, in order
         self._changed = threading.Event()
         self._membership_moved = False
         self._closed = threading.Event()
@@ -89,17 +109,43 @@ class RendezvousWake:
             if self._changed.is_set() and not holder._dirty:
                 self._changed.clear()
                 holder._last_sync_time = -1  # past the cache: read the store
+            read_at = holder._last_sync_time
             wrote = sync()
+            if holder._last_sync_time != read_at and self._gone is not None:
+                self._drop_gone()
             if wrote and self._membership_moved:
                 self._membership_moved = False
                 self._announce()
             return wrote
         holder.sync = woken_sync
 
+    def _drop_gone(self) -> None:
+        """Drops the nodes known dead from the state just read, as torch drops a node
+        whose keep-alive expired (its heartbeat made older than any expiry), and writes
+        the state back at the next sync, so that the others, and a standby watching the
+        round, see it too."""
+        try:
+            gone = self._gone()
+        except (RuntimeError, OSError, ValueError) as e:  # the keep-alive still expires
+            log.warning("could not read which rendezvous nodes are gone (%s)", e)
+            return
+        state = self._holder.state
+        dead = [n for n in state.last_heartbeats if str(n) in gone]
+        if not dead:
+            return
+        for node in dead:
+            state.last_heartbeats[node] = datetime.fromtimestamp(0, timezone.utc)
+        self._holder._sanitize()
+        self._holder.mark_dirty()
+        self._membership_moved = True
+        self.dropped += [str(n) for n in dead]
+        log.info("rendezvous %s: dropped %s, known dead (their connections closed), "
+                 "without waiting out their keep-alive", self._run_id,
+                 ", ".join(map(str, dead)))
+
     def _announce(self) -> None:
         try:
-            n = self._store.add(self._key, 1)
-            self._store.set(f"{self._key}/{n}", b"")
+            announce_change(self._store, self._run_id)
         except (RuntimeError, OSError) as e:  # DistError: the others read within a second
             log.warning("could not announce a rendezvous change (%s); the other nodes see "
                         "it at their next read", e)
@@ -150,14 +196,15 @@ def close_all() -> None:
         _installed.popitem()[1].close()
 
 
-def wake(handler, cfg: WakeConfig | None = None) -> RendezvousWake | None:
+def wake(handler, cfg: WakeConfig | None = None,
+         gone: Callable[[], set[str]] | None = None) -> RendezvousWake | None:
     """The wake of ``handler``, installed on the first call; None (and a warning) where
     the handler is not torch's c10d dynamic rendezvous as this module knows it."""
     if id(handler) in _installed:
         return _installed[id(handler)]
     try:
         from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-        woken = RendezvousWake(handler, cfg)
+        woken = RendezvousWake(handler, cfg, gone)
     except AttributeError as e:
         log.warning("torchrun's rendezvous is not the one the wake knows (%s); it is "
                     "polled once a second, as torch does", e)

@@ -1,0 +1,126 @@
+"""The hand-off between torchrun's child and a prepared worker, with real processes: the
+attempt's command, environment and stdio reach the worker; its exit code, a signal that
+killed it and the signals sent to the hand-off pass through; a hand-off with no prepared
+worker runs the command itself; a worker whose hand-off died is killed; each prepared
+worker takes one attempt."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmtrain.launch.prepared import HANDOFF, PreparedConfig, PreparedWorkers
+
+SCRIPT = """
+import os, signal, sys, time
+print("pid", os.getpid(), "tag", os.environ.get("TAG"), "args", sys.argv[1:], flush=True)
+print("cwd", os.getcwd(), "prepared", os.environ.get("LLMTRAIN_HANDED_OVER_AT") is not None,
+      flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(os.environ.get("ON_TERM", 3))))
+mode = sys.argv[1]
+if mode == "exit":
+    sys.exit(int(sys.argv[2]))
+if mode == "wait":
+    open(sys.argv[2], "w").close()  # ready
+    while True:
+        time.sleep(0.05)
+if mode == "raise":
+    raise ValueError("boom")
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    p = tmp_path / "job.py"
+    p.write_text(SCRIPT)
+    return p
+
+
+@pytest.fixture
+def prepared(tmp_path: Path):
+    workers = PreparedWorkers(PreparedConfig(local_ranks=1, import_delay_s=0),
+                              str(tmp_path / "prepared"), dict(os.environ))
+    yield workers
+    workers.close()
+
+
+def handoff(folder: str, script: Path, *args: str, cwd: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-I", "-S", HANDOFF, folder, str(script), *args],
+                            cwd=cwd, env={**os.environ, "LOCAL_RANK": "0", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def said(proc: subprocess.Popen) -> dict[str, str]:
+    out, err = proc.communicate(timeout=120)
+    words = out.split()
+    return {"pid": int(words[words.index("pid") + 1]), "out": out, "err": err}
+
+
+def test_the_attempt_runs_in_the_prepared_worker_and_its_exit_code_comes_back(
+        prepared, script, tmp_path):
+    first = handoff(prepared.folder, script, "exit", "7", cwd=tmp_path, TAG="one")
+    got = said(first)
+    assert first.returncode == 7, got
+    assert "tag one" in got["out"] and f"cwd {tmp_path}" in got["out"], got
+    assert "prepared True" in got["out"] and got["pid"] != first.pid
+    # the next attempt goes to a successor, never to the same process
+    second = handoff(prepared.folder, script, "raise", cwd=tmp_path, TAG="two")
+    again = said(second)
+    assert second.returncode == 1 and "ValueError: boom" in again["err"], again
+    assert "prepared True" in again["out"] and again["pid"] != got["pid"]
+
+
+def test_a_signal_to_the_hand_off_reaches_the_worker_and_a_kill_is_mirrored(
+        prepared, script, tmp_path):
+    ready = tmp_path / "ready"
+    proc = handoff(prepared.folder, script, "wait", str(ready), cwd=tmp_path, ON_TERM="5")
+    _wait_file(ready)
+    proc.send_signal(signal.SIGTERM)  # torchrun stopping its workers
+    assert said(proc) and proc.returncode == 5
+    ready.unlink()
+    proc = handoff(prepared.folder, script, "wait", str(ready), cwd=tmp_path)
+    _wait_file(ready)
+    worker = int((Path(prepared.folder) / f"{proc.pid}.worker").read_text())
+    os.kill(worker, signal.SIGKILL)  # the worker dies: its hand-off dies as it did
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_worker_whose_hand_off_was_killed_dies_even_when_stopped(prepared, script, tmp_path):
+    ready = tmp_path / "ready"
+    proc = handoff(prepared.folder, script, "wait", str(ready), cwd=tmp_path)
+    _wait_file(ready)
+    worker = int((Path(prepared.folder) / f"{proc.pid}.worker").read_text())
+    os.kill(worker, signal.SIGSTOP)  # hung: it cannot see its hand-off die
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the stopped worker outlived its hand-off"
+
+
+def test_with_no_prepared_worker_the_hand_off_runs_the_command_itself(script, tmp_path):
+    proc = handoff(str(tmp_path / "nobody"), script, "exit", "4", cwd=tmp_path, TAG="x")
+    got = said(proc)
+    assert proc.returncode == 4 and "prepared False" in got["out"], got
+    assert got["pid"] == proc.pid  # exec'd: the same process
+
+
+def _wait_file(path: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
