@@ -68,6 +68,10 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference
     assert marks["failure_detected"] is not None and 0 < rec["total_s"] < 120
     # node2's rank died without a word; node1's rank said its collective failed
     assert rec["silent_ranks"] and rec["detected_by"] == "failure", rec
+    # node2's agent was dropped from the rendezvous as its presence connection closed,
+    # not after its keep-alive expired, and before the restart began
+    (dropped,) = events(c.run, "rendezvous_node_dropped")
+    assert [e["ts"] > dropped["ts"] for e in events(c.run, "attempt_start")] == [False, True]
     assert rec["silent_hosts"] == {str(r): "node2" for r in rec["silent_ranks"]}, rec
     assert (marks["last_progress"] <= marks["failure_detected"] < marks["process_start"]
             < marks["process_group_up"] < marks["checkpoint_loaded"] < marks["first_step"])
