@@ -137,8 +137,9 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
         if with_spare and warm:
             start("node3", spare=True)
         wait_for(run, "checkpoint_committed", lambda e: e["step"] >= 40)
-        if with_spare and not warm:
+        if with_spare and not warm:  # a standby, its agent (and prepared workers) imported
             start("node3", spare=True)
+            time.sleep(6)
         time.sleep(2)  # mid-interval, with the spare waiting
         worker = wait_for(run, "startup", lambda e: e["host"] == "node2")
         killed = time.time()

@@ -31,7 +31,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from datetime import timedelta
 
 from llmtrain import collector
@@ -50,10 +49,6 @@ with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.
     from llmtrain.recovery.roll_call import mark_holder_gone, owner
     from llmtrain.recovery.verdicts import Verdicts
     from llmtrain.recovery.warm import outside_store
-
-# the longest a hang's eviction waits for its agent's look; torchrun's monitor looks at the
-# workers more often (--monitor-interval)
-EVICTION_LOOK_S = 0.25
 
 # by name: run as ``python -m llmtrain.launch.agent``, __name__ is "__main__"
 log = logging.getLogger("llmtrain.launch.agent")
@@ -177,12 +172,7 @@ class WarmAgent(Agent):
 
     def _kill_evicted(self, worker_group: WorkerGroup, handlers: dict) -> None:
         """Kills the workers (and their children) a hang's watchdog asked to evict, and
-        says so; their deaths then take the usual way to a warm verdict. Looks every
-        ``EVICTION_LOOK_S`` at most (one store read), whatever the monitor's interval."""
-        now = time.monotonic()
-        if now - getattr(self, "_evictions_looked", 0.0) < EVICTION_LOOK_S:
-            return
-        self._evictions_looked = now
+        says so; their deaths then take the usual way to a warm verdict."""
         asked = []
         with self._store_may_fail("looking for evictions"):
             asked = self._evictions.asked()

@@ -31,7 +31,8 @@ def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False
             f"--nproc-per-node={lc.nproc_per_node}", f"--max-restarts={lc.max_restarts}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.rdzv_endpoint}",
             f"--rdzv-id={lc.rdzv_id}", f"--rdzv-conf={conf}",
-            f"--monitor-interval={lc.monitor_interval_s:g}",
+            f"--monitor-interval="
+            f"{lc.warm_monitor_interval_s if warm else lc.monitor_interval_s:g}",
             *_entry(lc, prepared), *train_args]
 
 

@@ -24,6 +24,7 @@ import sys
 import time
 
 from llmtrain.config import JobConfig
+from llmtrain.distributed.rendezvous_wake import changes_key
 from llmtrain.events import EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.children import forward_signals, worker_command, worker_env
@@ -51,6 +52,7 @@ class Vacancies:
         self._connect()
         self.min_nodes, self.max_nodes = lc.node_range
         self.short_since: float | None = None
+        self._changes = 0  # the rendezvous changes announced before the last read
         self.members: set[str] = set()  # the last full round's nodes (torch's names)
         self.refused: str | None = None  # the round whose places other spares took
 
@@ -85,6 +87,7 @@ class Vacancies:
 
     def _missing(self):
         """(the round's ticket key, nodes it lacks) or None."""
+        self._changes = self.store.add(changes_key(self.rdzv_id), 0)  # before the state
         got = self.backend.get_state()
         state = rendezvous_state(got[0]) if got else None
         if state is None or state.closed or (self.restarts_only and state.round == 0):
@@ -122,6 +125,17 @@ class Vacancies:
             return True
         self.refused = key
         return False
+
+
+    def sleep(self, seconds: float) -> None:
+        """Until the rendezvous's next announced change (a node joined, left, was dropped
+        as dead: :mod:`llmtrain.distributed.rendezvous_wake`), at most ``seconds``."""
+        import datetime
+        try:
+            self.store.wait([f"{changes_key(self.rdzv_id)}/{self._changes + 1}"],
+                            datetime.timedelta(seconds=seconds))
+        except store_errors():  # no change within it (or the store out: the next call says)
+            pass
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
@@ -198,7 +212,7 @@ def await_vacancy(vacancies: Vacancies, run_dir: str, steps: int, since: float) 
             outage.failed(e)
         if finished(ends.read(), steps, since):
             return False
-        time.sleep(0.5)
+        vacancies.sleep(0.5)
 
 
 class _Spare:

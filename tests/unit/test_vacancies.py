@@ -18,6 +18,9 @@ from llmtrain.launch import standby
 from llmtrain.launch.config import LaunchConfig
 from llmtrain.launch.standby import Vacancies, standby_vacancies
 from llmtrain.launch.store import store_server
+from llmtrain.distributed.signed_store import SECRET_ENV, new_secret
+from llmtrain.recovery.presence import node_gone
+from llmtrain.recovery.warm import job_namespace
 
 RDZV_ID = "job"
 
@@ -100,4 +103,25 @@ def test_a_restarts_round_short_of_a_node_takes_one_standby(rendezvous):
     waiting.join(timeout=30)
     s = state(lc)
     assert (s.round, s.complete, len(s.participants)) == (2, True, 2)
+    a._stop_heartbeats()
+
+
+def test_a_round_short_of_a_node_known_dead_is_joined_without_the_grace(rendezvous,
+                                                                        monkeypatch):
+    """A standby waits STANDBY_GRACE_S for a short round's nodes to come back, unless the
+    nodes it lacks are of the last full round and known dead (their agents' presence
+    connections closed): then no survivor is on its way, and it joins at once."""
+    lc, agent = rendezvous
+    monkeypatch.setattr(standby, "STANDBY_GRACE_S", 600.0)
+    monkeypatch.setenv(SECRET_ENV, new_secret())
+    a, b = agent(), agent()
+    next_round(a, b)
+    spare = Vacancies(lc)
+    assert not spare.claim()  # a full round: it notes who is in it
+    b._stop_heartbeats()  # b's node died
+    threading.Thread(target=a.next_rendezvous, daemon=True).start()  # a restarts
+    until(lambda: (s := state(lc)).round == 1 and not s.complete, "a short round")
+    assert not spare.claim()  # short, but b might be slow, not dead: the grace holds
+    node_gone(job_namespace(spare.store, RDZV_ID), str(b._this_node))
+    assert spare.claim()  # b is dead: its place is taken at once
     a._stop_heartbeats()
