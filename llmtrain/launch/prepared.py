@@ -58,7 +58,7 @@ HANDOFF = str(Path(__file__).with_name("handoff.py"))
 class PreparedConfig:
     local_ranks: int = 1
     # A prepared worker's successor starts as soon as it is taken, and listens at once,
-    # but waits this long before its imports (which would take CPU from the attempt that
+    # but waits this long before its imports (a node's first imports at once) (which would take CPU from the attempt that
     # just began), unless a hand-off comes first: then it imports at once, no later than a
     # fresh process would.
     import_delay_s: float = 3.0
@@ -98,12 +98,12 @@ class PreparedWorkers:
     def _keep(self, local_rank: int, listener: socket.socket) -> None:
         """One local rank's prepared worker, again and again: started, then once taken
         (or ended untaken) followed by the next."""
+        delay = 0.0  # the first imports at once: no attempt of this node runs yet
         while not self._closed.is_set():
             read, write = os.pipe()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "llmtrain.launch.prepared", self.folder,
-                 str(local_rank), str(listener.fileno()), str(write),
-                 str(self.cfg.import_delay_s)],
+                 str(local_rank), str(listener.fileno()), str(write), str(delay)],
                 env=self.env, pass_fds=(listener.fileno(), write))
             os.close(write)
             listener.close()  # the worker's now
@@ -120,6 +120,7 @@ class PreparedWorkers:
                 self._closed.wait(self.cfg.retry_s)
             if not self._closed.is_set():
                 listener = self._listen(local_rank)
+            delay = self.cfg.import_delay_s
 
     def _see_out(self, proc: subprocess.Popen, holder: int) -> None:
         """A taken worker, to its end, which is reported to its hand-off process. Should

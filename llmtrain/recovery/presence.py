@@ -175,8 +175,8 @@ class PresenceListener:
                  holder, rdzv_id)
         marking = threading.Thread(target=self._mark, args=(rdzv_id, holder),
                                    name="llmtrain-presence-mark", daemon=True)
-        self._marking = [t for t in self._marking if t.is_alive()] + [marking]
         marking.start()
+        self._marking = [t for t in self._marking if t.is_alive()] + [marking]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Lets the marks under way finish (before the store's process ends: a thread left
