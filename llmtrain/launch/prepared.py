@@ -57,10 +57,10 @@ HANDOFF = str(Path(__file__).with_name("handoff.py"))
 @dataclass
 class PreparedConfig:
     local_ranks: int = 1
-    # A prepared worker's successor starts as soon as it is taken, and listens at once,
-    # but waits this long before its imports (a node's first imports at once) (which would take CPU from the attempt that
-    # just began), unless a hand-off comes first: then it imports at once, no later than a
-    # fresh process would.
+    # A prepared worker's successor starts as soon as it is taken and listens at once, but
+    # waits this long before its imports, which would take CPU from the attempt that just
+    # began, unless a hand-off comes first: then it imports at once, no later than a fresh
+    # process would. A node's first prepared workers import at once.
     import_delay_s: float = 3.0
     retry_s: float = 5.0  # after a prepared worker ended before it was taken
     # a hand-off whose process died leaves its worker running only this long
