@@ -84,6 +84,13 @@ class RendezvousWake:
         self._key = changes_key(self._run_id)
         self._gone = gone
         self.dropped: list[str] = []  # the nodes this one dropped as gone, in order
+        self._node = handler._this_node
+        self._min_nodes = handler._settings.min_nodes
+        # the nodes of the last complete round this one read, those that left it since
+        # included
+        self._members: set[str] = set()
+        self._members_round = -1
+        self.closed_early: list[int] = []  # the rounds this node completed at once
         self._changed = threading.Event()
         self._membership_moved = False
         self._closed = threading.Event()
@@ -113,6 +120,7 @@ class RendezvousWake:
             wrote = sync()
             if holder._last_sync_time != read_at and self._gone is not None:
                 self._drop_gone()
+                self._close_early()
             if wrote and self._membership_moved:
                 self._membership_moved = False
                 self._announce()
@@ -142,6 +150,37 @@ class RendezvousWake:
         log.info("rendezvous %s: dropped %s, known dead (their connections closed), "
                  "without waiting out their keep-alive", self._run_id,
                  ", ".join(map(str, dead)))
+
+    def _close_early(self) -> None:
+        """Completes a forming round at once, instead of after torch's last call, when
+        it holds at least the minimum of nodes and every node of the last complete round,
+        and every node on the wait list, is in it or known dead: nobody it waits for is
+        on the way. A node that was in neither (a standby, a new node) comes in a later
+        round, as it would after the last call."""
+        state = self._holder.state
+        if state.complete:  # its members, with those that left it to restart
+            if state.round != self._members_round:
+                self._members, self._members_round = set(), state.round
+            self._members |= {str(n) for n in state.participants}
+            return
+        have = {str(n) for n in state.participants}
+        if (state.closed or not self._members or self._node not in state.participants
+                or len(have) < self._min_nodes or state.deadline is None):
+            return
+        try:
+            missing = (self._members | {str(n) for n in state.wait_list}) - have \
+                - self._gone()
+        except (RuntimeError, OSError, ValueError):  # the last call still ends it
+            return
+        now = datetime.now(timezone.utc)
+        if missing or state.deadline <= now:
+            return
+        # torch's join op completes the round once its last call's deadline has passed
+        state.deadline = now - timedelta(milliseconds=1)
+        self.closed_early.append(state.round)
+        log.info("rendezvous %s: round %d completed at once with %d node(s): the others "
+                 "of the last round (%s) are known dead", self._run_id, state.round,
+                 len(have), ", ".join(sorted(self._members - have)))
 
     def _announce(self) -> None:
         try:
