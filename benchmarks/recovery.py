@@ -117,6 +117,15 @@ def wait_for(run: Path, event: str, where=lambda e: True, timeout: float = 300,
     raise TimeoutError(f"no {event} event in {run} within {timeout} s")
 
 
+def wait_ready(log: Path, count: int, timeout: float = 120) -> None:
+    """Until a node's launcher has said ``count`` prepared workers are ready."""
+    deadline = time.monotonic() + timeout
+    while log.read_text().count("prepared worker") < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{log}: no {count} prepared workers ready in {timeout} s")
+        time.sleep(0.2)
+
+
 def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict:
     run = workdir / "run"
     warm = path not in ("cold", "cold_prepared", "shrink_cold", "shrink_cold_prepared")
@@ -147,6 +156,8 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
         if with_spare and not warm:  # a standby, its agent (and prepared workers) imported
             start("node3", spare=True)
             time.sleep(6)
+            if path == "cold_prepared":  # as a standby is long before it is needed
+                wait_ready(workdir / "node3.log", per_node)
         time.sleep(2)  # mid-interval, with the spare waiting
         worker = wait_for(run, "startup", lambda e: e["host"] == "node2")
         killed = time.time()

@@ -52,6 +52,7 @@ from llmtrain.process_origin import HANDED_OVER_ENV, PREPARED_DIR_ENV
 log = logging.getLogger(__name__)
 
 HANDOFF = str(Path(__file__).with_name("handoff.py"))
+READY = b"ready\n"  # what a prepared worker tells its launcher once it is prepared
 
 
 @dataclass
@@ -108,8 +109,14 @@ class PreparedWorkers:
             os.close(write)
             listener.close()  # the worker's now
             self._procs[local_rank] = proc
+            started = time.monotonic()
             with os.fdopen(read, "rb") as said:
-                taken = said.readline()  # its hand-off's pid, once taken; b"" if it ended
+                taken = said.readline()  # READY once prepared, then its hand-off's pid
+                if taken == READY:
+                    log.info("llmtrain launch: local rank %d's prepared worker %d is ready "
+                             "(%.1f s after its start)", local_rank, proc.pid,
+                             time.monotonic() - started)
+                    taken = said.readline()  # b"" if it ended untaken
             if taken:
                 threading.Thread(target=self._see_out, args=(proc, int(taken)), daemon=True,
                                  name=f"prepared-{local_rank}-taken").start()
@@ -179,6 +186,8 @@ def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
     _die_with_launcher()
     select.select([listener], [], [], import_delay_s)  # a hand-off, or the delay's end
     ready = _prepare(local_rank)
+    if ready:
+        os.write(taken_fd, READY)
     while True:
         conn, _ = listener.accept()
         if _peer_uid(conn) == os.getuid():
