@@ -90,7 +90,9 @@ class RendezvousWake:
         # included
         self._members: set[str] = set()
         self._members_round = -1
-        self.closed_early: list[int] = []  # the rounds this node completed at once
+        # (round, its nodes, the last round's nodes it went without) for each round this
+        # node completed at once
+        self.closed_early: list[tuple[int, list[str], list[str]]] = []
         self._changed = threading.Event()
         self._membership_moved = False
         self._closed = threading.Event()
@@ -177,10 +179,13 @@ class RendezvousWake:
             return
         # torch's join op completes the round once its last call's deadline has passed
         state.deadline = now - timedelta(milliseconds=1)
-        self.closed_early.append(state.round)
+        dead = sorted(self._members - have)
+        if self.closed_early and self.closed_early[-1][0] == state.round:
+            return  # its state read again after another node's write: said already
+        self.closed_early.append((state.round, sorted(have), dead))
         log.info("rendezvous %s: round %d completed at once with %d node(s): the others "
                  "of the last round (%s) are known dead", self._run_id, state.round,
-                 len(have), ", ".join(sorted(self._members - have)))
+                 len(have), ", ".join(dead))
 
     def _announce(self) -> None:
         try:

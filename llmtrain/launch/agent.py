@@ -60,6 +60,7 @@ class Agent(LocalElasticAgent):
     nodes whose connections closed (:mod:`llmtrain.recovery.presence`)."""
 
     _reported = 0  # the dropped nodes already said in the run's events
+    _reported_early = 0  # the rounds completed at once already said
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
@@ -68,9 +69,9 @@ class Agent(LocalElasticAgent):
         if job is not None and woken is not None:
             hold_presence(RDZV_NODE + str(handler._this_node), PRESENCE_TIMEOUT)
         super()._rendezvous(worker_group)
-        if woken is not None and len(woken.dropped) > self._reported:
-            _say_dropped(woken.dropped[self._reported:])
-            self._reported = len(woken.dropped)
+        if woken is not None:
+            _say(woken.dropped[self._reported:], woken.closed_early[self._reported_early:])
+            self._reported, self._reported_early = len(woken.dropped), len(woken.closed_early)
 
 
 class WarmAgent(Agent):
@@ -230,13 +231,18 @@ def _job_store():
         return None
 
 
-def _say_dropped(nodes: list[str]) -> None:
-    if not os.environ.get("LLMTRAIN_RUN_DIR"):
+def _say(dropped: list[str], closed_early: list[tuple[int, list[str], list[str]]]) -> None:
+    """The run's events of the nodes this agent's rendezvous dropped as dead, and of the
+    rounds it completed without torch's last call."""
+    if not os.environ.get("LLMTRAIN_RUN_DIR") or not (dropped or closed_early):
         return
     events = EventLog(os.environ["LLMTRAIN_RUN_DIR"], rank=None)
-    for node in nodes:  # torch's node name: host_pid_n
+    for node in dropped:  # torch's node name: host_pid_n
         events.emit("rendezvous_node_dropped", node=node, host=node.rsplit("_", 2)[0],
                     why="its agent's presence connection closed")
+    for round_, nodes, dead in closed_early:
+        events.emit("rendezvous_round_completed_early", round=round_, nodes=nodes,
+                    dead=dead)
     events.close()
 
 

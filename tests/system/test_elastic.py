@@ -122,6 +122,11 @@ def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, refer
     c.kill("node2")
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
     assert world_sizes(c.run) == [2, 1]
+    # node2 known dead, node1's round completed at once, without torchrun's last call
+    (dropped,) = events(c.run, "rendezvous_node_dropped")
+    (early,) = events(c.run, "rendezvous_round_completed_early")
+    assert early["dead"] == [dropped["node"]] and len(early["nodes"]) == 1, early
+    assert early["ts"] < events(c.run, "attempt_start")[-1]["ts"]
     resumed = events(c.run, "checkpoint_loaded")[-1]["step"]
     # The data order is global: the same steps see the same samples at world 1 as at
     # world 2, so the losses after the resume follow an unbroken 2-rank run's closely

@@ -94,5 +94,6 @@ def test_a_restart_round_completes_at_once_when_the_missing_node_is_known_dead(s
     assert time.monotonic() - began < 10  # not the 30 s last call
     state = survivor._state_holder.state
     assert state.complete and list(state.participants) == [survivor._this_node]
-    assert woken.closed_early == [state.round]
+    assert woken.closed_early == [(state.round, [str(survivor._this_node)],
+                                   [str(lost._this_node)])]
     close_all()
