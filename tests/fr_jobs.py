@@ -142,6 +142,25 @@ def _two_groups(me: _Rank) -> None:
     me.dump()
 
 
+def _tp_blocked(me: _Rank) -> None:
+    """Tensor parallel inside data parallel, 4 ranks: tp pairs [0, 1] and [2, 3], dp
+    pairs [0, 2] and [1, 3]. Rank 0 stops before tp_a #2 (as SIGSTOP would: it never
+    dumps, its connections stay open): rank 1 waits in tp_a #2 and so never arrives at
+    dp_b #2, where rank 3 waits for it. Rank 1 is blocked, not a culprit."""
+    tps = [dist.new_group([0, 1], group_desc="tp_a"), dist.new_group([2, 3], group_desc="tp_b")]
+    dps = [dist.new_group([0, 2], group_desc="dp_a"), dist.new_group([1, 3], group_desc="dp_b")]
+    tp, dp = tps[me.rank // 2], dps[me.rank % 2]
+    _all_reduce(group=tp)
+    _all_reduce(group=dp)
+    if me.rank == 0:
+        me.wait_for_dumps(me.live)
+        os._exit(0)
+    _all_reduce(group=tp, wait=me.rank != 1)
+    if me.rank == 3:
+        _all_reduce(group=dp, wait=False)
+    me.dump()
+
+
 CASES: dict[str, Case] = {
     "missing_rank": Case(3, _missing, (Planted("missing", "default_pg", 2, (2,)),),
                          prefix="comm_lib_trace_rank_"),
@@ -158,6 +177,7 @@ CASES: dict[str, Case] = {
     "subgroup_mismatch": Case(4, _subgroup_desync, (Planted("op_mismatch", "tp", 2, (3,)),)),
     "two_groups": Case(3, _two_groups, (Planted("never_arrived", "default_pg", 2, (2,)),
                                         Planted("never_arrived", "side", 2, (1,)))),
+    "tp_blocked": Case(4, _tp_blocked, (Planted("missing", "tp_a", 2, (0,)),)),
 }
 
 

@@ -109,7 +109,8 @@ class Collective:
 @dataclass
 class Finding:
     """One thing the dumps show (or cannot show): ``kind`` is op_mismatch, size_mismatch,
-    dtype_mismatch, never_arrived, not_started, missing, late, unfinished or cannot_tell."""
+    dtype_mismatch, never_arrived, not_started, missing, late, unfinished, blocked or
+    cannot_tell."""
     kind: str
     text: str
     pg: str | None = None
@@ -425,6 +426,17 @@ def _world(dumps: dict[int, dict[str, Any]], config: dict[str, set[int]], defaul
     return set(range(max(dumps) + 1)) if dumps else set(), None  # a gap is a missing rank
 
 
+def _blocked(heads: list[_Head], blamed: set[int]) -> list[int]:
+    """The blamed ranks that wait inside another group's unfinished collective for other
+    ranks: with tensor parallelism inside a data-parallel job, a rank stopped in a TP
+    all-reduce leaves its TP peer waiting there, and the peer never arrives at the
+    data-parallel collective its replicas wait in; the peer is blocked, not a culprit.
+    Where every blamed rank waits so (a cycle: each group waits for a rank inside the
+    other's), none is called blocked."""
+    blocked = {r for h in heads if h.ranks for r in h.waiting if r not in h.ranks} & blamed
+    return sorted(blocked) if blamed - blocked else []
+
+
 def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> Report:
     """The verdict over ``dumps`` (rank -> dump); ``world_size`` overrides the world that
     ``pg_config`` lists."""
@@ -481,9 +493,15 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
                                 "(SUM, MAX, ...) cannot be told: the flight recorder does not "
                                 "record it, and such a mismatch neither hangs nor fails"))
 
-    heads.sort(key=lambda h: (h.priority, h.since_ns))
+    blocked = _blocked(heads, {r for f in findings if f.kind in _FAULTS for r in f.ranks})
+    # the headline is a group that blames no blocked rank, where one does
+    heads.sort(key=lambda h: (len(set(h.ranks) & set(blocked)), h.priority, h.since_ns))
     head = heads[0] if heads else None
-    sentences, named = [], set()
+    if blocked:
+        findings.append(Finding("blocked", f"rank(s) {blocked} wait inside an unfinished "
+                                f"collective of another group for its culprits: blocked, not "
+                                f"to blame where they never arrived", waiting=blocked))
+    sentences, named = [], set(blocked)
     for h in heads:  # the headline, then each other group that blames someone new
         if h is head or set(h.ranks) - named:
             sentences.append(h.sentence)
@@ -493,7 +511,7 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
         sentences = ([f"no fault found in the collectives; {unsure[0]}"] if unsure and not head
                      else ["no rank is inside an unfinished collective"] + sentences)
     verdict = "; ".join(sentences)
-    culprits = sorted({r for f in findings if f.kind in _FAULTS for r in f.ranks})
+    culprits = sorted({r for f in findings if f.kind in _FAULTS for r in f.ranks} - set(blocked))
     stuck = head.waiting if head else []
     return Report(verdict, culprits=culprits, stuck=stuck,
                   collective=head.collective if head else None, missing_dumps=missing,
