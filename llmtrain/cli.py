@@ -208,7 +208,7 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
                             seed=args.seed, faults=args.faults or ",".join(
                                 chaos.script_kinds() if args.script else chaos.KINDS),
                             repeat=args.repeat,
-                            nodes=args.nodes, rank=args.rank,
+                            nodes=args.nodes, tp=args.tp, rank=args.rank,
                             checkpoint_every=args.checkpoint_every,
                             reference=not args.no_reference, warm=not args.cold,
                             mix=mix, mix_source=source, netns=not args.no_netns,
@@ -218,8 +218,10 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"--spares {cfg.spares}: a count of nodes, 0 or more")
     if cfg.spares == 0 and cfg.nodes < 2:
         raise ConfigError("--spares 0 needs --nodes 2 or more: the job goes on one node short")
-    if cfg.rank is not None and not 0 <= cfg.rank < cfg.nodes:
-        raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.nodes - 1}")
+    if cfg.tp < 1:
+        raise ConfigError(f"--tp {cfg.tp}: a node's ranks, 1 or more")
+    if cfg.rank is not None and not 0 <= cfg.rank < cfg.world_size:
+        raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.world_size - 1}")
     if cfg.checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every {cfg.checkpoint_every}: must be at least 1")
     unknown = set(cfg.faults.split(",")) - set(chaos.KINDS)
@@ -326,6 +328,10 @@ def _chaos_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", default="", help="draw the kinds by a fleet's failure mix: a "
                                              "TOML file, or a shipped mix by name (llama3)")
     p.add_argument("--nodes", type=int, default=2, help="training nodes (plus spares)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="ranks per node, a tensor-parallel group (parallelism.tp); each node "
+                        "is a data-parallel replica, and each spare node offers this many "
+                        "spares")
     p.add_argument("--spares", type=int, default=None,
                    help="spare nodes waiting (default: 2 warm, 1 cold); 0: a lost node's "
                         "job shrinks and grows back once the node returns")

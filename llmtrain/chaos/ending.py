@@ -110,7 +110,7 @@ def compare(job: Job, train_args: tuple[str, ...], script: str, final_step: int)
     worker = ["-m", "llmtrain", "train"] if not script else [script]
     schedule = [] if script else ["--optim.decay_steps", str(job.cfg.steps)]
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={job.cfg.nodes}", *worker,
+            f"--nproc-per-node={job.cfg.world_size}", *worker,
             *train_args, "--training.steps", str(final_step), *schedule,
             "--training.run_dir", str(ref), "--health.monitor", "false",
             # (a script skips them only if its loop asks run.skipping())
@@ -131,7 +131,7 @@ def _weights(job: Job, result: dict, end: dict | None, compare_at) -> None:
     """The final weights' verdict: compared with the reference (``compare_at(step)``)
     unless the job changed size or did not save its last step."""
     finished = end is not None
-    resized = {size for _, size in sizes(job.events())} != {job.cfg.nodes}
+    resized = {size for _, size in sizes(job.events())} != {job.cfg.world_size}
     if not (job.cfg.reference and finished):
         return
     if resized:  # other reduction orders
@@ -167,7 +167,7 @@ def judge(job: Job, killed: dict[str, dict], kinds_result: dict, compare_at) -> 
                                 job.cfg.checkpoint_every))
     result["shrinks"] = sum(v.path == "shrink" for v in job.verdicts)
     result["grows"] = sum(v.returned == "grow" for v in job.verdicts)
-    result["below_full_s"] = time_below(events, job.cfg.nodes)
+    result["below_full_s"] = time_below(events, job.cfg.world_size)
     _weights(job, result, end, compare_at)
     result["verdicts"] = [asdict(v) for v in job.verdicts]
     if job.cfg.mix:

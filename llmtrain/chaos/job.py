@@ -132,9 +132,10 @@ class Job:
         """Node ``name``'s scripted GPU state (its NVML stand-in's script)."""
         return self.dir / "nvml" / f"{name}.json"
 
-    def set_gpu(self, name: str, healthy: bool) -> None:
-        """Node ``name``'s GPU turns healthy, or reports uncorrectable ECC errors."""
-        write_gpu_script(self.gpu_script(name), healthy)
+    def set_gpu(self, name: str, healthy: bool, gpu: int = 0) -> None:
+        """Node ``name``'s GPUs (one per local rank) turn healthy, or its GPU ``gpu``
+        reports uncorrectable ECC errors."""
+        write_gpu_script(self.gpu_script(name), healthy, count=self.cfg.tp, bad=gpu)
 
     def end_node(self, name: str) -> None:
         """Node ``name`` ends whole (launcher, agent, workers), if it has not."""
@@ -192,8 +193,12 @@ class Job:
             # back into: the standby is ended and started again, as any node)
             standing = (self.cfg.warm and self.spare_nodes and node in self.standby
                         and self.cluster.nodes[node].poll() is None)
-            if node is not None and not standing:  # its agent has no worker left: back
-                self.end_node(node)  # as a spare
+            # its agent has no worker left: back as a spare (with TP, a node whose other
+            # ranks train on keeps them)
+            lost = self.lost_ranks(rec) or []
+            others = [r for r, e in self.ranks().items() if e["host"] == node and r not in lost]
+            if node is not None and not standing and not others:
+                self.end_node(node)
                 self.back(v, node)
         else:
             loaded = self.latest("checkpoint_loaded", since)
@@ -214,7 +219,7 @@ class Job:
         time.sleep(max(0.0, v.injected_at + self.cfg.repair_s - time.time()))
         since = time.time()
         self.start(node)
-        if self.world()[1] == self.cfg.nodes:
+        if self.world()[1] == self.cfg.world_size:
             return
         back = self.wait(lambda: self.latest("warm_grow", since)
                          or self.latest("recovery", since) or self.ended(since),

@@ -158,7 +158,8 @@ class Chaos:
         self.no_room: list[str] = []  # kinds of the schedule the job's steps left no room for
         self.train_args = self._train_args()
         # the nodes' launch option (not the workers'): what their workers and spares run
-        self.launch_args = ("--script", self.script) if self.script else ()
+        self.launch_args = (("--script", self.script) if self.script else ()) + (
+            ("--nproc-per-node", str(cfg.tp)) if cfg.tp > 1 else ())
 
     def _train_args(self) -> tuple[str, ...]:
         """The job's settings, for its workers and for the reference."""
@@ -178,6 +179,7 @@ class Chaos:
             "--reliability.faults", "env", "--reliability.fence_timeout_s", str(FENCE_TIMEOUT_S),
             # each node a replica, at any number of nodes: a shrink drops one whole
             "--parallelism.dp_replicate", "-1", "--parallelism.dp_shard", "1",
+            *(("--parallelism.tp", str(cfg.tp)) if cfg.tp > 1 else ()),
             "--integrity.sdc_every", "5",
             "--warm.enable", str(cfg.warm).lower())
 
@@ -274,7 +276,8 @@ class Chaos:
         while kinds and (schedule or self.cfg.repeat):  # (none: every kind was left out)
             scheduled = bool(schedule)
             kind = schedule.pop(0) if schedule else self.rng.choices(kinds, weights)[0]
-            self._settle(job, spare=not kind.keeps_ranks)
+            self._settle(job, spares=0 if kind.keeps_ranks else
+                         self.cfg.tp if kind.takes_node else 1)
             # the kinds of the schedule that never ran: the table says so
             if job.step() >= last:
                 self.no_room += [k.name for k in [kind] * scheduled + schedule]
@@ -313,15 +316,17 @@ class Chaos:
             job.wait(lambda: all(launched(n) for n in job.cluster.nodes),
                      "launch of the nodes started last", timeout)
 
-    def _settle(self, job: Job, spare: bool) -> None:
-        """Waits until every training node runs the current attempt and has stepped, a
-        spare waits (warm, where the next fault may need one), and the quiet interval has
-        passed; or the job has ended."""
+    def _settle(self, job: Job, spares: int) -> None:
+        """Waits until every training node runs the current attempt and has stepped,
+        ``spares`` spares wait (warm, as many as the next fault takes ranks: a node's
+        worth for a node lost), and the quiet interval has passed; or the job has ended."""
         def ended() -> bool:
             return job.step() >= self.cfg.steps
-        job.wait(lambda: len(job.ranks()) == self.cfg.nodes or ended(), "full world", 300)
-        if self.cfg.warm and spare and self.spare_nodes:
-            job.wait(lambda: spares_waiting(job.spares) > 0 or ended(), "a waiting spare", 300)
+        job.wait(lambda: len(job.ranks()) == self.cfg.world_size or ended(), "full world",
+                 300)
+        if self.cfg.warm and spares and self.spare_nodes:
+            job.wait(lambda: spares_waiting(job.spares) >= spares or ended(),
+                     f"{spares} waiting spare(s)", 300)
         since = time.time()
         job.wait(lambda: job.latest("step", since) or ended(), "a step", 120)
         if not ended():

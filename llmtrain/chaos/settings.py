@@ -19,7 +19,10 @@ class ChaosConfig:
     # user's loop can meet: ``llmtrain.chaos.kinds.default_kinds``)
     faults: str = ""
     repeat: bool = False
-    nodes: int = 2                 # training nodes, one rank each, plus spares
+    nodes: int = 2                 # training nodes, ``tp`` ranks each, plus spares
+    tp: int = 1                    # each node's ranks: a tensor-parallel group (its
+                                   # ``parallelism.tp``), each node a data-parallel
+                                   # replica; a spare node offers as many spares
     rank: int | None = None        # the rank every rank-level fault hits (default: random)
     checkpoint_every: int = 20
     reference: bool = True         # train again without faults to compare the weights
@@ -37,3 +40,8 @@ class ChaosConfig:
                                    # nodes run it (``llmtrain launch --script``), and so
                                    # does the reference; ``faults`` may not name a kind
                                    # only the trainer meets (``script_kinds()``)
+
+    @property
+    def world_size(self) -> int:
+        """The job's ranks at full size."""
+        return self.nodes * self.tp

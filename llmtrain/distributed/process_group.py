@@ -210,6 +210,7 @@ def build_mesh(device: torch.device, shape: tuple[int, int],
     with ``tp`` above 1, a last dim ``tp`` of that many consecutive ranks (a node's). Its
     groups get the job's collective timeout too: made with the backend's default (NCCL's
     10 minutes), a longer ``reliability.hang_timeout_s`` would never be reached on them."""
+    forget_meshes()
     replicate, shard = shape
     dims = [("dp_replicate", replicate)] * (replicate > 1) + [("dp_shard", shard)]
     dims += [("tp", tp)] * (tp > 1)
@@ -219,6 +220,19 @@ def build_mesh(device: torch.device, shape: tuple[int, int],
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=collective_timeout_s),
                                               mesh.get_group(dim))
     return mesh
+
+
+def forget_meshes() -> None:
+    """Clears DTensor's sharding plans (this thread's and the C++ fast path's) and its
+    redistribution plans, which keep the meshes they were made on. A mesh equals any
+    other of the same ranks and dims whatever its process groups, so a later generation
+    back at an earlier layout (a grow after a shrink) was handed plans holding the
+    destroyed groups ("Could not resolve the process group registered under the name N").
+    Called on the training thread before each generation's mesh is made."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
 
 
 def global_mean(value: torch.Tensor) -> float:

@@ -338,6 +338,11 @@ class WarmRecovery:
             gloo = dist.get_backend() == "gloo"
             plan = self.path.agree(self.snapshots.holdings(), deadline,
                                    leave=lambda: self.leave_broken(deadline, gloo))
+            if self.world.rank in plan.dropped:  # its node's replica goes: it leaves too
+                log.warning("rank %d leaves: the job shrinks without its node, which lost "
+                            "rank(s) %s (a node's ranks go whole)", self.world.rank,
+                            plan.lost)
+                return None
             if self.world.rank not in plan.lost:  # the spares may name it first
                 self.fence.expect(membership(self.round_id, plan.gen))
             agreed = time.time()
@@ -415,6 +420,7 @@ class WarmRecovery:
             self.ledger.restart_at(plan.step)
             marks = {k: plan.marks[k] for k in list(plan.marks)[:2]}
             self.recovered = {"gen": plan.gen, "lost": plan.lost, "step": plan.step,
+                              "dropped": plan.dropped,
                               "joined": [n for n, old in enumerate(plan.kept) if old < 0],
                               "kind": plan.kind, "world_size": plan.world_size,
                               "failed_at": plan.marks["failed_at"],

@@ -88,6 +88,9 @@ class Plan:
     old_mesh: list[int] = field(default_factory=list)  # shrink: (dp_replicate, dp_shard)
     mesh: list[int] = field(default_factory=list)
     marks: dict[str, float] = field(default_factory=dict)  # shrink: the survivors' times
+    # shrink: live ranks that leave with their lost node-mates (a node's ranks go whole:
+    # a tensor-parallel group is never split), where a whole replica stays without them
+    dropped: list[int] = field(default_factory=list)
 
     @classmethod
     def from_assignment(cls, assignment: dict) -> "Plan":
@@ -334,12 +337,13 @@ class WarmPath:
             return
         if not self._decided(plan):
             return
-        lost = Plan.from_json(plan).lost
-        for r in lost:  # the lost rank's agent must not restart it
+        decided = Plan.from_json(plan)
+        leaving = decided.lost + decided.dropped
+        for r in leaving:  # the agents of the lost (and dropped) ranks must not restart them
             holder = self._key(f"owner/{r}")
             if (process := self.store.genuine(holder)) is not None:
                 self.store.add(f"replaced/{process.decode()}", 1)
-        self.store.add("replacements", len(lost))  # no agent waits for the lost at the end
+        self.store.add("replacements", len(leaving))  # no agent waits for them at the end
 
     def _decided(self, decision: str) -> bool:
         """Whether ``decision`` is the generation's (no other came first)."""
@@ -349,39 +353,53 @@ class WarmPath:
                     "decider's came first", self.rank, self.gen)
         return False
 
-    def _staying(self, leaving: list[int]) -> tuple[list[int], tuple[int, int]] | str:
-        """The ranks that stay when the nodes of ``leaving`` go, and the mesh they train
-        at; or why the job cannot go on without those nodes: a shrink drops whole nodes,
-        and stays within ``--nnodes`` and what the config can train at."""
+    def _staying(self, leaving: list[int], drop: bool = False
+                 ) -> tuple[list[int], tuple[int, int], list[int]] | str:
+        """The ranks that stay when the nodes of ``leaving`` go, the mesh they train at,
+        and the live ranks of those nodes that go with them (``drop``: a failure's shrink
+        may drop them where a whole replica stays; a preemption's leavers are whole nodes
+        already); or why the job cannot go on without those nodes: a shrink drops whole
+        nodes, and stays within ``--nnodes`` and what the config can train at."""
         per_node, world = self.local_world_size, self.world_size
         gone = {r // per_node for r in leaving}
         kept = [r for r in range(world) if r // per_node not in gone]
         stranded = [r for r in range(world) if r // per_node in gone and r not in leaving]
-        if stranded:
+        if stranded and not (drop and self._whole_replica(kept)):
             return (f"rank(s) {stranded} live on a node that loses others, and a shrink "
-                    f"drops whole nodes")
+                    f"drops whole nodes" + (" where a whole replica stays without them"
+                                            if drop else ""))
         shape = self.shapes(len(kept)) if kept else "no node stays"
         if isinstance(shape, str):
             return f"no shrink to {len(kept)} ranks: {shape}"
-        return kept, shape
+        return kept, shape, stranded
+
+    def _whole_replica(self, kept: list[int]) -> bool:
+        """Whether ``kept`` holds every place of a data-parallel replica (every shard of
+        every tensor-parallel piece): then what the others held is not needed."""
+        old = self.shapes(self.world_size)
+        if isinstance(old, str) or not kept:
+            return False
+        size = self.world_size // old[0]  # a replica's ranks: dp_shard x tp
+        return {r % size for r in kept} == set(range(size))
 
     def _shrink(self, plan: Plan, cold: str) -> str:
         """No spare for every lost rank: the plan in which the survivors go on without the
         nodes that lost them, or ``cold`` with the reason they cannot."""
         if self.shapes is None or not self.cfg.shrink:
             return cold
-        staying = self._staying(plan.lost)
+        staying = self._staying(plan.lost, drop=True)
         if isinstance(staying, str):
             return f"{cold}, and {staying}"
-        kept, shape = staying
+        kept, shape, dropped = staying
         new = {old: n for n, old in enumerate(kept)}
         providers = {str(o): new[o] for o in kept}
-        providers |= {r: new[b] for r, b in plan.sources.items()}
+        sources = {} if dropped else plan.sources  # a whole replica stays: nothing is sent
+        providers |= {r: new[b] for r, b in sources.items()}
         return Plan(gen=plan.gen, step=plan.step, world_size=len(kept),
                     local_world_size=self.local_world_size, round_id=self.round_id,
-                    lost=plan.lost, sources=plan.sources, kind="shrink", kept=kept,
+                    lost=plan.lost, sources=sources, kind="shrink", kept=kept,
                     providers=providers, old_mesh=list(self.shapes(self.world_size)),
-                    mesh=list(shape)).to_json()
+                    mesh=list(shape), dropped=dropped).to_json()
 
     def without(self, leaving: list[int], step: int) -> Plan | str:
         """The plan in which the other ranks go on at ``step`` without ``leaving`` (a
@@ -394,7 +412,7 @@ class WarmPath:
         staying = self._staying(leaving)
         if isinstance(staying, str):
             return staying
-        kept, shape = staying
+        kept, shape, _ = staying
         old = self.shapes(self.world_size)
         if isinstance(old, str) or {o % old[1] for o in kept} != set(range(old[1])):
             return "the nodes that stay do not hold every shard (no whole replica stays)"

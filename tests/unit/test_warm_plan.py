@@ -17,13 +17,14 @@ from conftest import signed_store
 
 
 def agree_all(store, holdings: dict[int, dict], world: int, local_world: int = 1,
-              settle_s: float = 0.3, round_id: str = "round") -> dict[int, object]:
+              settle_s: float = 0.3, round_id: str = "round",
+              shapes=None) -> dict[int, object]:
     """Runs ``agree`` for every reporting rank at once; rank -> Plan or ColdPath."""
     cfg = WarmConfig(enable=True, settle_s=settle_s, budget_s=5)
     out = {}
 
     def one(rank):
-        path = WarmPath(cfg, store, round_id, rank, world, local_world)
+        path = WarmPath(cfg, store, round_id, rank, world, local_world, shapes=shapes)
         try:
             out[rank] = path.agree(holdings[rank], time.monotonic() + 5)
         except ColdPath as e:
@@ -251,6 +252,35 @@ def test_a_preemption_drops_whole_replicas_and_nothing_else():
     assert "live on a node that loses others" in path(2).without([0], step=40)
     assert "do not hold every shard" in path(4).without([0, 1], step=40)
     assert "no shrink to 0 ranks" in path(2).without([0, 1, 2, 3], step=40)
+
+
+def test_a_lost_tp_rank_without_a_spare_drops_its_whole_node_and_its_live_peer_leaves():
+    """Two nodes of a tp 2 group each (a replica a node): rank 0 is lost and no spare
+    waits. The survivors shrink to node2's replica; rank 1, alive on node1, is dropped
+    with it (a TP group is never split), and its agent is told it was replaced, not
+    failed. Where no whole replica would stay, it goes cold and says why."""
+    store = signed_store()
+    for r, process in ((0, "node1:10"), (1, "node1:11")):
+        store.set(f"round/g0/owner/{r}", process)
+    tp2 = lambda n: (n // 2, 1) if n >= 2 else "too few"  # noqa: E731 - (replicas, shard)
+    survivors = {1: held([8], [8], 3), 2: held([8], [8], 0), 3: held([8], [8], 1)}
+    out = agree_all(store, survivors, 4, local_world=2, shapes=tp2)
+    plan = out[1]
+    assert all(p == plan for p in out.values()), out
+    assert (plan.kind, plan.lost, plan.dropped, plan.kept, plan.world_size, plan.mesh) == (
+        "shrink", [0], [1], [2, 3], 2, [1, 1])
+    assert plan.sources == {} and plan.providers == {"2": 0, "3": 1}  # nothing is sent
+    # neither agent restarts its worker: both ranks were replaced, by the shrink (a
+    # survivor names its own process as it reports)
+    holders = [store.genuine(f"round/g0/owner/{r}").decode() for r in (0, 1)]
+    assert holders[0] == "node1:10"
+    assert [store.add(f"replaced/{h}", 0) for h in holders] == [1, 1]
+    # plain FSDP over 2 nodes of 2 shards: node2 alone holds half the shards
+    store = signed_store()
+    fsdp = lambda n: (1, n)  # noqa: E731
+    out = agree_all(store, survivors, 4, local_world=2, shapes=fsdp)
+    assert all(isinstance(v, ColdPath) and "where a whole replica stays" in str(v)
+               for v in out.values()), out
 
 
 def test_a_second_grow_in_a_generation_is_not_answered_by_the_first_ones_none():

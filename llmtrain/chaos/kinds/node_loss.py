@@ -11,7 +11,7 @@ from llmtrain.chaos.kinds.registry import fault_kind
 from llmtrain.chaos.verdict import WENT_ON, Verdict
 
 
-@fault_kind("node_loss")
+@fault_kind("node_loss", takes_node=True)
 def node_loss(job: Job) -> Verdict:
     """Kills a rank's node whole; judges the world re-formed without it."""
     _, info = job.pick_rank()
@@ -24,9 +24,11 @@ def node_loss(job: Job) -> Verdict:
     # the spare's startup event follows its first step (not seen in time: judged below)
     with contextlib.suppress(TimeoutError):
         job.wait(lambda: node not in job.hosts(), f"a world without {node}", 60)
-    hosts = job.hosts()
+    hosts, ranks = job.hosts(), len(job.ranks())
     v.diagnosis = f"world re-formed on {sorted(hosts)}"
-    v.correct = node not in hosts and len(hosts) == job.cfg.nodes - (not job.spare_nodes)
+    # at full size with spares; without, one node's ranks (a data-parallel replica) short
+    v.correct = node not in hosts and ranks == job.cfg.world_size - job.cfg.tp * (
+        not job.spare_nodes)
     v.action = WENT_ON.get(v.path, "restart from the last checkpoint")
     job.back(v, node)  # repaired
     return v

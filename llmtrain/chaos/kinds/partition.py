@@ -13,7 +13,7 @@ from llmtrain.chaos.kinds.registry import fault_kind
 from llmtrain.chaos.verdict import Verdict
 
 
-@fault_kind("partition", needs_netns=True)
+@fault_kind("partition", needs_netns=True, takes_node=True)
 def partition(job: Job) -> Verdict:
     """Cuts a rank's node off; judges the report, the recovery and the fence."""
     rank, info = job.pick_rank()

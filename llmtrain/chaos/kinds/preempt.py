@@ -13,7 +13,7 @@ from llmtrain.chaos.kinds.registry import fault_kind
 from llmtrain.chaos.verdict import Verdict
 
 
-@fault_kind("preempt")
+@fault_kind("preempt", takes_node=True)
 def preempt(job: Job) -> Verdict:
     """SIGTERMs a rank's node's launcher; judges the agreed save, the exit and the resume."""
     _, info = job.pick_rank()

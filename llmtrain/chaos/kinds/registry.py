@@ -22,6 +22,7 @@ class FaultKind:
     inject: Scenario
     needs_netns: bool = False  # nodes with links of their own (network namespaces)
     keeps_ranks: bool = False  # costs no rank: needs no spare waiting, nor waits for one
+    takes_node: bool = False   # costs a node's ranks: needs a node's worth of spares
     trainer_only: str = ""     # why it needs llmtrain's own trainer (not a --script's loop)
 
 
@@ -30,13 +31,15 @@ FAULT_KINDS: dict[str, FaultKind] = {}
 
 
 def fault_kind(name: str, needs_netns: bool = False, keeps_ranks: bool = False,
-               trainer_only: str = "") -> Callable[[Scenario], Scenario]:
+               takes_node: bool = False, trainer_only: str = "") -> Callable[[Scenario],
+                                                                            Scenario]:
     """Registers the decorated scenario as the fault kind ``name``. ``trainer_only``: why
     the kind cannot strike a user's loop (``--script``)."""
     def register(inject: Scenario) -> Scenario:
         if name in FAULT_KINDS:
             raise ValueError(f"fault kind {name!r} registered twice")
-        FAULT_KINDS[name] = FaultKind(name, inject, needs_netns, keeps_ranks, trainer_only)
+        FAULT_KINDS[name] = FaultKind(name, inject, needs_netns, keeps_ranks, takes_node,
+                                      trainer_only)
         return inject
     return register
 
