@@ -145,7 +145,7 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
     gpus = {name: workdir / f"{name}-gpu.json" for name in ("node1", "node2", "node3")}
 
     def start(name: str, spare: bool = False) -> None:
-        write_gpu_script(gpus[name], healthy=True)
+        write_gpu_script(gpus[name], healthy=True, count=per_node)  # one a local rank
         cluster.start(name, env={"LLMTRAIN_NVML_SCRIPT": str(gpus[name])}, spare=spare)
     try:
         start("node1")
@@ -171,7 +171,7 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
                 wait_for(run, "hang", lambda e: e["ts"] > killed)
                 os.kill(worker["pid"], signal.SIGKILL)
         else:
-            write_gpu_script(gpus["node2"], healthy=False)
+            write_gpu_script(gpus["node2"], healthy=False, count=per_node)  # its GPU 0
         rec = wait_for(run, "warm_recovery" if warm else "recovery",
                        lambda e: e["ts"] > killed, failed="warm_recovery_failed" if warm else "")
         if path == "grow":
