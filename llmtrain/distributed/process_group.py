@@ -210,10 +210,13 @@ def build_mesh(device: torch.device, shape: tuple[int, int],
     with ``tp`` above 1, a last dim ``tp`` of that many consecutive ranks (a node's). Its
     groups get the job's collective timeout too: made with the backend's default (NCCL's
     10 minutes), a longer ``reliability.hang_timeout_s`` would never be reached on them."""
-    forget_meshes()
     replicate, shard = shape
     dims = [("dp_replicate", replicate)] * (replicate > 1) + [("dp_shard", shard)]
     dims += [("tp", tp)] * (tp > 1)
+    global _last_dims
+    if _last_dims is not None and _last_dims != dims:  # a resize: plans of other groups
+        forget_meshes()
+    _last_dims = dims
     mesh = init_device_mesh(device.type, tuple(n for _, n in dims),
                             mesh_dim_names=tuple(name for name, _ in dims))
     for dim in range(mesh.ndim):
@@ -222,13 +225,19 @@ def build_mesh(device: torch.device, shape: tuple[int, int],
     return mesh
 
 
+_last_dims: list[tuple[str, int]] | None = None  # the mesh this process made last
+
+
 def forget_meshes() -> None:
     """Clears DTensor's sharding plans (this thread's and the C++ fast path's) and its
     redistribution plans, which keep the meshes they were made on. A mesh equals any
     other of the same ranks and dims whatever its process groups, so a later generation
     back at an earlier layout (a grow after a shrink) was handed plans holding the
     destroyed groups ("Could not resolve the process group registered under the name N").
-    Called on the training thread before each generation's mesh is made."""
+    Called on the training thread when a generation's mesh has another layout than the
+    one before. A generation at the same layout (a spare's recovery) keeps them: its
+    groups are made in the same order and get the same names, and planning every op
+    again cost a TP generation's first step about a second here (one run each)."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     _clear_sharding_prop_cache()
