@@ -265,3 +265,22 @@ def test_adams_step_dtype_helper():
     from torch.optim.optimizer import _get_scalar_dtype
     assert _get_scalar_dtype() == torch.float32
     assert _get_scalar_dtype(is_fused=True) == torch.float32
+
+
+def test_dtensor_sharding_caches_and_mesh_equality():
+    """distributed/process_group.py ``forget_meshes`` clears DTensor's sharding plans
+    (``torch.distributed.tensor.debug._clear_sharding_prop_cache``, the Python cache and
+    the C++ fast path's) and its redistribution plans (``_redistribute._gen_transform_infos``)
+    when a generation's mesh changes layout: a mesh equals any other of the same ranks and
+    dims whatever its groups, so plans cached for an earlier generation's mesh would be
+    handed to a later one of the same layout."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+    eq = DeviceMesh.__eq__
+    names = eq.__code__.co_names
+    assert "_flatten_rank_map" in names and "_layout" in names and "_dim_group_names" \
+        not in names, "DeviceMesh equality now looks at its groups: forget_meshes may go"
