@@ -121,24 +121,30 @@ class RendezvousWake:
             read_at = holder._last_sync_time
             wrote = sync()
             if holder._last_sync_time != read_at and self._gone is not None:
-                self._drop_gone()
-                self._close_early()
+                gone = self._read_gone()
+                if gone is not None:
+                    self._drop_gone(gone)
+                    self._close_early(gone)
             if wrote and self._membership_moved:
                 self._membership_moved = False
                 self._announce()
             return wrote
         holder.sync = woken_sync
 
-    def _drop_gone(self) -> None:
-        """Drops the nodes known dead from the state just read, as torch drops a node
-        whose keep-alive expired (its heartbeat made older than any expiry), and writes
-        the state back at the next sync, so that the others, and a standby watching the
-        round, see it too."""
+    def _read_gone(self) -> set[str] | None:
+        """The nodes known dead, one store read a sync; None where the store did not
+        answer (torch's keep-alive and last call still end their waits)."""
         try:
-            gone = self._gone()
-        except (RuntimeError, OSError, ValueError) as e:  # the keep-alive still expires
+            return self._gone()
+        except (RuntimeError, OSError, ValueError) as e:
             log.warning("could not read which rendezvous nodes are gone (%s)", e)
-            return
+            return None
+
+    def _drop_gone(self, gone: set[str]) -> None:
+        """Drops the nodes known dead (``gone``) from the state just read, as torch drops
+        a node whose keep-alive expired (its heartbeat made older than any expiry), and
+        writes the state back at the next sync, so that the others, and a standby
+        watching the round, see it too."""
         state = self._holder.state
         dead = [n for n in state.last_heartbeats if str(n) in gone]
         if not dead:
@@ -153,7 +159,7 @@ class RendezvousWake:
                  "without waiting out their keep-alive", self._run_id,
                  ", ".join(map(str, dead)))
 
-    def _close_early(self) -> None:
+    def _close_early(self, gone: set[str]) -> None:
         """Completes a forming round at once, instead of after torch's last call, when
         it holds at least the minimum of nodes and every node of the last complete round,
         and every node on the wait list, is in it or known dead: nobody it waits for is
@@ -169,19 +175,15 @@ class RendezvousWake:
         if (state.closed or not self._members or self._node not in state.participants
                 or len(have) < self._min_nodes or state.deadline is None):
             return
-        try:
-            missing = (self._members | {str(n) for n in state.wait_list}) - have \
-                - self._gone()
-        except (RuntimeError, OSError, ValueError):  # the last call still ends it
-            return
+        missing = (self._members | {str(n) for n in state.wait_list}) - have - gone
         now = datetime.now(timezone.utc)
         if missing or state.deadline <= now:
             return
         # torch's join op completes the round once its last call's deadline has passed
         state.deadline = now - timedelta(milliseconds=1)
-        dead = sorted(self._members - have)
         if self.closed_early and self.closed_early[-1][0] == state.round:
             return  # its state read again after another node's write: said already
+        dead = sorted(self._members - have)
         self.closed_early.append((state.round, sorted(have), dead))
         log.info("rendezvous %s: round %d completed at once with %d node(s): the others "
                  "of the last round (%s) are known dead", self._run_id, state.round,

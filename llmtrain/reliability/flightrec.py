@@ -493,7 +493,8 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
                                 "(SUM, MAX, ...) cannot be told: the flight recorder does not "
                                 "record it, and such a mismatch neither hangs nor fails"))
 
-    blocked = _blocked(heads, {r for f in findings if f.kind in _FAULTS for r in f.ranks})
+    blamed = {r for f in findings if f.kind in _FAULTS for r in f.ranks}
+    blocked = _blocked(heads, blamed)
     # the headline is a group that blames no blocked rank, where one does
     heads.sort(key=lambda h: (len(set(h.ranks) & set(blocked)), h.priority, h.since_ns))
     head = heads[0] if heads else None
@@ -511,7 +512,7 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
         sentences = ([f"no fault found in the collectives; {unsure[0]}"] if unsure and not head
                      else ["no rank is inside an unfinished collective"] + sentences)
     verdict = "; ".join(sentences)
-    culprits = sorted({r for f in findings if f.kind in _FAULTS for r in f.ranks} - set(blocked))
+    culprits = sorted(blamed - set(blocked))
     stuck = head.waiting if head else []
     return Report(verdict, culprits=culprits, stuck=stuck,
                   collective=head.collective if head else None, missing_dumps=missing,
