@@ -454,12 +454,7 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
                                 f"(gloo keeps them only until the next group is made); "
                                 f"give --world-size"))
 
-    newest: dict[int, tuple[str, Collective]] = {}
-    for g in groups.values():
-        for r, calls in g.calls.items():
-            for c in calls.values():
-                if r not in newest or c.created_ns > newest[r][1].created_ns:
-                    newest[r] = (g.label, c)
+    newest = _newest(groups)
     heads, summary = [], {}
     for g in groups.values():
         if g.name in config:
@@ -518,6 +513,19 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
                   collective=head.collective if head else None, missing_dumps=missing,
                   details=[f.text for f in findings], findings=findings, groups=summary,
                   stacks={r: s for r, s in stacks.items() if r in culprits or r in stuck[:1]})
+
+
+def _newest(groups: dict[str, _Group]) -> dict[int, tuple[str, Collective]]:
+    """Each rank's newest recorded collective over all groups, with its group's label."""
+    newest: dict[int, tuple[str, Collective]] = {}
+    for g in groups.values():
+        for r, calls in g.calls.items():
+            for c in calls.values():
+                if r not in newest or c.created_ns > newest[r][1].created_ns:
+                    newest[r] = (g.label, c)
+    return newest
+
+
 class _Refused(pickle.UnpicklingError):
     pass
 
