@@ -99,10 +99,14 @@ def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(target, "rank-"))
 
 
-def flight_recorder() -> dict:
-    """This process's recorder: its entries, and each group's ranks (``pg_config``) and
-    progress (``pg_status``), which tell the analysis who belongs where. On NCCL, NCCL's
-    own recorder (the GPU collectives) joins the common one (gloo, and the CPU side)."""
+def flight_recorder(since_ns: int = 0) -> dict:
+    """This process's recorder: its entries made since ``since_ns``, and each group's
+    ranks (``pg_config``) and progress (``pg_status``), which tell the analysis who belongs
+    where. On NCCL, NCCL's own recorder (the GPU collectives) joins the common one (gloo,
+    and the CPU side). The recorder outlives the groups: a warm recovery's survivor still
+    holds the entries of the generations before, whose groups had the same names and ids
+    (torch numbers them from 0 again once the world is destroyed) and other members, so
+    ``since_ns`` is the generation's start."""
     c10d = torch._C._distributed_c10d
     out = {"entries": [], **json.loads(c10d._dump_fr_trace_json(includeCollectives=True,
                                                                 onlyActive=False))}
@@ -112,6 +116,7 @@ def flight_recorder() -> dict:
         out["entries"] += nccl.get("entries", [])
         for key in ("pg_config", "pg_status"):
             out[key] = {**out.get(key, {}), **nccl.get(key, {})}
+    out["entries"] = [e for e in out["entries"] if (e.get("time_created_ns") or 0) >= since_ns]
     return out
 
 
@@ -209,6 +214,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._responding = threading.Lock()  # one response per process, whoever starts it
         self.error: str | None = None
+        self._generation_ns = 0  # when this generation's groups began (new_generation)
         self._next_window = time.monotonic() + cfg.straggler_window_s
         self._streaks: dict[int, int] = {}  # windows running a rank was slow
         # Rank 0's latest estimate of the slowest ranks; ranks that were among them and are
@@ -274,8 +280,12 @@ class Watchdog:
 
     def new_generation(self) -> None:
         """The process groups were formed again (a warm recovery): collectives of the old
-        ones are not compared with the new ones'."""
-        self.plane.since_ns = time.time_ns()
+        ones are not compared with the new ones', nor dumped with them."""
+        self.plane.since_ns = self._generation_ns = time.time_ns()
+
+    def _recorder(self) -> dict:
+        """This rank's flight recorder, this generation's entries only."""
+        return flight_recorder(self._generation_ns)
 
     def close(self) -> None:
         self._stop.set()
@@ -325,7 +335,7 @@ class Watchdog:
         self.plane.publish(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress, "long": long,
-             "at": positions(flight_recorder()["entries"], time.time_ns()) if self.quiet else None})
+             "at": positions(self._recorder()["entries"], time.time_ns()) if self.quiet else None})
         self._after_store_stall(began)
         if self.plane.leader:  # a summary of beats the store held back would name them silent
             beats = self._read_in_time(lambda: self.plane.beats(self.plane.members))
@@ -340,7 +350,7 @@ class Watchdog:
             self._declare(reason, kind)
         if time.monotonic() >= self._next_window:
             self._next_window += self.cfg.straggler_window_s
-            self.plane.publish_arrivals(flight_recorder()["entries"])
+            self.plane.publish_arrivals(self._recorder()["entries"])
             if self.plane.leader:
                 self.plane.reduce_arrivals()
             if self.rank == 0:
@@ -408,7 +418,7 @@ class Watchdog:
         summarized as rank 0 summarizes the job's."""
         now = time.time()
         own = {"wall": now, "step": self.step, "phase": self.phase,
-               "at": positions(flight_recorder()["entries"], time.time_ns())}
+               "at": positions(self._recorder()["entries"], time.time_ns())}
         world = World()
         world.add(summarize({rank: {**beat, "at": None}, self.rank: own}, now,
                             self.plane.stale_s), now)
@@ -480,7 +490,7 @@ class Watchdog:
         dump = {"rank": self.rank, "host": HOST, "pid": os.getpid(),
                 "step": self.step, "phase": self.phase, "error": self.error,
                 "progress_age_s": time.monotonic() - self.progress,
-                **flight_recorder(), "stacks": thread_stacks()}
+                **self._recorder(), "stacks": thread_stacks()}
         write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
         self.store.set(f"dumped/{event['id']}/{self.rank}", "1")
         done = f"done/{event['id']}"

@@ -1,10 +1,12 @@
 import json
+import os
+import subprocess
+import sys
 import time
-
 
 from llmtrain.config import ReliabilityConfig
 from llmtrain.reliability.watchdog import Watchdog
-from conftest import signed_store
+from conftest import ROOT, signed_store
 
 
 def steps(w: Watchdog, n: int, seconds: float) -> None:
@@ -89,3 +91,39 @@ def test_a_silent_peer_is_no_hang_while_this_rank_recovers_it_warm(tmp_path):
     assert w._detect() is None
     w.beat(2, "step")
     assert w._detect()[0] == "hang"
+
+
+GENERATIONS = """
+import json, sys, time
+import torch, torch.distributed as dist
+from llmtrain.config import ReliabilityConfig
+from llmtrain.reliability.watchdog import Watchdog
+sys.path.insert(0, "tests")
+from conftest import signed_store
+w = Watchdog(ReliabilityConfig(), signed_store(), sys.argv[1], events=None, rank=0,
+             world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for _ in range(3):
+    dist.all_reduce(torch.ones(4))
+dist.destroy_process_group()  # a warm recovery: the world destroyed, then formed again
+w.new_generation()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for _ in range(2):
+    dist.all_reduce(torch.ones(4))
+print(json.dumps(w._recorder()["entries"]))
+"""
+
+
+def test_a_generations_dump_holds_none_of_the_generations_before(tmp_path):
+    """The flight recorder outlives the groups: a survivor of a warm recovery still holds
+    the old generation's entries, under the same group names and ids (torch numbers its
+    groups from 0 again), with higher sequence numbers. Dumped with the new ones, they
+    made the analysis merge groups of other members (a stopped TP rank's data-parallel
+    peer, blocked behind it, was blamed and the job went cold) and made the old
+    collective the rank's newest. The watchdog dumps this generation's only."""
+    proc = subprocess.run([sys.executable, "-c", GENERATIONS, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCH_FR_BUFFER_SIZE": "64"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    entries = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [e["collective_seq_id"] for e in entries] == [1, 2], entries

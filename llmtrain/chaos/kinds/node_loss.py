@@ -21,14 +21,17 @@ def node_loss(job: Job) -> Verdict:
     seen = job.wait(lambda: job.latest("failure", v.injected_at), "failure", 120)
     v.seen(seen["ts"])
     job.recovered(v, v.injected_at)
-    # the spare's startup event follows its first step (not seen in time: judged below)
-    with contextlib.suppress(TimeoutError):
-        job.wait(lambda: node not in job.hosts(), f"a world without {node}", 60)
-    hosts, ranks = job.hosts(), len(job.ranks())
-    v.diagnosis = f"world re-formed on {sorted(hosts)}"
     # at full size with spares; without, one node's ranks (a data-parallel replica) short
-    v.correct = node not in hosts and ranks == job.cfg.world_size - job.cfg.tp * (
-        not job.spare_nodes)
+    size = job.cfg.world_size - job.cfg.tp * (not job.spare_nodes)
+    # each rank's startup event follows its first step, and the ranks of the new world
+    # log theirs at their own pace: the verdict waits for all of them (not seen in time:
+    # judged below)
+    with contextlib.suppress(TimeoutError):
+        job.wait(lambda: node not in job.hosts() and len(job.ranks()) == size,
+                 f"a world of {size} ranks without {node}", 60)
+    hosts, ranks = job.hosts(), len(job.ranks())
+    v.diagnosis = f"world re-formed on {sorted(hosts)} with {ranks} rank(s)"
+    v.correct = node not in hosts and ranks == size
     v.action = WENT_ON.get(v.path, "restart from the last checkpoint")
     job.back(v, node)  # repaired
     return v
