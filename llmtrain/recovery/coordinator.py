@@ -333,8 +333,11 @@ class WarmRecovery:
             return None
         plan = None
         try:
-            # an exchange with the lost peer may never end: it is left behind, not awaited
-            self.snapshots.stop(self.cfg.settle_s)
+            # not awaited: an exchange with the lost peer may never end, and one between
+            # two survivors (each other's buddy and ward) delayed both their reports past
+            # the decider's settle_s, who counted them lost. Once stopped, the thread
+            # keeps nothing (the holdings reported are final); it ends with the group
+            self.snapshots.stop(0.0)
             gloo = dist.get_backend() == "gloo"
             plan = self.path.agree(self.snapshots.holdings(), deadline,
                                    leave=lambda: self.leave_broken(deadline, gloo))

@@ -211,31 +211,42 @@ def test_without_spares_lost_nodes_shrink_the_job_and_come_back_into_it(tmp_path
             assert f"<td>{e['total_s']:.2f} s</td>" in row, (row, e)
 
 
-def test_with_tp_inside_each_node_every_warm_fault_is_recovered_warm(tmp_path, faultfs):
+@pytest.mark.parametrize("spares", [True, False], ids=["spares", "no_spare"])
+def test_with_tp_inside_each_node_every_warm_fault_is_recovered_warm(tmp_path, faultfs,
+                                                                     spares):
     """Two nodes of a tp 2 group each (``--tp 2``: 4 ranks, each node a data-parallel
-    replica) and two standby nodes of two spares each: a rank killed, a node lost, a GPU
-    failed and a rank stopped, every one on rank 0. Each lost rank's place is taken by a
-    spare that restores that rank's tensor-parallel pieces from its buddy in the other
+    replica): a rank killed, a node lost, a GPU failed and a rank stopped, every one on
+    rank 0. With two standby nodes of two spares each, each lost rank's place is taken by
+    a spare that restores that rank's tensor-parallel pieces from its buddy in the other
     replica (a stopped rank's TP peer, blocked in their TP collective, is not evicted
-    with it), and the job ends bitwise equal to a fault-free 4-rank run. Nothing
-    committed is lost, nobody restarts cold. (The same without spares, every fault a
-    shrink and a grow back, passed alone but not yet beside other tests: a failed GPU's
-    rank left without its TP peer noticing, and the job went cold, then stalled.)"""
+    with it), and the job ends bitwise equal to a fault-free 4-rank run. Without spares,
+    each fault drops the lost rank's whole replica (its TP peer leaves with it: a shrink
+    never splits a TP group), and the node's return grows the job back. Nothing committed
+    is lost, nobody restarts cold. (Without spares this first failed beside other tests:
+    two survivors that were each other's buddy reported after the decider's settle_s,
+    waiting for their snapshot exchange, and were counted lost; and a survivor's
+    flight-recorder dump held an older generation's groups under the same names, so a
+    hang's analysis blamed a blocked rank.)"""
     work = tmp_path / "chaos"
+    more = ["--spares", "2"] if spares else ["--spares", "0", "--repair-s", "1"]
     proc = subprocess.run([sys.executable, "-m", "llmtrain", "chaos", "--workdir", str(work),
                            "--tp", "2", "--faults", "kill_rank,node_loss,gpu_bad,hang",
                            "--steps", "2000", "--checkpoint-every", "10", "--interval", "0.5",
-                           "--seed", "1", "--rank", "0", "--spares", "2"],
+                           "--seed", "1", "--rank", "0", *more],
                           cwd=ROOT, capture_output=True, text=True, timeout=540)
     verdict = json.loads((work / "verdict.json").read_text())
     table = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert sorted(v["kind"] for v in verdict["verdicts"]) == sorted(
         ("kill_rank", "node_loss", "gpu_bad", "hang")), table
+    want = ("warm", "") if spares else ("shrink", "grow")
     for v in verdict["verdicts"]:
         assert v["detected"] and v["correct"], (v, table)
-        assert (v["path"], v["returned"]) == ("warm", ""), (v, table)
+        assert (v["path"], v["returned"]) == want, (v, table)
     assert len(read_events(str(work / "run"), "attempt_start")) == 1, table
     assert verdict["finished"] and verdict["final_checkpoint_committed"], table
     assert verdict["committed_checkpoints_lost"] == [], table
-    assert verdict["bitwise_equal_to_reference"] is True, table
+    if spares:
+        assert verdict["bitwise_equal_to_reference"] is True, table
+    else:  # at another world size the sums ran in other orders: not compared
+        assert (verdict["shrinks"], verdict["grows"]) == (4, 4), table
     assert proc.returncode == 0, table
