@@ -212,10 +212,8 @@ def _prepare_workers(lc: LaunchConfig, env: dict[str, str]):
     rendezvous (:mod:`llmtrain.launch.prepared`)."""
     if not lc.prepared_workers:
         return None
-    import tempfile
-
-    from llmtrain.launch.prepared import PreparedConfig, PreparedWorkers
-    folder = tempfile.mkdtemp(prefix="llmtrain-prepared-")
+    from llmtrain.launch.prepared import PreparedConfig, PreparedWorkers, new_folder
+    folder = new_folder()
     env[PREPARED_DIR_ENV] = folder  # the agent's kills find the workers handed attempts
     return PreparedWorkers(PreparedConfig(local_ranks=lc.nproc_per_node), folder, env)
 

@@ -153,6 +153,26 @@ class PreparedWorkers:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+FOLDER_PREFIX = "llmtrain-prepared-"
+
+
+def new_folder() -> str:
+    """A launcher's folder for its hand-off sockets (``llmtrain-prepared-<its pid>-...`` in
+    the temporary folder), after removing this user's folders of launchers that are gone:
+    a launcher killed with its node's processes (SIGKILL) cannot remove its own."""
+    import tempfile
+    root = tempfile.gettempdir()
+    for entry in os.scandir(root):
+        pid = entry.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
+        if not (entry.name.startswith(FOLDER_PREFIX) and pid.isdigit()):
+            continue
+        with contextlib.suppress(OSError):  # removed meanwhile, or not this user's
+            if (entry.is_dir(follow_symlinks=False) and not _alive(int(pid))
+                    and entry.stat(follow_symlinks=False).st_uid == os.getuid()):
+                shutil.rmtree(entry.path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=root)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from llmtrain.launch.prepared import HANDOFF, PreparedConfig, PreparedWorkers
+from llmtrain.launch.prepared import (FOLDER_PREFIX, HANDOFF, PreparedConfig, PreparedWorkers,
+                                      new_folder)
 
 SCRIPT = """
 import os, signal, sys, time
@@ -124,3 +126,20 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_new_folder_removes_those_of_launchers_that_are_gone(tmp_path, monkeypatch):
+    """A launcher killed with its node (SIGKILL) leaves its hand-off folder behind; the
+    next launcher on the node removes it, but never a live launcher's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"{FOLDER_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{FOLDER_PREFIX}{os.getppid()}-def"
+    other = tmp_path / f"{FOLDER_PREFIX}notapid"
+    for folder in (gone, live, other):
+        folder.mkdir()
+        (folder / "0.sock").write_text("")
+    made = Path(new_folder())
+    assert made.parent == tmp_path and made.name.startswith(f"{FOLDER_PREFIX}{os.getpid()}-")
+    assert not gone.exists() and live.exists() and other.exists()
