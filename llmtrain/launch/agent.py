@@ -252,14 +252,19 @@ def tolerate_store_outages(handler) -> None:
     stopped every worker of the node (SIGTERM: they took it for a preemption). While the
     store is out, no node waits as far as the agent can know: it says so, once an outage.
     (torch's client of a store that restarted stays broken: the agent's next rendezvous,
-    a cold restart, fails, and its launcher exits RETRYABLE for the scheduler.)"""
+    a cold restart, fails, and its launcher exits RETRYABLE for the scheduler.) A SIGTERM
+    that torchrun's handler turns into an exception while the look runs is not an outage:
+    taken for one, it was lost, and the node's preemption never began."""
     if getattr(handler, "_llmtrain_tolerant", False):
         return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     asked, out = handler.num_nodes_waiting, [False]
 
     def num_nodes_waiting() -> int:
         try:
             waiting = asked()
+        except SignalException:  # torchrun's SIGTERM handler raised it here (a preemption):
+            raise                # the agent's, not the store's
         except Exception as e:  # noqa: BLE001 - RendezvousError, DistError, ...
             if not out[0]:
                 log.warning("the rendezvous store did not answer torchrun's look for waiting "

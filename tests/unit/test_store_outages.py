@@ -10,6 +10,8 @@ import time
 import pytest
 import torch.distributed as dist
 from conftest import RestartableStore
+from torch.distributed.elastic.multiprocessing.api import (SignalException,
+                                                          _terminate_process_handler)
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
@@ -60,6 +62,30 @@ def test_torchruns_look_for_waiting_nodes_does_not_stop_the_workers(store):
     tolerate_store_outages(handler)
     assert handler.num_nodes_waiting() == 0
     assert handler.num_nodes_waiting() == 0  # said once; still none
+
+
+def test_a_sigterm_during_the_look_for_waiting_nodes_still_stops_the_agent(store):
+    """torchrun's SIGTERM handler raises in its main thread wherever it is: inside the look
+    for waiting nodes, the exception was taken for a store outage, and the preemption it
+    was (Slurm's SIGTERM to the launcher) never began (seen in a chaos run)."""
+    client = store.client()
+    params = RendezvousParameters("c10d", f"127.0.0.1:{store.port}", "job", 1, 1,
+                                  join_timeout=10, last_call_timeout=1)
+    handler = create_handler(client, C10dRendezvousBackend(client, "job"), params)
+    handler.next_rendezvous()
+    asked = handler.num_nodes_waiting
+
+    def signalled() -> int:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before the call returns
+        return asked()
+    handler.num_nodes_waiting = signalled
+    tolerate_store_outages(handler)
+    before = signal.signal(signal.SIGTERM, _terminate_process_handler)
+    try:
+        with pytest.raises(SignalException):
+            handler.num_nodes_waiting()
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_a_warm_spare_joins_the_pool_again_after_the_store_lost_it(store):
