@@ -82,13 +82,21 @@ class _Peer:
     bye: bool = False
 
 
+Drop = tuple[str, str]  # a connection that closed without a bye: (rdzv_id, holder)
+
+
 class PresenceListener:
     """The store process's listener: one thread, one selector over every rank's
-    connection; ``mark(rdzv_id, holder)`` runs, on a thread of its own, for each one
-    that dropped without saying ``bye``."""
+    connection; ``mark(drops)`` runs, on a thread of its own, for the connections that
+    dropped without saying ``bye`` together: those that drop within ``GATHER_S`` of the
+    first, as a node's processes do when it dies, so that its waiting spares are taken
+    out of the pool before its ranks are counted gone (a survivor deciding at once on
+    the ranks' marks claimed a dead spare, and waited ``warm.budget_s`` for it)."""
+
+    GATHER_S = 0.02
 
     def __init__(self, bind: str, port: int, secret: bytes,
-                 mark: Callable[[str, str], None]):
+                 mark: Callable[[list[Drop]], None]):
         self.secret, self.mark = secret, mark
         self.server = socket.create_server((bind, port))
         self.server.setblocking(False)
@@ -96,19 +104,27 @@ class PresenceListener:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.server, selectors.EVENT_READ)
         self.peers: dict[socket.socket, _Peer] = {}
+        self._drops: list[Drop] = []
         self._marking: list[threading.Thread] = []
         threading.Thread(target=self._serve, name="llmtrain-presence", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
-            for key, _ in self.selector.select(timeout=1.0):
-                try:
-                    if key.fileobj is self.server:
-                        self._accept()
-                    else:
-                        self._read(key.fileobj)
-                except Exception:  # noqa: BLE001 - one connection must not end the listener
-                    log.exception("llmtrain presence: a connection's event failed")
+            self._handle(self.selector.select(timeout=1.0))
+            if self._drops:
+                self._handle(self.selector.select(timeout=self.GATHER_S))
+                self._start_marking(self._drops)
+                self._drops = []
+
+    def _handle(self, ready: list) -> None:
+        for key, _ in ready:
+            try:
+                if key.fileobj is self.server:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)
+            except Exception:  # noqa: BLE001 - one connection must not end the listener
+                log.exception("llmtrain presence: a connection's event failed")
 
     def _accept(self) -> None:
         try:
@@ -173,7 +189,10 @@ class PresenceListener:
         rdzv_id, holder = peer.job
         log.info("llmtrain presence: %s of job %s is gone (its connection closed)",
                  holder, rdzv_id)
-        marking = threading.Thread(target=self._mark, args=(rdzv_id, holder),
+        self._drops.append((rdzv_id, holder))
+
+    def _start_marking(self, drops: list[Drop]) -> None:
+        marking = threading.Thread(target=self._mark, args=(list(drops),),
                                    name="llmtrain-presence-mark", daemon=True)
         marking.start()
         self._marking = [t for t in self._marking if t.is_alive()] + [marking]
@@ -185,12 +204,12 @@ class PresenceListener:
         for t in list(self._marking):
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _mark(self, rdzv_id: str, holder: str) -> None:
+    def _mark(self, drops: list[Drop]) -> None:
         try:
-            self.mark(rdzv_id, holder)
+            self.mark(drops)
         except Exception as e:  # noqa: BLE001 - the warm path's settle wait still holds
-            log.warning("llmtrain presence: could not mark %s gone: %s: %s", holder,
-                        type(e).__name__, e)
+            log.warning("llmtrain presence: could not mark %s gone: %s: %s",
+                        [holder for _, holder in drops], type(e).__name__, e)
 
 
 def serve_presence(bind: str, port: int, store: dist.Store) -> PresenceListener | None:
@@ -207,14 +226,17 @@ def serve_presence(bind: str, port: int, store: dist.Store) -> PresenceListener 
     from llmtrain.recovery.roll_call import mark_holder_gone
     from llmtrain.recovery.warm import job_namespace
 
-    def mark(rdzv_id: str, holder: str) -> None:
-        job = job_namespace(store, rdzv_id)
-        if holder.startswith(RDZV_NODE):  # a node's torchrun agent
-            node_gone(job, holder.removeprefix(RDZV_NODE))
-            announce_change(store, rdzv_id)  # its rendezvous reads the news at once
-            return
-        mark_holder_gone(job, holder)  # a rank's process
-        withdraw(job, holder)  # a waiting spare's
+    def mark(drops: list[Drop]) -> None:
+        processes = [(job_namespace(store, rdzv_id), holder) for rdzv_id, holder in drops
+                     if not holder.startswith(RDZV_NODE)]
+        for job, holder in processes:  # waiting spares first: out of the pool before a
+            withdraw(job, holder)      # survivor, told of the ranks, claims one
+        for job, holder in processes:
+            mark_holder_gone(job, holder)  # a rank's process
+        for rdzv_id, holder in drops:
+            if holder.startswith(RDZV_NODE):  # a node's torchrun agent
+                node_gone(job_namespace(store, rdzv_id), holder.removeprefix(RDZV_NODE))
+                announce_change(store, rdzv_id)  # its rendezvous reads the news at once
 
     listener = PresenceListener(bind, port, secret, mark)
     _published(store).set("port", str(listener.address[1]))

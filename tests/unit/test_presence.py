@@ -34,8 +34,9 @@ class Marks:
     def __init__(self):
         self.seen, self.event = [], threading.Event()
 
-    def __call__(self, rdzv_id: str, holder: str) -> None:
-        self.seen.append((rdzv_id, holder))
+    def __call__(self, drops: list[tuple[str, str]]) -> None:
+        self.seen += drops
+        self.batches = getattr(self, "batches", []) + [drops]
         self.event.set()
 
 
@@ -139,3 +140,29 @@ def test_a_waiting_spare_that_dies_leaves_the_pool_and_no_claim_picks_it(store):
         time.sleep(0.05)
     assert spares_waiting(pool) == 1
     assert claim(pool, 1) == [live.number] != [dead.number]
+
+
+def test_a_lost_nodes_waiting_spare_leaves_the_pool_before_its_rank_is_counted_gone(store):
+    """A node dies with a rank of the job and a spare waiting (a standby node one of whose
+    spares took a lost rank): both connections drop together. The survivors decide as
+    soon as the rank is counted gone, and claimed the dead spare when its withdrawal, on
+    a thread of its own, came later: the recovery waited warm.budget_s for it and went
+    cold (a TP chaos run's node loss did). Marked together, the spare leaves first."""
+    from llmtrain.recovery.pool import PoolPlace, claim
+    from llmtrain.recovery.warm import job_namespace
+    assert serve_presence("127.0.0.1", 0, client_of(store)) is not None
+    job = job_namespace(client_of(store), "job")
+    prefix = "round1/g1/"  # the generation rank 0 reports to, held by node4's process
+    for key, value in (("where/0", prefix), (f"{prefix}owner/0", "node4:100"),
+                       (f"{prefix}size", "4"), ("rank_of/node4:100", "0")):
+        job.set(key, value)
+    dead = PoolPlace(job, 5, holder="node4:101")
+    live = PoolPlace(job, 5, holder="node3:102")
+    clients = [PresenceClient("127.0.0.1", lambda: client_of(store), "job", holder,
+                              job_secret()) for holder in ("node4:100", "node4:101")]
+    assert all(c.held.wait(5) for c in clients)
+    for c in clients:  # the node's kernel closes both as its processes die
+        c._bye.set()
+        c.sock.shutdown(socket.SHUT_RDWR)
+    job.raw.wait([f"{prefix}seen/0"], timedelta(seconds=5))  # rank 0 counted gone...
+    assert claim(job, 1) == [live.number] != [dead.number]  # ...and a decider claims
