@@ -111,8 +111,10 @@ class PresenceListener:
     def _serve(self) -> None:
         while True:
             self._handle(self.selector.select(timeout=1.0))
-            if self._drops:
-                self._handle(self.selector.select(timeout=self.GATHER_S))
+            if self._drops:  # and those that follow within GATHER_S
+                deadline = time.monotonic() + self.GATHER_S
+                while (left := deadline - time.monotonic()) > 0:
+                    self._handle(self.selector.select(timeout=left))
                 self._start_marking(self._drops)
                 self._drops = []
 
