@@ -97,7 +97,8 @@ class Lease(threading.Thread):
     """One launcher's lease on the store at ``endpoint`` (HOST:PORT): taken, beaten and
     ended on a thread of its own, with short timeouts, so that a store that is slow, not
     up yet or stalled never holds the launcher up (a lease it could not end goes stale
-    instead). :meth:`release` gives it ``wait_s`` to say the launcher ended."""
+    instead). :meth:`release` waits for it to say the launcher ended: at most one
+    request's timeout."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0):
         super().__init__(name="llmtrain-lease", daemon=True)
@@ -123,9 +124,14 @@ class Lease(threading.Thread):
                 return
             self.stop.wait(LEASE_BEAT_S)
 
-    def release(self, wait_s: float = 2.0) -> None:
+    def release(self) -> None:
+        """Ends the lease. Waits out the request under way (each is bounded by
+        ``timeout_s``): a launcher that exits while this thread is inside the store's
+        C++ client can abort ("terminate called without an active exception", exit -6:
+        the likely cause of one seen from a node the health gate excluded at once, under
+        load, where this wait was 2 s)."""
         self.stop.set()
-        self.join(timeout=wait_s)
+        self.join(timeout=2 * self.timeout_s + 1.0)  # a connect, then the last add
 
 
 class Leases:
