@@ -6,8 +6,9 @@ rank's prepared worker and stands in for it until it ends.
 Standard library only, run without site-packages (about 20 ms to start, where a worker's
 imports take seconds). It connects to ``FOLDER/<LOCAL_RANK>.sock``
 (:mod:`llmtrain.launch.prepared`), sends the attempt (its command, environment and working
-folder as JSON, its stdin, stdout and stderr as descriptors), and records the worker's pid
-in ``FOLDER/<own pid>.worker`` for the agent's kills. Then it passes on every signal
+folder as JSON, its stdin, stdout and stderr as descriptors); the worker records its pid
+in ``FOLDER/<the hand-off's pid>.worker``, for the agent's kills, before it answers and
+runs the attempt. Then the hand-off passes on every signal
 torchrun sends it (a stop's SIGTERM, a preemption's USR1) and ends as the worker ended:
 with its exit code, or by the signal that killed it (as the worker's launcher reports it
 in ``FOLDER/<worker pid>.exit``; SIGKILL when that does not come). Where no prepared
@@ -54,8 +55,6 @@ def hand_over(folder: str, entry: list):
     if "pid" not in reply:  # refused (its device failed its check), or died
         conn.close()
         return None
-    with open(os.path.join(folder, f"{os.getpid()}.worker"), "w") as f:
-        f.write(str(reply["pid"]))
     return conn, int(reply["pid"])
 
 

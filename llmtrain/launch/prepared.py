@@ -223,6 +223,9 @@ def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
     holder = int(attempt["env"]["LLMTRAIN_HOLDER_PID"])
     os.write(taken_fd, f"{holder}\n".encode())
     os.close(taken_fd)
+    # before the attempt can run: the agent's kill finds this process through the file
+    # (the hand-off wrote it after the answer, and a kill could come first)
+    _write(Path(folder) / f"{holder}.worker", str(os.getpid()))
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
     _die_with_launcher(False)
     _become(attempt, fds)
