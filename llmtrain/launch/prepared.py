@@ -42,6 +42,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -160,7 +161,6 @@ def new_folder() -> str:
     """A launcher's folder for its hand-off sockets (``llmtrain-prepared-<its pid>-...`` in
     the temporary folder), after removing this user's folders of launchers that are gone:
     a launcher killed with its node's processes (SIGKILL) cannot remove its own."""
-    import tempfile
     root = tempfile.gettempdir()
     for entry in os.scandir(root):
         pid = entry.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
@@ -224,7 +224,6 @@ def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
     os.write(taken_fd, f"{holder}\n".encode())
     os.close(taken_fd)
     # before the attempt can run: the agent's kill finds this process through the file
-    # (the hand-off wrote it after the answer, and a kill could come first)
     _write(Path(folder) / f"{holder}.worker", str(os.getpid()))
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
     _die_with_launcher(False)

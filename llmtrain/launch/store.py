@@ -127,9 +127,7 @@ class Lease(threading.Thread):
     def release(self) -> None:
         """Ends the lease. Waits out the request under way (each is bounded by
         ``timeout_s``): a launcher that exits while this thread is inside the store's
-        C++ client can abort ("terminate called without an active exception", exit -6:
-        the likely cause of one seen from a node the health gate excluded at once, under
-        load, where this wait was 2 s)."""
+        C++ client can abort ("terminate called without an active exception")."""
         self.stop.set()
         self.join(timeout=2 * self.timeout_s + 1.0)  # a connect, then the last add
 
