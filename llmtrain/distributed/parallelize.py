@@ -84,6 +84,13 @@ def precompute_fp8_scales(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def import_fp8() -> None:
+    """Imports torchao's float8 training, which an FP8 build imports on first use (0.6 s of
+    a warm spare's 2-core start, where a survivor had it): a process that waits to build
+    (a warm spare, a prepared worker) pays it ahead."""
+    import torchao.float8  # noqa: F401
+
+
 def apply_fp8(model: nn.Module, p: ParallelismConfig, device_type: str, shards: int) -> None:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     if device_type == "cuda":
@@ -120,11 +127,12 @@ def _tp_styles(linear: nn.Module, fp8: str, device_type: str):
     FP8 linear on GPUs (they cast before the collective, which then moves FP8: half the
     bytes), else torch's (gloo has no float8 dtypes: FP8 matmuls, collectives in the
     activations' dtype)."""
-    from torchao.float8.float8_linear import Float8Linear
-    if fp8 == "tensorwise" and device_type == "cuda" and isinstance(linear, Float8Linear):
+    if fp8 == "tensorwise" and device_type == "cuda":  # torchao imported only then
+        from torchao.float8.float8_linear import Float8Linear
         from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel,
                                                            Float8RowwiseParallel)
-        return Float8ColwiseParallel, Float8RowwiseParallel
+        if isinstance(linear, Float8Linear):
+            return Float8ColwiseParallel, Float8RowwiseParallel
     return ColwiseParallel, RowwiseParallel
 
 

@@ -251,7 +251,9 @@ def _prepare(local_rank: int) -> bool:
         import torch
         importlib.import_module("llmtrain.launch.worker")  # the trainer and all it imports
         from llmtrain.config.sections import ModelConfig
+        from llmtrain.distributed.parallelize import import_fp8
         from llmtrain.model import Transformer
+        import_fp8()  # whatever the job's recipe: an FP8 job's attempt would import it
     with torch.device("meta"):  # a first model build's one-time costs (0.6 s of 0.6 s here)
         Transformer(ModelConfig())
     if not torch.cuda.is_available():

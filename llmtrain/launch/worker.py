@@ -12,6 +12,7 @@ from llmtrain.placement import refuse_if_excluded, spare_assignment, stop_agent
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.data import ShardError
 from llmtrain.distributed.failure import abandon
+from llmtrain.distributed.parallelize import import_fp8
 from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
@@ -66,5 +67,7 @@ def run_spare(cfg: JobConfig) -> ExitCode:
     that rank's place. CLEAN if its input ends first: the job no longer needs it."""
     with torch.device("meta"):  # the first model build pays one-time costs: pay them now
         Transformer(cfg.model)
+    if cfg.parallelism.fp8 != "none":
+        import_fp8()
     plan = spare_assignment()
     return ExitCode.CLEAN if plan is None else run_worker(cfg, plan)

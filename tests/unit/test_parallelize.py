@@ -3,6 +3,7 @@ alone; and, through llmtrain's own build on a one-rank gloo mesh, that FP8 and a
 checkpointing are really in the model it returns and change what they must."""
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -137,18 +138,22 @@ def test_activation_checkpointing_wraps_and_recomputes_every_block(built, mode):
         torch.testing.assert_close(results[mode][3][k], grad, rtol=1e-5, atol=1e-7)
 
 
-def test_the_tp_plan_on_a_one_rank_tp_dim_trains_as_the_model_without_it(built, one_rank_mesh):
+def test_the_tp_plan_on_a_one_rank_tp_dim_trains_as_the_model_without_it(
+        built, one_rank_mesh, monkeypatch):
     """The TP path on a mesh whose ``tp`` dim has one rank (what ``make gpu-check`` runs
     on one GPU, there with torchao's FP8 styles): every block projection, the embedding
     and the output are DTensors on both dims (the plan's, then FSDP2's), the logits come
     out split along the vocabulary for ``loss_parallel``, and three steps' losses are the
-    model's without TP, but for the order of a few float32 sums."""
+    model's without TP, but for the order of a few float32 sums. Without FP8 the plan
+    never imports torchao (0.6 s of a warm spare's first build)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
     from llmtrain.sharded_model import build as build_sharded
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    for module in ("torchao.float8.float8_linear", "torchao.float8.float8_tensor_parallel"):
+        monkeypatch.setitem(sys.modules, module, None)  # an import of it raises
     tp = build_sharded(load_config("debug_cpu"), mesh, torch.device("cpu"),
                        lambda name: contextlib.nullcontext())
     split = {name: p.device_mesh.mesh_dim_names for name, p in tp.model.named_parameters()
