@@ -15,6 +15,7 @@ every parameter over the data-parallel dims.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import replace
 from functools import partial
@@ -88,7 +89,7 @@ def import_fp8() -> None:
     """Imports torchao's float8 training, which an FP8 build imports on first use (0.6 s of
     a warm spare's 2-core start, where a survivor had it): a process that waits to build
     (a warm spare, a prepared worker) pays it ahead."""
-    import torchao.float8  # noqa: F401
+    importlib.import_module("torchao.float8")
 
 
 def apply_fp8(model: nn.Module, p: ParallelismConfig, device_type: str, shards: int) -> None:
