@@ -282,7 +282,9 @@ class _Group:
                         and any(o.state != "scheduled" for o in records.values()))
         never = sorted(r for r in live if self.last.get(r, 0) < seq)
         entered = sorted(set(live) - set(queued) - set(never))
-        inside = [r for r in entered if r in records and records[r].inside]
+        # a rank that went on past it shows it ended: then every member had come
+        left = any(self._left(r, c, newest) for r, c in records.items() if r in entered)
+        inside = [] if left else [r for r in entered if r in records and records[r].inside]
         missing = sorted(set(ranks) - dumped)
         findings = [Finding("never_arrived", f"rank {r} never arrived at {ref.op} #{seq} on "
                             f"{self.label}: {self._whereabouts(r, newest)}", self.label, seq,
@@ -325,6 +327,14 @@ class _Group:
                             f"neither start nor completion (it marks work retired some time "
                             f"after it completed or failed)", self.label, seq)], None
         return [], None
+
+    def _left(self, rank: int, c: Collective, newest: dict[int, tuple[str, Collective]]) -> bool:
+        """Whether ``rank`` went on past gloo collective ``c``: its newest collective is a
+        later one of another group. gloo marks a collective ended only once its work
+        object is freed, which can lag its end (the caller may still hold it): a rank that
+        called a collective of another group since had left this one, which had ended."""
+        label, newer = newest.get(rank, (self.label, c))
+        return c.gloo and label != self.label and newer.created_ns > c.created_ns
 
     def _whereabouts(self, rank: int, newest: dict[int, tuple[str, Collective]]) -> str:
         """Where a rank that never arrived was instead, as far as the recorders say."""

@@ -285,3 +285,23 @@ def test_what_gloo_dumps_cannot_tell_is_said(tmp_path):
     assert "whether gloo:all_reduce #2" in cannot and "completed cannot be told" in cannot
     assert "reduce op" in cannot
     assert r.culprits == [] and r.verdict.startswith("no fault found in the collectives")
+
+
+@pytest.mark.parametrize("rank2_freed", [True, False])
+def test_a_rank_that_went_on_to_another_group_has_left_a_collective_gloo_kept_open(rank2_freed):
+    """TP pairs [0, 1] and [2, 3], DP pairs [0, 2] and [1, 3]; rank 0 stopped before tp_a #2
+    (no dump). tp_b #2 ended on ranks 2 and 3, but rank 3 (and maybe rank 2) still held its
+    work object when it dumped (gloo then keeps it unretired), and rank 3 went on to dp_b
+    #2. The verdict is rank 0 in tp_a #2 (dumps of the test suite's planted job, whose
+    verdict blamed tp_b #2 when its entry there was the earlier one)."""
+    def at(seq, pg, ns, done=True):
+        return {**entry(seq, sizes=((4,),), pg=pg, done=done), "time_created_ns": ns}
+    tp_a, tp_b, dp_a, dp_b = ("1", "tp_a"), ("2", "tp_b"), ("3", "dp_a"), ("4", "dp_b")
+    dumps = {1: dump(1, at(1, tp_a, 295), at(1, dp_b, 297), at(2, tp_a, 301, done=False)),
+             2: dump(2, at(1, tp_b, 287), at(1, dp_a, 295), at(2, tp_b, 296, done=rank2_freed)),
+             3: dump(3, at(1, tp_b, 293), at(1, dp_b, 296), at(2, tp_b, 298, done=False),
+                     at(2, dp_b, 303, done=False))}
+    r = analyze(dumps, world_size=4)
+    assert r.verdict.startswith("rank(s) [0] never reached gloo:all_reduce #2 on process "
+                                "group tp_a"), r.verdict
+    assert r.culprits == [0] and r.stuck == [1]
