@@ -27,20 +27,50 @@ def spares_waiting(store: SignedStore) -> int:
 
 
 def spares_ready(store: SignedStore, wanted: int) -> bool:
-    """Whether the next ``wanted`` spares a claim would take have said they are ready
-    (imports done, the model built once): a grow waits for that, while a lost rank takes
-    any spare, ready or not."""
+    """Whether the ``wanted`` spares a claim would take have said they are ready (imports
+    done, the model built once): a grow waits for that, while a lost rank takes any spare,
+    ready or not."""
+    if wanted == 1:
+        return _first_ready(store) is not None
+    places = _open_places(store, wanted)
+    return len(places) == wanted and all(_ready(store, n) for n in places)
+
+
+def _open_places(store: SignedStore, most: int | None = None) -> list[int]:
+    """The pool's places neither claimed nor left, in order (at most ``most``)."""
     number, registered = store.add("spares/claimed", 0), store.add("spares/registered", 0)
-    found = 0
-    while found < wanted and number < registered:
+    places: list[int] = []
+    while number < registered and (most is None or len(places) < most):
         number += 1
-        state = f"spares/{number}/state"
-        if store.genuine(state) == b"left":
-            continue
-        if not store.check([f"spares/{number}/ready"]):
-            return False
-        found += 1
-    return found == wanted
+        if not store.genuine(f"spares/{number}/state"):
+            places.append(number)
+    return places
+
+
+def _ready(store: SignedStore, number: int) -> bool:
+    return store.check([f"spares/{number}/ready"])
+
+
+def _first_ready(store: SignedStore) -> int | None:
+    """The first open place whose spare is ready."""
+    return next((n for n in _open_places(store) if _ready(store, n)), None)
+
+
+AHEAD = "claimed-ahead"  # a place's state: claimed out of order (see claim)
+
+
+def _claim_ready_ahead(store: SignedStore) -> int | None:
+    """Where the next open place's spare is not ready, the first later one that is,
+    claimed (``AHEAD``: the in-order claim passes over it, as over one withdrawn, and it
+    counts in ``spares/left`` until then); None where the next is ready, or none is."""
+    first = _open_places(store, 1)
+    if not first or _ready(store, first[0]):
+        return None
+    later = next((n for n in _open_places(store)[1:] if _ready(store, n)), None)
+    if later is None or store.claim(f"spares/{later}/state", AHEAD).decode() != AHEAD:
+        return None
+    store.add("spares/left", 1)
+    return later
 
 
 def join_pool(store: SignedStore, count: int = 1) -> int:
@@ -82,7 +112,16 @@ def claim(store: SignedStore, wanted: int) -> list[int]:
     """Claims the next ``wanted`` spares of the pool, in order, passing over those that
     withdrew meanwhile; returns their numbers. Fewer than ``wanted`` (as many as were
     found before the pool ran out): too few spares wait, and none stays claimed, the pool
-    put back as it was, so that the spares that register later get used."""
+    put back as it was, so that the spares that register later get used.
+
+    One spare wanted, and the next not ready (a standby node that came back, or replaced
+    a spare, still imports: seconds on a CPU, more with a GPU's context), while a later
+    one is: that one is taken out of order, rather than wait for the imports (a rank's
+    group formed 4.2-4.4 s after the fault in chaos runs here that claimed a spare still
+    importing). Several (a lost node's ranks) are taken in order, one standby node's
+    block (see :func:`join_pool`)."""
+    if wanted == 1 and (ahead := _claim_ready_ahead(store)) is not None:
+        return [ahead]
     taken, skipped = [], 0
     while len(taken) < wanted:
         number = store.add("spares/claimed", 1)
@@ -91,7 +130,7 @@ def claim(store: SignedStore, wanted: int) -> list[int]:
             return taken
         if store.claim(f"spares/{number}/state", "claimed").decode() == "claimed":
             taken.append(number)
-        else:  # withdrawn: it went to join a cold restart, or the job ended
+        else:  # withdrawn (to join a cold restart, or the job ended), or claimed ahead
             skipped += 1
             store.add("spares/left", -1)
     return taken
@@ -170,7 +209,8 @@ class PoolPlace:
         if now - self._claimed_seen < self.budget_s or assignment(self.store, self.number):
             return False
         key = f"spares/{self.number}/state"
-        if self.store.compare_set(key, "claimed", "left").decode() != "left":
+        if all(self.store.compare_set(key, claimed, "left").decode() != "left"
+               for claimed in ("claimed", AHEAD)):
             return False
         log.warning("spare %d was claimed but no plan came within warm.budget_s=%g s: its "
                     "decider died; the spare leaves the pool", self.number, self.budget_s)

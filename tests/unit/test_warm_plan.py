@@ -204,14 +204,49 @@ def test_reports_still_coming_in_keep_the_agreement_open_past_the_settle_time():
 
 def test_a_grow_waits_until_the_spares_it_would_take_say_they_are_ready():
     """A lost rank takes any spare (waiting for its imports beats going cold); a grow, which
-    nothing forces, only the next ones in the pool that are ready."""
+    nothing forces, only spares that are ready: one anywhere in the pool (a claim of one
+    takes it), or a node's block next in order."""
     store = signed_store()
-    first, second = join_pool(store), join_pool(store)
-    assert spares_waiting(store) == 2 and not spares_ready(store, 1)
+    first, second = join_pool(store, 2), join_pool(store, 2)
+    assert spares_waiting(store) == 4 and not spares_ready(store, 1)
+    store.set(f"spares/{second + 1}/ready", "1")
+    assert spares_ready(store, 1)  # a claim of one would take it, out of order
     store.set(f"spares/{second}/ready", "1")
-    assert not spares_ready(store, 1)  # the first would be claimed, and it is not ready
-    assert leave_pool(store, first)
-    assert spares_ready(store, 1) and not spares_ready(store, 2)
+    assert not spares_ready(store, 2)  # the first block would be claimed, and it is not ready
+    assert leave_pool(store, first) and leave_pool(store, first + 1)
+    assert spares_ready(store, 2) and not spares_ready(store, 3)
+
+
+def test_a_lost_rank_takes_a_ready_spare_before_one_still_importing():
+    """The next spare in the pool still imports (its standby node just came back), a later
+    one is ready: one lost rank takes the ready one. The pool's count stays right, the
+    spare still importing is next, and a node's worth is still taken in order."""
+    store = signed_store()
+    importing, ready = join_pool(store), join_pool(store)
+    store.set(f"spares/{ready}/ready", "1")
+    assert claim(store, 1) == [ready] and spares_waiting(store) == 1
+    assert not leave_pool(store, ready)  # claimed: its plan is what it gets
+    assert claim(store, 1) == [importing] and spares_waiting(store) == 0
+    assert claim(store, 1) == [] and spares_waiting(store) == 0  # passed over, not reused
+    block = join_pool(store, 2)
+    store.set(f"spares/{block + 1}/ready", "1")
+    assert claim(store, 2) == [block, block + 1] and spares_waiting(store) == 0
+    none_ready = join_pool(store, 2)
+    assert claim(store, 1) == [none_ready]  # none ready: the next, in order
+
+
+def test_a_spare_claimed_ahead_whose_decider_died_leaves_after_the_budget():
+    """As below, for a spare claimed out of order: it leaves once the budget has passed,
+    and the pool still counts the one before it."""
+    store = signed_store()
+    importing = PoolPlace(store, budget_s=0.3)
+    ahead = PoolPlace(store, budget_s=0.3)
+    store.set(f"spares/{ahead.number}/ready", "1")
+    assert claim(store, 1) == [ahead.number]  # and no plan is ever written
+    assert not ahead.leave()  # a plan may still come
+    time.sleep(0.4)
+    assert ahead.leave()
+    assert spares_waiting(store) == 1 and claim(store, 1) == [importing.number]
 
 
 def test_a_supervisor_learns_whether_its_dead_workers_rank_was_replaced_or_the_job_went_cold():
