@@ -30,53 +30,70 @@ def spares_ready(store: SignedStore, wanted: int) -> bool:
     """Whether the ``wanted`` spares a claim would take have said they are ready (imports
     done, the model built once): a grow waits for that, while a lost rank takes any spare,
     ready or not."""
-    if wanted == 1:
-        return _first_ready(store) is not None
-    places = _open_places(store, wanted)
-    return len(places) == wanted and all(_ready(store, n) for n in places)
+    chosen = _choose(store, _open_places(store), wanted, frozenset())
+    return len(chosen) == wanted and all(_ready(store, n) for n in chosen)
 
 
-def _open_places(store: SignedStore, most: int | None = None) -> list[int]:
-    """The pool's places neither claimed nor left, in order (at most ``most``)."""
+def _open_places(store: SignedStore) -> list[int]:
+    """The pool's places neither claimed nor left, in order."""
     number, registered = store.add("spares/claimed", 0), store.add("spares/registered", 0)
-    places: list[int] = []
-    while number < registered and (most is None or len(places) < most):
-        number += 1
-        if not store.genuine(f"spares/{number}/state"):
-            places.append(number)
-    return places
+    return [n for n in range(number + 1, registered + 1)
+            if not store.genuine(f"spares/{n}/state")]
 
 
 def _ready(store: SignedStore, number: int) -> bool:
     return store.check([f"spares/{number}/ready"])
 
 
-def _first_ready(store: SignedStore) -> int | None:
-    """The first open place whose spare is ready."""
-    return next((n for n in _open_places(store) if _ready(store, n)), None)
+def _host(store: SignedStore, number: int) -> str | None:
+    """The node of place ``number``'s spare (None: its holder was not said)."""
+    holder = store.genuine(f"spares/{number}/holder")
+    return holder.decode().rpartition(":")[0] if holder else None
+
+
+def _choose(store: SignedStore, places: list[int], wanted: int,
+            avoid: frozenset[str]) -> list[int]:
+    """Which of the open ``places`` a claim of ``wanted`` takes: several from one node (a
+    lost node's ranks go to one standby node); a node not in ``avoid`` before one that
+    is; ready spares before spares still importing; else pool order. Empty when no node
+    has that many open places (the in-order claim then takes what there is)."""
+    hosts = {n: _host(store, n) for n in places}
+    if wanted == 1:
+        groups = [[n] for n in places]
+    else:
+        by_host: dict[str | None, list[int]] = {}
+        for n in places:
+            by_host.setdefault(hosts[n], []).append(n)
+        groups = [mine[:wanted] for mine in by_host.values() if len(mine) >= wanted]
+    if not groups:
+        return []
+    return min(groups, key=lambda g: (hosts[g[0]] in avoid,
+                                      not all(_ready(store, n) for n in g), g[0]))
+
+
+def _claim_ahead(store: SignedStore, places: list[int]) -> bool:
+    """Claims ``places`` out of order (state ``AHEAD``: the in-order claim passes over
+    them, as over withdrawn ones, and they count in ``spares/left`` until then); all or
+    none (False: one was withdrawn or claimed meanwhile)."""
+    taken = []
+    for n in places:
+        if store.claim(f"spares/{n}/state", AHEAD).decode() != AHEAD:
+            for t in taken:
+                store.set(f"spares/{t}/state", "")
+            store.add("spares/left", -len(taken))
+            return False
+        taken.append(n)
+        store.add("spares/left", 1)
+    return True
 
 
 AHEAD = "claimed-ahead"  # a place's state: claimed out of order (see claim)
 
 
-def _claim_ready_ahead(store: SignedStore) -> int | None:
-    """Where the next open place's spare is not ready, the first later one that is,
-    claimed (``AHEAD``: the in-order claim passes over it, as over one withdrawn, and it
-    counts in ``spares/left`` until then); None where the next is ready, or none is."""
-    first = _open_places(store, 1)
-    if not first or _ready(store, first[0]):
-        return None
-    later = next((n for n in _open_places(store)[1:] if _ready(store, n)), None)
-    if later is None or store.claim(f"spares/{later}/state", AHEAD).decode() != AHEAD:
-        return None
-    store.add("spares/left", 1)
-    return later
-
-
 def join_pool(store: SignedStore, count: int = 1) -> int:
     """A spare's number in the job's pool (its plan will come to ``spares/<number>/plan``),
-    or the first of ``count`` consecutive numbers, one node's spares: claims take the pool
-    in order, so a lost node's ranks go to one standby node's spares."""
+    or the first of ``count`` consecutive numbers, one node's spares (a claim of several
+    takes one node's, see :func:`claim`)."""
     return store.add("spares/registered", count) - count + 1
 
 
@@ -108,20 +125,22 @@ def withdraw(store: SignedStore, holder: str) -> bool:
     return True
 
 
-def claim(store: SignedStore, wanted: int) -> list[int]:
-    """Claims the next ``wanted`` spares of the pool, in order, passing over those that
-    withdrew meanwhile; returns their numbers. Fewer than ``wanted`` (as many as were
-    found before the pool ran out): too few spares wait, and none stays claimed, the pool
-    put back as it was, so that the spares that register later get used.
+def claim(store: SignedStore, wanted: int, avoid: frozenset[str] = frozenset()) -> list[int]:
+    """Claims ``wanted`` spares of the pool; returns their numbers. Fewer than ``wanted``
+    (as many as were found before the pool ran out): too few spares wait, and none stays
+    claimed, the pool put back as it was, so that the spares that register later get used.
 
-    One spare wanted, and the next not ready (a standby node that came back, or replaced
-    a spare, still imports: seconds on a CPU, more with a GPU's context), while a later
-    one is: that one is taken out of order, rather than wait for the imports (a rank's
-    group formed 4.2-4.4 s after the fault in chaos runs here that claimed a spare still
-    importing). Several (a lost node's ranks) are taken in order, one standby node's
-    block (see :func:`join_pool`)."""
-    if wanted == 1 and (ahead := _claim_ready_ahead(store)) is not None:
-        return [ahead]
+    Which: several from one standby node (a lost node's ranks); a spare on none of the
+    nodes in ``avoid`` first (the nodes that lost the ranks: one lost whole may still
+    list its waiting spares, one excluded for a failed GPU is about to take them out, and
+    a claim of such a spare waited ``warm.budget_s`` for it, then went cold); a spare
+    that is ready before one still importing (a standby node that came back: seconds on
+    a CPU, more with a GPU's context); else in pool order, passing over spares that
+    withdrew meanwhile."""
+    places = _open_places(store)
+    chosen = _choose(store, places, wanted, avoid)
+    if chosen and chosen != places[:wanted] and _claim_ahead(store, chosen):
+        return chosen
     taken, skipped = [], 0
     while len(taken) < wanted:
         number = store.add("spares/claimed", 1)
@@ -177,6 +196,7 @@ class PoolPlace:
         self.number = number or join_pool(self.store)
         self.store.set(f"spares/{self.number}/who", self.me)
         if self.holder is not None:
+            self.store.set(f"spares/{self.number}/holder", self.holder)  # its node, for claims
             self.store.set(f"spares/of/{self.holder}", str(self.number))
         self._said_ready, self._kept = False, time.monotonic()
 

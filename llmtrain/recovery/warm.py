@@ -318,7 +318,9 @@ class WarmPath:
             self._go_cold(proposal)
             return
         plan = Plan.from_json(proposal)
-        taken = pool.claim(self.store, len(plan.lost))
+        # not on the lost ranks' nodes, where another node's spare waits
+        avoid = frozenset(self.hosts(plan.lost, self.gen).values())
+        taken = pool.claim(self.store, len(plan.lost), avoid)
         if len(taken) < len(plan.lost):
             r = plan.lost[len(taken)]
             self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"))

@@ -235,6 +235,23 @@ def test_a_lost_rank_takes_a_ready_spare_before_one_still_importing():
     assert claim(store, 1) == [none_ready]  # none ready: the next, in order
 
 
+def test_a_lost_ranks_spare_comes_from_another_node_and_a_lost_nodes_from_one():
+    """The next spare waits on the node that lost the rank (lost whole, its spare may still
+    be listed; excluded, its spare is about to leave): the claim takes another node's. A
+    lost node's two ranks go to the two spares of one node, passing over a node with one
+    left. With only the lost node's spare left, it is still taken (a killed worker's node
+    lives on)."""
+    store = signed_store()
+    dying = PoolPlace(store, budget_s=5, holder=owner(11, "node4"))
+    other = PoolPlace(store, budget_s=5, holder=owner(12, "node3"))
+    pair = [PoolPlace(store, budget_s=5, holder=owner(p, "node5")) for p in (13, 14)]
+    assert claim(store, 1, frozenset({"node4"})) == [other.number]
+    assert claim(store, 2, frozenset({"node1"})) == [p.number for p in pair]
+    assert spares_waiting(store) == 1
+    assert claim(store, 1, frozenset({"node4"})) == [dying.number]
+    assert spares_waiting(store) == 0 and claim(store, 1) == []
+
+
 def test_a_spare_claimed_ahead_whose_decider_died_leaves_after_the_budget():
     """As below, for a spare claimed out of order: it leaves once the budget has passed,
     and the pool still counts the one before it."""
