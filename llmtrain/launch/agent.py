@@ -31,6 +31,8 @@ import logging
 import os
 import signal
 import sys
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 
 from llmtrain import collector
@@ -301,5 +303,30 @@ def main(argv: list[str]) -> None:
         close_all()
 
 
+def exit_without_teardown(run: Callable[[], None]) -> None:
+    """Runs ``run`` and exits with the code Python would give it, without the
+    interpreter's teardown: a thread still inside a store client's C++ call when the
+    agent ends (its workers replaced, the job over) made that teardown abort the agent
+    (SIGABRT, "terminate called without an active exception", its launcher exiting 75
+    where the node had ended clean; in a CI run here). Logs and stdio are flushed first."""
+    try:
+        run()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        raise  # Python's own exit: by the signal
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_without_teardown(lambda: main(sys.argv[1:]))
