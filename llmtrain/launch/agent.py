@@ -31,7 +31,6 @@ import logging
 import os
 import signal
 import sys
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -308,18 +307,19 @@ def exit_without_teardown(run: Callable[[], None]) -> None:
     interpreter's teardown: a thread still inside a store client's C++ call when the
     agent ends (its workers replaced, the job over) made that teardown abort the agent
     (SIGABRT, "terminate called without an active exception", its launcher exiting 75
-    where the node had ended clean; in a CI run here). Logs and stdio are flushed first."""
+    where the node had ended clean; in a CI run here). An exception is logged with its
+    traceback; logs and stdio are flushed first."""
     try:
         run()
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
         if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
+            log.error("%s", e.code)
     except KeyboardInterrupt:
         raise  # Python's own exit: by the signal
     except BaseException:
-        traceback.print_exc()
+        log.exception("the agent failed")
         code = 1
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
