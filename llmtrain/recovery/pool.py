@@ -57,7 +57,9 @@ def _choose(store: SignedStore, places: list[int], wanted: int,
     lost node's ranks go to one standby node); a node not in ``avoid`` before one that
     is; ready spares before spares still importing; else pool order. Empty when no node
     has that many open places (the in-order claim then takes what there is)."""
-    hosts = {n: _host(store, n) for n in places}
+    # a place's node is read only where it decides: one place wanted and none to avoid
+    needed = wanted > 1 or bool(avoid)
+    hosts = {n: _host(store, n) if needed else None for n in places}
     if wanted == 1:
         groups = [[n] for n in places]
     else:
