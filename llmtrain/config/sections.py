@@ -303,7 +303,9 @@ class WarmConfig:
                                                "whatever the budget: a warm recovery "
                                                "redoes fewer steps than this")
     settle_s: float = _f(0.5, gt=0, doc="how long survivors wait for each other's reports "
-                                        "before the missing ranks count as lost")
+                                        "before the missing ranks count as lost (a live "
+                                        "rank still computing its step says it is "
+                                        "coming, and is waited for up to budget_s / 2)")
     budget_s: float = _f(30.0, gt=0, doc="a warm recovery not done in this time falls "
                                          "back to the cold path (a restart under torchrun)")
     shrink: bool = _f(True, doc="with no spare waiting, the survivors of lost nodes go "

@@ -17,13 +17,17 @@ ranks are checked by nothing but the gloo tests of the same code. The worker set
 needs, and why, are in :mod:`llmtrain.distributed.nccl_env`; :func:`nccl_problems` names
 what defeats it on this job.
 
+Every rank keeps a :class:`FailureWatch`: a thread waiting in the store, on the server's
+side, for its generation's ``failed`` key. The first survivor to report sets that key, and
+so does an agent that saw its worker die. The watch then says at once that this rank lives
+and will report (:func:`llmtrain.recovery.roll_call.stir`): a rank in the middle of a long
+step's computation meets the failure only at its next collective, maybe seconds later, and
+the agreement waits for it rather than counting it lost after ``warm.settle_s``.
+
 Waking blocked ranks (item 2) works differently on each backend:
 
-- **NCCL**: every rank keeps a :class:`FailureWatch`. It is a thread waiting in the store,
-  on the server's side, for its generation's ``failed`` key. The first survivor to report
-  sets that key, and so does an agent that saw its worker die. The watch then aborts this
-  rank's communicators, so a rank blocked behind healthy peers fails at once, not at
-  ``reliability.collective_timeout_s``.
+- **NCCL**: the watch also aborts this rank's communicators, so a rank blocked behind
+  healthy peers fails at once, not at ``reliability.collective_timeout_s``.
 - **gloo** has no abort in torch 2.13. When a peer dies, its closed connections fail the
   operations pending on them. A rank blocked on a healthy peer, which is itself blocked,
   fails once that peer leaves the group. So the warm path leaves the broken group right
@@ -117,11 +121,16 @@ def abandon() -> None:
     shutdown()
 
 
+def _abort(_store: SignedStore) -> None:
+    abort_groups()
+
+
 class FailureWatch:
     """Wakes this rank when a peer of its generation reports a failure: one thread, on
     its own store connection, waiting on the server's side for one key (no polling) whose
     value is signed with the job's secret (a forged one wakes nothing), that
-    runs ``on_failure`` (:func:`abort_groups` on NCCL) while the watch is armed.
+    runs ``on_failure`` with that connection (default: :func:`abort_groups`) while the
+    watch is armed.
 
     The thread ends when the key appears, or once disarmed. A store that restarts or
     goes away does not end it: it connects again every ``RETRY_S`` (said once), and waits
@@ -130,9 +139,12 @@ class FailureWatch:
     watch that wakes late from acting on the next generation's groups."""
 
     RETRY_S = 1.0
+    # One wait in the store; give ``connect``'s connection at least this timeout: a wait
+    # cut by a shorter one logs two c10d warnings each time (every 30 s, for every rank)
+    WAIT = timedelta(hours=1)
 
-    def __init__(self, connect: Callable[[], SignedStore], key: str,
-                 on_failure: Callable[[], object] = abort_groups):
+    def __init__(self, connect: Callable[[], SignedStore | None], key: str,
+                 on_failure: Callable[[SignedStore], object] = _abort):
         self.key, self.on_failure = key, on_failure
         self._lock = threading.Lock()
         self._armed = True
@@ -141,12 +153,14 @@ class FailureWatch:
                                         name="llmtrain-failure-watch")
         self._thread.start()
 
-    def _watch(self, connect: Callable[[], SignedStore]) -> None:
+    def _watch(self, connect: Callable[[], SignedStore | None]) -> None:
         said = False
         while True:
             try:
                 store = connect()
-                while store.wait_genuine(self.key, timedelta(minutes=10)) is None:
+                if store is None:  # no store outside the workers: nothing to watch
+                    return
+                while store.wait_genuine(self.key, self.WAIT) is None:
                     pass  # a wait's timeout, or a forged value (reported): wait again
                 break
             except (RuntimeError, OSError) as e:  # the store restarted, or went away
@@ -160,7 +174,7 @@ class FailureWatch:
                 time.sleep(self.RETRY_S)
         with self._lock:
             if self._armed:
-                self.on_failure()
+                self.on_failure(store)
                 self.woke.set()
 
     def disarm(self) -> None:

@@ -40,10 +40,11 @@ from llmtrain.checkpoint.manager import Checkpointing
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
                                            shares_cores)
 from llmtrain.config import ConfigError, Settings
-from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, broke_a_collective,
-                                          nccl_problems)
+from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, abort_groups,
+                                          broke_a_collective, nccl_problems)
 from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_type,
                                                 resolve_device, side_group)
+from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import FatalError
 from llmtrain.metrics.goodput import GoodputLedger
@@ -147,7 +148,7 @@ class WarmRecovery:
         self.left = False  # this generation's groups were left (never twice)
         self.left_early = False  # the health monitor marked this rank gone (its GPU failed)
         self.recovered: dict | None = None  # the last recovery, until its first step is done
-        self.watch: FailureWatch | None = None  # this generation's, on NCCL
+        self.watch: FailureWatch | None = None  # this generation's
 
     def membership(self) -> str:
         return membership(self.round_id, self.path.gen)
@@ -178,7 +179,7 @@ class WarmRecovery:
 
     def start(self, step: int, control: dist.ProcessGroup) -> None:
         """Replicates snapshots from ``step`` on, every group of the generation formed;
-        on NCCL, watches for the generation's failure (see FailureWatch). A generation a
+        watches for the generation's failure (see FailureWatch). A generation a
         warm recovery made takes its first snapshot at its first step: until then its
         newcomers hold none of their own, nor a replica of their wards', and a second
         failure within the interval went cold (a node lost 1 step after a spare joined
@@ -186,9 +187,13 @@ class WarmRecovery:
         self.control, self.left = control, False
         self.snapshots.start(self.replication, control, step, soon=self.path.gen > 0)
         publish_endpoints(self.path.store, self.world.rank)
-        if dist.get_backend() == "nccl":
-            budget = timedelta(seconds=self.cfg.budget_s)
-            self.watch = FailureWatch(lambda: outside_store(budget), self.path.failed_key())
+        stir = self.path.stirring()
+
+        def woken(store: SignedStore) -> None:  # on the watch's thread and connection
+            stir(store)
+            abort_groups()
+        self.watch = FailureWatch(lambda: outside_store(FailureWatch.WAIT),
+                                  self.path.failed_key(), on_failure=woken)
 
     def maybe_snapshot(self, step: int) -> None:
         if self.snapshots.due(step):

@@ -2,7 +2,10 @@
 
 Each rank of a generation is counted once (``seen/<rank>``): by its report, or by a mark
 that it is gone, whichever comes first; the mark comes from the rank as it leaves, or
-from its supervisor (an agent, a standby launcher) when its process died. The keys say
+from its supervisor (an agent, a standby launcher) when its process died. A live rank
+that has yet to meet the failure says first that it is coming (:func:`stir`), and the
+``coming`` counter holds how many said so and are not counted yet: the decider waits for
+them (:meth:`llmtrain.recovery.warm.WarmPath.decide`). The keys say
 where to mark it: the generation a rank reports to now (``where/<rank>``), the process
 that holds it there (``owner/<rank>``), and the rank a process holds (``rank_of/<holder>``),
 which a shrink or a grow renumbers.
@@ -67,7 +70,25 @@ def mark_gone(store: SignedStore, rank: int, prefix: str | None = None,
 def count_in(store: SignedStore, prefix: str, rank: int, token: str) -> bool:
     """Whether ``rank`` is counted in its generation by this call: by whichever comes
     first, its report or a mark that it is gone (False: the other came first)."""
-    return store.claim(f"{prefix}seen/{rank}", token).decode() == token
+    if store.claim(f"{prefix}seen/{rank}", token).decode() != token:
+        return False
+    if store.claim(f"{prefix}stirred/{rank}", "in").decode() != "in":
+        store.add(f"{prefix}coming", -1)  # it said it was coming: it has come
+    return True
+
+
+def stir(store: SignedStore, prefix: str, rank: int) -> None:
+    """``rank`` lives and will report (its failure watch woke while the rank computes,
+    far from its next collective); nothing once it is counted in. Two store requests."""
+    token = f"coming-{uuid.uuid4().hex}"  # this call's: a second one counts nothing
+    if store.claim(f"{prefix}stirred/{rank}", token).decode() == token:
+        store.add(f"{prefix}coming", 1)
+
+
+def coming(store: SignedStore, prefix: str) -> int:
+    """How many ranks said they are coming and are not counted in yet (0 or less: none;
+    a rank counted in between its two requests in :func:`stir` makes it -1 briefly)."""
+    return store.add(f"{prefix}coming", 0)
 
 
 def tally(store: SignedStore, prefix: str, world_size: int) -> None:

@@ -15,9 +15,11 @@ appended to the generation's report log. The first reporter decides: it waits in
 (no polling) until the tally is complete, at most ``warm.settle_s``; reads the log in one
 request; and stores the plan, under one key every survivor waits for. The ranks that
 neither reported nor are gone are lost. The decider claims a warm spare for each lost
-rank. The first report also sets the generation's ``failed`` key: on NCCL each rank's
-:class:`llmtrain.distributed.failure.FailureWatch` then aborts its communicators, so ranks
-blocked behind healthy peers report before the plan closes. The plan is refused, and every
+rank. The first report also sets the generation's ``failed`` key, which wakes each rank's
+:class:`llmtrain.distributed.failure.FailureWatch`: it says the rank is coming (a rank
+that computes meets the failure only at its next collective, and the decider waits for
+it), and on NCCL it aborts the rank's communicators, so ranks blocked behind healthy peers
+report before the plan closes. The plan is refused, and every
 survivor takes the cold path (exit RETRYABLE, torchrun restarts the job from the durable
 checkpoint), when a lost rank's buddy is lost too, or when no step is held by every
 survivor and by every lost rank's buddy. When no spare is waiting, the plan is a shrink
@@ -56,7 +58,7 @@ from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import rendezvous_store
 from llmtrain.distributed.signed_store import SignedStore, signed
 from llmtrain.recovery import pool
-from llmtrain.recovery.roll_call import count_in, mark_gone, owner, tally
+from llmtrain.recovery.roll_call import coming, count_in, mark_gone, owner, stir, tally
 from llmtrain.recovery.sockets import cut
 
 __all__ = ["ColdPath", "Plan", "WarmPath", "buddy_of", "ward_of", "outside_store",
@@ -189,6 +191,12 @@ class WarmPath:
         """The key set when this generation fails (what a FailureWatch waits for)."""
         return self._key("failed")
 
+    def stirring(self) -> Callable[[SignedStore], None]:
+        """What this rank's failure watch says, on its own connection, when this
+        generation fails: that the rank lives and will report (:func:`stir`)."""
+        prefix, rank = self._key(""), self.rank
+        return lambda store: stir(store, prefix, rank)
+
     def leave(self) -> None:
         """This rank leaves on purpose (its GPU failed): the survivors need not wait
         ``warm.settle_s`` for its report."""
@@ -256,17 +264,29 @@ class WarmPath:
 
     def _settle(self) -> None:
         """Waits in the store for ``all_in``, half of ``warm.settle_s`` at a time: done
-        when it is set, or once ``settle_s`` has passed and the last half brought no
-        report. Reports that still come in (thousands of ranks failing over a second)
-        keep it open: a healthy rank that reports late is not counted lost."""
+        when it is set, or once ``settle_s`` has passed, the last half brought no report,
+        and no rank that said it is coming is still awaited. Reports that still come in
+        (thousands of ranks failing over a second) keep it open, and so does a rank whose
+        failure watch said it lives while its step computes (on gloo it meets the failure
+        only at its next collective): a healthy rank that reports late is not counted
+        lost. One said coming that has not reported within half of ``warm.budget_s``
+        (stuck, its watch alive) is."""
         began, half = time.monotonic(), self.cfg.settle_s / 2
         tally = self.store.add(self._key("accounted"), 0)
         while True:
             if self.store.wait_genuine(self._key("all_in"), timedelta(seconds=half)):
                 return
             before, tally = tally, self.store.add(self._key("accounted"), 0)  # half passed
-            if tally == before and time.monotonic() - began >= self.cfg.settle_s:
-                return
+            waited = time.monotonic() - began
+            if tally == before and waited >= self.cfg.settle_s:
+                awaited = coming(self.store, self._key(""))
+                if awaited <= 0:
+                    return
+                if waited >= self.cfg.budget_s / 2:
+                    log.warning("%d rank(s) of generation %d said they were coming and did "
+                                "not report within half of warm.budget_s=%g: they count as "
+                                "lost", awaited, self.gen, self.cfg.budget_s)
+                    return
 
     def _plan(self, deadline: float) -> Plan:
         plan_text = self._wait(self._key("spares"), deadline)

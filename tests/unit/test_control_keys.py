@@ -87,7 +87,7 @@ def test_a_forged_failure_key_aborts_nothing(server, forged):
     aborted every communicator); the job's own report does, at once."""
     acted = []
     watch = FailureWatch(lambda: member(server), "round/g0/failed",
-                         on_failure=lambda: acted.append("aborted"))
+                         on_failure=lambda _: acted.append("aborted"))
     time.sleep(0.2)
     stranger(server).set(f"{NAMESPACE}round/g0/failed", "1")
     assert not watch.woke.wait(1.0) and acted == []

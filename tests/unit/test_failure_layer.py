@@ -127,8 +127,8 @@ def test_the_watch_wakes_its_rank_once_its_generation_fails(tmp_path):
         return signed_store(dist.TCPStore("127.0.0.1", server.port, is_master=False,
                                           use_libuv=True, timeout=timedelta(seconds=30)))
     acted = []
-    watch = FailureWatch(connect, "g1/failed", on_failure=lambda: acted.append("g1"))
-    late = FailureWatch(connect, "g1/failed", on_failure=lambda: acted.append("disarmed"))
+    watch = FailureWatch(connect, "g1/failed", on_failure=lambda _: acted.append("g1"))
+    late = FailureWatch(connect, "g1/failed", on_failure=lambda _: acted.append("disarmed"))
     late.disarm()
     time.sleep(0.3)  # both are waiting in the store
     assert not watch.woke.is_set() and acted == []

@@ -4,13 +4,14 @@ which snapshot step all restore, and every case that must go cold instead."""
 import json
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
 from llmtrain.config import WarmConfig
 from llmtrain.recovery.pool import (PoolPlace, assignment, claim, join_pool, leave_pool,
                                     spares_ready, spares_waiting)
-from llmtrain.recovery.roll_call import mark_gone, owner
+from llmtrain.recovery.roll_call import coming, mark_gone, owner
 from llmtrain.recovery.verdicts import Verdicts, agreements
 from llmtrain.recovery.warm import ColdPath, WarmPath, buddy_of
 from conftest import signed_store
@@ -200,6 +201,45 @@ def test_reports_still_coming_in_keep_the_agreement_open_past_the_settle_time():
         t.join()
     assert [out[r].lost for r in paths] == [[5]] * 5, out
     assert time.monotonic() - start < 0.8 + 0.5 + 1.0
+
+
+def test_a_rank_that_said_it_is_coming_is_waited_for_past_the_settle_time():
+    """Rank 1 died with its node's kernel (nobody says it is gone). Ranks 2 and 3 were in
+    the middle of a step's computation when rank 0 reported: their failure watches said at
+    once that they are coming. Rank 2 reports 1 s later, far past warm.settle_s = 0.3 (on
+    gloo a computing rank meets the failure only at its next collective): the decider
+    waits for it and does not count it lost (the whole plan went cold then: "lost with its
+    buddy"). Rank 3 never reports (stuck, its watch alive): it is lost once half of
+    warm.budget_s has passed."""
+    store = signed_store()
+    store.add("spares/registered", 2)
+    cfg = WarmConfig(enable=True, settle_s=0.3, budget_s=3.0)
+    paths = {r: WarmPath(cfg, store, "round", r, 4, 1) for r in range(4)}
+    out = {}
+
+    def one(rank, delay):
+        time.sleep(delay)
+        try:
+            out[rank] = paths[rank].agree(held([4], [4], (rank - 1) % 4),
+                                          time.monotonic() + 5).lost
+        except ColdPath as e:
+            out[rank] = str(e)
+    start = time.monotonic()
+    threads = [threading.Thread(target=one, args=(0, 0.0))]
+    threads[0].start()
+    store.wait(["round/g0/failed"], timedelta(seconds=5))  # what wakes the watches
+    for r in (2, 3):
+        paths[r].stirring()(store)
+    paths[2].stirring()(store)  # said twice, counted once
+    threads.append(threading.Thread(target=one, args=(2, 1.0)))
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert out == {0: [1, 3], 2: [1, 3]}, out
+    assert 1.5 <= time.monotonic() - start < 3.0  # rank 3 waited for, up to budget_s / 2
+    assert coming(store, "round/g0/") == 1  # rank 3's, never counted in
+    paths[3].stirring()(store)  # a watch that wakes after its rank was counted: nothing
+    assert coming(store, "round/g0/") == 1
 
 
 def test_a_grow_waits_until_the_spares_it_would_take_say_they_are_ready():

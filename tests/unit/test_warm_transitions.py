@@ -98,10 +98,10 @@ def recovery(run_dir: str, store: dist.Store, rank: int, world: int,
 
 
 def watch(rec: WarmRecovery, port: int, acted: list) -> None:
-    """The generation's failure watch (the one start() arms on NCCL), acting into
+    """The generation's failure watch (the one start() arms), acting into
     ``acted``; waiting in the store once this returns."""
     rec.watch = FailureWatch(lambda: client(port), rec.path.failed_key(),
-                             on_failure=lambda: acted.append(rec.world.rank))
+                             on_failure=lambda _: acted.append(rec.world.rank))
     time.sleep(0.2)
 
 
