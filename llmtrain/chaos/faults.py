@@ -18,7 +18,7 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            tensor (gloo aborts on that unless
                                            reliability.desync_debug catches it first)
     slow@step:rank=1,step=5,factor=3       from step 5 on, rank 1's steps take 3 times as
-                                           long as its step 4 did
+                                           long as its fastest step before did
     nan@loss:rank=1,step=5                 rank 1's loss of step 5 becomes NaN (and so
                                            every rank's gradients)
     bitflip@step:rank=1,step=5,bit=20      rank 1 flips bit 20 of one parameter value of
@@ -97,8 +97,8 @@ class Fault:
     id: str | None = None  # a fault armed at run time: once per rank, any restart
 
     def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
-        if self.action == "slow" and self.step:
-            at = step >= self.step - 1  # the step before is the baseline
+        if self.action == "slow":
+            at = True  # the steps before ``step`` time the baseline
         elif self.action == "badmath" and self.step:
             at = step >= self.step
         else:
@@ -138,8 +138,9 @@ class Injector:
         self.faults_file = faults_file
         self._file_mtime: float | None = None
         self._from_file: list[Fault] = []
-        self._started: dict[Fault, float] = {}   # slow faults: when the last full-speed step began
-        self._baseline: dict[Fault, float] = {}  # and how long it took
+        self._last: dict[Fault, float] = {}      # slow faults: when the last step began
+        self._baseline: dict[Fault, float] = {}  # their shortest full-speed step
+        self._slowing: set[Fault] = set()        # and those slowing this rank's steps
         self._struck: set[Fault] = set()  # nan/bitflip/hang strike once: a replay runs clean
 
     def _armed_at_run_time(self) -> list[Fault]:
@@ -211,15 +212,17 @@ class Injector:
             while True:
                 time.sleep(3600)
         elif fault.action == "slow":
-            # the step before is the baseline; an injector armed later (a trainer built
-            # anew in the process) takes its first step as it
+            # The baseline is the shortest full-speed step this injector saw before
+            # ``step`` (without ``step``: its first), not only the step before: one step
+            # slowed by the machine's load made the factor larger for the whole run.
             now = time.perf_counter()
-            if fault not in self._baseline and fault in self._started:
-                self._baseline[fault] = now - self._started.pop(fault)
-            elif fault not in self._baseline:
-                self._started[fault] = now
-            if fault in self._baseline:
+            if fault in self._last and fault not in self._slowing:
+                took = now - self._last[fault]
+                self._baseline[fault] = min(took, self._baseline.get(fault, took))
+            if fault in self._baseline and (fault.step is None or step >= fault.step):
+                self._slowing.add(fault)
                 time.sleep((fault.factor - 1) * self._baseline[fault])
+            self._last[fault] = time.perf_counter()
         return target
 
     def _desync(self, target: int, by_size: bool) -> None:

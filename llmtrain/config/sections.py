@@ -214,8 +214,8 @@ class ReliabilityConfig:
                                                 "ceiling of the learned timeout")
     phase_timeout_s: float = _f(1800.0, gt=0,
                                 doc="the hang timeout of long phases that cannot beat: "
-                                    "start-up, resume, the first (compiled) step, a "
-                                    "blocking save")
+                                    "start-up, resume, the first (compiled) step and "
+                                    "the first after a warm recovery, a blocking save")
     hang_timeout_step_factor: float = _f(10.0, ge=0,
                                          doc="once the run has shown its pace (3 steps), "
                                              "the hang timeout is this many times its "

@@ -280,8 +280,14 @@ class Watchdog:
 
     def new_generation(self) -> None:
         """The process groups were formed again (a warm recovery): collectives of the old
-        ones are not compared with the new ones', nor dumped with them."""
+        ones are not compared with the new ones', nor dumped with them. Until this rank's
+        first step of the generation ends, it is in a long phase, as from start-up to the
+        first step: that step plans and runs things for the first time (a fresh spare's
+        sharding propagation took seconds under load), so no peer names this rank not
+        arrived while it runs, and waiting for it is no hang until ``phase_timeout_s``.
+        A rank that stops beating is still named after the hang timeout."""
         self.plane.since_ns = self._generation_ns = time.time_ns()
+        self.limit = self.cfg.phase_timeout_s
 
     def _recorder(self) -> dict:
         """This rank's flight recorder, this generation's entries only."""

@@ -71,13 +71,17 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
 
 
 def test_three_times_slower_rank_is_reported_as_straggler(tmp_path):
+    """Rank 1's steps take 3x its fastest step. The slowdown reported is that factor times
+    rank 1's work over rank 0's, which on a 2-core machine shared with other tests differ
+    (the two ranks do not get the same share of it): so the bound is 1.5x below the factor
+    and 2x above it. A slowdown of about 1 (lateness not counted) fails it."""
     run = tmp_path / "run"
     check(llmtrain(run, "--training.steps", "60", "--reliability.straggler_window_s", "1",
                    "--checkpoint.enable", "false",
                    "--reliability.faults", "slow@step:rank=1,step=5,factor=3", nproc=2))
     found = events(run, "straggler")
     assert found and {e["straggler_rank"] for e in found} == {1}
-    assert 2.0 < found[-1]["slowdown"] < 4.5, found
+    assert 2.0 < found[-1]["slowdown"] < 6.0, found
     assert events(run, "hang") == []
 
 

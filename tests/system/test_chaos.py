@@ -30,6 +30,12 @@ ELSEWHERE = ("kill_rank", "node_loss", "gpu_bad")
 RANK_KINDS = tuple(k for k in KINDS if k not in STORAGE_KINDS + ELSEWHERE)
 
 
+def failed(verdict: dict, table: str) -> str:
+    """The run's table, then the verdict that failed, whole (a dict in an assertion's
+    message is cut short)."""
+    return f"{table}\n{json.dumps(verdict)}"
+
+
 @pytest.mark.alone
 def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     """Every rank-level fault hits rank 0, the hardest rank to lose: it hosts its round's
@@ -61,7 +67,7 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     assert verdict["not_run"] == verdict["left_out"], table
     assert sorted(verdict["kinds"]) == sorted(set(RANK_KINDS) - set(verdict["left_out"])), table
     for v in verdict["verdicts"]:
-        assert v["detected"] and v["correct"], (v, table)
+        assert v["detected"] and v["correct"], failed(v, table)
     assert verdict["finished"], table
     assert verdict["committed_checkpoints_lost"] == [], table
     assert verdict["bitwise_equal_to_reference"] is True, table
@@ -91,7 +97,7 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
     for v in verdict["verdicts"]:
         if v["path"] == "warm":
             end = v["injected_at"] + v["recover_s"]
-            assert not [t for t in starts if v["injected_at"] <= t <= end], (v, table)
+            assert not [t for t in starts if v["injected_at"] <= t <= end], failed(v, table)
 
     # A SIGSTOPped rank 0: the watchdogs meet in the rendezvous store, not in the round's
     # store inside rank 0, so rank 1 sees rank 0's heartbeat stop, names it, and does not
@@ -136,7 +142,7 @@ def test_storage_and_store_faults_cost_no_checkpoint_and_no_restart(tmp_path, fa
     table = proc.stdout[-4000:]
     assert sorted(verdict["kinds"]) == sorted(STORAGE_KINDS), table
     for v in verdict["verdicts"]:
-        assert v["detected"] and v["correct"] and v["path"] == "", (v, table)
+        assert v["detected"] and v["correct"] and v["path"] == "", failed(v, table)
     assert verdict["finished"], table
     assert verdict["committed_checkpoints_lost"] == [], table
     assert verdict["bitwise_equal_to_reference"] is True, table
@@ -181,7 +187,7 @@ def test_without_spares_lost_nodes_shrink_the_job_and_come_back_into_it(tmp_path
     assert paths == [("hang", "shrink", "grow"), ("kill_rank", "shrink", "grow"),
                      ("truncated_shard", "cold", ""), ("preempt", "shrink", "grow")], table
     for v in verdict["verdicts"]:
-        assert v["detected"] and v["correct"], (v, table)
+        assert v["detected"] and v["correct"], failed(v, table)
     assert verdict["finished"], table
     assert verdict["committed_checkpoints_lost"] == [], table
     assert (verdict["shrinks"], verdict["grows"]) == (3, 3), table
@@ -240,8 +246,8 @@ def test_with_tp_inside_each_node_every_warm_fault_is_recovered_warm(tmp_path, f
         ("kill_rank", "node_loss", "gpu_bad", "hang")), table
     want = ("warm", "") if spares else ("shrink", "grow")
     for v in verdict["verdicts"]:
-        assert v["detected"] and v["correct"], (v, table)
-        assert (v["path"], v["returned"]) == want, (v, table)
+        assert v["detected"] and v["correct"], failed(v, table)
+        assert (v["path"], v["returned"]) == want, failed(v, table)
     assert len(read_events(str(work / "run"), "attempt_start")) == 1, table
     assert verdict["finished"] and verdict["final_checkpoint_committed"], table
     assert verdict["committed_checkpoints_lost"] == [], table

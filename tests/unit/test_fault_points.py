@@ -1,10 +1,12 @@
 """Faults are injected only when the run's config asks: the environment alone arms none."""
 
+import time
+
 import pytest
 import torch
 
 from llmtrain import fault_points
-from llmtrain.chaos.faults import Fault, collective_device
+from llmtrain.chaos.faults import Fault, Injector, collective_device
 from logs import logged
 
 
@@ -61,3 +63,17 @@ def test_desync_tensors_live_where_the_groups_backend_takes_them(monkeypatch):
     assert collective_device("gloo") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert collective_device("nccl") == torch.device("cuda", 3)
+
+
+def test_a_slow_rank_is_slowed_by_its_fastest_step_not_by_one_step_slowed_by_load():
+    """``slow`` stretches each step from ``step`` on by (factor - 1) times the shortest
+    step before it: the step just before, slowed by the machine, does not set the pace."""
+    injector = Injector("slow@step:step=4,factor=3", rank=0)
+    took = {}
+    for step, work in enumerate((0.15, 0.05, 0.3, 0.3, 0.0)):  # step 3 "loaded"
+        started = time.perf_counter()
+        injector.point("step", step)
+        took[step] = time.perf_counter() - started
+        time.sleep(work)
+    assert max(took[s] for s in range(4)) < 0.1  # no sleep before step 4
+    assert 0.1 <= took[4] < 0.45  # 2 x 0.05 s, not 2 x 0.3 s

@@ -93,6 +93,32 @@ def test_a_silent_peer_is_no_hang_while_this_rank_recovers_it_warm(tmp_path):
     assert w._detect()[0] == "hang"
 
 
+def test_a_generations_first_step_is_a_long_phase_so_no_peer_names_it_not_arrived(tmp_path):
+    """After a warm recovery a rank's first step plans and runs things for the first time
+    and may take seconds: as from start-up, it publishes no collective position (nothing
+    of it for the not-arrived rule to name), it counts in the store's long phases (its
+    peers' waiting for it is no hang), and its own limit is phase_timeout_s, until that
+    step ends. Its heartbeat's silence is still judged against the hang timeout."""
+    store = signed_store()
+    cfg = ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60, heartbeat_interval_s=0.1)
+    w = Watchdog(cfg, store, str(tmp_path), events=None, rank=1, world_size=2)
+    peer = Watchdog(cfg, store, str(tmp_path), events=None, rank=0, world_size=2)
+    steps(w, 4, 0.01)
+    w.beat(4, "backward")
+    w.progress -= 1  # waiting in a collective, long past the usual gaps: quiet
+    assert w.quiet and w.progress_timeout == 5
+    w.new_generation()
+    assert not w.quiet and w.progress_timeout == 60
+    w._tick()
+    assert json.loads(store.get("hb/1"))["at"] is None
+    assert peer._peer_in_long_phase(10.0)
+    w.beat(5, "forward")  # the generation's first step: still long
+    assert w.progress_timeout == 60
+    w.beat(5, "step")
+    w._tick()
+    assert w.progress_timeout == 5 and not peer._peer_in_long_phase(10.0)
+
+
 GENERATIONS = """
 import json, sys, time
 import torch, torch.distributed as dist
