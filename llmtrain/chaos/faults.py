@@ -139,8 +139,7 @@ class Injector:
         self._file_mtime: float | None = None
         self._from_file: list[Fault] = []
         self._last: dict[Fault, float] = {}      # slow faults: when the last step began
-        self._baseline: dict[Fault, float] = {}  # their shortest full-speed step
-        self._slowing: set[Fault] = set()        # and those slowing this rank's steps
+        self._baseline: dict[Fault, float] = {}  # and their shortest full-speed step
         self._struck: set[Fault] = set()  # nan/bitflip/hang strike once: a replay runs clean
 
     def _armed_at_run_time(self) -> list[Fault]:
@@ -216,11 +215,11 @@ class Injector:
             # ``step`` (without ``step``: its first), not only the step before: one step
             # slowed by the machine's load made the factor larger for the whole run.
             now = time.perf_counter()
-            if fault in self._last and fault not in self._slowing:
+            full_speed = fault.step is not None and step <= fault.step  # the last step was
+            if fault in self._last and (full_speed or fault not in self._baseline):
                 took = now - self._last[fault]
                 self._baseline[fault] = min(took, self._baseline.get(fault, took))
             if fault in self._baseline and (fault.step is None or step >= fault.step):
-                self._slowing.add(fault)
                 time.sleep((fault.factor - 1) * self._baseline[fault])
             self._last[fault] = time.perf_counter()
         return target
