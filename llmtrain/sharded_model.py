@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmtrain.checkpoint import hf
@@ -47,3 +48,10 @@ def build(cfg: JobConfig, mesh: DeviceMesh, device: torch.device,
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = lr_schedule(optimizer, cfg.optim, t.steps)
     return ShardedModel(model, optimizer, scheduler, fp8_scales)
+
+
+def token_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross-entropy of ``inputs`` against ``targets`` (under tensor
+    parallelism, in ``loss_parallel``: the logits stay split over the vocabulary)."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -149,8 +148,7 @@ class Trainer:
         # Asynchronous from pinned memory; the batch is never written to, so nothing can race.
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+        loss = sharded_model.token_loss(self.model, inputs, targets)
         return fault_points.point("loss", step, loss)
 
     def recompute(self, step: int, own: torch.Tensor) -> None:

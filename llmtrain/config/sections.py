@@ -315,6 +315,11 @@ class WarmConfig:
     grow: bool = _f(True, doc="a spare that waits while the job runs below the launcher's "
                               "--nnodes maximum joins it at a step boundary, its state "
                               "resharded from the running ranks' memory (no restart)")
+    rehearse: bool = _f(True, doc="a warm spare of llmtrain's trainer trains one step of "
+                                  "the job's model while it waits, alone, on a fake process "
+                                  "group (no peer, no network), then drops it: the first "
+                                  "step it trains in a lost rank's place pays only what "
+                                  "belongs to that rank (DTensor's plans)")
     evict_wait_s: float = _f(2.0, gt=0, doc="a hang's stuck ranks are killed by their "
                                             "agents for the warm path to replace; a rank "
                                             "whose agent says nothing in this time (its "

@@ -17,6 +17,7 @@ from llmtrain.distributed.process_group import node_name
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
 from llmtrain.model import Transformer
+from llmtrain.spare_rehearsal import rehearse
 from llmtrain.trainer import Trainer
 
 
@@ -62,12 +63,22 @@ def _start(cfg: JobConfig, plan: dict | None) -> Trainer:
 
 def run_spare(cfg: JobConfig) -> ExitCode:
     """A warm spare (``llmtrain spare``, started by a standby ``llmtrain launch``, which
-    holds its place in the job's pool): torch and llmtrain already imported and the model
-    built once on meta, it waits for the plan that assigns it a lost rank, then trains in
+    holds its place in the job's pool): torch and llmtrain already imported and a step of
+    the model rehearsed (or, that off or failed, the model built once on meta), it waits for the plan that assigns it a lost rank, then trains in
     that rank's place. CLEAN if its input ends first: the job no longer needs it."""
-    with torch.device("meta"):  # the first model build pays one-time costs: pay them now
-        Transformer(cfg.model)
-    if cfg.parallelism.fp8 != "none":
-        import_fp8()
+    if not (cfg.warm.rehearse and _rehearsed(cfg)):
+        with torch.device("meta"):  # the first model build pays one-time costs: pay them now
+            Transformer(cfg.model)
+        if cfg.parallelism.fp8 != "none":
+            import_fp8()
     plan = spare_assignment()
     return ExitCode.CLEAN if plan is None else run_worker(cfg, plan)
+
+
+def _rehearsed(cfg: JobConfig) -> bool:
+    """A step rehearsed as this spare's local rank of the largest world its launcher may
+    join (:mod:`llmtrain.spare_rehearsal`)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = (int(os.environ.get("LLMTRAIN_MAX_NODES", "1"))
+                  * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return rehearse(cfg, world_size, local_rank % world_size, local_rank) is not None
