@@ -217,6 +217,9 @@ def test_warm_recovery_with_a_tp_group_on_each_node(cluster, tp_run):
     assert (shrink["kind"], shrink["world_size"], set(shrink["hosts_lost"].values())) == (
         "shrink", 2, {"node1"}), shrink
     assert c.wait("spare1") == ExitCode.CLEAN, c.log("spare1")
+    # each spare rehearsed a step of the TP model while it waited (llmtrain.spare_rehearsal)
+    said = (c.workdir / "spare1.log").read_text()
+    assert said.count("warm spare: rehearsed a step as rank") == 2, said[:4000]
     assert len(events(c.run, "attempt_start")) == 1 and not events(c.run, "checkpoint_loaded")
     assert_bitwise_equal(final_weights(tp_run[0], 20), final_weights(c.run, 20))
     ref, got = step_losses(tp_run[0]), step_losses(c.run)
