@@ -64,8 +64,9 @@ def _start(cfg: JobConfig, plan: dict | None) -> Trainer:
 def run_spare(cfg: JobConfig) -> ExitCode:
     """A warm spare (``llmtrain spare``, started by a standby ``llmtrain launch``, which
     holds its place in the job's pool): torch and llmtrain already imported and a step of
-    the model rehearsed (or, that off or failed, the model built once on meta), it waits for the plan that assigns it a lost rank, then trains in
-    that rank's place. CLEAN if its input ends first: the job no longer needs it."""
+    the model rehearsed (that off or failed: the model built once on meta), it waits for
+    the plan that assigns it a lost rank, then trains in that rank's place. CLEAN if its
+    input ends first: the job no longer needs it."""
     if not (cfg.warm.rehearse and _rehearsed(cfg)):
         with torch.device("meta"):  # the first model build pays one-time costs: pay them now
             Transformer(cfg.model)

@@ -24,7 +24,7 @@ LAYERS = [
     {"model", "optim", "sharded_model", "data", "distributed", "checkpoint", "metrics", "reliability",  # components
      "recovery", "control", "placement", "parts"},
     {"api"},  # the public API: what any training loop, llmtrain's own among them, calls
-    {"trainer"},
+    {"trainer", "spare_rehearsal"},  # its own loop, and its spares' rehearsal of a step
     {"launch"},
     {"report", "chaos"},  # tools behind extras
     {"cli", "__main__"},
