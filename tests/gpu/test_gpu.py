@@ -361,6 +361,31 @@ def test_the_tp_plan_at_tp_1_with_torchaos_fp8_styles(mesh):
     assert losses == pytest.approx(reference, rel=0.02), (losses, reference)
 
 
+# A warm spare's rehearsal of a step (llmtrain.spare_rehearsal), in a process of its own
+# as a spare is (this module's NCCL group would make it stand down): FP8 and tp 2 as rank 1
+# of a fake world of 4, on this GPU. What it prints is the GPU memory it left behind.
+REHEARSAL = """
+import json, torch, torch.distributed as dist
+from llmtrain.config import load_config
+from llmtrain.spare_rehearsal import rehearse
+cfg = load_config("debug_cpu", [("parallelism.device", "cuda"), ("parallelism.fp8", "tensorwise"),
+                                ("parallelism.param_dtype", "bfloat16"), ("parallelism.tp", "2")])
+took = rehearse(cfg, 4, 1, 0)
+print(json.dumps({"took": took, "group": dist.is_initialized(),
+                  "allocated": torch.cuda.memory_allocated(),
+                  "reserved": torch.cuda.memory_reserved()}))
+"""
+
+
+def test_a_spares_rehearsal_trains_its_step_on_the_gpu_and_leaves_no_group():
+    proc = subprocess.run([sys.executable, "-c", REHEARSAL], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nrehearsal on the GPU: {said}")
+    assert said["took"] is not None and not said["group"], (said, proc.stderr[-4000:])
+
+
 def test_pinned_prefetch_and_pinned_staging():
     from llmtrain.checkpoint.staging import ReusedBufferStager
     stager = ReusedBufferStager(cuda=True, share_memory=False)
