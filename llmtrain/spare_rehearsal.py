@@ -43,9 +43,13 @@ log = logging.getLogger(__name__)
 def rehearse(cfg: JobConfig, world_size: int, rank: int, local_rank: int) -> float | None:
     """Trains one step of ``cfg``'s model as ``rank`` of a fake world of ``world_size``
     ranks, then leaves no trace of that world. Returns the seconds it took, or None where
-    it did not run (a process group exists, the layout does not fit ``world_size``) or
-    failed: a failed rehearsal is logged and costs the spare nothing else."""
+    it did not run (a process group exists, ``rank`` is not one of ``world_size``, the
+    layout does not fit them) or failed: a failed rehearsal is logged and costs the spare
+    nothing else."""
     if dist.is_initialized():
+        return None
+    if not 0 <= rank < world_size:
+        log.info("warm spare: no rehearsal as rank %d of %d ranks", rank, world_size)
         return None
     try:
         shape = cfg.mesh_shape(world_size)

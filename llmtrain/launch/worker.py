@@ -79,7 +79,10 @@ def run_spare(cfg: JobConfig) -> ExitCode:
 def _rehearsed(cfg: JobConfig) -> bool:
     """A step rehearsed as this spare's local rank of the largest world its launcher may
     join (:mod:`llmtrain.spare_rehearsal`)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = (int(os.environ.get("LLMTRAIN_MAX_NODES", "1"))
-                  * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return rehearse(cfg, world_size, local_rank % world_size, local_rank) is not None
+    try:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        world_size = (int(os.environ.get("LLMTRAIN_MAX_NODES", "1"))
+                      * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:  # not set by a launcher of llmtrain's: no world to rehearse in
+        return False
+    return rehearse(cfg, world_size, local_rank, local_rank) is not None

@@ -76,6 +76,8 @@ def test_a_rehearsal_that_fails_costs_the_spare_nothing(no_world, monkeypatch):
 def test_no_rehearsal_where_the_layout_does_not_fit_or_a_group_exists(no_world):
     cfg = load_config("debug_cpu", parse_overrides(TP))
     assert spare_rehearsal.rehearse(cfg, 3, 0, 0) is None  # tp 2 does not divide 3 ranks
+    assert spare_rehearsal.rehearse(cfg, 0, 0, 0) is None  # a launcher that said no size
+    assert spare_rehearsal.rehearse(cfg, 4, 5, 1) is None
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert spare_rehearsal.rehearse(load_config("debug_cpu"), 1, 0, 0) is None
     assert dist.get_backend() == "gloo"  # the group that was there is left alone
