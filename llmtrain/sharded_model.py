@@ -7,15 +7,17 @@ start, and again by the survivors of a lost rank in each new generation (warm pa
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import AbstractContextManager
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
 
 from llmtrain.checkpoint import hf
-from llmtrain.config import JobConfig
+from llmtrain.config import JobConfig, ParallelismConfig
 from llmtrain.distributed.parallelize import data_parallel, fp8_all_gather, parallelize
 from llmtrain.model import Transformer
 from llmtrain.optim import build_optimizer, lr_schedule
@@ -52,6 +54,13 @@ def build(cfg: JobConfig, mesh: DeviceMesh, device: torch.device,
 
 def token_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean next-token cross-entropy of ``inputs`` against ``targets`` (under tensor
-    parallelism, in ``loss_parallel``: the logits stay split over the vocabulary)."""
+    parallelism, in :func:`split_loss`'s context: the logits stay split over the
+    vocabulary)."""
     logits = model(inputs)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def split_loss(p: ParallelismConfig) -> Callable[[], AbstractContextManager]:
+    """The context :func:`token_loss` and its backward run in: with tensor parallelism,
+    ``loss_parallel`` (the loss works on the vocabulary-split logits in place)."""
+    return loss_parallel if p.tp > 1 else contextlib.nullcontext

@@ -30,7 +30,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import loss_parallel
 
 from llmtrain import sharded_model
 from llmtrain.config import ConfigError, JobConfig
@@ -58,7 +57,7 @@ def rehearse(cfg: JobConfig, world_size: int, rank: int, local_rank: int) -> flo
         return None
     started = time.perf_counter()
     try:
-        _one_step(cfg, shape, world_size, rank, local_rank)
+        device = _one_step(cfg, shape, world_size, rank, local_rank)
     except Exception:  # noqa: BLE001 - a rehearsal never costs the spare its place
         log.warning("warm spare: the rehearsal of a step failed; its first real step "
                     "pays its first calls", exc_info=True)
@@ -71,12 +70,14 @@ def rehearse(cfg: JobConfig, world_size: int, rank: int, local_rank: int) -> flo
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     took = time.perf_counter() - started
-    log.info("warm spare: rehearsed a step as rank %d of %d in %.2f s", rank, world_size, took)
+    log.info("warm spare: rehearsed a step as rank %d of %d in %.2f s%s", rank, world_size, took,
+             " (on a GPU: a path that had not run when this was written)"
+             if device.type == "cuda" else "")
     return took
 
 
 def _one_step(cfg: JobConfig, shape: tuple[int, int], world_size: int, rank: int,
-              local_rank: int) -> None:
+              local_rank: int) -> torch.device:
     p = dataclasses.replace(cfg.parallelism, compile=False)
     cfg = dataclasses.replace(cfg, parallelism=p)
     device = resolve_device(p, local_rank)
@@ -89,7 +90,8 @@ def _one_step(cfg: JobConfig, shape: tuple[int, int], world_size: int, rank: int
         precompute_fp8_scales(built.model)
     tokens = torch.randint(cfg.model.vocab_size, (cfg.training.micro_batch_size,
                                                   cfg.data.seq_len + 1), device=device)
-    with loss_parallel() if p.tp > 1 else contextlib.nullcontext():
+    with sharded_model.split_loss(p)():
         sharded_model.token_loss(built.model, tokens[:, :-1], tokens[:, 1:]).backward()
     built.optimizer.step()
     built.optimizer.zero_grad(set_to_none=True)
+    return device

@@ -6,11 +6,8 @@ guard, the watchdog, the health monitor, run control, reporting) is the session'
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from llmtrain import fault_points, sharded_model
 from llmtrain.api import Parts, RunInfo, Session, Summary, World
@@ -67,7 +64,7 @@ class Trainer:
             self.data = training_batches(cfg, *self._data_for)
         self._first_done = False
         # split logits (tensor parallel): the loss and its backward work on them in place
-        self.loss_parallel = loss_parallel if cfg.parallelism.tp > 1 else contextlib.nullcontext
+        self.loss_parallel = sharded_model.split_loss(cfg.parallelism)
 
     def build(self, world: World) -> Parts:
         """The model, its optimizer and schedule on ``world``'s mesh, and the data of its

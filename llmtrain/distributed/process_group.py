@@ -235,9 +235,10 @@ def forget_meshes() -> None:
     back at an earlier layout (a grow after a shrink) was handed plans holding the
     destroyed groups ("Could not resolve the process group registered under the name N").
     Called on the training thread when a generation's mesh has another layout than the
-    one before, and after a warm spare's rehearsal (:mod:`llmtrain.spare_rehearsal`). A generation at the same layout (a spare's recovery) keeps them: its
-    groups are made in the same order and get the same names, and planning every op
-    again cost a TP generation's first step about a second here (one run each)."""
+    one before, and after a warm spare's rehearsal (:mod:`llmtrain.spare_rehearsal`). A
+    generation at the same layout (a spare's recovery) keeps them: its groups are made in
+    the same order and get the same names, and planning every op again cost a TP
+    generation's first step about a second here (one run each)."""
     from torch.distributed.tensor._redistribute import _gen_transform_infos
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     _clear_sharding_prop_cache()

@@ -6,7 +6,6 @@ names the rehearsal's meshes."""
 from __future__ import annotations
 
 import contextlib
-
 import logging
 
 import pytest
