@@ -15,8 +15,10 @@ under torchrun (NCCL) and read back from their events:
   what an async save holds the training thread (the save call, plus the next step's
   wait for the staging copy before its update, as benchmarks/checkpoint.py counts it)
   over a sync save's call, medians over the saves before each run's last step (whose
-  save waits for its write); the extra time of the step the staging copy overlaps, and
-  that copy's bandwidth over a plain device-to-host copy into pinned memory.
+  save waits for its write); apart from it, the longest wait of a save for the previous
+  save's write (saves come faster than /dev/shm takes 13 GB); the extra time of the step
+  the staging copy overlaps, and that copy's bandwidth over a plain device-to-host copy
+  into pinned memory.
 
     python benchmarks/gpu.py [--quick] [--sections startup_mfu,fp8,checkpoint]
                              [--work DIR] [--timeout 240]
@@ -119,17 +121,22 @@ def steady(run: dict, key: str, warmup: int) -> float | None:
     return statistics.median(values) if values else None
 
 
-def save_stalls(run: dict) -> list[float]:
-    """What each save before the run's last step held the training thread, from its
-    spans: the save call ("save step N") and the next step's wait for the staging copy
-    ("staging before step N+1", none for a sync save)."""
+def save_stalls(run: dict) -> tuple[list[float], list[float]]:
+    """What each save before the run's last step held the training thread: the save's own
+    part (its ``checkpoint_staged`` blocking time, plus the next step's wait for the
+    staging copy, "staging before step N+1", none for a sync save), and apart from it the
+    time the save call first waited for the previous save's write (the "save step N" span
+    beyond the save's own part: storage slower than the save interval, not the save)."""
     spans = {e["name"]: e["end"] - e["start"] for e in run["span"]
              if e["category"] == "checkpoint_stall"}
     last = max((e["step"] for e in run["step"]), default=0)
-    saves = [e["step"] for e in run["checkpoint_committed"]
-             if e["step"] < last and f"save step {e['step']}" in spans]
-    return [spans[f"save step {n}"] + spans.get(f"staging before step {n + 1}", 0.0)
-            for n in saves]
+    own, waited = [], []
+    for e in run["checkpoint_staged"]:
+        n = e["step"]
+        if n < last and f"save step {n}" in spans:
+            own.append(e["blocking_s"] + spans.get(f"staging before step {n + 1}", 0.0))
+            waited.append(max(0.0, spans[f"save step {n}"] - e["blocking_s"]))
+    return own, waited
 
 
 def last_loss(run: dict, n: int = 20) -> float | None:
@@ -249,7 +256,7 @@ def main() -> None:
         print("1B bf16, sync checkpoints:", flush=True)
         s = train(work, "sync_1b", [*model_args(one_b), *base, "--training.steps", "18",
                                     *ckpt("sync_1b", "sync", 6)], a.timeout)
-        sync, blocking = save_stalls(s), save_stalls(r)
+        (sync, _), (blocking, waited) = save_stalls(s), save_stalls(r)
         staged = [(e["bytes"], e["staging_s"]) for e in async_commits if e.get("staging_s")]
         ceiling = d2h_gbps()
         # the staging copy overlaps the next step, whose optimizer waits for it
@@ -267,6 +274,10 @@ def main() -> None:
                        blocking_over_sync=round(held / whole, 4))
             rows.append(("async save held (call + copy wait) / sync save",
                          f"{held:.3f} / {whole:.3f} s = {held / whole:.3f}"))
+        if waited:  # a save due while the previous one still writes waits for it
+            fig.update(async_waited_for_previous_write_s=round(max(waited), 3))
+            rows.append(("async save: longest wait for the previous write (s)",
+                         f"{max(waited):.3f} (saves every {steps // 3} steps)"))
         if staged:
             gbps = max(b / t for b, t in staged) / 1e9
             fig.update(staging_gbps=round(gbps, 2), d2h_pinned_gbps=round(ceiling, 2),

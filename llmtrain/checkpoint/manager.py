@@ -28,6 +28,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from typing import Callable, Protocol
 
+import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,12 +38,13 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from llmtrain import fault_points
-from llmtrain.checkpoint import index, storage
+from llmtrain.checkpoint import direct_io, index, storage
 from llmtrain.checkpoint.shard_read import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError, Settings
 from llmtrain.events import EventLog
+from llmtrain.fsio import is_local
 
 # DCP raises CheckpointException, a BaseException: ``except Exception`` would miss it.
 log = logging.getLogger(__name__)
@@ -146,12 +148,12 @@ class CheckpointManager:
             cuda = device.type == "cuda"
             self.stager = ReusedBufferStager(cuda=cuda, share_memory=cfg.mode == "async_process",
                                              nice=cfg.writer_nice)
-            if cuda:
+            if cuda and self._writes_direct():
+                # the pinned staging block itself ran on an H200 (docs/gpu.md)
                 events.emit_once("checkpoint_path_unproven",
-                                 reason="the staging block as anonymous memory pinned where "
-                                        "it lies (cudaHostRegister), and local files written "
-                                        "from it with O_DIRECT (checkpoint.direct_io), have "
-                                        "not run on a GPU")
+                                 reason="local files written with O_DIRECT straight from the "
+                                        "pinned staging block (checkpoint.direct_io) have not "
+                                        "run on a GPU")
         self.inflight: Future | None = None
         self.staging: Future | None = None  # the copy of the save in flight
         self.staging_wait_s = 0.0  # how long the training thread waited for that copy
@@ -283,6 +285,11 @@ class CheckpointManager:
         future.add_done_callback(finished)
         if final:
             self.wait()
+
+    def _writes_direct(self) -> bool:
+        """Whether this job's checkpoint files go to a local disk around the page cache."""
+        fs, root = fsspec.core.url_to_fs(self.url)
+        return is_local(fs) and direct_io.wanted(root, self.cfg.direct_io)
 
     def _why_not(self, step: int, busy: bool) -> str | None:
         """Why ``step`` must not be saved (None: it may), decided by all ranks together
