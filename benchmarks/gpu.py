@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -146,19 +145,24 @@ def prepared_restart(work: Path, args: list[str], timeout: float,
         killed = time.time()
         os.kill(worker["pid"], signal.SIGKILL)
         marks = wait_for(run, "recovery", lambda e: e["ts"] > killed, timeout)["marks"]
-        again = wait_for(run, "startup", lambda e: e["ts"] > killed)["pid"]
+        again = wait_for(run, "startup", lambda e: e["ts"] > killed)
+        loaded = wait_for(run, "checkpoint_loaded", lambda e: e["ts"] > killed)
     finally:
         cluster.close()
-    prepared = re.findall(r"prepared worker (\d+) is ready", (work / "node1.log").read_text())
-    if str(again) not in prepared:
-        raise RuntimeError(f"the restarted rank (pid {again}) ran in none of the prepared "
-                           f"workers {prepared}: see {work / 'node1.log'}")
+    if not again["prepared"]:
+        raise RuntimeError(f"the restarted rank (pid {again['pid']}) ran in no prepared "
+                           f"worker: see {work / 'node1.log'}")
+    phases = again["phases"]
     return {"fault_to_first_step_s": marks["first_step"] - killed,
             "detect_s": (marks["failure_detected"] or killed) - killed,
             "rendezvous_handoff_s": marks["process_start"] - (marks["failure_detected"]
                                                               or killed),
             "to_process_group_s": marks["process_group_up"] - marks["process_start"],
             "to_checkpoint_loaded_s": marks["checkpoint_loaded"] - marks["process_group_up"],
+            # of which: the model's build (meta, sharded, materialized) and the load
+            "model_build_s": sum(phases.get(k, 0.0) for k in ("model_meta", "shard",
+                                                              "materialize")),
+            "load_s": loaded["seconds"],
             "loaded_to_first_step_s": marks["first_step"] - marks["checkpoint_loaded"]}
 
 
