@@ -152,6 +152,11 @@ def prepared_restart(work: Path, args: list[str], timeout: float,
     if not again["prepared"]:
         raise RuntimeError(f"the restarted rank (pid {again['pid']}) ran in no prepared "
                            f"worker: see {work / 'node1.log'}")
+    # the load's own parts, as the restarted rank logged them (llmtrain.checkpoint.in_place)
+    said = [line for line in (work / "node1.log").read_text().splitlines()
+            if "checkpoint load:" in line]
+    print(f"  in place: {loaded['checked_in_load']}; {said[-1] if said else 'no load parts'}",
+          flush=True)
     phases = again["phases"]
     return {"fault_to_first_step_s": marks["first_step"] - killed,
             "detect_s": (marks["failure_detected"] or killed) - killed,

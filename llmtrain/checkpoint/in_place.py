@@ -15,7 +15,9 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
+import logging
 import posixpath
+import time
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -28,6 +30,8 @@ from llmtrain.checkpoint.range_read import (Places, ReadSchedule, read_scheduled
 from llmtrain.checkpoint.shard_read import DamagedCheckpoint, ShardReader, item_sum
 from llmtrain.checkpoint.staging import host_block
 from llmtrain.fsio import is_local
+
+log = logging.getLogger(__name__)
 
 OBJECTS_GAP = 1 << 20   # bytes between two objects of a file that one read of both spans
 
@@ -231,7 +235,9 @@ def read_in_place(reader: ShardReader, plan: InPlace, *, check: bool = False) ->
     through = ([t for t, at in zip(targets, pointers) if at == -1 and _needs_scratch(t)]
                if -1 in pointers else [])
     gpu = any(t.device.type == "cuda" for t in through)
+    began = time.perf_counter()
     scratch = dict(zip(map(id, through), host_block(through, pin=gpu)[1])) if through else {}
+    made = time.perf_counter()
     address = np.array(pointers if not through else [
         scratch[id(t)].data_ptr() if id(t) in scratch else t.data_ptr() for t in targets],
         np.int64)
@@ -240,10 +246,16 @@ def read_in_place(reader: ShardReader, plan: InPlace, *, check: bool = False) ->
     read_scheduled(reader._fs, layout.schedule, address, reader.threads, checks)
     if problems:
         raise DamagedCheckpoint(sorted(problems))
+    read = time.perf_counter()
     for target in through:
         target.copy_(scratch[id(target)], non_blocking=True)
     if gpu:
         torch.cuda.current_stream().synchronize()  # before the pinned scratch goes
+    if through:  # where a load through a host block spends its time (a GPU restart's most)
+        log.info("checkpoint load: %.2f GB through a%s host block: made in %.2f s, read%s "
+                 "in %.2f s, copied in %.2f s", sum(v.nbytes for v in scratch.values()) / 1e9,
+                 " pinned" if gpu else "", made - began, " and checked" if check else "",
+                 read - made, time.perf_counter() - read)
 
 
 def _checks(places: Places, address: np.ndarray, sum_of: Callable, name_of: Callable,
