@@ -13,6 +13,7 @@ checkpoint written before the raw format), DCP's planner is the way
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 import logging
@@ -220,42 +221,112 @@ def read_in_place(reader: ShardReader, plan: InPlace, *, check: bool = False) ->
     parallel range reads without DCP's planning (about 0.2 ms of Python per item, most
     of a warm load's time).
 
+    A destination that cannot be read into (on a GPU, not contiguous, a tensor subclass)
+    is read through host memory: two slots of at least ``STAGE`` bytes (pinned for a GPU),
+    one read into while the other's tensors are copied out (on a GPU, on a stream of
+    their own), so that a load of any size touches only the slots' memory. New host
+    memory is not free: its pages are faulted in and zeroed at first touch, 1.2 GB/s on
+    this project's 2-core VM, so a block as large as the state cost a 13 GB load about
+    as long as reading it (one H200 VM loaded 13.3 GB in about 10 s that way).
+
     ``check``: every tensor read is hashed (on the reading threads, while it is in the
-    cache) and compared with its recorded sum before this returns; a difference raises
-    DamagedCheckpoint, with the destination tensors already overwritten."""
+    cache) and compared with its recorded sum; a difference raises DamagedCheckpoint,
+    with the destination tensors of the slots read so far already overwritten."""
     layout = plan.layout
     targets = layout.targets
     # each tensor's metadata is touched once (after a large read it is out of the
     # caches: at 2 ranks here each pass over 300 tensors took 0.1-0.3 ms)
     pointers = ([t.data_ptr() if t.is_contiguous() else -1 for t in targets] if layout.on_cpu
                 else [-1] * len(targets))
-    # destinations read through a scratch copy: views into one host block, pinned where
-    # it lies for a GPU (from torch's pinned allocator, each would be rounded up to a
-    # power of two and stay cached for the rest of the run)
-    through = ([t for t, at in zip(targets, pointers) if at == -1 and _needs_scratch(t)]
-               if -1 in pointers else [])
-    gpu = any(t.device.type == "cuda" for t in through)
-    began = time.perf_counter()
-    scratch = dict(zip(map(id, through), host_block(through, pin=gpu)[1])) if through else {}
-    made = time.perf_counter()
-    address = np.array(pointers if not through else [
-        scratch[id(t)].data_ptr() if id(t) in scratch else t.data_ptr() for t in targets],
-        np.int64)
+    through = ([row for row, at in enumerate(pointers) if at == -1 and _needs_scratch(
+        targets[row])] if -1 in pointers else [])
     problems: list[str] = []
-    checks = _checks(layout.places, address, plan.sum, plan.name, problems) if check else None
-    read_scheduled(reader._fs, layout.schedule, address, reader.threads, checks)
+    if not through:
+        address = np.array(pointers, np.int64)
+        checks = _checks(layout.places, address, plan.sum, plan.name, problems) if check else None
+        read_scheduled(reader._fs, layout.schedule, address, reader.threads, checks)
+    else:
+        _read_through(reader, plan, through, check, problems)
     if problems:
         raise DamagedCheckpoint(sorted(problems))
+
+
+STAGE = 512 << 20  # bytes of each of a load's two host slots (more for a larger tensor)
+_ALIGN = 4096      # where each tensor starts in a slot
+
+
+def _read_through(reader: ShardReader, plan: InPlace, through: list[int], check: bool,
+                  problems: list[str]) -> None:
+    """:func:`read_in_place` where the rows ``through`` are read through host slots and
+    copied out, and the other rows (plain contiguous CPU tensors) are read into."""
+    targets = plan.layout.targets
+    skipped = set(through)
+    direct = [row for row in range(len(targets)) if row not in skipped]
+    if direct:
+        _read_rows(reader, plan, direct, [targets[row].data_ptr() for row in direct], check,
+                   problems)
+    nbytes = [targets[row].numel() * targets[row].element_size() for row in through]
+    spans = [-(-n // _ALIGN) * _ALIGN for n in nbytes]
+    slot_bytes = max(min(STAGE, sum(spans)), max(spans))  # a small state: one slot its size
+    batches: list[list[int]] = [[]]  # indices into through, each batch filling one slot
+    filled = 0
+    for k, n in enumerate(spans):
+        if batches[-1] and filled + n > slot_bytes:
+            batches.append([])
+            filled = 0
+        batches[-1].append(k)
+        filled += n
+    gpu = any(targets[row].device.type == "cuda" for row in through)
+    began = time.perf_counter()
+    # anonymous memory pinned where it lies (torch's pinned allocator would round each
+    # slot up to a power of two and keep it cached for the rest of the run)
+    slot_shape = torch.empty(slot_bytes, dtype=torch.uint8, device="meta")
+    slots = [host_block([slot_shape], pin=gpu)[0] for _ in range(min(2, len(batches)))]
+    made = time.perf_counter()
+    stream = torch.cuda.Stream() if gpu else None
+    if stream is not None:  # the copies come after whatever the live tensors had queued
+        stream.wait_stream(torch.cuda.current_stream())
+    copied: list = [None] * len(slots)  # the event of each slot's last copies (a GPU's)
+    for b, batch in enumerate(batches):
+        slot = slots[b % len(slots)]
+        if copied[b % len(slots)] is not None:
+            copied[b % len(slots)].synchronize()  # its last tensors are out of it
+        offsets = np.cumsum([0] + [spans[k] for k in batch])[:-1]
+        rows = [through[k] for k in batch]
+        _read_rows(reader, plan, rows, [slot.data_ptr() + int(o) for o in offsets], check,
+                   problems)
+        if problems:
+            break
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for row, k, at in zip(rows, batch, offsets):
+                target = targets[row]
+                view = slot[int(at):int(at) + nbytes[k]].view(target.dtype).view(target.shape)
+                target.copy_(view, non_blocking=gpu)
+            if stream is not None:
+                copied[b % len(slots)] = stream.record_event()
     read = time.perf_counter()
-    for target in through:
-        target.copy_(scratch[id(target)], non_blocking=True)
-    if gpu:
-        torch.cuda.current_stream().synchronize()  # before the pinned scratch goes
-    if through:  # where a load through a host block spends its time (a GPU restart's most)
-        log.info("checkpoint load: %.2f GB through a%s host block: made in %.2f s, read%s "
-                 "in %.2f s, copied in %.2f s", sum(v.nbytes for v in scratch.values()) / 1e9,
-                 " pinned" if gpu else "", made - began, " and checked" if check else "",
-                 read - made, time.perf_counter() - read)
+    if stream is not None:
+        stream.synchronize()  # before the slots go
+        torch.cuda.current_stream().wait_stream(stream)
+    log.info("checkpoint load: %.2f GB through %d %shost slot(s) of %.0f MB in %d batch(es): "
+             "slots made in %.2f s, read%s and copied in %.2f s, the last copies in %.2f s",
+             sum(nbytes) / 1e9, len(slots), "pinned " if gpu else "", slot_bytes / 1e6,
+             len(batches), made - began, " and checked" if check else "", read - made,
+             time.perf_counter() - read)
+
+
+def _read_rows(reader: ShardReader, plan: InPlace, rows: list[int], address: list[int],
+               check: bool, problems: list[str]) -> None:
+    """Reads ``plan``'s rows ``rows`` to ``address`` (one each), checked where ``check``."""
+    places = plan.layout.places
+    picked = np.array(rows, np.int64)
+    some = Places(places.paths, places.file[picked], places.start[picked],
+                  places.length[picked])
+    at = np.array(address, np.int64)
+    checks = (_checks(some, at, lambda r: plan.sum(rows[r]), lambda r: plan.name(rows[r]),
+                      problems) if check else None)
+    read_scheduled(reader._fs, schedule_reads(some, is_local(reader._fs)), at, reader.threads,
+                   checks)
 
 
 def _checks(places: Places, address: np.ndarray, sum_of: Callable, name_of: Callable,

@@ -178,6 +178,47 @@ def test_a_load_lands_in_the_live_tensors_after_they_are_replaced(group, tmp_pat
     assert torch.equal(weight.to_local().detach(), saved_weight)
 
 
+def test_tensors_read_through_host_slots_land_in_place_and_are_checked(group, tmp_path,
+                                                                       monkeypatch, caplog):
+    """Destinations that cannot be read into (here: not contiguous; on a GPU: every one)
+    are read through two host slots in turn and copied out, however many slots' worth
+    the state is; each tensor is checked against its sum, and a damaged one is named."""
+    import logging
+    from llmtrain.checkpoint import in_place
+    from llmtrain.checkpoint import state as state_module
+    from llmtrain.checkpoint.shard_read import DamagedCheckpoint
+    model, optimizer, scheduler, state, manager = _saved_at_step_1(group, tmp_path)
+    manager.close()
+    url = storage.step_dir(str(tmp_path / "ckpt"), 1)
+    saved = [t.detach().clone() for t in state_module._live_objects(optimizer, [])]
+    for p in model.parameters():  # each local shard, and its moments, now column-major
+        for d in (p, *(v for v in optimizer.state[p].values()
+                       if isinstance(v, torch.Tensor) and v.dim() == 2)):
+            local = d._local_tensor
+            if local.dim() == 2:
+                d._local_tensor = torch.zeros(local.shape[::-1], dtype=local.dtype).t()
+    assert not all(state_module.local_shard(t).is_contiguous()
+                   for t in state_module._live_objects(optimizer, []))
+    monkeypatch.setattr(in_place, "STAGE", 2 * 4096)  # two small tensors a slot
+    with caplog.at_level(logging.INFO, logger="llmtrain.checkpoint.in_place"):
+        assert state.load(url, check=True) == (1, [], False)  # in place, checked
+    said = [r.getMessage() for r in caplog.records if "checkpoint load:" in r.getMessage()]
+    assert said and "through 2 host slot(s)" in said[0], said
+    # four tensors of under a page each (the weights' and their moments'), two a slot
+    assert "in 2 batch(es)" in said[0], said
+    assert all(map(torch.equal, state_module._live_objects(optimizer, []), saved))
+
+    # a byte of the first file's tensors flipped: named, whichever slot it was read through
+    shard = sorted(f for f in os.listdir(url) if f.endswith(".distcp"))[0]
+    with open(os.path.join(url, shard), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(DamagedCheckpoint, match="corrupted"):
+        state.load(url, check=True)
+
+
 def test_a_later_checkpoint_takes_the_kept_layout_and_loads_its_own_bytes(group, tmp_path):
     """A load keeps where each live tensor's bytes are for as long as the checkpoints'
     layout stays: a later checkpoint of the run (other bytes, other sums, objects of
