@@ -287,27 +287,29 @@ def _read_through(reader: ShardReader, plan: InPlace, through: list[int], check:
     if stream is not None:  # the copies come after whatever the live tensors had queued
         stream.wait_stream(torch.cuda.current_stream())
     copied: list = [None] * len(slots)  # the event of each slot's last copies (a GPU's)
-    for b, batch in enumerate(batches):
-        slot = slots[b % len(slots)]
-        if copied[b % len(slots)] is not None:
-            copied[b % len(slots)].synchronize()  # its last tensors are out of it
-        offsets = np.cumsum([0] + [spans[k] for k in batch])[:-1]
-        rows = [through[k] for k in batch]
-        _read_rows(reader, plan, rows, [slot.data_ptr() + int(o) for o in offsets], check,
-                   problems)
-        if problems:
-            break
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for row, k, at in zip(rows, batch, offsets):
-                target = targets[row]
-                view = slot[int(at):int(at) + nbytes[k]].view(target.dtype).view(target.shape)
-                target.copy_(view, non_blocking=gpu)
-            if stream is not None:
-                copied[b % len(slots)] = stream.record_event()
-    read = time.perf_counter()
-    if stream is not None:
-        stream.synchronize()  # before the slots go
-        torch.cuda.current_stream().wait_stream(stream)
+    try:
+        for b, batch in enumerate(batches):
+            slot = slots[b % len(slots)]
+            if copied[b % len(slots)] is not None:
+                copied[b % len(slots)].synchronize()  # its last tensors are out of it
+            offsets = np.cumsum([0] + [spans[k] for k in batch])[:-1]
+            rows = [through[k] for k in batch]
+            _read_rows(reader, plan, rows, [slot.data_ptr() + int(o) for o in offsets], check,
+                       problems)
+            if problems:
+                break
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for row, k, at in zip(rows, batch, offsets):
+                    target = targets[row]
+                    view = slot[int(at):int(at) + nbytes[k]].view(target.dtype).view(target.shape)
+                    target.copy_(view, non_blocking=gpu)
+                if stream is not None:
+                    copied[b % len(slots)] = stream.record_event()
+    finally:
+        read = time.perf_counter()
+        if stream is not None:
+            stream.synchronize()  # before the slots go, whatever ended the reads
+            torch.cuda.current_stream().wait_stream(stream)
     log.info("checkpoint load: %.2f GB through %d %shost slot(s) of %.0f MB in %d batch(es): "
              "slots made in %.2f s, read%s and copied in %.2f s, the last copies in %.2f s",
              sum(nbytes) / 1e9, len(slots), "pinned " if gpu else "", slot_bytes / 1e6,
