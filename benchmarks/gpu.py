@@ -157,11 +157,10 @@ def prepared_restart(work: Path, args: list[str], timeout: float,
             if "checkpoint load:" in line]
     print(f"  in place: {loaded['checked_in_load']}; {said[-1] if said else 'no load parts'}",
           flush=True)
-    phases = again["phases"]
+    phases, detected = again["phases"], marks["failure_detected"] or killed
     return {"fault_to_first_step_s": marks["first_step"] - killed,
-            "detect_s": (marks["failure_detected"] or killed) - killed,
-            "rendezvous_handoff_s": marks["process_start"] - (marks["failure_detected"]
-                                                              or killed),
+            "detect_s": detected - killed,
+            "rendezvous_handoff_s": marks["process_start"] - detected,
             "to_process_group_s": marks["process_group_up"] - marks["process_start"],
             "to_checkpoint_loaded_s": marks["checkpoint_loaded"] - marks["process_group_up"],
             # of which: the model's build (meta, sharded, materialized) and the load

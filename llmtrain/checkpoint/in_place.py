@@ -29,7 +29,7 @@ from llmtrain.checkpoint.index import RAW, Section, StoredItem
 from llmtrain.checkpoint.range_read import (Places, ReadSchedule, read_scheduled,
                                             schedule_reads)
 from llmtrain.checkpoint.shard_read import DamagedCheckpoint, ShardReader, item_sum
-from llmtrain.checkpoint.staging import host_block
+from llmtrain.checkpoint.staging import host_block, page_span
 from llmtrain.fsio import is_local
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,6 @@ def read_in_place(reader: ShardReader, plan: InPlace, *, check: bool = False) ->
 
 
 STAGE = 512 << 20  # bytes of each of a load's two host slots (more for a larger tensor)
-_ALIGN = 4096      # where each tensor starts in a slot
 
 
 def _read_through(reader: ShardReader, plan: InPlace, through: list[int], check: bool,
@@ -266,7 +265,7 @@ def _read_through(reader: ShardReader, plan: InPlace, through: list[int], check:
         _read_rows(reader, plan, direct, [targets[row].data_ptr() for row in direct], check,
                    problems)
     nbytes = [targets[row].numel() * targets[row].element_size() for row in through]
-    spans = [-(-n // _ALIGN) * _ALIGN for n in nbytes]
+    spans = list(map(page_span, nbytes))  # each tensor starts a page of its slot
     slot_bytes = max(min(STAGE, sum(spans)), max(spans))  # a small state: one slot its size
     batches: list[list[int]] = [[]]  # indices into through, each batch filling one slot
     filled = 0
@@ -311,10 +310,11 @@ def _read_through(reader: ShardReader, plan: InPlace, through: list[int], check:
             stream.synchronize()  # before the slots go, whatever ended the reads
             torch.cuda.current_stream().wait_stream(stream)
     log.info("checkpoint load: %.2f GB through %d %shost slot(s) of %.0f MB in %d batch(es): "
-             "slots made in %.2f s, read%s and copied in %.2f s, the last copies in %.2f s",
+             "slots made in %.2f s, read%s and copied in %.2f s, the last copies in %.2f s%s",
              sum(nbytes) / 1e9, len(slots), "pinned " if gpu else "", slot_bytes / 1e6,
              len(batches), made - began, " and checked" if check else "", read - made,
-             time.perf_counter() - read)
+             time.perf_counter() - read,
+             " (on a GPU: a path that had not run when this was written)" if gpu else "")
 
 
 def _read_rows(reader: ShardReader, plan: InPlace, rows: list[int], address: list[int],

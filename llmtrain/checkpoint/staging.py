@@ -48,6 +48,11 @@ from llmtrain.state_registry import local_shard
 _ALIGN = 4096
 
 
+def page_span(nbytes: int) -> int:
+    """The bytes ``nbytes`` take in a host block whose every buffer starts a page."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _paired(state_dict: dict, buffers: dict, seen: dict) -> tuple[dict, list, list, dict]:
     """(``state_dict`` over ``buffers``, their local tensors, the live ones, what the next
     pairing may take as it is): see _over."""
@@ -237,7 +242,7 @@ def host_block(tensors: list[torch.Tensor], *, pin: bool,
     sizes = [t.numel() * t.element_size() for t in tensors]
     starts = [0]
     for n in sizes:
-        starts.append(starts[-1] + -(-n // _ALIGN) * _ALIGN)
+        starts.append(starts[-1] + page_span(n))
     # anonymous memory, which starts on a page (torch's allocator aligns to 64 bytes),
     # and shared memory too, both at no offset into their storage (see _dtensor)
     block = torch.frombuffer(mmap.mmap(-1, max(starts[-1], 1)), dtype=torch.uint8)
