@@ -299,6 +299,7 @@ class Session:
         self.watchdog.new_generation()
 
     def rejoin(self, store: dist.Store) -> dist.ProcessGroup:
+        self.watchdog.new_generation()  # every member has left the old groups
         self.control_group = self._form(store, "restart")
         self.control.bind(self.control_group)
         self.checkpoints.bind_groups(self.control_group)

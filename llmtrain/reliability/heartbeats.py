@@ -265,11 +265,13 @@ class ControlPlane:
         """The latest heartbeats of those of ``ranks`` that have published one. A rank's
         silence counts from the groups' newest generation at the earliest: the beat of a
         lost rank's process is the spare's until the spare, which took its place in that
-        generation, publishes its first."""
+        generation, publishes its first. Where a beat published before that says its rank
+        is in a collective, it is an older generation's: not judged."""
         raw = self._read([f"hb/{r}" for r in ranks])
         beats = {int(k[3:]): json.loads(v) for k, v in raw.items()}
         for beat in beats.values():
-            beat["wall"] = max(beat["wall"], self.since_ns / 1e9)
+            if beat["wall"] < self.since_ns / 1e9:
+                beat["wall"], beat["at"] = self.since_ns / 1e9, None
         return beats
 
     # -- heartbeats -------------------------------------------------------------------
@@ -290,14 +292,18 @@ class ControlPlane:
                                                                  self.stale_s)))
 
     def world(self) -> World:
-        """Rank 0: every block's summary; a block whose summary is missing or stale is read
-        rank by rank."""
+        """Rank 0: every block's summary; a block whose summary is missing, stale, or made
+        before the groups' newest generation began is read rank by rank. (A leader's
+        summary from just before a warm recovery still looked fresh to a spare that became
+        rank 0: it had the survivors waiting in the old groups' collective, for a rank that
+        never came, and the spare declared a hang in the new generation, which went cold.)"""
         raw = self._read([f"node/{leader}" for leader in self.leaders])
         now, world = time.time(), World()
         for leader in self.leaders:
             summary = raw.get(f"node/{leader}")
             summary = json.loads(summary) if summary is not None else None
-            if summary is None or now - summary["wall"] > self.stale_s:
+            if summary is None or now - summary["wall"] > self.stale_s \
+                    or summary["wall"] < self.since_ns / 1e9:
                 world.stale.append(leader)
                 summary = summarize(self.beats(self._members(leader)), now, self.stale_s)
             world.add(summary, now)

@@ -201,6 +201,9 @@ class Watchdog:
         self.rank, self.world_size = rank, world_size
         self.plane = ControlPlane(store, rank, world_size, local_world_size,
                                   cfg.heartbeat_interval_s)
+        # a watchdog starts with its rank's groups, every member's formed (a spare's, once
+        # the survivors left the old ones): what was published before is of another generation
+        self.plane.since_ns = time.time_ns()
         self.diagnostics = join(run_dir, "diagnostics")
         self.step, self.phase = 0, "start-up"
         self.limit: float | None = cfg.phase_timeout_s  # start-up is a long phase
@@ -279,13 +282,16 @@ class Watchdog:
         return dict(self._slowdowns)
 
     def new_generation(self) -> None:
-        """The process groups were formed again (a warm recovery): collectives of the old
-        ones are not compared with the new ones', nor dumped with them. Until this rank's
-        first step of the generation ends, it is in a long phase, as from start-up to the
-        first step: that step plans and runs things for the first time (a fresh spare's
-        sharding propagation took seconds under load), so no peer names this rank not
-        arrived while it runs, and waiting for it is no hang until ``phase_timeout_s``.
-        A rank that stops beating is still named after the hang timeout."""
+        """The process groups are formed again (a warm recovery): collectives of the old
+        ones are not compared with the new ones', nor dumped with them. Called as this rank
+        leaves the old groups, and again once every member of the new generation has come
+        (all left the old ones): from then on nothing a peer published before is judged.
+        Until this rank's first step of the generation ends, it is in a long phase, as
+        from start-up to the first step: that step plans and runs things for the first
+        time (a fresh spare's sharding propagation took seconds under load), so no peer
+        names this rank not arrived while it runs, and waiting for it is no hang until
+        ``phase_timeout_s``. A rank that stops beating is still named after the hang
+        timeout."""
         self.plane.since_ns = self._generation_ns = time.time_ns()
         self.limit = self.cfg.phase_timeout_s
 

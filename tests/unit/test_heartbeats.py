@@ -191,3 +191,30 @@ def test_a_lost_ranks_old_beat_is_no_silence_of_the_spare_that_replaces_it():
     ps[0].since_ns = time.time_ns()  # Watchdog.new_generation
     assert ps[0].world().silent == {}
     assert time.time() - ps[0].beats([1])[1]["wall"] < 1
+
+
+def test_an_older_generations_positions_are_not_judged_in_the_new_one():
+    """Just before a warm recovery, node 2's leader summarized its block: rank 3 waiting
+    long in #9, rank 2 still at #8 (as the old groups stood, blocked by a stopped rank).
+    A spare that became rank 0 read that summary, fresh by the clock, and declared a hang
+    in the new generation (a chaos run went cold on it). Once the new generation began
+    (its groups formed with every member), neither that summary nor a beat published
+    before it is judged; a leader's summary made after it is."""
+    ps = planes(4, block=2)
+    waiting = {"default_pg": [9, ALL_REDUCE, True, 5.3, 0.4]}
+    behind = {"default_pg": [8, ALL_REDUCE, False, 0.0, 0.4]}
+    world = world_of(ps, {0: beat(None), 1: beat(waiting), 2: beat(behind), 3: beat(waiting)})
+    assert not_arrived(world, 10.0, 3.0)[1] == [2]  # as the old generation stood
+    time.sleep(0.01)
+    for p in ps:
+        p.since_ns = time.time_ns()  # Watchdog: started, or new_generation
+    fresh = ps[0].world()
+    assert fresh.stale == [0, 2] and not_arrived(fresh, 10.0, 3.0) is None
+    assert verdict(fresh, 300.0, 10.0, 3.0, ps[0].stale_s) is None
+    assert fresh.silent == {}  # the old beats count as beaten at the generation's start
+    # the new generation's beats are judged again: rank 2 behind in the new groups' #4
+    new_waiting = {"default_pg": [4, ALL_REDUCE, True, 5.3, 0.4]}
+    new_behind = {"default_pg": [3, ALL_REDUCE, False, 0.0, 0.4]}
+    world = world_of(ps, {0: beat(None), 1: beat(new_waiting), 2: beat(new_behind),
+                          3: beat(new_waiting)})
+    assert world.stale == [] and not_arrived(world, 10.0, 3.0)[1] == [2]

@@ -86,6 +86,7 @@ def test_a_silent_peer_is_no_hang_while_this_rank_recovers_it_warm(tmp_path):
     peer._tick()
     published = json.loads(store.get("hb/0"))
     store.set("hb/0", json.dumps({**published, "wall": published["wall"] - 10}))
+    w.plane.since_ns -= 20 * 10**9  # rank 1 has watched for longer than that silence
     assert "rank 0 sent no heartbeat for 10 s" in w._detect()[1]
     w.beat(1, "recover", long=True)
     assert w._detect() is None
