@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from bisect import bisect_left, insort
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,11 @@ from llmtrain.chaos.settings import ChaosConfig
 from llmtrain.chaos.timeline import sizes
 from llmtrain.chaos.verdict import WENT_ON, Verdict, recovery_path
 from llmtrain.distributed.signed_store import SignedStore
-from llmtrain.events import read_events
+from llmtrain.events import EventTail
+
+
+def _ts(event: dict) -> float:
+    return event["ts"]
 
 
 class JobStopped(RuntimeError):
@@ -49,15 +54,26 @@ class Job:
         self.started_at: dict[str, float] = {}  # node -> when chaos last started it
         self.standby: set[str] = set()  # the nodes chaos last started as spares
         self.last_fault = False  # the fault in flight is the schedule's last
+        # the event log, followed: each look reads only what was written since the last
+        # (re-reading a fast job's whole log at every look of a wait took most of chaos's
+        # own CPU, which the job's ranks and spares on the same cores went without)
+        self._tail = EventTail(str(self.run))
+        self._events: dict[str | None, list[dict]] = {None: []}  # by kind; None: all
 
     # -- its event log ------------------------------------------------------------------
 
     def events(self, kind: str | None = None, since: float = 0.0) -> list[dict]:
-        """The job's events (of ``kind``) since ``since``."""
-        try:
-            return [e for e in read_events(str(self.run), kind) if e["ts"] >= since]
-        except FileNotFoundError:
-            return []
+        """The job's events (of ``kind``) since ``since``, in time order. The events are
+        the same objects from one call to the next: read them, never change them."""
+        for e in self._tail.read():
+            for key in (None, e["event"]):
+                found = self._events.setdefault(key, [])
+                if found and found[-1]["ts"] > e["ts"]:  # another process's, written late
+                    insort(found, e, key=_ts)
+                else:
+                    found.append(e)
+        found = self._events.get(kind, [])
+        return found[bisect_left(found, since, key=_ts):]
 
     def latest(self, kind: str, since: float = 0.0) -> dict | None:
         """The last event of ``kind`` since ``since``."""
@@ -93,7 +109,9 @@ class Job:
 
     def world(self) -> tuple[float, int]:
         """Since when the job has had its present size, and that size."""
-        return max(sizes(self.events()), default=(0.0, 0))
+        changes = [e for kind in ("attempt_start", "warm_recovery", "warm_grow")
+                   for e in self.events(kind)]
+        return max(sizes(changes), default=(0.0, 0))
 
     def ranks(self) -> dict[int, dict]:
         """The ranks of the job as it is: rank -> its startup event (pid, host)."""
