@@ -188,10 +188,13 @@ def _event(line: bytes) -> dict[str, Any] | None:
     return record if ok else None
 
 
-def read_events(run_dir: str, event: str | None = None) -> list[dict[str, Any]]:
-    """Every process's events in time order, optionally only those named ``event``;
+def read_events(run_dir: str, event: str | None = None,
+                writer: str | None = None) -> list[dict[str, Any]]:
+    """Every process's events in time order, optionally only those named ``event``, or
+    only those one process wrote (``writer``: its log's name, ``rank-<N>``);
     FileNotFoundError when the run has no event log (yet)."""
-    tail = EventTail(run_dir, keep=None if event is None else frozenset({event}))
+    tail = EventTail(run_dir, keep=None if event is None else frozenset({event}),
+                     writer=writer)
     records = tail.read()
     if not tail.offsets:
         raise FileNotFoundError(f"no event log in {run_dir} (no events/ or {LEGACY})")
@@ -201,12 +204,16 @@ def read_events(run_dir: str, event: str | None = None) -> list[dict[str, Any]]:
 class EventTail:
     """Follows a run's event log: each ``read`` returns only the events written since the
     last one, in time order, reading only the new bytes of each file (files that appeared
-    since included), so that re-reading a long run's log stays cheap."""
+    since included), so that re-reading a long run's log stays cheap. With ``writer`` (a
+    log's name, ``rank-<N>``), only the files that process wrote (and an older version's
+    single log)."""
 
-    def __init__(self, run_dir: str, keep: frozenset[str] | None = None):
+    def __init__(self, run_dir: str, keep: frozenset[str] | None = None,
+                 writer: str | None = None):
         self.fs, root = fsspec.core.url_to_fs(run_dir)
         self.dir, self.legacy = join(root, "events"), join(root, LEGACY)
         self.keep = keep
+        self.prefix = None if writer is None else f"{writer}."  # rank-1.jsonl, rank-1.<token>...
         self.offsets: dict[str, int] = {}  # every file seen: the bytes read of it
         self.legacy_read = False
 
@@ -220,7 +227,8 @@ class EventTail:
                 pass
         self.fs.invalidate_cache(self.dir)  # other processes write here: list afresh
         for path, info in sorted(self.fs.find(self.dir, detail=True).items()):
-            if not path.endswith(".jsonl"):
+            if not path.endswith(".jsonl") or (
+                    self.prefix and not path.rpartition("/")[2].startswith(self.prefix)):
                 continue
             start = self.offsets.setdefault(path, 0)
             if info["size"] > start:

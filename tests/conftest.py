@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import needs
-from llmtrain.events import read_events
+from llmtrain.events import EventTail, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,13 +100,14 @@ def llmtrain_start(run_dir: Path, *overrides: str, **kwargs) -> subprocess.Popen
 
 def wait_for_event(run_dir: Path, name: str, proc: subprocess.Popen, timeout: float = 120,
                    where=lambda e: True) -> dict:
-    """The first ``name`` event matching ``where``, once the running job has written it."""
+    """The first ``name`` event matching ``where``, once the running job has written it
+    (each look reads only what was written since the last)."""
     deadline = time.monotonic() + timeout
+    tail = EventTail(str(run_dir), keep=frozenset({name}))
     while time.monotonic() < deadline:
-        if (run_dir / "events").exists():
-            found = [e for e in events(run_dir, name) if where(e)]
-            if found:
-                return found[0]
+        found = [e for e in tail.read() if where(e)]
+        if found:
+            return found[0]
         if proc.poll() is not None:
             out, err = proc.communicate()
             raise AssertionError(f"the job exited {proc.returncode} before a {name} event\n"

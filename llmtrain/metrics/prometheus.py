@@ -208,9 +208,13 @@ class Exporter:
         write_atomic(self.target_url, json.dumps(entry).encode())
 
     def _replay_history(self) -> None:
-        """Run-wide counts from earlier attempts, so a restart does not reset them."""
+        """Run-wide counts from earlier attempts, so a restart does not reset them. Rank 0
+        reads the whole log (the run-wide verdicts any rank may have written), every other
+        rank only its own files: at every start of every rank, N ranks each reading all N
+        ranks' logs would put N² reads on the run's storage."""
         try:
-            events = read_events(self.run_dir)
+            events = read_events(self.run_dir,
+                                 writer=None if self.rank == 0 else f"rank-{self.rank}")
         except FileNotFoundError:
             return
         for e in events:
@@ -222,8 +226,10 @@ class Exporter:
                                        "checkpoint_retention_failed", "checkpoint_committed",
                                        "checkpoint_passed_over", "fence_unreachable"):
                 self.observe(e)
-        sizes = [e["world_size"] for e in events if e["event"] == "attempt_start"]
-        self.set("llmtrain_membership_changes", sum(a != b for a, b in zip(sizes, sizes[1:])))
+        if self.rank == 0:  # a run-wide count (rank 0 starts every attempt)
+            sizes = [e["world_size"] for e in events if e["event"] == "attempt_start"]
+            self.set("llmtrain_membership_changes",
+                     sum(a != b for a, b in zip(sizes, sizes[1:])))
 
     # -- updates ------------------------------------------------------------------------
 

@@ -82,3 +82,26 @@ def test_a_restarted_rank_carries_its_retention_failures_not_its_replication_one
     assert value(e, "llmtrain_checkpoint_retention_failures_total") == 1
     assert value(e, "llmtrain_checkpoint_failures_total") == 1
     assert value(e, "llmtrain_snapshot_replication_failures_total") == 0
+
+
+def test_a_rank_other_than_0_replays_only_its_own_log(tmp_path):
+    """Every rank replays its history at every start: rank 1 reads its own files only
+    (N ranks each reading every rank's log would be N² reads of the run's storage at each
+    restart), rank 0 the whole log, for the run-wide counts any rank may have written."""
+    for rank in (0, 1, 10):
+        log = EventLog(str(tmp_path), rank)
+        log.emit("fence_unreachable", what="the commit", mine="1-a/g0", timeout_s=10.0,
+                 error="TimeoutError: no answer")
+        log.emit("hang", reason="rank 2 sent no heartbeat", culprits=[2])
+        log.close()
+    # a line in rank 0's file that names rank 1: read, it would count for rank 1
+    with open(tmp_path / "events" / "rank-0.jsonl", "a") as f:
+        f.write('{"ts": 9.0, "event": "fence_unreachable", "rank": 1, "what": "x", '
+                '"mine": "1-a/g0", "timeout_s": 10.0, "error": "TimeoutError"}\n')
+    one, zero = exporter(tmp_path, 1), exporter(tmp_path, 0)
+    for e in (one, zero):
+        e._replay_history()
+    assert value(one, "llmtrain_fence_unreachable_total") == 1
+    assert value(zero, "llmtrain_fence_unreachable_total") == 1
+    assert value(zero, "llmtrain_hangs_total") == 3  # run-wide: every rank's report
+    assert value(one, "llmtrain_hangs_total") == 1  # the report it wrote itself
