@@ -32,7 +32,11 @@ def handler(port: int, last_call: int = 1):
 def test_a_node_joining_the_wait_list_is_seen_at_the_running_nodes_next_look(store,
                                                                              monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as llmtrain launch sets
-    running, arriving = handler(store.port), handler(store.port)
+    # The arriving node's last call is long: woken by the running node's leaving, it may
+    # join the next round first, and with a 1 s last call of its own it completed that
+    # round alone once the running node's thread, on a loaded machine, took over a second
+    # to join (which then waited a minute for a round nobody started)
+    running, arriving = handler(store.port), handler(store.port, last_call=30)
     woken = wake(running)
     assert woken is not None and wake(running) is woken  # installed once
     running.next_rendezvous()  # alone: min 1 node, after a 1 s last call
