@@ -17,7 +17,7 @@ from llmtrain.chaos.mount import FaultMount
 from llmtrain.chaos.netns import Network
 from llmtrain.chaos.scripted_gpu import write_gpu_script
 from llmtrain.chaos.settings import ChaosConfig
-from llmtrain.chaos.timeline import sizes
+from llmtrain.chaos.timeline import SIZE_EVENTS, sizes
 from llmtrain.chaos.verdict import WENT_ON, Verdict, recovery_path
 from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventTail
@@ -109,8 +109,7 @@ class Job:
 
     def world(self) -> tuple[float, int]:
         """Since when the job has had its present size, and that size."""
-        changes = [e for kind in ("attempt_start", "warm_recovery", "warm_grow")
-                   for e in self.events(kind)]
+        changes = [e for kind in SIZE_EVENTS for e in self.events(kind)]
         return max(sizes(changes), default=(0.0, 0))
 
     def ranks(self) -> dict[int, dict]:

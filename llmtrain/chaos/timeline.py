@@ -7,13 +7,18 @@ from __future__ import annotations
 from llmtrain.metrics import goodput
 
 
+# the events that can change the job's size: an attempt's start, then the warm ones (a
+# shrink or a grow; a spare's recovery keeps the size)
+SIZE_EVENTS = ("attempt_start", "warm_recovery", "warm_grow")
+
+
 def sizes(events: list[dict]) -> list[tuple[float, int]]:
     """When the job changed size, and to what, in order: each attempt's start, and each
     shrink or grow (when agreed: every rank's trainer is built anew after it)."""
-    changes = [(e["ts"], e["world_size"]) for e in events if e["event"] == "attempt_start"]
-    changes += [(e["marks"]["agreed"], e["world_size"]) for e in events
-                if e["event"] in ("warm_recovery", "warm_grow") and e["kind"] != "spare"]
-    return sorted(changes)
+    started = [(e["ts"], e["world_size"]) for e in events if e["event"] == "attempt_start"]
+    resized = [(e["marks"]["agreed"], e["world_size"]) for e in events
+               if e["event"] in SIZE_EVENTS[1:] and e["kind"] != "spare"]
+    return sorted(started + resized)
 
 
 def time_below(events: list[dict], full: int) -> float:
