@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from llmtrain import fault_points
+from llmtrain.checkpoint.in_place import release_slots
 from llmtrain.checkpoint.manager import checkpoints_for
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import Settings, mesh_shape
@@ -274,10 +275,14 @@ class Session:
         """The newest checkpoint's step (0: none, or resuming is off)."""
         c = self.settings.checkpoint
         if not (c.enable and c.resume):
+            release_slots()
             return 0
         self.watchdog.beat(0, "resume", long=True)
         with self.ledger.span("checkpoint_load", "resume"):
-            step = self.checkpoints.resume(self.state)
+            try:
+                step = self.checkpoints.resume(self.state)
+            finally:
+                release_slots()  # a prepared worker's, where no load took them
         if step:
             self.reporter.line(f"resumed from the checkpoint of step {step} in "
                                f"{self.settings.checkpoint_url}")

@@ -50,6 +50,21 @@ def handed_over_pid(holder: int) -> int | None:
         return None
 
 
+def waiting_file(folder: str, pid: int) -> Path:
+    """The file by which a prepared worker ``pid`` that waits for its attempt (with its
+    CUDA context made, on a GPU node) is known in its node's folder ``folder``."""
+    return Path(folder) / f"{pid}.waiting"
+
+
+def waiting_workers() -> set[int]:
+    """This node's prepared workers that wait for an attempt (their PIDs): processes of
+    the job's own on its GPUs, not strays."""
+    folder = os.environ.get(PREPARED_DIR_ENV)
+    if not folder:
+        return set()
+    return {int(p.stem) for p in Path(folder).glob("*.waiting") if p.stem.isdigit()}
+
+
 def kill_holder(holder: int) -> None:
     """SIGKILL to a rank's supervised process group ``holder`` (torchrun starts each worker
     as a group's leader) and to the prepared worker it handed its attempt to: that one

@@ -178,7 +178,7 @@ class CheckpointConfig:
                             "nothing of the page cache evicted. auto: on local block "
                             "filesystems (ext4, xfs, btrfs, f2fs); on: any local path that "
                             "takes it (Lustre, GPFS); off: never")
-    reader_threads: int = _f(4, ge=1, doc="parallel range reads per rank when "
+    reader_threads: int = _f(8, ge=1, doc="parallel range reads per rank when "
                              "loading (from local files, at most the rank's share of the "
                              "node's CPUs)")
     auto_interval: bool = _f(False, doc="save at the Young/Daly optimal interval computed "

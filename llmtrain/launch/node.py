@@ -175,7 +175,7 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     # a standby's agent and prepared workers import while it waits: it joins a round as
     # soon as the round is short of it
     waits = lc.standby and not vacancy
-    prepared = _prepare_workers(lc, env)
+    prepared = _prepare_workers(lc, env, cfg.parallelism.compile)
     try:
         proc = subprocess.Popen(torchrun_command(
             lc, train_args, warm, prepared and prepared.folder, after_go=waits), env=env,
@@ -207,7 +207,7 @@ def _go(agent: subprocess.Popen, join: bool) -> bool:
     return join
 
 
-def _prepare_workers(lc: LaunchConfig, env: dict[str, str]):
+def _prepare_workers(lc: LaunchConfig, env: dict[str, str], compiled: bool):
     """With ``--prepared-workers``: this node's prepared workers, started now, beside the
     rendezvous (:mod:`llmtrain.launch.prepared`)."""
     if not lc.prepared_workers:
@@ -215,7 +215,8 @@ def _prepare_workers(lc: LaunchConfig, env: dict[str, str]):
     from llmtrain.launch.prepared import PreparedConfig, PreparedWorkers, new_folder
     folder = new_folder()
     env[PREPARED_DIR_ENV] = folder  # the agent's kills find the workers handed attempts
-    return PreparedWorkers(PreparedConfig(local_ranks=lc.nproc_per_node), folder, env)
+    return PreparedWorkers(PreparedConfig(local_ranks=lc.nproc_per_node, compiled=compiled),
+                           folder, env)
 
 
 def ensure_secret(lc: LaunchConfig, env: MutableMapping[str, str] = os.environ) -> None:

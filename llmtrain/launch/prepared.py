@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtrain.process_origin import HANDED_OVER_ENV, PREPARED_DIR_ENV
+from llmtrain.process_origin import HANDED_OVER_ENV, PREPARED_DIR_ENV, waiting_file
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ class PreparedConfig:
     # began, unless a hand-off comes first: then it imports at once, no later than a fresh
     # process would. A node's first prepared workers import at once.
     import_delay_s: float = 3.0
+    # the job compiles (parallelism.compile): its workers import torch.compile's stack too
+    compiled: bool = False
     retry_s: float = 5.0  # after a prepared worker ended before it was taken
     # a hand-off whose process died leaves its worker running only this long
     orphan_look_s: float = 0.2
@@ -105,7 +107,8 @@ class PreparedWorkers:
             read, write = os.pipe()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "llmtrain.launch.prepared", self.folder,
-                 str(local_rank), str(listener.fileno()), str(write), str(delay)],
+                 str(local_rank), str(listener.fileno()), str(write), str(delay),
+                 str(int(self.cfg.compiled))],
                 env=self.env, pass_fds=(listener.fileno(), write))
             os.close(write)
             listener.close()  # the worker's now
@@ -121,7 +124,9 @@ class PreparedWorkers:
             if taken:
                 threading.Thread(target=self._see_out, args=(proc, int(taken)), daemon=True,
                                  name=f"prepared-{local_rank}-taken").start()
-            elif not self._closed.is_set():
+            else:
+                waiting_file(self.folder, proc.pid).unlink(missing_ok=True)
+            if not taken and not self._closed.is_set():
                 log.warning("prepared worker %d for local rank %d ended untaken (exit %s); "
                             "another starts in %.0f s", proc.pid, local_rank, proc.wait(),
                             self.cfg.retry_s)
@@ -198,21 +203,26 @@ def _write(path: Path, text: str) -> None:
 # --- the prepared worker's side -------------------------------------------------------
 
 def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
-          import_delay_s: float) -> None:
+          import_delay_s: float, compiled: bool) -> None:
     """Imports, waits for its attempt on the socket its launcher made, then runs it;
     never returns."""
     path = os.path.join(folder, f"{local_rank}.sock")
     listener = socket.socket(fileno=listener_fd)  # a hand-off may wait in it already
     _die_with_launcher()
     select.select([listener], [], [], import_delay_s)  # a hand-off, or the delay's end
-    ready = _prepare(local_rank)
+    ready = _prepare(local_rank, compiled)
+    waiting = waiting_file(folder, os.getpid())
     if ready:
+        # what its context holds on the GPU is this node's, not a stray process's
+        # (llmtrain.reliability.health.gpu_checks.stray_processes)
+        _write(waiting, str(local_rank))
         os.write(taken_fd, READY)
     while True:
         conn, _ = listener.accept()
         if _peer_uid(conn) == os.getuid():
             break
         conn.close()  # not this user's: never read
+    waiting.unlink(missing_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # nobody else connects to a taken worker
     listener.close()
@@ -238,10 +248,11 @@ def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
     os._exit(code)
 
 
-def _prepare(local_rank: int) -> bool:
-    """The imports an attempt would pay, a first model build's one-time costs (on meta,
-    of the default shape: whatever the job's, the next build takes milliseconds), and on
-    a GPU node the device's context. False
+def _prepare(local_rank: int, compiled: bool) -> bool:
+    """The imports an attempt would pay (``compiled``: torch.compile's too), a first model
+    build's one-time costs (on meta, of the default shape: whatever the job's, the next
+    build takes milliseconds), and on a GPU node the device's context and a resume's
+    pinned host memory. False
     where the device fails a small kernel (the attempt then starts afresh, and finds the
     fault itself)."""
     from llmtrain import collector
@@ -250,10 +261,14 @@ def _prepare(local_rank: int) -> bool:
 
         import torch
         importlib.import_module("llmtrain.launch.worker")  # the trainer and all it imports
+        from llmtrain.checkpoint.in_place import reserve_slots
         from llmtrain.config.sections import ModelConfig
         from llmtrain.distributed.parallelize import import_fp8
         from llmtrain.model import Transformer
         import_fp8()  # whatever the job's recipe: an FP8 job's attempt would import it
+        if compiled:  # imported as the model is built (most of a 1B model's 1.0 s "shard"
+            # on an H200) and at the first step: 2.6 s here
+            importlib.import_module("torch._inductor.compile_fx")
     with torch.device("meta"):  # a first model build's one-time costs (0.6 s of 0.6 s here)
         Transformer(ModelConfig())
     if not torch.cuda.is_available():
@@ -262,6 +277,7 @@ def _prepare(local_rank: int) -> bool:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         torch.ones(1, device="cuda").add_(1)
         torch.cuda.synchronize()
+        reserve_slots()  # a resume's pinned host memory (llmtrain.checkpoint.in_place)
         return True
     except RuntimeError as e:  # never run on a failed device: see docs/gpu.md
         log.warning("prepared worker: the device failed its check (%s)", e)
@@ -346,4 +362,5 @@ def _peer_uid(conn: socket.socket) -> int:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
+          sys.argv[6] == "1")

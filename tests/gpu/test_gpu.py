@@ -378,8 +378,9 @@ print(json.dumps({"took": took, "group": dist.is_initialized(),
 
 
 def test_a_spares_rehearsal_trains_its_step_on_the_gpu_and_leaves_no_group():
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-c", REHEARSAL], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stderr[-4000:]
     said = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"\nrehearsal on the GPU: {said}")

@@ -2,7 +2,7 @@
 attempt's command, environment and stdio reach the worker; its exit code, a signal that
 killed it and the signals sent to the hand-off pass through; a hand-off with no prepared
 worker runs the command itself; a worker whose hand-off died is killed; each prepared
-worker takes one attempt."""
+worker takes one attempt; a waiting worker is no stray on its GPU."""
 
 import os
 import signal
@@ -14,6 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from nvml_states import node, write_script
+from llmtrain.config import HealthConfig
+from llmtrain.process_origin import PREPARED_DIR_ENV, waiting_workers
+from llmtrain.reliability.health.checks import Backend, HealthChecker
+from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
 from llmtrain.launch.prepared import (FOLDER_PREFIX, HANDOFF, PreparedConfig, PreparedWorkers,
                                       new_folder)
 
@@ -111,6 +116,31 @@ def test_with_no_prepared_worker_the_hand_off_runs_the_command_itself(script, tm
     got = said(proc)
     assert proc.returncode == 4 and "prepared False" in got["out"], got
     assert got["pid"] == proc.pid  # exec'd: the same process
+
+
+def test_a_waiting_worker_is_the_nodes_own_not_a_stray_on_its_gpu(
+        prepared, script, tmp_path, monkeypatch):
+    """A prepared worker holds a CUDA context on its GPU while it waits: the health
+    checks know it by its file in the node's folder and call only others strays; once it
+    takes an attempt the file is gone (the attempt is the checking process itself)."""
+    monkeypatch.setenv(PREPARED_DIR_ENV, prepared.folder)
+    deadline = time.monotonic() + 120
+    while not waiting_workers():
+        assert time.monotonic() < deadline, "the prepared worker never said it waits"
+        time.sleep(0.02)
+    (worker,) = waiting_workers()
+    assert worker == prepared._procs[0].pid
+    state = node(2)
+    state["gpus"][1]["processes"] = [{"pid": worker, "used_memory_mib": 612},
+                                     {"pid": os.getppid(), "used_memory_mib": 900}]
+    write_script(tmp_path / "gpus.json", state)
+    checker = HealthChecker(HealthConfig(), Backend(ScriptedNVML(str(tmp_path / "gpus.json"), "n"),
+                                                    "scripted"), host="n")
+    (f,) = [f for f in checker.gpus()[0] if f.check == "stray_processes" and f.gpu == 1]
+    assert f.severity == "fatal" and f"pid {os.getppid()} (900 MiB)" in f.message, f
+    assert f"pid {worker}" not in f.message, f
+    got = said(handoff(prepared.folder, script, "exit", "0", cwd=tmp_path))
+    assert got["pid"] == worker and worker not in waiting_workers()
 
 
 def _wait_file(path: Path, timeout: float = 120) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import pynvml
 
 from llmtrain.config import HealthConfig
+from llmtrain.process_origin import waiting_workers
 from llmtrain.reliability.health.nvml import UNKNOWN, recovery_name
 
 Reading = dict[str, Any]  # one GPU's fields, as read_gpu returns them
@@ -208,12 +209,14 @@ def nvlink(s: Reading, ctx: GpuContext) -> Verdict:
 
 def stray_processes(s: Reading, ctx: GpuContext) -> Verdict:
     """Before the job starts, GPU memory held by anyone else is someone else's
-    (``health.stray_processes``); a process NVML names by a PID of another namespace is
+    (``health.stray_processes``), except this node's prepared workers waiting for their
+    attempts (their CUDA contexts); a process NVML names by a PID of another namespace is
     nobody's we can tell."""
     procs = s["processes"]
     if procs is UNKNOWN:
         return _unknown("the processes using the GPU")
-    others = [(pid, mib) for pid, mib in procs if pid != os.getpid()]
+    ours = {os.getpid(), *waiting_workers()}
+    others = [(pid, mib) for pid, mib in procs if pid not in ours]
     stray = [(pid, mib) for pid, mib in others if ctx.pid_visible(pid)]
     hidden = [p for p in others if p not in stray]
     foreign = (f"GPU memory held by {_pids(hidden)} in another PID namespace (in a container, "
