@@ -251,6 +251,7 @@ class CompileCache:
                     self.loaded = sum(len(names) for names in info.artifacts.values())
                     self.loaded_sha = hashlib.sha256(blob).hexdigest()
                     self.kernels = self._put_kernels()
+            _compile_workers(start=not self.loaded)
         except Exception as e:  # noqa: BLE001 - a cache is never worth a failed start
             self._ignore(f"loading it failed: {type(e).__name__}: {e}")
         self.load_s = time.perf_counter() - began
@@ -355,6 +356,23 @@ class CompileCache:
         record = signed_record(self._secret, self.key, body)
         write_atomic(join(self.dir, f"{self.key}.json"), json.dumps(record, indent=1).encode())
         return True
+
+
+def _compile_workers(*, start: bool) -> None:
+    """Inductor compiles a GPU's Triton kernels in a pool of worker processes, which it
+    starts at its first compile, and until the pool is up (each worker imports torch) it
+    compiles them one by one in the rank's own process. ``start``: the first step will
+    compile (no cache was loaded): the pool starts now, while the group forms and the
+    model is built. Else the cache holds the kernels: no pool is started at the first
+    step (one worker per CPU importing torch beside every rank of a node, just as the
+    restarted ranks take their first step); one starts if a kernel must be compiled after
+    all. After the job's inductor cache is set (:func:`job_inductor_dir`): the workers
+    take this process's environment. Nothing on CPU (no Triton)."""
+    if not start:
+        os.environ["TORCH_WARM_POOL"] = "0"  # read by torch's inductor backend at each compile
+        return
+    from torch._inductor.async_compile import maybe_warm_pool
+    maybe_warm_pool()
 
 
 class NoCompileCache:
