@@ -22,7 +22,8 @@ record not signed with the job's secret (written by anyone but the job, made und
 secret, or moved from another key), a blob that differs from its record (damaged, cut
 short, replaced) or a record made under another key (another torch, another device, a
 changed model) is not loaded; an event says why and the start compiles as if there were
-no cache.
+no cache. A start that loaded it starts no compile workers at its first step (GPU:
+:func:`_no_compile_workers`).
 
 Why the signature: the blob holds code (inductor's generated Python, a GPU's Triton
 kernels; on CPU the kernel bundle below holds shared objects), and loading it runs that
@@ -251,7 +252,7 @@ class CompileCache:
                     self.loaded = sum(len(names) for names in info.artifacts.values())
                     self.loaded_sha = hashlib.sha256(blob).hexdigest()
                     self.kernels = self._put_kernels()
-            _compile_workers(start=not self.loaded)
+                    _no_compile_workers()
         except Exception as e:  # noqa: BLE001 - a cache is never worth a failed start
             self._ignore(f"loading it failed: {type(e).__name__}: {e}")
         self.load_s = time.perf_counter() - began
@@ -358,21 +359,15 @@ class CompileCache:
         return True
 
 
-def _compile_workers(*, start: bool) -> None:
-    """Inductor compiles a GPU's Triton kernels in a pool of worker processes, which it
-    starts at its first compile, and until the pool is up (each worker imports torch) it
-    compiles them one by one in the rank's own process. ``start``: the first step will
-    compile (no cache was loaded): the pool starts now, while the group forms and the
-    model is built. Else the cache holds the kernels: no pool is started at the first
-    step (one worker per CPU importing torch beside every rank of a node, just as the
-    restarted ranks take their first step); one starts if a kernel must be compiled after
-    all. After the job's inductor cache is set (:func:`job_inductor_dir`): the workers
-    take this process's environment. Nothing on CPU (no Triton)."""
-    if not start:
-        os.environ["TORCH_WARM_POOL"] = "0"  # read by torch's inductor backend at each compile
-        return
-    from torch._inductor.async_compile import maybe_warm_pool
-    maybe_warm_pool()
+def _no_compile_workers() -> None:
+    """Inductor compiles a GPU's Triton kernels in a pool of worker processes (one per
+    CPU, each importing torch), which its backend starts at each start's first compile,
+    even where every kernel comes from the cache. After a load, none is started: on a
+    node of several ranks that is one process per CPU for each rank, starting just as the
+    restarted ranks take their first step. A kernel that must be compiled after all
+    starts the pool then (it compiles in the rank's own process until the pool is up).
+    Nothing on CPU (no Triton)."""
+    os.environ["TORCH_WARM_POOL"] = "0"  # read by torch's inductor backend at each compile
 
 
 class NoCompileCache:

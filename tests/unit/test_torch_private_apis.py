@@ -242,9 +242,9 @@ def test_compile_cache_private_apis():
     assert '"autograd_cache_hit"' in source and '"autograd_cache_miss"' in source
     # an ISA probe already built is not built again (the bundle carries the probes)
     assert "os.path.isfile(output_path)" in inspect.getsource(cpu_vec_isa.VecISA.check_build)
-    # the compile workers: started early by maybe_warm_pool, which TORCH_WARM_POOL=0
-    # turns off, as the inductor backend calls it at each compile; until the pool is
-    # ready, kernels compile in the process itself
+    # the compile workers: started by maybe_warm_pool, which the inductor backend calls
+    # at each compile and TORCH_WARM_POOL=0 turns off; until a pool is ready, kernels
+    # compile in the process itself
     from torch._dynamo.backends import inductor
     from torch._inductor import async_compile
     assert "maybe_warm_pool()" in inspect.getsource(inductor)
