@@ -275,20 +275,17 @@ class Session:
         """The newest checkpoint's step (0: none, or resuming is off)."""
         c = self.settings.checkpoint
         if not (c.enable and c.resume):
-            release_slots()
             return 0
         self.watchdog.beat(0, "resume", long=True)
         with self.ledger.span("checkpoint_load", "resume"):
-            try:
-                step = self.checkpoints.resume(self.state)
-            finally:
-                release_slots()  # a prepared worker's, where no load took them
+            step = self.checkpoints.resume(self.state)
         if step:
             self.reporter.line(f"resumed from the checkpoint of step {step} in "
                                f"{self.settings.checkpoint_url}")
         return step
 
     def _begin(self, step: int) -> None:
+        release_slots()  # a prepared worker's pinned load slots, where no load took them
         self._step = self._first_step = step
         self.recovery.start(step, self.control_group)
         self.reporter.run_start(self.device, self.info.micro_batches, self.mesh)

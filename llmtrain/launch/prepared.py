@@ -1,7 +1,8 @@
 """Prepared workers: for each local rank, a process that has imported torch and llmtrain
-(and, on a GPU node, made its CUDA context on its device) before its attempt begins, so
-that a cold restart skips a worker's spawn and imports (1.6-3 s on a 2-core machine, 7 s
-on an H100 node for a compiled run).
+(a compiled job's, torch.compile's stack too) and, on a GPU node, made its CUDA context on
+its device and pinned the host memory a resume loads through, before its attempt begins,
+so that a cold restart skips a worker's spawn and imports (1.6-3 s on a 2-core machine, 7
+s on an H100 node for a compiled run).
 
 With ``--prepared-workers``, ``llmtrain launch`` keeps one per local rank
 (:class:`PreparedWorkers`) and starts torchrun with :mod:`llmtrain.launch.handoff` as
@@ -18,8 +19,9 @@ A prepared worker never shares anything with an attempt before its own: it was s
 after the previous one was taken, and until it is handed an attempt it holds no process
 group, no RNG state that training reads (every rank seeds its generators at its start), no
 store connection and no model. What it keeps from its wait is its imports and, on a GPU,
-a CUDA context that it checks with a small kernel before it accepts (a device that failed
-since makes it refuse, and the hand-off starts a fresh process instead).
+two pinned host blocks (new memory, which a load fills from the checkpoint before it reads
+them) and a CUDA context that it checks with a small kernel before it accepts (a device
+that failed since makes it refuse, and the hand-off starts a fresh process instead).
 
 What the hand-off changes for the rest of llmtrain is in :mod:`llmtrain.process_origin`:
 the rank's identity to its agent, its agent's pid, and its start-up timeline.
