@@ -37,8 +37,11 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
     kill@spare_assigned                    a warm spare dies as soon as it is assigned a
                                            lost rank, before it joins the survivors
     hang@replicate:step=12                 every rank's snapshot replication thread stops
-                                           (sleeps for ever) before exchanging step 12 (once
-                                           per process: a later thread replays it cleanly)
+                                           (sleeps for ever) before exchanging its first
+                                           snapshot of step 12 or later (a snapshot taken
+                                           while the last is still being sent is skipped:
+                                           step 12 may be one); once per process, a later
+                                           thread replays it cleanly
 
 Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 ``replica`` (a buddy about to send a lost rank's snapshot replica to its warm replacement;
@@ -99,7 +102,7 @@ class Fault:
     def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
         if self.action == "slow":
             at = True  # the steps before ``step`` time the baseline
-        elif self.action == "badmath" and self.step:
+        elif (self.action == "badmath" or self.point == "replicate") and self.step:
             at = step >= self.step
         else:
             at = self.step in (None, step)

@@ -252,7 +252,9 @@ def test_a_replication_thread_that_never_returns_is_left_behind(cluster, referen
     assert not events(c.run, "warm_recovery_failed")
     (recovery,) = events(c.run, "warm_recovery")
     # not awaited: waiting for the thread would spend warm.budget_s (30 s), then go cold
-    assert recovery["step"] == 11 and recovery["total_s"] < 10, recovery
+    # the last snapshot exchanged before the threads stopped: 11, or earlier where a busy
+    # thread skipped snapshots (never one the stuck threads held)
+    assert recovery["step"] <= 11 and recovery["total_s"] < 10, recovery
     assert len(events(c.run, "attempt_start")) == 1  # nobody restarted
     got = final_weights(c.run, STEPS)
     for name in reference:
