@@ -126,13 +126,13 @@ class PreparedWorkers:
             if taken:
                 threading.Thread(target=self._see_out, args=(proc, int(taken)), daemon=True,
                                  name=f"prepared-{local_rank}-taken").start()
-            else:
+            else:  # it ended untaken (or was ended, at close)
                 waiting_file(self.folder, proc.pid).unlink(missing_ok=True)
-            if not taken and not self._closed.is_set():
-                log.warning("prepared worker %d for local rank %d ended untaken (exit %s); "
-                            "another starts in %.0f s", proc.pid, local_rank, proc.wait(),
-                            self.cfg.retry_s)
-                self._closed.wait(self.cfg.retry_s)
+                if not self._closed.is_set():
+                    log.warning("prepared worker %d for local rank %d ended untaken (exit "
+                                "%s); another starts in %.0f s", proc.pid, local_rank,
+                                proc.wait(), self.cfg.retry_s)
+                    self._closed.wait(self.cfg.retry_s)
             if not self._closed.is_set():
                 listener = self._listen(local_rank)
             delay = self.cfg.import_delay_s
