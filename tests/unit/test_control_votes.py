@@ -7,7 +7,7 @@ import signal
 import time
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import spawn
 
 from llmtrain.config import ControlConfig
 from llmtrain.control import RunControl
@@ -47,7 +47,7 @@ def test_ranks_vote_about_every_interval_and_act_on_a_signal_at_the_same_step(tm
     the faster rank, the larger proposal, sets how many: 0.1 s of 10 ms steps); rank 1's
     signal stops both ranks at the same step, within two intervals."""
     out = str(tmp_path / "votes")
-    mp.spawn(_worker, args=(out,), nprocs=2)
+    spawn(_worker, args=(out,), nprocs=2)
     r0, r1 = (json.load(open(f"{out}.{r}")) for r in (0, 1))
     assert r0 == r1, (r0, r1)
     gaps = [b - a for a, b in zip(r0["cast"], r0["cast"][1:])]
@@ -83,7 +83,7 @@ def test_a_run_of_skipped_steps_does_not_stretch_the_vote_interval(tmp_path):
     slower), where it grew to thousands of steps, each as slow as the training ones once
     they resumed: a SIGTERM heard minutes late."""
     out = str(tmp_path / "cast")
-    mp.spawn(_pace_worker, args=(out,), nprocs=1)
+    spawn(_pace_worker, args=(out,), nprocs=1)
     cast = json.load(open(out))
     gaps = [b - a for a, b in zip(cast, cast[1:])]
     assert max(gaps) <= 10, gaps

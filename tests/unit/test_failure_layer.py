@@ -11,9 +11,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from conftest import signed_store
+from ranks import spawn
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch, broke_a_collective, nccl_problems
 from llmtrain.distributed.nccl_env import WARM_NCCL_ENV
@@ -105,7 +105,7 @@ def test_collective_failures_are_told_from_a_ranks_own_errors(tmp_path):
     rank's own work does not (that rank leaves; its peers are not replaced)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = str(tmp_path / "told")
-    mp.spawn(_lose_a_peer, args=(out,), nprocs=2)
+    spawn(_lose_a_peer, args=(out,), nprocs=2)
     assert json.load(open(f"{out}.json")) == {"timed out": True, "peer died": True}
     assert broke_a_collective(dist.DistBackendError("NCCL communicator was aborted"))
     assert broke_a_collective(dist.DistStoreError("wait timeout"))

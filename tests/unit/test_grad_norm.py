@@ -6,9 +6,10 @@ shard is held by every replica and must be counted once."""
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from ranks import spawn
 
 from llmtrain.optim import clip_to, global_norm, square_norm_share
 
@@ -48,4 +49,4 @@ def _worker(rank: int, tmp: str, shape: tuple[int, ...]) -> None:
 
 def test_the_norm_and_the_clip_match_torchs_on_fsdp_and_hsdp(tmp_path):
     for shape in ((4,), (2, 2)):  # FSDP over 4 ranks; 2 replicas of 2 shards
-        mp.spawn(_worker, args=(str(tmp_path), shape), nprocs=4)
+        spawn(_worker, args=(str(tmp_path), shape), nprocs=4)

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from ranks import spawn
 
 from llmtrain.checkpoint.snapshots import Schedule, SnapshotError, Snapshots
 from llmtrain.config import load_config
@@ -87,7 +88,7 @@ def _worker(rank: int, tmp: str, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_a_reshard_from_memory_equals_dcps_resharding_load(tmp_path, kind):
     """Any optimizer's state: AdamW's step and moments, SGD's momentum."""
-    mp.spawn(_worker, args=(str(tmp_path), kind), nprocs=3)
+    spawn(_worker, args=(str(tmp_path), kind), nprocs=3)
     per_param = {"adamw": 3, "sgd": 1}[kind]  # step, exp_avg, exp_avg_sq; momentum_buffer
     for rank in (0, 1):
         r = json.load(open(tmp_path / f"result.{rank}"))

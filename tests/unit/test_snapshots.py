@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import spawn
 
 from llmtrain.checkpoint.snapshots import Schedule, SnapshotError, Snapshots
 from llmtrain.state_registry import state_tensors
@@ -97,7 +98,7 @@ def _worker(rank: int, run_dir: str, out: str) -> None:
 def test_a_replica_restores_bitwise_and_a_corrupted_or_missing_one_is_refused(tmp_path):
     out = str(tmp_path / "result")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_worker, args=(str(tmp_path), out), nprocs=2)
+    spawn(_worker, args=(str(tmp_path), out), nprocs=2)
     r0, r1 = (json.load(open(f"{out}.{r}")) for r in (0, 1))
     assert r0["holdings"] == {"own": [2, 3], "ward": 1, "replicas": [2, 3]}
     assert r0["marker"] == 3 and r0["equal"]
@@ -143,7 +144,7 @@ def test_a_replication_that_fails_says_why(tmp_path):
     rank's event log says which exchange failed and with what error."""
     out = str(tmp_path / "result")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_failing_worker, args=(str(tmp_path), out), nprocs=2)
+    spawn(_failing_worker, args=(str(tmp_path), out), nprocs=2)
     r0 = json.load(open(f"{out}.0"))
     assert r0["finished"] and r0["replicas"] == [1]
     (failed,) = read_events(str(tmp_path), "snapshot_replication_failed")
@@ -220,7 +221,7 @@ def test_ranks_agree_on_the_snapshot_steps_and_the_costliest_rank_sets_them(tmp_
     steps (a recovery needs a step every rank holds), as far apart as the rank that
     needs the most asks."""
     out = str(tmp_path / "schedule")
-    mp.spawn(_schedule_worker, args=(out,), nprocs=2)
+    spawn(_schedule_worker, args=(out,), nprocs=2)
     r0, r1 = (json.load(open(f"{out}.{r}")) for r in (0, 1))
     assert r0["taken"] == r1["taken"]
     gaps = [b - a for a, b in zip(r0["taken"], r0["taken"][1:])]
