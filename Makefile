@@ -24,9 +24,9 @@ train: $(BIN)/llmtrain
 test: $(BIN)/llmtrain
 	$(BIN)/python -m compileall -q llmtrain  # bytecode once, not in each of hundreds of processes
 	@# a test file's tests stay on one worker, so the runs its tests share run once; then
-	@# the tests marked alone, one at a time
+	@# the tests marked alone (the two chaos soaks), apart from the rest, side by side
 	$(BIN)/python -m pytest tests -n $(TEST_JOBS) --dist loadfile -m "not alone" --durations=25 $(ARGS)
-	$(BIN)/python -m pytest tests -m alone --durations=5 $(ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_JOBS) --dist load -m alone --durations=5 $(ARGS)
 
 # On a GPU node: the CUDA/NCCL/NVML/FP8 checks (tests/gpu), then the GPU figures. The venv's
 # torch==2.13.0 from PyPI is the CUDA build on Linux x86-64.
