@@ -1,5 +1,6 @@
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +69,26 @@ class RestartableStore:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def sigstop(pid: int, within_s: float = 5.0) -> None:
+    """SIGSTOPs ``pid`` and returns once every thread of it has stopped. The kernel wakes
+    one thread for the signal and stops the others only once that one has run, so on a
+    loaded machine a thread of the process can still answer a request sent just after the
+    kill."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + within_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+            except OSError:  # a thread that ended meanwhile
+                continue
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} has threads still running: {states}"
+        time.sleep(0.01)
 
 
 def llmtrain_command(run_dir: Path, *overrides: str, nproc: int | None = None,

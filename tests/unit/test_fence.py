@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from conftest import RestartableStore, signed_store
+from conftest import RestartableStore, signed_store, sigstop
 from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventLog, read_events
 from llmtrain.recovery.fence import Fence, Fenced
@@ -169,7 +169,7 @@ def test_a_store_that_stalls_refuses_writes_only_while_it_does(tmp_path):
         events = EventLog(str(tmp_path), rank=0)
         fence = Fence(connect(), events, 0.5, connect=connect)
         fence.join("1-a/g0")
-        os.kill(server.pid, signal.SIGSTOP)
+        sigstop(server.pid)
         for _ in range(2):
             refused = _within(10, lambda: fence.check("checkpoint file __0_0.distcp"))
             assert isinstance(refused, Fenced) and "could not be reached" in str(refused)

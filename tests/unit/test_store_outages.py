@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from conftest import RestartableStore
+from conftest import RestartableStore, sigstop
 from torch.distributed.elastic.multiprocessing.api import (SignalException,
                                                           _terminate_process_handler)
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -128,7 +128,7 @@ def test_rank_0s_look_for_spares_neither_waits_for_a_stalled_store_nor_raises(st
     while not look.latest():  # the first answer comes from a thread
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    os.kill(store.proc.pid, signal.SIGSTOP)
+    sigstop(store.proc.pid)
     try:
         began = time.monotonic()
         for _ in range(3):
@@ -176,7 +176,7 @@ def test_a_store_stall_longer_than_the_hang_timeout_is_not_taken_for_a_hang(stor
     threading.Thread(target=train, daemon=True).start()
     try:
         time.sleep(1.5)
-        os.kill(store.proc.pid, signal.SIGSTOP)
+        sigstop(store.proc.pid)
         time.sleep(4)
         os.kill(store.proc.pid, signal.SIGCONT)
         time.sleep(3)  # the ticks after the stall judge fresh beats
