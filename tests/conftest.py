@@ -71,6 +71,12 @@ class RestartableStore:
         self.proc.wait()
 
 
+def process_state(stat: str | Path) -> str:
+    """The state letter (R, S, T, Z...) in a ``/proc/PID/stat`` or ``/proc/PID/task/TID/stat``
+    file; OSError once the process or thread is gone."""
+    return Path(stat).read_text().rpartition(")")[2].split()[0]
+
+
 def sigstop(pid: int, within_s: float = 5.0) -> None:
     """SIGSTOPs ``pid`` and returns once every thread of it has stopped. The kernel wakes
     one thread for the signal and stops the others only once that one has run, so on a
@@ -82,7 +88,7 @@ def sigstop(pid: int, within_s: float = 5.0) -> None:
         states = []
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
-                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+                states.append(process_state(task / "stat"))
             except OSError:  # a thread that ended meanwhile
                 continue
         if states and all(state in "tT" for state in states):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from conftest import process_state
 from needs import unavailable
 
 __all__ = ["SlurmCluster", "slurm_cluster", "slurm_problem"]
@@ -290,7 +291,7 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
             if env.get("SLURM_JOB_ID") == str(job_id) and (
                     node is None or env.get("SLURMD_NODENAME") == node):
                 try:  # a zombie has no environ worth counting, but be exact
-                    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    state = process_state(f"/proc/{pid}/stat")
                 except OSError:
                     continue
                 if state != "Z":

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, process_state
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +34,7 @@ def marked(token: str) -> dict[int, str]:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 if needle not in f.read().split(b"\0"):
                     continue
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+            state = process_state(f"/proc/{entry}/stat")
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
         except OSError:  # gone meanwhile, or not ours to read

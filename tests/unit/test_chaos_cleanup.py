@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, process_state
 from needs import unavailable
 
 from llmtrain.chaos.local_cluster import LocalCluster
@@ -21,7 +21,7 @@ from llmtrain.chaos.mount import fuse_mounts, fuse_problem
 
 def _alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        state = process_state(f"/proc/{pid}/stat")
     except FileNotFoundError:
         return False
     return state not in ("Z", "X")  # a zombie has ended (its parent has yet to reap it)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import process_state
 from nvml_states import node, write_script
 from llmtrain.config import HealthConfig
 from llmtrain.process_origin import PREPARED_DIR_ENV, waiting_workers
@@ -152,8 +153,7 @@ def _wait_file(path: Path, timeout: float = 120) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return process_state(f"/proc/{pid}/stat") != "Z"
     except OSError:
         return False
 
