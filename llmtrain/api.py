@@ -267,7 +267,7 @@ class Session:
         if not self.info.params:
             self.info.params = sum(p.numel() for p in self.parts.model.parameters())
         self.registry.bind(self.parts.model, self.parts.optimizer, *state_items(self.parts))
-        group = side_group(s.reliability.collective_timeout_s)
+        group = side_group(s.reliability.collective_timeout_s, "control")
         self.recovery.group_formed()
         return group
 

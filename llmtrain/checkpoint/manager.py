@@ -43,6 +43,7 @@ from llmtrain.checkpoint.shard_read import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError, Settings
+from llmtrain.distributed.process_group import OFF_THREAD
 from llmtrain.events import EventLog
 from llmtrain.fsio import is_local
 
@@ -171,7 +172,7 @@ class CheckpointManager:
         failed run's close does not wait for them (``close``'s bound)."""
         if self.generation >= 0:
             forget_plans(self._plans_key())
-        self.io_group = dist.new_group(backend="gloo")
+        self.io_group = dist.new_group(backend="gloo", group_desc=f"{OFF_THREAD}checkpoint_io")
         self.control_group = control_group
         self.generation = next(_GROUPS_BOUND)
 

@@ -42,8 +42,8 @@ from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Sn
 from llmtrain.config import ConfigError, Settings
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, abort_groups,
                                           broke_a_collective, nccl_problems)
-from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_type,
-                                                resolve_device, side_group)
+from llmtrain.distributed.process_group import (OFF_THREAD, WorldInfo, backend_for,
+                                                device_type, resolve_device, side_group)
 from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import FatalError
@@ -174,7 +174,7 @@ class WarmRecovery:
 
     def group_formed(self) -> None:
         """A generation's groups are forming: the replication's is one of them."""
-        self.replication = side_group(self.timeout_s)
+        self.replication = side_group(self.timeout_s, f"{OFF_THREAD}snapshot_replication")
         self.formed = time.time()
 
     def start(self, step: int, control: dist.ProcessGroup) -> None:
@@ -191,7 +191,8 @@ class WarmRecovery:
 
         def woken(store: SignedStore) -> None:  # on the watch's thread and connection
             stir(store)
-            abort_groups()
+            if not abort_groups():  # gloo: no abort, its connections to its peers are cut
+                self.path.cut_from_peers(store)
         self.watch = FailureWatch(lambda: outside_store(FailureWatch.WAIT),
                                   self.path.failed_key(), on_failure=woken)
 

@@ -51,14 +51,15 @@ def _host(store: SignedStore, number: int) -> str | None:
     return holder.decode().rpartition(":")[0] if holder else None
 
 
-def _choose(store: SignedStore, places: list[int], wanted: int,
-            avoid: frozenset[str]) -> list[int]:
+def _choose(store: SignedStore, places: list[int], wanted: int, avoid: frozenset[str],
+            apart: frozenset[str] = frozenset()) -> list[int]:
     """Which of the open ``places`` a claim of ``wanted`` takes: several from one node (a
     lost node's ranks go to one standby node); a node not in ``avoid`` before one that
-    is; ready spares before spares still importing; else pool order. Empty when no node
-    has that many open places (the in-order claim then takes what there is)."""
+    is, then one not in ``apart`` before one that is; ready spares before spares still
+    importing; else pool order. Empty when no node has that many open places (the
+    in-order claim then takes what there is)."""
     # a place's node is read only where it decides: one place wanted and none to avoid
-    needed = wanted > 1 or bool(avoid)
+    needed = wanted > 1 or bool(avoid) or bool(apart)
     hosts = {n: _host(store, n) if needed else None for n in places}
     if wanted == 1:
         groups = [[n] for n in places]
@@ -69,7 +70,7 @@ def _choose(store: SignedStore, places: list[int], wanted: int,
         groups = [mine[:wanted] for mine in by_host.values() if len(mine) >= wanted]
     if not groups:
         return []
-    return min(groups, key=lambda g: (hosts[g[0]] in avoid,
+    return min(groups, key=lambda g: (hosts[g[0]] in avoid, hosts[g[0]] in apart,
                                       not all(_ready(store, n) for n in g), g[0]))
 
 
@@ -127,7 +128,8 @@ def withdraw(store: SignedStore, holder: str) -> bool:
     return True
 
 
-def claim(store: SignedStore, wanted: int, avoid: frozenset[str] = frozenset()) -> list[int]:
+def claim(store: SignedStore, wanted: int, avoid: frozenset[str] = frozenset(),
+          apart: frozenset[str] = frozenset()) -> list[int]:
     """Claims ``wanted`` spares of the pool; returns their numbers. Fewer than ``wanted``
     (as many as were found before the pool ran out): too few spares wait, and none stays
     claimed, the pool put back as it was, so that the spares that register later get used.
@@ -135,13 +137,17 @@ def claim(store: SignedStore, wanted: int, avoid: frozenset[str] = frozenset()) 
     Which: several from one standby node (a lost node's ranks); a spare on none of the
     nodes in ``avoid`` first (the nodes that lost the ranks: one lost whole may still
     list its waiting spares, one excluded for a failed GPU is about to take them out, and
-    a claim of such a spare waited ``warm.budget_s`` for it, then went cold); a spare
-    that is ready before one still importing (a standby node that came back: seconds on
-    a CPU, more with a GPU's context); else in pool order, passing over spares that
-    withdrew meanwhile."""
+    a claim of such a spare waited ``warm.budget_s`` for it, then went cold); then on
+    none of the nodes in ``apart`` (those of the lost ranks' buddies and wards: a rank
+    there shares a node with the rank that holds its replica, or whose replica it holds,
+    and that node's loss would take both, which only the cold path recovers; taken where
+    no other spare waits, and said); a spare that is ready before one still importing (a
+    standby node that came back: seconds on a CPU, more with a GPU's context); else in
+    pool order, passing over spares that withdrew meanwhile."""
     places = _open_places(store)
-    chosen = _choose(store, places, wanted, avoid)
+    chosen = _choose(store, places, wanted, avoid, apart)
     if chosen and chosen != places[:wanted] and _claim_ahead(store, chosen):
+        _say_if_beside(store, chosen, apart)
         return chosen
     taken, skipped = [], 0
     while len(taken) < wanted:
@@ -154,7 +160,16 @@ def claim(store: SignedStore, wanted: int, avoid: frozenset[str] = frozenset()) 
         else:  # withdrawn (to join a cold restart, or the job ended), or claimed ahead
             skipped += 1
             store.add("spares/left", -1)
+    _say_if_beside(store, taken, apart)
     return taken
+
+
+def _say_if_beside(store: SignedStore, taken: list[int], apart: frozenset[str]) -> None:
+    beside = sorted({h for n in taken if apart and (h := _host(store, n)) in apart})
+    if beside:
+        log.warning("no other spare waited: spare(s) %s take lost ranks on %s, beside the "
+                    "buddy or ward of one; a loss of that node now needs the cold path",
+                    taken, ", ".join(beside))
 
 
 def _unclaim(store: SignedStore, taken: list[int], skipped: int) -> None:

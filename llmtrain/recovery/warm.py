@@ -172,19 +172,24 @@ class WarmPath:
                 found[r] = holder.decode().rpartition(":")[0]
         return found
 
-    def cut_from_peers(self) -> int:
+    def cut_from_peers(self, store: SignedStore | None = None) -> int:
         """Shuts this rank's ends of its connections to the other ranks (their published
-        ends, :func:`llmtrain.recovery.eviction.publish_endpoints`), as it leaves a broken
-        generation on gloo: a live peer blocked in a collective with it fails at once and
-        reports, rather than when this process drops its groups (after the plan, too late
-        to count as a survivor).
+        ends, :func:`llmtrain.recovery.eviction.publish_endpoints`), read through ``store``
+        (another thread's connection; default: this path's). Called as the rank leaves a
+        broken generation on gloo: a live peer blocked in a collective with it fails at
+        once and reports, rather than when this process drops its groups (after the plan,
+        too late to count as a survivor). And as its failure watch wakes: a collective of
+        its own that waits on a peer that left fails then too, whatever became of that
+        peer's connections (a leaver whose cut or exit never reached this rank let it wait
+        past the decider's settle, counted lost with its buddy: the job went cold).
         gloo in torch 2.13 has no abort that closes a group's connections. Two store
         requests a rank: on gloo only, where worlds are small."""
+        store = store or self.store
         peers = set()
         for r in range(self.world_size):
             key = f"endpoints/{r}"
             if r != self.rank:
-                peers |= set(json.loads(self.store.genuine(key) or "[]"))
+                peers |= set(json.loads(store.genuine(key) or "[]"))
         return cut(peers)
 
     def failed_key(self) -> str:
@@ -338,9 +343,11 @@ class WarmPath:
             self._go_cold(proposal)
             return
         plan = Plan.from_json(proposal)
-        # not on the lost ranks' nodes, where another node's spare waits
+        # not on the lost ranks' nodes, where another node's spare waits; nor beside
+        # their buddies and wards, where another node's spare waits
         avoid = frozenset(self.hosts(plan.lost, self.gen).values())
-        taken = pool.claim(self.store, len(plan.lost), avoid)
+        apart = frozenset(self.hosts(self._kin(plan.lost), self.gen).values()) - avoid
+        taken = pool.claim(self.store, len(plan.lost), avoid, apart)
         if len(taken) < len(plan.lost):
             r = plan.lost[len(taken)]
             self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"))
@@ -348,6 +355,12 @@ class WarmPath:
         plan.spares = {str(r): number for r, number in zip(plan.lost, taken)}
         pool.assign(self.store, asdict(plan))
         self._publish(plan.to_json())
+
+    def _kin(self, lost: list[int]) -> list[int]:
+        """The surviving buddies and wards of the ``lost`` ranks."""
+        kin = {k for r in lost for k in (buddy_of(r, self.world_size, self.local_world_size),
+                                         ward_of(r, self.world_size, self.local_world_size))}
+        return sorted(kin - {None} - set(lost))
 
     def _publish(self, plan: str) -> None:
         """The decision every survivor waits for: a plan, or the cold verdict. Published

@@ -41,6 +41,7 @@ from typing import Any
 
 import fsspec
 
+from llmtrain.distributed.process_group import OFF_THREAD
 from llmtrain.fsio import join, write_atomic
 
 log = logging.getLogger(__name__)
@@ -526,11 +527,16 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
 
 
 def _newest(groups: dict[str, _Group]) -> dict[int, tuple[str, Collective]]:
-    """Each rank's newest recorded collective over all groups, with its group's label."""
+    """Each rank's newest recorded collective over all groups, with its group's label;
+    none of a group used off the training thread (:data:`OFF_THREAD`): a checkpoint's
+    write that began after the training thread blocked in a collective made that one look
+    left, and the blocked rank a culprit."""
     newest: dict[int, tuple[str, Collective]] = {}
     for g in groups.values():
         for r, calls in g.calls.items():
             for c in calls.values():
+                if c.desc.startswith(OFF_THREAD):
+                    continue
                 if r not in newest or c.created_ns > newest[r][1].created_ns:
                     newest[r] = (g.label, c)
     return newest

@@ -22,7 +22,7 @@ def _worker(rank: int, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 2), rank=rank,
                             world_size=2)
     control = RunControl(ControlConfig(save_on_signal=False, vote_interval_s=0.1),
-                         side_group(30.0), run_dir=f"{out}.run", rank=rank, host="localhost",
+                         side_group(30.0, "control"), run_dir=f"{out}.run", rank=rank, host="localhost",
                          events=EventLog(f"{out}.run", rank), health=NoHealthMonitor())
     cast, stopped = [], None
     for step in range(1, STEPS + 1):
@@ -60,7 +60,7 @@ def _pace_worker(rank: int, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", 1), rank=0,
                             world_size=1)
     control = RunControl(ControlConfig(save_on_signal=False, vote_interval_s=0.05),
-                         side_group(30.0), run_dir=f"{out}.run", rank=0, host="localhost",
+                         side_group(30.0, "control"), run_dir=f"{out}.run", rank=0, host="localhost",
                          events=EventLog(f"{out}.run", 0), health=NoHealthMonitor())
     cast, step = [], 0
     for phase, steps, sleep in (("train", 20, 0.005), ("skip", 2000, 0.0),

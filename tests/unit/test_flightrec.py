@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from llmtrain.distributed.process_group import OFF_THREAD
 from llmtrain.reliability.flightrec import analyze, load_dumps
 
 
@@ -305,3 +306,25 @@ def test_a_rank_that_went_on_to_another_group_has_left_a_collective_gloo_kept_op
     assert r.verdict.startswith("rank(s) [0] never reached gloo:all_reduce #2 on process "
                                 "group tp_a"), r.verdict
     assert r.culprits == [0] and r.stuck == [1]
+
+
+def test_a_write_begun_after_a_rank_blocked_does_not_make_it_a_culprit():
+    """TP pairs [0, 1] and [2, 3], DP pairs [0, 2] and [1, 3]; rank 0 stopped (no dump)
+    while rank 1 waits for it in tp_a #2, so rank 1 never reaches dp_b #2, where rank 3
+    waits. A checkpoint's write then ran a collective of its own on every live rank, off
+    the training thread (gloo marked it ended): on rank 1 newer than tp_a #2, which made
+    that collective look left and rank 1 a culprit (seen in a chaos run: the stopped rank's TP peer was evicted
+    with it, and the job went cold). Rank 0 alone is to blame, rank 1 is blocked."""
+    def at(seq, pg, ns, done=True):
+        return {**entry(seq, sizes=((4,),), pg=pg, done=done), "time_created_ns": ns}
+    tp_a, tp_b, dp_a, dp_b = ("1", "tp_a"), ("2", "tp_b"), ("3", "dp_a"), ("4", "dp_b")
+    io = ("5", f"{OFF_THREAD}checkpoint_io")
+    dumps = {1: dump(1, at(1, tp_a, 100), at(1, dp_b, 110), at(2, tp_a, 300, done=False),
+                     at(1, io, 310)),
+             2: dump(2, at(1, tp_b, 100), at(1, dp_a, 110), at(2, tp_b, 200),
+                     at(2, dp_a, 305, done=False), at(1, io, 310)),
+             3: dump(3, at(1, tp_b, 100), at(1, dp_b, 110), at(2, tp_b, 200),
+                     at(2, dp_b, 305, done=False), at(1, io, 310))}
+    r = analyze(dumps, world_size=4)
+    assert r.culprits == [0], r.verdict
+    assert any(f.kind == "blocked" and f.waiting == [1] for f in r.findings), r.details

@@ -436,3 +436,27 @@ def test_a_generation_has_one_decision_even_with_two_deciders():
         with pytest.raises(ColdPath, match="rank 1 was lost with its buddy"):
             path._plan(deadline)
     assert store.add("cold", 0) == 1
+
+
+def test_a_lost_ranks_spare_is_not_put_beside_its_buddy_or_ward(monkeypatch, caplog):
+    """Three one-rank nodes; rank 1 (node2) is lost. Its buddy and ward, ranks 2 and 0,
+    both run on node7 (spares took their places earlier). The pool's next spare waits on
+    node7, a later one on node8: rank 1 takes node8's, for on node7 one loss would take
+    rank 1 with the rank that holds its replica, and only the cold path recovers that
+    (seen in a chaos run). With node7's spare the only one left, it is taken (better than
+    going cold now), and said."""
+    monkeypatch.setenv("LLMTRAIN_HOST", "node7")  # where the survivors run
+    survivors = {0: held([10], [10], 2), 2: held([10], [10], 1)}
+    for round_id in ("first", "second"):
+        store = signed_store()
+        store.set(f"{round_id}/g0/owner/1", "node2:11")
+        beside = PoolPlace(store, budget_s=5, holder=owner(13, "node7"))
+        if round_id == "first":
+            away = PoolPlace(store, budget_s=5, holder=owner(14, "node8"))
+        with caplog.at_level("WARNING", logger="llmtrain.recovery.pool"):
+            plan = agree_all(store, survivors, 3, round_id=round_id)[0]
+        said = [r.getMessage() for r in caplog.records if "beside the buddy" in r.message]
+        if round_id == "first":
+            assert plan.spares == {"1": away.number} and said == []
+        else:
+            assert plan.spares == {"1": beside.number} and "node7" in said[0], said

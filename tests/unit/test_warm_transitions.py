@@ -1,7 +1,9 @@
 """The warm path's transitions that nothing broke, a grow and a preemption's shrink, on
 real gloo groups and a real store: a grow voted while a checkpoint's write is still in
 flight waits for a later vote instead of ending the job, a generation is left once, and
-the failure watch of a generation left behind never acts on the next one."""
+the failure watch of a generation left behind never acts on the next one. And the watch of
+a generation that failed, on gloo: it frees its rank from a collective with a peer that
+left, whatever that peer's connections do."""
 
 import json
 import os
@@ -16,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from llmtrain.config import JobConfig
-from llmtrain.distributed.failure import FailureWatch
+from llmtrain.distributed.failure import FailureWatch, broke_a_collective
 from llmtrain.distributed.process_group import WorldInfo, side_group
 from llmtrain.events import EventLog
 from llmtrain.metrics.goodput import GoodputLedger
@@ -26,6 +28,7 @@ from llmtrain.recovery.interface import Resized
 from llmtrain.recovery.roll_call import mark_gone
 from llmtrain.recovery.warm import WarmPath, job_namespace
 from llmtrain.state_registry import SchedulerState, StateRegistry
+from tests.ranks import spawn
 
 
 class Saves:
@@ -92,7 +95,7 @@ def recovery(run_dir: str, store: dist.Store, rank: int, world: int,
                        events=events, ledger=GoodputLedger(events, enabled=False),
                        fence=Fence(None, events, 1.0))
     rec.group_formed()
-    control = side_group(30)
+    control = side_group(30, "control")
     rec.start(0, control)
     return rec, control
 
@@ -219,3 +222,46 @@ def test_a_generation_is_left_once_even_when_leaving_it_failed(tmp_path, one_ran
     assert rec.recover(raised.value, 3) is None  # the process ends with its error
     assert job.left == 1
     assert store.check(["round/g0/seen/0"])  # it said it is gone, as a local failure does
+
+
+def _left_but_holding_on(rank: int, port: int, run_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    # the store outside the workers, as llmtrain launch names it: start() arms the
+    # generation's own failure watch on it
+    os.environ |= {"LLMTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{port}", "LLMTRAIN_RDZV_ID": "test"}
+    rec, control = recovery(run_dir, client(port), rank, 2, Job())
+    dist.barrier(group=control)
+    told = Path(run_dir) / "told.json"
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 waits in the collective
+        rec.path.leave()  # its GPU failed: it says it is gone...
+        deadline = time.monotonic() + 20
+        while not told.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # ...and holds every connection open, cut nothing, exits late
+        os._exit(0)
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))  # rank 1 never joins it
+        outcome = "returned"
+    except RuntimeError as e:
+        outcome = "a collective failure" if broke_a_collective(e) else f"{e}"
+    told.write_text(json.dumps({"outcome": outcome, "waited_s": time.monotonic() - began}))
+    os._exit(0)
+
+
+def test_a_peer_that_left_cannot_hold_a_rank_in_a_collective_on_gloo(tmp_path):
+    """Rank 1 says it is gone (as a rank whose GPU failed does) while rank 0 waits in a
+    collective with it, and keeps its connections open: a leaver whose own cut or exit
+    never reached rank 0 (seen in a chaos run: the blocked survivor and its buddy were
+    counted lost, and the job went cold). The mark wakes rank 0's failure watch, which
+    says the rank is coming and, gloo having no abort, cuts rank 0's connections to its
+    peers: its collective fails at once, as a collective failure it reports. Without the
+    cut it waits until rank 1 exits, 20 s later."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    server, namespace = served()
+    spawn(_left_but_holding_on, args=(server.port, str(tmp_path)), nprocs=2)
+    told = json.loads((tmp_path / "told.json").read_text())
+    assert told["outcome"] == "a collective failure", told
+    assert told["waited_s"] < 10, told  # 0.5-1 s here: woken by the store, then cut
+    assert namespace.check(["round/g0/stirred/0"])  # it said it is coming, to report
