@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch, broke_a_collective
@@ -152,7 +151,7 @@ def test_a_grow_during_a_save_waits_for_a_later_vote_and_then_grows(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     server, namespace = served()
     namespace.add("spares/registered", 1)
-    mp.spawn(_grow_during_a_save, args=(server.port, str(tmp_path)), nprocs=2)
+    spawn(_grow_during_a_save, args=(server.port, str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         told = json.loads((tmp_path / f"told-{rank}.json").read_text())
         assert told == {"first": "trained on", "claimed after the first": 0,
@@ -195,7 +194,7 @@ def test_a_preempted_leavers_late_gone_mark_does_not_abort_the_shrunk_jobs_group
     job's new NCCL groups. Leaving a generation disarms its watch."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     server, namespace = served()
-    mp.spawn(_preemption_shrink, args=(server.port, str(tmp_path)), nprocs=2)
+    spawn(_preemption_shrink, args=(server.port, str(tmp_path)), nprocs=2)
     stayer, leaver = (json.loads((tmp_path / f"told-{r}.json").read_text()) for r in (0, 1))
     assert namespace.check(["round/g0/failed"])  # the mark came, and woke the watch
     assert stayer == {"let go": "resized to 1", "left": 1, "acted": []}
