@@ -32,7 +32,10 @@ Waking blocked ranks (item 2) works differently on each backend:
   operations pending on them. A rank blocked on a healthy peer, which is itself blocked,
   fails once that peer leaves the group. So the warm path leaves the broken group right
   after it reports, before the plan. The failure then crosses the group in as many hops
-  as the longest chain of waits, milliseconds each.
+  as the longest chain of waits, milliseconds each. The watch also shuts this rank's own
+  ends of its connections to its peers, so that a collective of its fails at once
+  whatever its peers do, and a rank whose training thread is still inside a collective
+  some time later leaves the job (:mod:`llmtrain.recovery.coordinator`).
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ class FailureWatch:
     its own store connection, waiting on the server's side for one key (no polling) whose
     value is signed with the job's secret (a forged one wakes nothing), that
     runs ``on_failure`` with that connection (default: :func:`abort_groups`) while the
-    watch is armed.
+    watch is armed; then ``then``, if given, with the connection and :attr:`disarmed`,
+    outside the watch's lock (a disarm meanwhile does not wait for it).
 
     The thread ends when the key appears, or once disarmed. A store that restarts or
     goes away does not end it: it connects again every ``RETRY_S`` (said once), and waits
@@ -146,11 +150,13 @@ class FailureWatch:
     WAIT = timedelta(hours=1)
 
     def __init__(self, connect: Callable[[], SignedStore | None], key: str,
-                 on_failure: Callable[[SignedStore], object] = _abort):
-        self.key, self.on_failure = key, on_failure
+                 on_failure: Callable[[SignedStore], object] = _abort,
+                 then: Callable[[SignedStore, threading.Event], object] | None = None):
+        self.key, self.on_failure, self.then = key, on_failure, then
         self._lock = threading.Lock()
         self._armed = True
         self.woke = threading.Event()
+        self.disarmed = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(connect,), daemon=True,
                                         name="llmtrain-failure-watch")
         self._thread.start()
@@ -178,8 +184,11 @@ class FailureWatch:
             if self._armed:
                 self.on_failure(store)
                 self.woke.set()
+        if self.woke.is_set() and self.then is not None:
+            self.then(store, self.disarmed)
 
     def disarm(self) -> None:
         """From now on the watch does nothing; waits for an abort in progress."""
         with self._lock:
             self._armed = False
+            self.disarmed.set()

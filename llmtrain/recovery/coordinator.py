@@ -26,6 +26,8 @@ memory, and re-form with the spares, whose shards are resharded from the others'
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -42,11 +44,12 @@ from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Sn
 from llmtrain.config import ConfigError, Settings
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, abort_groups,
                                           broke_a_collective, nccl_problems)
+from llmtrain.distributed.flight_recorder import stuck_collective
 from llmtrain.distributed.process_group import (OFF_THREAD, WorldInfo, backend_for,
                                                 device_type, resolve_device, side_group)
 from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventLog
-from llmtrain.exit_codes import FatalError
+from llmtrain.exit_codes import ExitCode, FatalError
 from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.recovery.background_look import BackgroundLook
 from llmtrain.recovery.eviction import evict, publish_endpoints
@@ -57,7 +60,7 @@ from llmtrain.recovery.presence import hold_presence
 from llmtrain.recovery.registry_snapshots import (capture_state, load_items, load_shared_items,
                                                   restore_snapshot, take_snapshot)
 from llmtrain.recovery.reshard import Mesh, reshard
-from llmtrain.recovery.roll_call import owner
+from llmtrain.recovery.roll_call import mark_gone, owner
 from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, outside_store
 from llmtrain.state_registry import StateRegistry
 
@@ -193,8 +196,43 @@ class WarmRecovery:
             stir(store)
             if not abort_groups():  # gloo: no abort, its connections to its peers are cut
                 self.path.cut_from_peers(store)
+        since = int(self.formed * 1e9)  # the generation's collectives
+        then = None if dist.get_backend() == "nccl" else (
+            lambda store, disarmed: self._leave_if_stuck(store, disarmed, since))
         self.watch = FailureWatch(lambda: outside_store(FailureWatch.WAIT),
-                                  self.path.failed_key(), on_failure=woken)
+                                  self.path.failed_key(), on_failure=woken, then=then)
+
+    def _leave_if_stuck(self, store: SignedStore, disarmed: threading.Event,
+                        since_ns: int) -> None:
+        """On gloo, on the failure watch's thread once it cut this rank's connections: the
+        training thread meets the failure at once, and its recovery disarms the watch. If
+        that has not happened within a quarter of ``warm.budget_s``, and the flight
+        recorder shows the thread still inside a collective it entered before the failure,
+        nothing will end that wait. (Seen in a chaos run: a TP all-reduce whose peer left,
+        its GPU failed, went on waiting though both ends of their connection were shut;
+        the rank and its buddy, blocked on it, were counted lost, and the job went cold.
+        gloo's source shows one way this happens: a connection that closes while a
+        message is being read fails the operations it lists as pending, not the one that
+        message was for.) The rank then says it
+        is gone and exits: a spare takes its place, and a peer blocked on it is freed as
+        its connections close. A rank computing far from its next collective comes, and
+        is left alone."""
+        woke = time.time_ns()
+        if disarmed.wait(self.cfg.budget_s / 4):
+            return
+        stuck = stuck_collective(since_ns, woke)
+        if stuck is None:
+            return
+        waited = (time.time_ns() - stuck["entered_ns"]) / 1e9
+        log.error("rank %d is stuck in %s #%s on %s, entered %.1f s ago, before its "
+                  "generation failed, which nothing has ended since: it leaves, for a spare "
+                  "to take its place", self.world.rank, stuck["op"], stuck["seq"],
+                  stuck["pg"], waited)
+        self.events.emit("collective_stuck", host=self.world.host, waited_s=round(waited, 3),
+                         collective={k: stuck[k] for k in ("pg", "seq", "op")})
+        self.events.close()
+        mark_gone(store, self.world.rank)
+        os._exit(ExitCode.RETRYABLE)
 
     def maybe_snapshot(self, step: int) -> None:
         if self.snapshots.due(step):

@@ -58,10 +58,10 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol
 
-import torch
 import torch.distributed as dist
 
 from llmtrain.config import ReliabilityConfig
+from llmtrain.distributed.flight_recorder import flight_recorder
 from llmtrain.distributed.process_group import open_store
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
@@ -97,27 +97,6 @@ def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
         target = os.path.join(run_dir, "diagnostics", "nccl-timeout")
         makedirs(target)
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(target, "rank-"))
-
-
-def flight_recorder(since_ns: int = 0) -> dict:
-    """This process's recorder: its entries made since ``since_ns``, and each group's
-    ranks (``pg_config``) and progress (``pg_status``), which tell the analysis who belongs
-    where. On NCCL, NCCL's own recorder (the GPU collectives) joins the common one (gloo,
-    and the CPU side). The recorder outlives the groups: a warm recovery's survivor still
-    holds the entries of the generations before, whose groups had the same names and ids
-    (torch numbers them from 0 again once the world is destroyed) and other members, so
-    ``since_ns`` is the generation's start."""
-    c10d = torch._C._distributed_c10d
-    out = {"entries": [], **json.loads(c10d._dump_fr_trace_json(includeCollectives=True,
-                                                                onlyActive=False))}
-    if dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(
-            c10d, "_dump_nccl_trace_json"):
-        nccl = json.loads(c10d._dump_nccl_trace_json(includeCollectives=True, onlyActive=False))
-        out["entries"] += nccl.get("entries", [])
-        for key in ("pg_config", "pg_status"):
-            out[key] = {**out.get(key, {}), **nccl.get(key, {})}
-    out["entries"] = [e for e in out["entries"] if (e.get("time_created_ns") or 0) >= since_ns]
-    return out
 
 
 def thread_stacks() -> dict[str, str]:

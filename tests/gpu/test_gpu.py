@@ -114,7 +114,7 @@ def test_nccl_group_reduces_on_the_gpu(nccl):
 def test_a_queued_nccl_collective_is_named_by_analyze(nccl, tmp_path):
     """NCCL's own recorder reaches llmtrain's dump: an all_reduce queued behind a long
     kernel (not started when the dump is taken) is the collective ``analyze`` names."""
-    from llmtrain.reliability.watchdog import flight_recorder
+    from llmtrain.distributed.flight_recorder import flight_recorder
     x = torch.ones(4096, device=nccl)
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clock cycles ahead of the collective
     work = dist.all_reduce(x, async_op=True)

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing import ProcessExitedException
 
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch, broke_a_collective
 from llmtrain.distributed.process_group import WorldInfo, side_group
 from llmtrain.events import EventLog
+from llmtrain.exit_codes import ExitCode
 from llmtrain.metrics.goodput import GoodputLedger
 from llmtrain.recovery.coordinator import WarmRecovery
 from llmtrain.recovery.fence import Fence
@@ -27,7 +29,7 @@ from llmtrain.recovery.interface import Resized
 from llmtrain.recovery.roll_call import mark_gone
 from llmtrain.recovery.warm import WarmPath, job_namespace
 from llmtrain.state_registry import SchedulerState, StateRegistry
-from tests.ranks import spawn
+from ranks import spawn
 
 
 class Saves:
@@ -264,3 +266,42 @@ def test_a_peer_that_left_cannot_hold_a_rank_in_a_collective_on_gloo(tmp_path):
     assert told["outcome"] == "a collective failure", told
     assert told["waited_s"] < 10, told  # 0.5-1 s here: woken by the store, then cut
     assert namespace.check(["round/g0/stirred/0"])  # it said it is coming, to report
+
+
+def _stuck_where_no_cut_reaches(rank: int, port: int, run_dir: str) -> None:
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "200"  # before any group, as the trainer sets it
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    os.environ |= {"LLMTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{port}", "LLMTRAIN_RDZV_ID": "test"}
+    rec, control = recovery(run_dir, client(port), rank, 2, Job())
+    late = dist.new_group(backend="gloo")  # after the ends were published: no cut reaches it
+    dist.barrier(group=control)
+    if rank == 0:
+        dist.all_reduce(torch.ones(4), group=late)  # rank 1 never joins it
+        os._exit(0)  # not reached: the watch ends this process
+    time.sleep(0.5)  # rank 0 waits in the collective
+    (Path(run_dir) / "left.json").write_text(json.dumps(time.time()))
+    rec.path.leave()  # it says it is gone, and holds its connections open
+    time.sleep(20)
+    os._exit(0)
+
+
+def test_a_rank_stuck_in_a_collective_nothing_ends_leaves_for_a_spare(tmp_path):
+    """Rank 1 says it is gone while rank 0 waits in a collective with it, on a group whose
+    connections no cut reaches, as gloo leaves a wait it failed to wake (seen in a chaos
+    run: a TP peer of a rank whose GPU failed kept waiting, its buddy behind it, both
+    were counted lost, and the job went cold). Rank 0's failure watch finds, a quarter
+    of warm.budget_s later, its training thread still inside that collective, entered
+    before the failure: it says which, marks the rank gone and ends the process
+    (RETRYABLE), for a spare to take its place. Without it, rank 0 waits until rank 1
+    exits, 20 s later."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    server, namespace = served()
+    with pytest.raises(ProcessExitedException) as ended:
+        spawn(_stuck_where_no_cut_reaches, args=(server.port, str(tmp_path)), nprocs=2)
+    assert (ended.value.error_index, ended.value.exit_code) == (0, ExitCode.RETRYABLE)
+    (stuck,) = events(tmp_path, "collective_stuck")
+    assert stuck["rank"] == 0 and stuck["collective"]["op"] == "gloo:all_reduce", stuck
+    left = json.loads((tmp_path / "left.json").read_text())
+    assert stuck["ts"] - left < 10, stuck  # 0.5 s here: a quarter of the 1 s budget after
+    assert namespace.genuine("round/g0/seen/0").startswith(b"gone-")  # counted out, at once

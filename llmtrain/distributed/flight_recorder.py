@@ -1,0 +1,55 @@
+"""This process's collective flight recorder (``TORCH_FR_BUFFER_SIZE``, gloo and NCCL): what
+it holds, for a hang's diagnosis (:mod:`llmtrain.reliability.watchdog`), and the collective
+the training thread is stuck in, for a rank that must leave a failed generation
+(:mod:`llmtrain.recovery.coordinator`)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.distributed.process_group import OFF_THREAD
+
+
+def flight_recorder(since_ns: int = 0) -> dict:
+    """This process's recorder: its entries made since ``since_ns``, and each group's
+    ranks (``pg_config``) and progress (``pg_status``), which tell the analysis who belongs
+    where. On NCCL, NCCL's own recorder (the GPU collectives) joins the common one (gloo,
+    and the CPU side). The recorder outlives the groups: a warm recovery's survivor still
+    holds the entries of the generations before, whose groups had the same names and ids
+    (torch numbers them from 0 again once the world is destroyed) and other members, so
+    ``since_ns`` is the generation's start."""
+    c10d = torch._C._distributed_c10d
+    out = {"entries": [], **json.loads(c10d._dump_fr_trace_json(includeCollectives=True,
+                                                                onlyActive=False))}
+    if dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(
+            c10d, "_dump_nccl_trace_json"):
+        nccl = json.loads(c10d._dump_nccl_trace_json(includeCollectives=True, onlyActive=False))
+        out["entries"] += nccl.get("entries", [])
+        for key in ("pg_config", "pg_status"):
+            out[key] = {**out.get(key, {}), **nccl.get(key, {})}
+    out["entries"] = [e for e in out["entries"] if (e.get("time_created_ns") or 0) >= since_ns]
+    return out
+
+
+def stuck_collective(since_ns: int, before_ns: int) -> dict | None:
+    """The collective the training thread entered between ``since_ns`` (its generation's
+    start) and ``before_ns`` and is still inside: its newest of the generation on a group
+    of the training thread's (not :data:`OFF_THREAD`), not yet ended. None when that one
+    ended (the thread computes, or went on), it entered one since ``before_ns``, or the
+    recorder is off. On gloo an entry ends only once its work object is freed: a caller
+    that still holds one that ended looks inside it, so ask only where the thread should
+    have left by now."""
+    own = [e for e in flight_recorder(since_ns)["entries"]
+           if not str((e.get("process_group") or ["", ""])[-1]).startswith(OFF_THREAD)]
+    if not own:
+        return None
+    newest = max(own, key=lambda e: e.get("time_created_ns") or 0)
+    if newest.get("retired", True) or (newest.get("time_created_ns") or 0) >= before_ns:
+        return None
+    group = newest.get("process_group") or ["?", ""]
+    return {"op": newest.get("profiling_name"), "seq": newest.get("collective_seq_id"),
+            "pg": group[-1] if group[-1] not in ("", "undefined") else f"pg {group[0]}",
+            "entered_ns": newest.get("time_created_ns")}
