@@ -25,6 +25,7 @@ memory, and re-form with the spares, whose shards are resharded from the others'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -125,6 +126,8 @@ class WarmRecovery:
     """This rank's part in warm recoveries: its snapshots, its buddy's replica of them,
     and the agreement with the other survivors (:mod:`llmtrain.recovery.warm`)."""
 
+    GONE_WAIT_S = 2.0  # a stuck rank's wait to say it is gone, before it exits anyway
+
     def __init__(self, cfg: Settings, path: WarmPath, job: Job, *, world: WorldInfo,
                  events: EventLog, ledger: GoodputLedger, fence: Fence,
                  held: dict[int, Snapshot] | None = None):
@@ -221,7 +224,7 @@ class WarmRecovery:
         if disarmed.wait(self.cfg.budget_s / 4):
             return
         stuck = stuck_collective(since_ns, woke)
-        if stuck is None:
+        if stuck is None or disarmed.is_set():  # it computes, or met the failure just now
             return
         waited = (time.time_ns() - stuck["entered_ns"]) / 1e9
         log.error("rank %d is stuck in %s #%s on %s, entered %.1f s ago, before its "
@@ -231,8 +234,14 @@ class WarmRecovery:
         self.events.emit("collective_stuck", host=self.world.host, waited_s=round(waited, 3),
                          collective={k: stuck[k] for k in ("pg", "seq", "op")})
         self.events.close()
-        mark_gone(store, self.world.rank)
-        os._exit(ExitCode.RETRYABLE)
+
+        def say_gone() -> None:
+            with contextlib.suppress(RuntimeError, OSError):  # the store is out
+                mark_gone(store, self.world.rank)
+        saying = threading.Thread(target=say_gone, daemon=True, name="llmtrain-gone")
+        saying.start()
+        saying.join(self.GONE_WAIT_S)  # a store that stalls must not keep it: its agent
+        os._exit(ExitCode.RETRYABLE)  # marks it gone too, once the process has ended
 
     def maybe_snapshot(self, step: int) -> None:
         if self.snapshots.due(step):
