@@ -216,10 +216,9 @@ class WarmRecovery:
         the rank and its buddy, blocked on it, were counted lost, and the job went cold.
         gloo's source shows one way this happens: a connection that closes while a
         message is being read fails the operations it lists as pending, not the one that
-        message was for.) The rank then says it
-        is gone and exits: a spare takes its place, and a peer blocked on it is freed as
-        its connections close. A rank computing far from its next collective comes, and
-        is left alone."""
+        message was for.) The rank then says it is gone and exits: a spare takes its
+        place, and a peer blocked on it is freed as its connections close. A rank
+        computing far from its next collective comes, and is left alone."""
         woke = time.time_ns()
         if disarmed.wait(self.cfg.budget_s / 4):
             return

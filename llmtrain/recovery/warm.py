@@ -179,9 +179,9 @@ class WarmPath:
         broken generation on gloo: a live peer blocked in a collective with it fails at
         once and reports, rather than when this process drops its groups (after the plan,
         too late to count as a survivor). And as its failure watch wakes: a collective of
-        its own that waits on a peer that left fails then too, whatever became of that
-        peer's connections (a leaver whose cut or exit never reached this rank let it wait
-        past the decider's settle, counted lost with its buddy: the job went cold).
+        its own that waits on a peer that left fails then too, whatever that peer does
+        with its connections (one that keeps them open, or exits late, no longer holds it
+        past the decider's settle, to be counted lost).
         gloo in torch 2.13 has no abort that closes a group's connections. Two store
         requests a rank: on gloo only, where worlds are small."""
         store = store or self.store
