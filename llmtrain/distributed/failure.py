@@ -32,10 +32,9 @@ Waking blocked ranks (item 2) works differently on each backend:
   operations pending on them. A rank blocked on a healthy peer, which is itself blocked,
   fails once that peer leaves the group. So the warm path leaves the broken group right
   after it reports, before the plan. The failure then crosses the group in as many hops
-  as the longest chain of waits, milliseconds each. The watch also shuts this rank's own
-  ends of its connections to its peers, so that a collective of its fails at once
-  whatever its peers do, and a rank whose training thread is still inside a collective
-  some time later leaves the job (:mod:`llmtrain.recovery.coordinator`).
+  as the longest chain of waits, milliseconds each. A rank whose training thread is still
+  inside a collective some time after the watch woke leaves the job: gloo may never end
+  that wait (:mod:`llmtrain.recovery.coordinator`).
 """
 
 from __future__ import annotations

@@ -197,8 +197,7 @@ class WarmRecovery:
 
         def woken(store: SignedStore) -> None:  # on the watch's thread and connection
             stir(store)
-            if not abort_groups():  # gloo: no abort, its connections to its peers are cut
-                self.path.cut_from_peers(store)
+            abort_groups()
         since = int(self.formed * 1e9)  # the generation's collectives
         then = None if dist.get_backend() == "nccl" else (
             lambda store, disarmed: self._leave_if_stuck(store, disarmed, since))
@@ -207,18 +206,21 @@ class WarmRecovery:
 
     def _leave_if_stuck(self, store: SignedStore, disarmed: threading.Event,
                         since_ns: int) -> None:
-        """On gloo, on the failure watch's thread once it cut this rank's connections: the
-        training thread meets the failure at once, and its recovery disarms the watch. If
-        that has not happened within a quarter of ``warm.budget_s``, and the flight
-        recorder shows the thread still inside a collective it entered before the failure,
-        nothing will end that wait. (Seen in a chaos run: a TP all-reduce whose peer left,
-        its GPU failed, went on waiting though both ends of their connection were shut;
-        the rank and its buddy, blocked on it, were counted lost, and the job went cold.
-        gloo's source shows one way this happens: a connection that closes while a
-        message is being read fails the operations it lists as pending, not the one that
-        message was for.) The rank then says it is gone and exits: a spare takes its
-        place, and a peer blocked on it is freed as its connections close. A rank
-        computing far from its next collective comes, and is left alone."""
+        """On gloo, on the failure watch's thread once it woke: the training thread meets
+        the failure within moments (its collective with a lost peer fails), and its
+        recovery disarms the watch. If that has not happened within a quarter of
+        ``warm.budget_s``, and the flight recorder shows the thread still inside a
+        collective it entered before the failure, nothing may end that wait but the
+        group's timeout (``reliability.collective_timeout_s``). Seen in chaos runs with
+        tensor parallelism: a rank whose TP peer left (its GPU failed, and it shut its
+        connections) waited on in their all-reduce; the decider counted it lost after
+        half of ``warm.budget_s``, with its buddy blocked behind it, and the job went cold
+        (102 s). gloo's source shows how: when a connection closes, the operations it
+        fails are the ones still queued, not a send already partly written and waiting for
+        the socket to drain (TP all-reduces move whole activations). The rank then says
+        it is gone and exits: a spare takes its place, and a peer blocked on it is freed
+        as its connections close. A rank computing far from its next collective comes,
+        and is left alone."""
         woke = time.time_ns()
         if disarmed.wait(self.cfg.budget_s / 4):
             return

@@ -172,24 +172,19 @@ class WarmPath:
                 found[r] = holder.decode().rpartition(":")[0]
         return found
 
-    def cut_from_peers(self, store: SignedStore | None = None) -> int:
+    def cut_from_peers(self) -> int:
         """Shuts this rank's ends of its connections to the other ranks (their published
-        ends, :func:`llmtrain.recovery.eviction.publish_endpoints`), read through ``store``
-        (another thread's connection; default: this path's). Called as the rank leaves a
-        broken generation on gloo: a live peer blocked in a collective with it fails at
-        once and reports, rather than when this process drops its groups (after the plan,
-        too late to count as a survivor). And as its failure watch wakes: a collective of
-        its own that waits on a peer that left fails then too, whatever that peer does
-        with its connections (one that keeps them open, or exits late, no longer holds it
-        past the decider's settle, to be counted lost).
+        ends, :func:`llmtrain.recovery.eviction.publish_endpoints`), as it leaves a broken
+        generation on gloo: a live peer blocked in a collective with it fails at once and
+        reports, rather than when this process drops its groups (after the plan, too late
+        to count as a survivor).
         gloo in torch 2.13 has no abort that closes a group's connections. Two store
         requests a rank: on gloo only, where worlds are small."""
-        store = store or self.store
         peers = set()
         for r in range(self.world_size):
             key = f"endpoints/{r}"
             if r != self.rank:
-                peers |= set(json.loads(store.genuine(key) or "[]"))
+                peers |= set(json.loads(self.store.genuine(key) or "[]"))
         return cut(peers)
 
     def failed_key(self) -> str:
