@@ -28,6 +28,11 @@ def _ranks(values: object) -> str:
     return ", ".join(map(str, values or [])) or "-"
 
 
+def _collective(c: object) -> str:
+    c = c if isinstance(c, dict) else {}
+    return f"{c.get('op')} #{c.get('seq')} on {c.get('pg')}"
+
+
 def _hang(e: Event) -> Said:
     text = e.get("reason", "")
     if e.get("verdict"):
@@ -84,6 +89,10 @@ SAY: dict[str, Callable[[Event], Said]] = {
     "warm_recovery_failed": lambda e: (_rank(e), (
         f"the warm path failed at step {e.get('step')}: {short(e.get('reason'), 300)}; the "
         f"job goes cold (every process restarts from the last checkpoint)"), "bad"),
+    "collective_stuck": lambda e: (_rank(e), (
+        f"rank {e.get('rank')} on {e.get('host')} was stuck {e.get('waited_s')} s in "
+        f"{_collective(e.get('collective'))}, which its generation's failure did not end: "
+        f"it left, for a spare to take its place"), "bad"),
     "grow_failed": lambda e: (_rank(e), (
         f"a grow voted at step {e.get('step')} failed: {short(e.get('reason'), 300)}; the "
         f"job trains on at its size"), "warn"),

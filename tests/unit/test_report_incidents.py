@@ -142,9 +142,9 @@ def test_the_straggler_heatmap_shows_for_any_window_of_a_run_with_two_ranks(tmp_
 
 def test_every_kind_of_failure_has_its_row(tmp_path):
     """A failed GPU whose warm recovery fails, so the job restarts cold; then a store
-    outage, a hang whose ranks are evicted, a desync and a fatal error: each is a row of
-    its own, the cold restart names the failed GPU as its detection, and the ranks' own
-    reports of the failure are told by it, not listed."""
+    outage, a hang whose ranks are evicted, a rank stuck in a collective, a desync and a
+    fatal error: each is a row of its own, the cold restart names the failed GPU as its
+    detection, and the ranks' own reports of the failure are told by it, not listed."""
     log = Log()
     log.attempt(0, "node-a")
     log.train(1, 20)
@@ -170,6 +170,8 @@ def test_every_kind_of_failure_has_its_row(tmp_path):
     log.emit("hang", id="hang-2", reason="rank 2 made no progress for 60 s", verdict="rank 2 "
              "is stuck in backward", culprits=[2], report="r.md", detected_after_s=60)
     log.emit("evicted", id="hang-2", ranks=[2], unreachable={})
+    log.emit("collective_stuck", rank=3, host="node-b", waited_s=7.5,
+             collective={"pg": "mesh_tp", "seq": 156, "op": "gloo:all_reduce"})
     log.emit("collective_error", id="collective_error-3", reason="desync: ranks called "
              "different collectives", culprits=[1], detected_after_s=2)
     log.emit("checkpoint_failed", rank=1, step=40, error="RuntimeError: [/__w/pytorch/pytorch/"
@@ -195,6 +197,8 @@ def test_every_kind_of_failure_has_its_row(tmp_path):
     assert "warm recovery is off on node-c" in row(incidents, "warm path off")
     assert "evicted rank(s) 2 after hang-2" in row(incidents, "evicted")
     assert "<td>1</td>" in row(incidents, "collective error")
+    assert ("rank 3 on node-b was stuck 7.5 s in gloo:all_reduce #156 on mesh_tp"
+            in row(incidents, "collective stuck"))
     assert "TrainingDiverged: loss is NaN" in row(incidents, "fatal")
     # a transport's error without its source location and boilerplate
     assert ("checkpoint of step 40 failed: RuntimeError: Connection closed by peer "
