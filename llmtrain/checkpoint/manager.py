@@ -43,7 +43,7 @@ from llmtrain.checkpoint.shard_read import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError, Settings
-from llmtrain.distributed.process_group import OFF_THREAD
+from llmtrain.distributed.group_names import OFF_THREAD
 from llmtrain.events import EventLog
 from llmtrain.fsio import is_local
 

@@ -10,7 +10,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from llmtrain.distributed.process_group import OFF_THREAD
+from llmtrain.distributed.group_names import OFF_THREAD, group_label
 
 
 def flight_recorder(since_ns: int = 0) -> dict:
@@ -43,13 +43,17 @@ def stuck_collective(since_ns: int, before_ns: int) -> dict | None:
     that still holds one that ended looks inside it, so ask only where the thread should
     have left by now."""
     own = [e for e in flight_recorder(since_ns)["entries"]
-           if not str((e.get("process_group") or ["", ""])[-1]).startswith(OFF_THREAD)]
+           if not _group(e)[1].startswith(OFF_THREAD)]
     if not own:
         return None
     newest = max(own, key=lambda e: e.get("time_created_ns") or 0)
     if newest.get("retired", True) or (newest.get("time_created_ns") or 0) >= before_ns:
         return None
-    group = newest.get("process_group") or ["?", ""]
     return {"op": newest.get("profiling_name"), "seq": newest.get("collective_seq_id"),
-            "pg": group[-1] if group[-1] not in ("", "undefined") else f"pg {group[0]}",
-            "entered_ns": newest.get("time_created_ns")}
+            "pg": group_label(*_group(newest)), "entered_ns": newest.get("time_created_ns")}
+
+
+def _group(entry: dict) -> tuple[str, str]:
+    """An entry's group: its name and its description ("" without one)."""
+    pg = entry.get("process_group") or ["?"]
+    return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""

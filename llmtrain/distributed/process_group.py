@@ -252,17 +252,10 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-# How a group whose collectives run off the training thread (snapshot replication,
-# checkpoint I/O) describes itself (``group_desc``, which the flight recorder's dumps
-# name): a hang's analysis does not take a rank's newer collective there for a sign that
-# its training thread went on past the collective it waits in.
-OFF_THREAD = "off_thread:"
-
-
 def side_group(timeout_s: float, desc: str) -> dist.ProcessGroup:
     """A gloo group of every rank beside the job's (votes, snapshot replication), named
-    ``desc`` in the flight recorder's dumps (:data:`OFF_THREAD` first for one used off the
-    training thread), bounded by the job's collective timeout, not gloo's 30-minute
+    ``desc`` in the flight recorder's dumps (:data:`llmtrain.distributed.group_names.OFF_THREAD`
+    first for one used off the training thread), bounded by the job's collective timeout, not gloo's 30-minute
     default: a peer lost mid-exchange must not hold a survivor past its recovery budget."""
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s),
                           group_desc=desc)

@@ -46,8 +46,9 @@ from llmtrain.config import ConfigError, Settings
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, abort_groups,
                                           broke_a_collective, nccl_problems)
 from llmtrain.distributed.flight_recorder import stuck_collective
-from llmtrain.distributed.process_group import (OFF_THREAD, WorldInfo, backend_for,
-                                                device_type, resolve_device, side_group)
+from llmtrain.distributed.group_names import OFF_THREAD
+from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_type,
+                                                resolve_device, side_group)
 from llmtrain.distributed.signed_store import SignedStore
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode, FatalError

@@ -41,7 +41,7 @@ from typing import Any
 
 import fsspec
 
-from llmtrain.distributed.process_group import OFF_THREAD
+from llmtrain.distributed.group_names import OFF_THREAD, group_label
 from llmtrain.fsio import join, write_atomic
 
 log = logging.getLogger(__name__)
@@ -376,8 +376,7 @@ def _groups(dumps: dict[int, dict[str, Any]]) -> tuple[dict[str, _Group], str]:
                 continue
             c = Collective.from_entry(e)
             ids[rank][str(e.get("pg_id"))] = c.group
-            g = groups.setdefault(c.group, _Group(c.group, c.desc if c.desc not in
-                                                  ("", "undefined") else f"pg {c.group}"))
+            g = groups.setdefault(c.group, _Group(c.group, group_label(c.group, c.desc)))
             g.calls.setdefault(rank, {})[c.seq] = c
             g.last[rank] = max(g.last.get(rank, 0), c.seq)
     default = next((g.name for g in groups.values() if g.label == "default_pg"), _DEFAULT)

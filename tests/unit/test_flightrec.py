@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from llmtrain.distributed.process_group import OFF_THREAD
+from llmtrain.distributed.group_names import OFF_THREAD
 from llmtrain.reliability.flightrec import analyze, load_dumps
 
 
