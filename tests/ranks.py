@@ -24,6 +24,18 @@ def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
                        start_method="forkserver")
 
 
+def start(fn, args: tuple = (), nprocs: int = 1) -> list[multiprocessing.Process]:
+    """Like :func:`spawn`, but returns the ranks' processes as they start, for a test that
+    acts on them while they run (stops them, kills them) and ends them itself."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    ctx = multiprocessing.get_context("forkserver")
+    procs = [ctx.Process(target=_in_env, args=(rank, fn, dict(os.environ), *args), daemon=True)
+             for rank in range(nprocs)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
 def _in_env(rank: int, fn, env: dict[str, str], *args) -> None:
     os.environ.clear()
     os.environ.update(env)

@@ -53,9 +53,11 @@ def _call(c: flightrec.Collective) -> str:
     return f"{c.op} dtypes={c.dtypes}" if uneven else c.signature()
 
 
-def positions(entries: list[dict], now_ns: int) -> dict[str, list]:
+def positions(entries: list[dict], now_ns: int, counted_from_ns: int = 0) -> dict[str, list]:
     """Per process group, the newest collective this rank entered: [seq, call, inside,
     seconds inside it (0 when out), its usual duration in seconds (None: never seen done)].
+    The seconds inside count from ``counted_from_ns`` at the earliest: a time this process
+    was not running (its machine paused) is nobody's wait.
 
     The usual duration is the median of the group's recent completed collectives of that
     op: their recorded completion where the backend records it (NCCL), else the time to the
@@ -74,7 +76,8 @@ def positions(entries: list[dict], now_ns: int) -> dict[str, list]:
         last = calls[-1]
         usual = took.get(last.op, [])[-_USUAL_OF:]
         out[name] = [last.seq, _call(last), last.inside,
-                     round((now_ns - last.created_ns) / 1e9, 3) if last.inside else 0.0,
+                     round((now_ns - max(last.created_ns, counted_from_ns)) / 1e9, 3)
+                     if last.inside else 0.0,
                      round(statistics.median(usual), 4) if usual else None]
     return out
 

@@ -192,6 +192,9 @@ class Watchdog:
         self._counted_long = False  # whether this rank counts in the store's long_phases
         self._long_counted_in = ""  # the key it counts in (_long_key)
         self._store_out = False  # a tick failed: the store may have been out
+        # nothing before this is judged (monotonic, and wall-clock ns): the end of this
+        # process's last pause, or of the store's last stall (_judge_from_now)
+        self._judged_from, self._judged_from_ns = 0.0, 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._responding = threading.Lock()  # one response per process, whoever starts it
@@ -296,11 +299,16 @@ class Watchdog:
         it), and four times as often while quiet."""
         interval = self.cfg.heartbeat_interval_s
         next_tick = 0.0
-        while not self._stop.wait(max(0.0, min(interval / 4, next_tick - time.monotonic()))):
-            if time.monotonic() < next_tick and not self.quiet:
-                continue
-            next_tick = time.monotonic() + interval
+        while True:
+            wait = max(0.0, min(interval / 4, next_tick - time.monotonic()))
+            asleep = time.monotonic()
+            if self._stop.wait(wait):
+                return
             try:
+                self._after_own_pause(time.monotonic() - asleep - wait)
+                if time.monotonic() < next_tick and not self.quiet:
+                    continue
+                next_tick = time.monotonic() + interval
                 self._tick()
             except Exception as e:  # the store itself may be gone; keep watching
                 self._store_out = True
@@ -326,7 +334,8 @@ class Watchdog:
         self.plane.publish(
             {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
              "progress_age": time.monotonic() - self.progress, "long": long,
-             "at": positions(self._recorder()["entries"], time.time_ns()) if self.quiet else None})
+             "at": positions(self._recorder()["entries"], time.time_ns(), self._judged_from_ns)
+             if self.quiet else None})
         self._after_store_stall(began)
         if self.plane.leader:  # a summary of beats the store held back would name them silent
             beats = self._read_in_time(lambda: self.plane.beats(self.plane.members))
@@ -347,6 +356,38 @@ class Watchdog:
             if self.rank == 0:
                 self._find_stragglers()
 
+    def _after_own_pause(self, late: float) -> None:
+        """When this thread woke ``late`` seconds after it asked to, longer than makes a
+        beat stale, this process did not run meanwhile: its machine paused (a VM's
+        snapshot or live migration, a long memory reclaim), or the process was stopped and
+        continued. Its peers, most likely paused with it, could not beat either, and its
+        own training thread did not run: nothing that passed meanwhile is judged. Peers'
+        silences, this rank's waits inside collectives and its own lack of progress count
+        from now. (A 29 s VM pause on a test machine had each of two ranks, once resumed,
+        name the other as hung: a cold restart of a healthy job.)"""
+        if late <= self.plane.stale_s:
+            return
+        self._judge_from_now()
+        log.warning("llmtrain watchdog (rank %s): this process did not run for %.1f s (its "
+                    "machine paused, or it was stopped): nothing is judged on that time",
+                    self.rank, late)
+        self.events.emit("process_paused", seconds=round(late, 3), step=self.step,
+                         host=HOST)
+
+    def _judge_from_now(self) -> None:
+        """Nothing that passed before now is judged: peers' silences, this rank's waits
+        inside collectives and its own lack of progress count from now. Called after a
+        pause of this process, and after a stall of the store, which this thread cannot
+        tell apart from a pause that fell inside a request (and in which no hang could be
+        declared anyway: that takes the store)."""
+        self._judged_from, self._judged_from_ns = time.monotonic(), time.time_ns()
+        self.plane.since_ns = max(self.plane.since_ns, self._judged_from_ns)
+
+    def _progress_age(self) -> float:
+        """Seconds since this rank's last progress, counted from :meth:`_judge_from_now`'s
+        latest call at the earliest."""
+        return time.monotonic() - max(self.progress, self._judged_from)
+
     def _after_store_stall(self, began: float) -> None:
         """When the store did not answer for a while this tick (it stalled or restarted),
         every peer's watchdog waited on it as this one did, so their beats are old through
@@ -355,12 +396,12 @@ class Watchdog:
         looked at once: both ranks named the other silent, and a warm recovery evicted a
         healthy rank.)"""
         if self._store_out or time.monotonic() - began > self.cfg.heartbeat_interval_s:
-            self.plane.since_ns = max(self.plane.since_ns, time.time_ns())
+            self._judge_from_now()
             self._store_out = False
 
     def _detect(self) -> tuple[str, str] | None:
         """(kind, reason) of a hang or desync seen from here, or None."""
-        age = time.monotonic() - self.progress
+        age = self._progress_age()
         if age > self.progress_timeout and not self._peer_in_long_phase(age):
             return "hang", (f"rank {self.rank} made no progress for {age:.0f} s (last: "
                             f"{self.phase} {self.step}; hang timeout "
@@ -400,7 +441,7 @@ class Watchdog:
         asked = time.monotonic()
         got = read()
         if time.monotonic() - asked > self.cfg.heartbeat_interval_s:
-            self.plane.since_ns = max(self.plane.since_ns, time.time_ns())
+            self._judge_from_now()
             return None
         return got
 
@@ -409,7 +450,7 @@ class Watchdog:
         summarized as rank 0 summarizes the job's."""
         now = time.time()
         own = {"wall": now, "step": self.step, "phase": self.phase,
-               "at": positions(self._recorder()["entries"], time.time_ns())}
+               "at": positions(self._recorder()["entries"], time.time_ns(), self._judged_from_ns)}
         world = World()
         world.add(summarize({rank: {**beat, "at": None}, self.rank: own}, now,
                             self.plane.stale_s), now)

@@ -93,6 +93,10 @@ SAY: dict[str, Callable[[Event], Said]] = {
         f"rank {e.get('rank')} on {e.get('host')} was stuck {e.get('waited_s')} s in "
         f"{_collective(e.get('collective'))}, which its generation's failure did not end: "
         f"it left, for a spare to take its place"), "bad"),
+    "process_paused": lambda e: (_rank(e), (
+        f"rank {e.get('rank')} on {e.get('host')} did not run for {e.get('seconds')} s at "
+        f"step {e.get('step')} (its machine paused, or the process was stopped); the "
+        f"watchdog judged nobody on that time"), "warn"),
     "grow_failed": lambda e: (_rank(e), (
         f"a grow voted at step {e.get('step')} failed: {short(e.get('reason'), 300)}; the "
         f"job trains on at its size"), "warn"),

@@ -48,6 +48,12 @@ def world_sizes(run: Path) -> list[int]:
     return [e["world_size"] for e in events(run, "attempt_start")]
 
 
+def restarts(run: Path) -> list[tuple]:
+    """What made the job restart, as its events say (for a failed assertion's message)."""
+    return [(e["event"], e.get("host"), e.get("reason") or e.get("error"))
+            for e in events(run, "failure") + events(run, "hang")]
+
+
 def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference):
     c = cluster("2:2", TRAIN)
     c.start("node1")
@@ -59,7 +65,7 @@ def test_a_spare_replaces_a_killed_node_and_the_weights_match(cluster, reference
     c.kill("node2")
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
     assert c.wait("node3") == ExitCode.CLEAN, c.log("node3")
-    assert world_sizes(c.run) == [2, 2]
+    assert world_sizes(c.run) == [2, 2], restarts(c.run)
     resumed = events(c.run, "checkpoint_loaded")
     assert [e["step"] for e in resumed] in ([EVERY], [2 * EVERY]), c.log("node1")
     # the restart's parts, from the failure seen by node1's rank to the first step
@@ -99,7 +105,7 @@ def test_a_cold_restart_runs_in_prepared_workers_that_carry_nothing_of_the_one_b
     os.kill(first["node2"]["pid"], signal.SIGKILL)
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
     assert c.wait("node2") == ExitCode.CLEAN, c.log("node2")
-    assert world_sizes(c.run) == [2, 2]
+    assert world_sizes(c.run) == [2, 2], restarts(c.run)
     after = [e for e in events(c.run, "startup") if e["ts"] > killed]
     assert sorted(e["host"] for e in after) == ["node1", "node2"], after
     for e in after:  # prepared before the fault, and new: not a process of the first attempt
@@ -121,7 +127,7 @@ def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, refer
                    where=lambda e: e["step"] == EVERY, timeout=180)
     c.kill("node2")
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
-    assert world_sizes(c.run) == [2, 1]
+    assert world_sizes(c.run) == [2, 1], restarts(c.run)
     # node2 known dead, node1's round completed at once, without torchrun's last call
     (dropped,) = events(c.run, "rendezvous_node_dropped")
     (early,) = events(c.run, "rendezvous_round_completed_early")
@@ -152,7 +158,7 @@ def test_a_node_failing_the_gate_never_joins_and_a_spare_takes_its_place(cluster
     assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
     assert c.wait("node3") == ExitCode.CLEAN, c.log("node3")
     assert [e["host"] for e in events(c.run, "node_excluded")] == ["node2"]
-    assert world_sizes(c.run) == [2]
+    assert world_sizes(c.run) == [2], restarts(c.run)
     # the excluded node stays out when it is started again
     assert c.start("node2").wait(timeout=120) == ExitCode.EXCLUDE_NODE
 
@@ -188,4 +194,4 @@ def test_a_gpu_failing_mid_run_takes_its_node_out_and_a_spare_goes_on(cluster, t
     assert "ecc_volatile" in excluded_hosts(str(c.run))["node2"]["reason"]
     # the last checkpoint before the node left is where the spare's round resumed
     assert events(c.run, "checkpoint_loaded")[-1]["step"] == stop
-    assert world_sizes(c.run) == [2, 2]
+    assert world_sizes(c.run) == [2, 2], restarts(c.run)

@@ -172,6 +172,7 @@ def test_every_kind_of_failure_has_its_row(tmp_path):
     log.emit("evicted", id="hang-2", ranks=[2], unreachable={})
     log.emit("collective_stuck", rank=3, host="node-b", waited_s=7.5,
              collective={"pg": "mesh_tp", "seq": 156, "op": "gloo:all_reduce"})
+    log.emit("process_paused", rank=1, host="node-a", seconds=29.1, step=33)
     log.emit("collective_error", id="collective_error-3", reason="desync: ranks called "
              "different collectives", culprits=[1], detected_after_s=2)
     log.emit("checkpoint_failed", rank=1, step=40, error="RuntimeError: [/__w/pytorch/pytorch/"
@@ -199,6 +200,8 @@ def test_every_kind_of_failure_has_its_row(tmp_path):
     assert "<td>1</td>" in row(incidents, "collective error")
     assert ("rank 3 on node-b was stuck 7.5 s in gloo:all_reduce #156 on mesh_tp"
             in row(incidents, "collective stuck"))
+    assert ("rank 1 on node-a did not run for 29.1 s at step 33" in row(incidents,
+                                                                        "process paused"))
     assert "TrainingDiverged: loss is NaN" in row(incidents, "fatal")
     # a transport's error without its source location and boilerplate
     assert ("checkpoint of step 40 failed: RuntimeError: Connection closed by peer "

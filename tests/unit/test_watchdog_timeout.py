@@ -1,12 +1,15 @@
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from llmtrain.config import ReliabilityConfig
 from llmtrain.reliability.watchdog import Watchdog
-from conftest import ROOT, signed_store
+from conftest import ROOT, events, signed_store, sigstop
 
 
 def steps(w: Watchdog, n: int, seconds: float) -> None:
@@ -154,3 +157,57 @@ def test_a_generations_dump_holds_none_of_the_generations_before(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     entries = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [e["collective_seq_id"] for e in entries] == [1, 2], entries
+
+
+def _beating_rank(rank: int, port: int, run_dir: str) -> None:
+    """A rank whose training thread ends a step every 0.1 s and whose watchdog judges
+    through the store at ``port``; a hang it would declare is written to
+    ``declared-<rank>``."""
+    import torch.distributed as dist
+
+    from llmtrain.events import EventLog
+    store = signed_store(dist.TCPStore("127.0.0.1", port, is_master=False, use_libuv=True))
+    dog = Watchdog(ReliabilityConfig(hang_timeout_s=2.5, heartbeat_interval_s=0.25), store,
+                   run_dir, EventLog(run_dir, rank), rank=rank, world_size=2)
+    dog._declare = lambda reason, kind="hang": Path(run_dir, f"declared-{rank}").write_text(
+        reason)
+    dog.start()
+    for step in itertools.count():
+        dog.beat(step, "step")
+        time.sleep(0.1)
+
+
+def test_a_pause_of_the_whole_machine_longer_than_the_hang_timeout_is_no_hang(tmp_path):
+    """Both ranks' processes stop (SIGSTOP, as a VM's snapshot or live migration stops a
+    machine) for longer than the hang timeout; rank 1 runs again first, rank 0 a moment
+    later. Nobody made progress meanwhile, and nobody may be named for it: each watchdog
+    sees that its own process did not run and judges nothing of that time. (A 29 s pause
+    of a test machine had both ranks of a healthy job named hung, and it restarted cold.)"""
+    import torch.distributed as dist
+    from ranks import start
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          use_libuv=True)
+    procs = start(_beating_rank, (store.port, str(tmp_path)), nprocs=2)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(store.check([f"hb/{r}"]) for r in range(2)):
+            assert time.monotonic() < deadline and all(p.is_alive() for p in procs)
+            time.sleep(0.1)
+        time.sleep(1.5)  # both beat, each watchdog has judged the other alive
+        for p in procs:
+            sigstop(p.pid)
+        time.sleep(3.5)  # past the hang timeout (2.5 s)
+        os.kill(procs[1].pid, signal.SIGCONT)
+        time.sleep(0.8)  # rank 1 reads rank 0's beat, 4.3 s old
+        os.kill(procs[0].pid, signal.SIGCONT)
+        time.sleep(2)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert not list(tmp_path.glob("declared-*")), [
+        p.read_text() for p in tmp_path.glob("declared-*")]
+    paused = events(tmp_path, "process_paused")
+    assert sorted(e["rank"] for e in paused) == [0, 1], paused
+    assert all(e["seconds"] > 3 for e in paused), paused
