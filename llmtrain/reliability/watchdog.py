@@ -192,8 +192,8 @@ class Watchdog:
         self._counted_long = False  # whether this rank counts in the store's long_phases
         self._long_counted_in = ""  # the key it counts in (_long_key)
         self._store_out = False  # a tick failed: the store may have been out
-        # nothing before this is judged (monotonic, and wall-clock ns): the end of this
-        # process's last pause, or of the store's last stall (_judge_from_now)
+        # this rank's own waits count from here (monotonic, and wall-clock ns): the end of
+        # this process's last pause, or of the store's last long stall (_judge_from_now)
         self._judged_from, self._judged_from_ns = 0.0, 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -360,7 +360,7 @@ class Watchdog:
         """When this thread woke ``late`` seconds after it asked to, longer than makes a
         beat stale, this process did not run meanwhile: its machine paused (a VM's
         snapshot or live migration, a long memory reclaim), or the process was stopped and
-        continued. Its peers, most likely paused with it, could not beat either, and its
+        continued (a Slurm job suspended and resumed: SIGSTOP, then SIGCONT). Its peers, most likely paused with it, could not beat either, and its
         own training thread did not run: nothing that passed meanwhile is judged. Peers'
         silences, this rank's waits inside collectives and its own lack of progress count
         from now. (A 29 s VM pause on a test machine had each of two ranks, once resumed,
@@ -374,14 +374,19 @@ class Watchdog:
         self.events.emit("process_paused", seconds=round(late, 3), step=self.step,
                          host=HOST)
 
-    def _judge_from_now(self) -> None:
-        """Nothing that passed before now is judged: peers' silences, this rank's waits
-        inside collectives and its own lack of progress count from now. Called after a
-        pause of this process, and after a stall of the store, which this thread cannot
-        tell apart from a pause that fell inside a request (and in which no hang could be
-        declared anyway: that takes the store)."""
-        self._judged_from, self._judged_from_ns = time.monotonic(), time.time_ns()
-        self.plane.since_ns = max(self.plane.since_ns, self._judged_from_ns)
+    def _judge_from_now(self, stalled_s: float | None = None) -> None:
+        """Nothing that passed before now is judged: peers' silences count from now, and
+        after a pause of this process (``stalled_s`` None) its own waits inside
+        collectives and its own lack of progress too. After the store stalled for
+        ``stalled_s``, which this thread cannot tell apart from a pause that fell inside a
+        request, its own waits count from now only where the stall was longer than half
+        the hang timeout: a shorter pause makes a rank look hung only where it was halfway
+        there already, and a store merely slow at every request must not keep this rank
+        from ever judging its own progress."""
+        now_ns = time.time_ns()
+        self.plane.since_ns = max(self.plane.since_ns, now_ns)
+        if stalled_s is None or stalled_s > self.timeout / 2:
+            self._judged_from, self._judged_from_ns = time.monotonic(), now_ns
 
     def _progress_age(self) -> float:
         """Seconds since this rank's last progress, counted from :meth:`_judge_from_now`'s
@@ -395,8 +400,9 @@ class Watchdog:
         start. (A chaos run's 30 s stall met the check for the event key, after this was
         looked at once: both ranks named the other silent, and a warm recovery evicted a
         healthy rank.)"""
-        if self._store_out or time.monotonic() - began > self.cfg.heartbeat_interval_s:
-            self._judge_from_now()
+        took = time.monotonic() - began
+        if self._store_out or took > self.cfg.heartbeat_interval_s:
+            self._judge_from_now(stalled_s=took)
             self._store_out = False
 
     def _detect(self) -> tuple[str, str] | None:
@@ -440,8 +446,9 @@ class Watchdog:
         6 s had a healthy rank 0 declared silent for 6 s and evicted)."""
         asked = time.monotonic()
         got = read()
-        if time.monotonic() - asked > self.cfg.heartbeat_interval_s:
-            self._judge_from_now()
+        took = time.monotonic() - asked
+        if took > self.cfg.heartbeat_interval_s:
+            self._judge_from_now(stalled_s=took)
             return None
         return got
 

@@ -60,6 +60,26 @@ def test_long_phases_have_their_own_limit_until_the_next_step(tmp_path):
     assert w._detect() is None and w.progress_timeout == 60
 
 
+def test_a_store_slow_at_every_request_never_hides_a_ranks_own_hang(tmp_path):
+    """A store answer slower than a heartbeat interval makes peers' silences count from its
+    end; this rank's own lack of progress counts from then only after a pause of its own,
+    or a stall longer than half the hang timeout (which may hide one)."""
+    w = Watchdog(ReliabilityConfig(hang_timeout_s=5, hang_timeout_step_factor=0),
+                 signed_store(), str(tmp_path), events=None, rank=0, world_size=1)
+    steps(w, 4, 0.0)
+    w.progress -= 10
+    for _ in range(3):
+        w._judge_from_now(stalled_s=1.2)  # slow, not long: again and again
+        assert "made no progress for 10 s" in w._detect()[1]
+    w._judge_from_now(stalled_s=3.0)
+    assert w._detect() is None
+    w.progress -= 10
+    w._judged_from -= 10
+    assert w._detect()[0] == "hang"
+    w._judge_from_now()  # a pause of this process
+    assert w._detect() is None
+
+
 def test_waiting_for_a_peer_in_a_declared_long_phase_is_no_hang(tmp_path):
     store = signed_store()
     w = Watchdog(ReliabilityConfig(hang_timeout_s=5, phase_timeout_s=60), store,
