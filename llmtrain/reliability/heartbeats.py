@@ -198,25 +198,13 @@ def silence(rank: int, seconds: float, step: int, phase: str) -> str:
             f"{phase}): stopped or dead")
 
 
-def kept_pace(own_step: int | None, step: int) -> bool:
-    """Whether a rank whose newest heartbeat was at ``step`` has taken part in this rank's
-    steps since: this rank, at ``own_step``, has finished the step after that one, which
-    no step of data-parallel training finishes without every rank (llmtrain's steps
-    all-reduce over the world at their end). Such a rank is alive, however old its beat:
-    its watchdog thread is starved or stopped, not its training. (Under a full test
-    suite's load, a rank's watchdog thread went 12 s without a beat while its training
-    went from step 7 to step 9 with rank 0, which named it stopped: a restart for nothing.)"""
-    return own_step is not None and own_step - step >= 2
-
-
 def verdict(world: World, timeout_s: float, factor: float, floor_s: float,
-            stale_s: float, own_step: int | None = None) -> tuple[str, str] | None:
-    """(kind, reason) of what rank 0 (at ``own_step``) sees in ``world``: a rank silent
-    for ``timeout_s`` that has not kept pace with rank 0 since (a hang), a desync (a
-    collective error), a silent rank others wait for, a rank that has not arrived (hangs);
-    or None."""
+            stale_s: float) -> tuple[str, str] | None:
+    """(kind, reason) of what rank 0 sees in ``world``: a rank silent for ``timeout_s`` (a
+    hang), a desync (a collective error), a silent rank others wait for, a rank that has
+    not arrived (hangs); or None."""
     for r, (silent, step, phase) in sorted(world.silent.items()):
-        if silent > timeout_s and not kept_pace(own_step, step):
+        if silent > timeout_s:
             return "hang", silence(r, silent, step, phase)
     desync = desync_in(world)
     if desync:

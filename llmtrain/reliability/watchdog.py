@@ -68,8 +68,8 @@ from llmtrain.exit_codes import ExitCode
 from llmtrain.fsio import join, makedirs, write_atomic
 from llmtrain.reliability import flightrec
 from llmtrain.recovery import sockets
-from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, kept_pace,
-                                             positions, silence, summarize, verdict)
+from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, positions, silence,
+                                             summarize, verdict)
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +422,7 @@ class Watchdog:
             beats = self._read_in_time(lambda: self.plane.beats([0]))
             for r, beat in (beats or {}).items():
                 silent = time.time() - beat["wall"]
-                if silent > self.timeout and not kept_pace(self.step, beat["step"]):
+                if silent > self.timeout:
                     return "hang", silence(r, silent, beat["step"], beat["phase"])
                 if silent > self.plane.stale_s and self.quiet:  # while this rank waits?
                     found = awaited(self._seen_with(r, beat), self.plane.stale_s,
@@ -435,7 +435,7 @@ class Watchdog:
         if world is None:
             return None
         return verdict(world, self.timeout, self.cfg.not_arrived_factor,
-                       self.cfg.not_arrived_floor_s, self.plane.stale_s, own_step=self.step)
+                       self.cfg.not_arrived_floor_s, self.plane.stale_s)
 
     def _read_in_time(self, read):
         """``read()``, or None when the store took longer than a heartbeat interval to

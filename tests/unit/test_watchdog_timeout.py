@@ -115,8 +115,6 @@ def test_a_silent_peer_is_no_hang_while_this_rank_recovers_it_warm(tmp_path):
     assert w._detect() is None
     w.beat(2, "step")
     assert w._detect()[0] == "hang"
-    w.beat(3, "forward")  # rank 1 finished step 2, which rank 0 (at step 1) took part in
-    assert w._detect() is None
 
 
 def test_a_generations_first_step_is_a_long_phase_so_no_peer_names_it_not_arrived(tmp_path):
