@@ -12,6 +12,7 @@ import sys
 from llmtrain.config import JobConfig
 from llmtrain.distributed.nccl_env import warm_worker_env
 from llmtrain.launch.config import LaunchConfig
+from llmtrain.launch.template import Process
 
 
 def torchrun_command(lc: LaunchConfig, train_args: list[str], warm: bool = False,
@@ -69,7 +70,7 @@ def worker_env(cfg: JobConfig, lc: LaunchConfig, host: str) -> dict[str, str]:
     return env
 
 
-def forward_signals(procs: list[subprocess.Popen]) -> list[int]:
+def forward_signals(procs: list[Process]) -> list[int]:
     """A scheduler's SIGTERM (preemption, scancel) or USR1 goes on to ``procs`` (the agent,
     which passes it to the workers, or a standby node's warm spares, a list they are added
     to as they start): they save, then exit RETRYABLE. Slurm signals every process of a

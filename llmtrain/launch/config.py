@@ -25,7 +25,10 @@ class LaunchConfig:
     # 0.05 s of CPU on a 2-core machine).
     warm_monitor_interval_s: float = 1.0
     script: str = ""              # a training script of the user's (it calls llmtrain.start)
-    prepared_workers: bool = False  # keep a worker imported per local rank for the next attempt
+    prepared_workers: bool = True  # keep a worker imported per local rank for the next attempt
+    # the node's Python processes (agent, prepared workers, spares) are forks of one
+    # process that imported torch and llmtrain once (llmtrain.launch.template)
+    template: bool = True
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -56,10 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--script", default="",
                    help="run this training script of yours (it calls llmtrain.start; it "
                         "gets --config and the overrides) instead of llmtrain's trainer")
-    p.add_argument("--prepared-workers", action="store_true",
+    p.add_argument("--prepared-workers", action=argparse.BooleanOptionalAction,
+                   default=d.prepared_workers,
                    help="keep, for each local rank, a worker that has imported torch and "
                         "llmtrain before its attempt starts: a cold restart skips the spawn "
                         "and the imports (one idle process per GPU meanwhile)")
+    p.add_argument("--template", action=argparse.BooleanOptionalAction, default=d.template,
+                   help="start each of the node's processes (torchrun's agent, prepared "
+                        "workers, warm spares) afresh, each importing torch itself, instead "
+                        "of forking them from one process that imported it once")
 
 
 def from_args(args: argparse.Namespace) -> LaunchConfig:
@@ -67,4 +75,4 @@ def from_args(args: argparse.Namespace) -> LaunchConfig:
                         rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                         max_restarts=args.max_restarts, external_store=args.external_store,
                         host=args.host, standby=args.standby, script=args.script,
-                        prepared_workers=args.prepared_workers)
+                        prepared_workers=args.prepared_workers, template=args.template)

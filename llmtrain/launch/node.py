@@ -47,6 +47,7 @@ from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.children import child_pids, forward_signals, torchrun_command, worker_env
 from llmtrain.launch.config import LaunchConfig
 from llmtrain.launch.standby import await_vacancy, finished, serve_warm, standby_vacancies
+from llmtrain.launch.template import Process, Spawn, Template, TemplateConfig
 from llmtrain.process_origin import PREPARED_DIR_ENV
 from llmtrain.reliability.health.exclusion import excluded_hosts
 from llmtrain.reliability.health.gate import run_gate
@@ -124,16 +125,22 @@ def _fails(check, world: int) -> bool:
 def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     """Runs this node until the job ends for it; returns its exit code. With an external
     store, holds a lease on it meanwhile (:mod:`llmtrain.launch.store`)."""
+    # first: its imports overlap the preflight and the gate
+    template = Template(TemplateConfig(compiled=cfg.parallelism.compile,
+                                       fp8=cfg.parallelism.fp8 != "none")) \
+        if lc.template else None
     from llmtrain.launch.store import Lease  # imports torch: not at the CLI's start
     lease = Lease(lc.rdzv_endpoint) if lc.external_store else None
     try:
-        return _launch(cfg, lc, train_args)
+        return _launch(cfg, lc, train_args, template.spawn if template else subprocess.Popen)
     finally:
         if lease is not None:
             lease.release()
+        if template is not None:
+            template.close()
 
 
-def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
+def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str], spawn: Spawn) -> int:
     # first: a job that ends while the preflight and the gate run ended after this
     # launcher came (a standby that started then waited for an end it had missed)
     started = time.time()
@@ -158,7 +165,7 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
         # Waits warm; takes a lost rank's place in the running job. If the warm path
         # fails, the job restarts cold and this node joins that as a standby; if the rank
         # it took was not replaced when the job went cold, it joins the restart as a node.
-        rc, signalled, rejoin = serve_warm(cfg, lc, host, train_args, started)
+        rc, signalled, rejoin = serve_warm(cfg, lc, host, train_args, started, spawn)
         vacancy = rc is None or rejoin
         code = None if vacancy else (
             ExitCode.EXCLUDE_NODE if host in excluded_hosts(run_dir) else ExitCode.CLEAN
@@ -175,9 +182,9 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     # a standby's agent and prepared workers import while it waits: it joins a round as
     # soon as the round is short of it
     waits = lc.standby and not vacancy
-    prepared = _prepare_workers(lc, env, cfg.parallelism.compile)
+    prepared = _prepare_workers(lc, env, cfg, spawn)
     try:
-        proc = subprocess.Popen(torchrun_command(
+        proc = spawn(torchrun_command(
             lc, train_args, warm, prepared and prepared.folder, after_go=waits), env=env,
             stdin=subprocess.PIPE if waits else None)
         if waits and not _go(proc, await_vacancy(standby_vacancies(cfg, lc), run_dir,
@@ -197,7 +204,7 @@ def _launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     return code
 
 
-def _go(agent: subprocess.Popen, join: bool) -> bool:
+def _go(agent: Process, join: bool) -> bool:
     """Tells a standby's waiting agent to join the job's rendezvous, or to end; ``join``."""
     with contextlib.suppress(BrokenPipeError):
         agent.stdin.write(b"go\n" if join else b"end\n")
@@ -207,7 +214,7 @@ def _go(agent: subprocess.Popen, join: bool) -> bool:
     return join
 
 
-def _prepare_workers(lc: LaunchConfig, env: dict[str, str], compiled: bool):
+def _prepare_workers(lc: LaunchConfig, env: dict[str, str], cfg: JobConfig, spawn: Spawn):
     """With ``--prepared-workers``: this node's prepared workers, started now, beside the
     rendezvous (:mod:`llmtrain.launch.prepared`)."""
     if not lc.prepared_workers:
@@ -215,8 +222,10 @@ def _prepare_workers(lc: LaunchConfig, env: dict[str, str], compiled: bool):
     from llmtrain.launch.prepared import PreparedConfig, PreparedWorkers, new_folder
     folder = new_folder()
     env[PREPARED_DIR_ENV] = folder  # the agent's kills find the workers handed attempts
-    return PreparedWorkers(PreparedConfig(local_ranks=lc.nproc_per_node, compiled=compiled),
-                           folder, env)
+    return PreparedWorkers(PreparedConfig(local_ranks=lc.nproc_per_node,
+                                          compiled=cfg.parallelism.compile,
+                                          fp8=cfg.parallelism.fp8 != "none"),
+                           folder, env, spawn)
 
 
 def ensure_secret(lc: LaunchConfig, env: MutableMapping[str, str] = os.environ) -> None:
@@ -272,7 +281,7 @@ def _outcome(rc: int, run_dir: str, host: str, since: float, steps: int) -> Exit
 EXIT_GRACE_S = 10.0
 
 
-def _wait_agent(proc: subprocess.Popen, run_dir: str, steps: int, since: float) -> int:
+def _wait_agent(proc: Process, run_dir: str, steps: int, since: float) -> int:
     """torchrun's exit code. An agent whose workers finished waits in torchrun's exit
     barrier for the round's other agents, for 300 s, in a call no signal interrupts; after
     a warm recovery replaced a lost node, that node's agent never comes. So once the run

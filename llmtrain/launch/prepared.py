@@ -26,7 +26,8 @@ that failed since makes it refuse, and the hand-off starts a fresh process inste
 What the hand-off changes for the rest of llmtrain is in :mod:`llmtrain.process_origin`:
 the rank's identity to its agent, its agent's pid, and its start-up timeline.
 
-    python -m llmtrain.launch.prepared FOLDER LOCAL_RANK LISTENER_FD TAKEN_FD IMPORT_DELAY_S
+    python -m llmtrain.launch.prepared FOLDER LOCAL_RANK LISTENER_FD TAKEN_FD IMPORT_DELAY_S \
+        COMPILED FP8
         (started by the launcher)
 """
 
@@ -36,7 +37,6 @@ import contextlib
 import json
 import logging
 import os
-import runpy
 import select
 import shutil
 import signal
@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmtrain.launch.template import Process, Spawn, die_with_parent, preload, run_python
 from llmtrain.process_origin import HANDED_OVER_ENV, PREPARED_DIR_ENV, waiting_file
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class PreparedConfig:
     import_delay_s: float = 3.0
     # the job compiles (parallelism.compile): its workers import torch.compile's stack too
     compiled: bool = False
+    fp8: bool = False  # the job trains in FP8: its workers import torchao's float8 too
     retry_s: float = 5.0  # after a prepared worker ended before it was taken
     # a hand-off whose process died leaves its worker running only this long
     orphan_look_s: float = 0.2
@@ -77,8 +79,9 @@ class PreparedWorkers:
     """A node launcher's prepared workers, one per local rank, each followed by a new one
     once it is taken. ``env`` is the workers' environment (the launcher's worker env)."""
 
-    def __init__(self, cfg: PreparedConfig, folder: str, env: dict[str, str]) -> None:
-        self.cfg, self.folder = cfg, folder
+    def __init__(self, cfg: PreparedConfig, folder: str, env: dict[str, str],
+                 spawn: Spawn = subprocess.Popen) -> None:
+        self.cfg, self.folder, self.spawn = cfg, folder, spawn
         os.makedirs(folder, mode=0o700, exist_ok=True)
         os.chmod(folder, 0o700)  # the hand-off's socket: this user's processes only
         self.env = {**env, PREPARED_DIR_ENV: folder}
@@ -87,7 +90,7 @@ class PreparedWorkers:
         self._threads = [threading.Thread(target=self._keep, args=(lr, self._listen(lr)),
                                           daemon=True, name=f"prepared-{lr}")
                          for lr in range(cfg.local_ranks)]
-        self._procs: dict[int, subprocess.Popen] = {}
+        self._procs: dict[int, Process] = {}
         for t in self._threads:
             t.start()
 
@@ -107,10 +110,10 @@ class PreparedWorkers:
         delay = 0.0  # the first imports at once: no attempt of this node runs yet
         while not self._closed.is_set():
             read, write = os.pipe()
-            proc = subprocess.Popen(
+            proc = self.spawn(
                 [sys.executable, "-m", "llmtrain.launch.prepared", self.folder,
                  str(local_rank), str(listener.fileno()), str(write), str(delay),
-                 str(int(self.cfg.compiled))],
+                 str(int(self.cfg.compiled)), str(int(self.cfg.fp8))],
                 env=self.env, pass_fds=(listener.fileno(), write))
             os.close(write)
             listener.close()  # the worker's now
@@ -137,7 +140,7 @@ class PreparedWorkers:
                 listener = self._listen(local_rank)
             delay = self.cfg.import_delay_s
 
-    def _see_out(self, proc: subprocess.Popen, holder: int) -> None:
+    def _see_out(self, proc: Process, holder: int) -> None:
         """A taken worker, to its end, which is reported to its hand-off process. Should
         that process die first (torchrun's SIGKILL, an eviction) while the worker lives on
         (stopped, or stuck holding the GIL), the worker is killed."""
@@ -205,14 +208,14 @@ def _write(path: Path, text: str) -> None:
 # --- the prepared worker's side -------------------------------------------------------
 
 def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
-          import_delay_s: float, compiled: bool) -> None:
+          import_delay_s: float, compiled: bool, fp8: bool) -> None:
     """Imports, waits for its attempt on the socket its launcher made, then runs it;
     never returns."""
     path = os.path.join(folder, f"{local_rank}.sock")
     listener = socket.socket(fileno=listener_fd)  # a hand-off may wait in it already
-    _die_with_launcher()
+    die_with_parent()
     select.select([listener], [], [], import_delay_s)  # a hand-off, or the delay's end
-    ready = _prepare(local_rank, compiled)
+    ready = _prepare(local_rank, compiled, fp8)
     waiting = waiting_file(folder, os.getpid())
     if ready:
         # what its context holds on the GPU is this node's, not a stray process's
@@ -238,10 +241,10 @@ def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
     # before the attempt can run: the agent's kill finds this process through the file
     _write(Path(folder) / f"{holder}.worker", str(os.getpid()))
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-    _die_with_launcher(False)
+    die_with_parent(False)
     _become(attempt, fds)
     threading.Thread(target=_die_with_handoff, args=(conn,), daemon=True).start()
-    code = _run(attempt["argv"])
+    code = run_python(attempt["argv"])
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -250,29 +253,17 @@ def serve(folder: str, local_rank: int, listener_fd: int, taken_fd: int,
     os._exit(code)
 
 
-def _prepare(local_rank: int, compiled: bool) -> bool:
+def _prepare(local_rank: int, compiled: bool, fp8: bool) -> bool:
     """The imports an attempt would pay (``compiled``: torch.compile's too), a first model
     build's one-time costs (on meta, of the default shape: whatever the job's, the next
     build takes milliseconds), and on a GPU node the device's context and a resume's
     pinned host memory. False
     where the device fails a small kernel (the attempt then starts afresh, and finds the
     fault itself)."""
-    from llmtrain import collector
-    with collector.paused(freeze=True):  # as `llmtrain train` imports (llmtrain.collector)
-        import importlib
+    preload(compiled, fp8)  # nothing left to import in a worker forked from the template
+    import torch
 
-        import torch
-        importlib.import_module("llmtrain.launch.worker")  # the trainer and all it imports
-        from llmtrain.checkpoint.in_place import reserve_slots
-        from llmtrain.config.sections import ModelConfig
-        from llmtrain.distributed.parallelize import import_fp8
-        from llmtrain.model import Transformer
-        import_fp8()  # whatever the job's recipe: an FP8 job's attempt would import it
-        if compiled:  # imported as the model is built (most of a 1B model's 1.0 s "shard"
-            # on an H200) and at the first step: 2.6 s here
-            importlib.import_module("torch._inductor.compile_fx")
-    with torch.device("meta"):  # a first model build's one-time costs (0.6 s of 0.6 s here)
-        Transformer(ModelConfig())
+    from llmtrain.checkpoint.in_place import reserve_slots
     if not torch.cuda.is_available():
         return True
     try:
@@ -315,26 +306,6 @@ def _become(attempt: dict, fds: list[int]) -> None:
         torch.set_num_threads(int(threads))
 
 
-def _run(argv: list[str]) -> int:
-    """``python ARGV...`` in this process: ``-m MODULE ARGS`` or ``SCRIPT ARGS``."""
-    try:
-        if argv[0] == "-m":
-            sys.argv = [argv[1], *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(argv)
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        log.error("%s", e.code)  # python writes an exit's message to stderr
-        return 1
-    except BaseException:  # noqa: BLE001 - what python does with an uncaught exception
-        sys.excepthook(*sys.exc_info())
-        return 1
-    return 0
-
-
 def _die_with_handoff(conn: socket.socket) -> None:
     """The hand-off process ended (torchrun killed it): so does this worker."""
     while True:
@@ -348,16 +319,6 @@ def _die_with_handoff(conn: socket.socket) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _die_with_launcher(yes: bool = True) -> None:
-    """A waiting prepared worker ends with its launcher (Linux's parent-death signal); one
-    handed an attempt lives as long as the attempt, as torchrun's workers do."""
-    import ctypes
-    with contextlib.suppress(OSError, AttributeError):  # PR_SET_PDEATHSIG
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL if yes else 0)
-    if yes and os.getppid() == 1:  # it died before the line above
-        os._exit(0)
-
-
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[2]
@@ -365,4 +326,4 @@ def _peer_uid(conn: socket.socket) -> int:
 
 if __name__ == "__main__":
     serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
-          sys.argv[6] == "1")
+          sys.argv[6] == "1", sys.argv[7] == "1")

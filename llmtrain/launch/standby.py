@@ -29,6 +29,7 @@ from llmtrain.events import EventTail
 from llmtrain.exit_codes import ExitCode
 from llmtrain.launch.children import forward_signals, worker_command, worker_env
 from llmtrain.launch.config import LaunchConfig
+from llmtrain.launch.template import Process, Spawn
 from llmtrain.reliability.health.exclusion import excluded_hosts
 
 log = logging.getLogger(__name__)
@@ -221,11 +222,11 @@ class _Spare:
     metrics port), and its place in the job's pool."""
 
     def __init__(self, cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
-                 local_rank: int):
+                 local_rank: int, spawn: Spawn):
         ready, says_ready = os.pipe()
         # in a session of its own, as torchrun's workers are: an eviction kills its children too
         command = worker_command(lc) if lc.script else [sys.executable, "-m", "llmtrain", "spare"]
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [*command, *train_args], stdin=subprocess.PIPE, text=True, start_new_session=True,
             env={**worker_env(cfg, lc, host), "LLMTRAIN_SPARE": "1",  # see llmtrain.start
                  "LLMTRAIN_SPARE_READY_FD": str(says_ready),
@@ -296,7 +297,7 @@ class _Spare:
 
 
 def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
-               since: float) -> tuple[int | None, list[int], bool]:
+               since: float, spawn: Spawn) -> tuple[int | None, list[int], bool]:
     """Warm spares, one per local rank (``--nproc-per-node``): each ``llmtrain spare``
     imports torch once, then waits for a plan on its stdin, while this launcher holds its
     place in the job's pool and hands it the plan that assigns it a lost rank. A lost
@@ -317,7 +318,7 @@ def serve_warm(cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str
     A spare whose rank was lost, and replaced, is followed by a new one on its device:
     the node stays warm. Once the node is excluded (a spare's GPU failed), its waiting
     spares leave the pool: a rank given to one would refuse to start there."""
-    return _WarmStandby(cfg, lc, host, train_args, since).serve()
+    return _WarmStandby(cfg, lc, host, train_args, since, spawn).serve()
 
 
 class _WarmStandby:
@@ -325,15 +326,17 @@ class _WarmStandby:
     job (ended, this node excluded, a restart's round joined)."""
 
     def __init__(self, cfg: JobConfig, lc: LaunchConfig, host: str, train_args: list[str],
-                 since: float):
+                 since: float, spawn: Spawn):
         from llmtrain.recovery.pool import PoolPlace, join_pool
         from llmtrain.recovery.warm import job_namespace
         self.cfg, self.lc, self.host, self.train_args, self.since = (cfg, lc, host,
                                                                       train_args, since)
+        self.spawn = spawn
         self.vacancies = Vacancies(lc, restarts_only=True)
         self.pool = job_namespace(self.vacancies.store, lc.rdzv_id,
                                   reconnect=self.vacancies.client)
-        self.spares = [_Spare(cfg, lc, host, train_args, k) for k in range(lc.nproc_per_node)]
+        self.spares = [_Spare(cfg, lc, host, train_args, k, spawn)
+                       for k in range(lc.nproc_per_node)]
         self.procs = [s.proc for s in self.spares]
         self.signalled = forward_signals(self.procs)  # preemption reaches a rank held
         # one block of numbers: the pool hands a lost node's ranks to one node's spares
@@ -404,7 +407,8 @@ class _WarmStandby:
         if self.spares[k].replaced and not (self.done or self.excluded or self.signalled):
             log.info("warm spare: the rank held on local rank %d was lost and replaced; a "
                      "new spare waits on that device", k)
-            self.spares[k] = _Spare(self.cfg, self.lc, self.host, self.train_args, k)
+            self.spares[k] = _Spare(self.cfg, self.lc, self.host, self.train_args, k,
+                                    self.spawn)
             self.procs.append(self.spares[k].proc)
 
     def _leave_if_unneeded(self) -> None:
@@ -441,7 +445,7 @@ def _replaced(verdicts, holder: str) -> bool:
         return False
 
 
-def answer_evictions(spare: subprocess.Popen, evictions) -> bool:
+def answer_evictions(spare: Process, evictions) -> bool:
     """One look, for a spare that took a rank, at what an agent watches for its workers:
     the spare is killed (True) when a hang's watchdog asked
     (:func:`llmtrain.recovery.eviction.evict`; without this, a stopped spare went

@@ -20,6 +20,7 @@ from llmtrain.config import HealthConfig
 from llmtrain.process_origin import PREPARED_DIR_ENV, waiting_workers
 from llmtrain.reliability.health.checks import Backend, HealthChecker
 from llmtrain.reliability.health.nvml_scripted import ScriptedNVML
+from llmtrain.launch.template import Template, TemplateConfig
 from llmtrain.launch.prepared import (FOLDER_PREFIX, HANDOFF, PreparedConfig, PreparedWorkers,
                                       new_folder)
 
@@ -48,10 +49,21 @@ def script(tmp_path: Path) -> Path:
     return p
 
 
-@pytest.fixture
-def prepared(tmp_path: Path):
+@pytest.fixture(scope="module")
+def template():
+    t = Template(TemplateConfig())
+    yield t
+    t.close()
+
+
+@pytest.fixture(params=["fresh", "forked"])
+def prepared(request, tmp_path: Path):
+    """A node's prepared workers: each a fresh process, or (as ``llmtrain launch`` starts
+    them) forked from the node's template."""
+    spawn = (request.getfixturevalue("template").spawn if request.param == "forked"
+             else subprocess.Popen)
     workers = PreparedWorkers(PreparedConfig(local_ranks=1, import_delay_s=0),
-                              str(tmp_path / "prepared"), dict(os.environ))
+                              str(tmp_path / "prepared"), dict(os.environ), spawn)
     yield workers
     workers.close()
 

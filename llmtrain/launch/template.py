@@ -1,0 +1,406 @@
+"""A node's template process: it imports torch and llmtrain once, starts no thread, and
+forks the node's Python processes on its launcher's request (torchrun's agent, the
+prepared workers, the warm spares), so that none of them pays the imports (1.5-3 s of CPU
+each on a 2-core machine; a node of 8 ranks imported 8 times at each start).
+
+``llmtrain launch`` starts it first (:class:`Template`); its imports overlap the preflight
+and the health gate. Each request (:meth:`Template.spawn`) carries what ``python ARGV``
+would be started with: the command (``-m MODULE ARGS`` or ``SCRIPT ARGS``), the
+environment, the working folder, the descriptors it inherits (by number, as
+``subprocess.Popen``'s ``pass_fds``; a stdin pipe as 0) and whether it runs in a session
+of its own. It comes as one JSON message on a Unix socket pair only the two processes hold
+(nothing is unpickled). The template forks; the child takes those, resets the signals the
+template ignores, draws new random seeds, and runs the command in this interpreter as
+``python`` would run it. The template reaps its children and reports each one's exit
+code, which :class:`Forked` gives as ``subprocess.Popen`` does.
+
+What a child shares with the template is what its imports made, and nothing of another
+child: the template never runs a step, opens a process group, connects to a store, seeds
+a generator that training reads or touches CUDA (``torch.cuda.is_available()`` included:
+a CUDA driver initialized before a fork is unusable in the child), so a child on a GPU
+node makes its own context after the fork. That path has not run on a GPU yet.
+
+Where the template cannot serve (a command that is not Python's, a template that died or
+did not get ready in time), :meth:`Template.spawn` starts a fresh process, as before.
+
+    python -m llmtrain.launch.template SOCKET_FD COMPILED FP8    (started by the launcher)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gc
+import importlib
+import json
+import logging
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+MESSAGE_MAX = 1 << 20  # a request: its environment is most of it
+MAX_FDS = 16
+# signals a scheduler or a terminal sends every process of a job: the template outlives
+# them (it ends with its launcher), its children get them as any process does
+IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+@dataclass
+class TemplateConfig:
+    # the job compiles (parallelism.compile): import torch.compile's stack too
+    compiled: bool = False
+    fp8: bool = False  # the job trains in FP8: import torchao's float8 too (1.0 s of CPU)
+    # a request waits this long for the template's imports, then starts a fresh process
+    ready_timeout_s: float = 120.0
+    # and this long for a fork's answer
+    fork_timeout_s: float = 10.0
+
+
+class Forked:
+    """A process the template forked, as its launcher sees it: the part of
+    ``subprocess.Popen``'s interface the launcher uses (``pid``, ``stdin``, ``returncode``,
+    ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self.stdin = None
+        self._ended = threading.Event()
+
+    def end(self, code: int) -> None:
+        """Its exit code, as its template reaped it."""
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # as Popen: never a process that ended (and its pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+Process = Forked | subprocess.Popen
+Spawn = Callable[..., Process]  # subprocess.Popen, or a template's spawn
+
+
+class Template:
+    """A launcher's template process (started at once) and its requests."""
+
+    def __init__(self, cfg: TemplateConfig, env: dict[str, str] | None = None) -> None:
+        self.cfg = cfg
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmtrain.launch.template", str(theirs.fileno()),
+             str(int(cfg.compiled)), str(int(cfg.fp8))],
+            env={**(os.environ if env is None else env),
+                 # torch.cuda.is_available() asks NVML, never the CUDA driver
+                 "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
+            pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._sock = ours
+        self._ready = threading.Event()
+        self._gone = False
+        self._lock = threading.Lock()  # one request at a time
+        self._answered = threading.Event()
+        self._answer: tuple[dict, Forked | None] = ({}, None)
+        self._forked: dict[int, Forked] = {}
+        threading.Thread(target=self._read, daemon=True, name="template").start()
+
+    def spawn(self, args: list[str], env: dict[str, str], *, stdin: int | None = None,
+              text: bool = False, pass_fds: tuple[int, ...] = (),
+              start_new_session: bool = False) -> Process:
+        """``subprocess.Popen(args, env=env, stdin=stdin, text=text, pass_fds=pass_fds,
+        start_new_session=start_new_session)``, forked from the template where it can
+        (``args`` is ``[sys.executable, '-m', MODULE, ...]`` or ``[sys.executable,
+        SCRIPT, ...]``, and the template is up)."""
+        forked = self._fork(args, env, stdin, text, pass_fds, start_new_session) \
+            if self._serves(args) else None
+        return forked or subprocess.Popen(args, env=env, stdin=stdin, text=text,
+                                          pass_fds=pass_fds,
+                                          start_new_session=start_new_session)
+
+    def _serves(self, args: list[str]) -> bool:
+        if not (len(args) > 1 and args[0] == sys.executable
+                and (args[1] == "-m" or not args[1].startswith("-"))):
+            return False
+        if not self._ready.wait(self.cfg.ready_timeout_s) and not self._gone:
+            log.warning("llmtrain launch: the template process was not ready after %.0f s; "
+                        "its processes start afresh", self.cfg.ready_timeout_s)
+            self.close()
+        return not self._gone
+
+    def _fork(self, args, env, stdin, text, pass_fds, new_session) -> Forked | None:
+        fds, targets = list(pass_fds), list(pass_fds)
+        write = None
+        if stdin == subprocess.PIPE:
+            read, write = os.pipe()
+            fds.append(read)
+            targets.append(0)
+        request = {"argv": args[1:], "env": env, "cwd": os.getcwd(), "fds": targets,
+                   "session": new_session}
+        with self._lock:
+            self._answered.clear()
+            try:
+                socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+                answered = self._answered.wait(self.cfg.fork_timeout_s)
+            except OSError:
+                answered = False
+            answer, forked = self._answer
+        if write is not None:
+            os.close(read)
+        if not (answered and forked):
+            log.warning("llmtrain launch: the template process did not fork %s (%s); it "
+                        "starts afresh", args[1:3], answer.get("error", "no answer"))
+            if write is not None:
+                os.close(write)
+            return None
+        if write is not None:
+            forked.stdin = open(write, "w" if text else "wb",  # noqa: SIM115 - its owner's
+                                buffering=1 if text else 0)
+        return forked
+
+    def _read(self) -> None:
+        """The template's messages: ready, a fork's pid (or why it failed), an exit."""
+        while True:
+            try:
+                data = self._sock.recv(MESSAGE_MAX)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            message = json.loads(data)
+            if "ready" in message:
+                self._ready.set()
+            elif "exit" in message:
+                forked = self._forked.pop(message["pid"], None)
+                if forked is not None:
+                    forked.end(message["exit"])
+            else:
+                forked = None
+                if "pid" in message:
+                    forked = self._forked[message["pid"]] = Forked(message["pid"],
+                                                                   message["argv"])
+                self._answer = (message, forked)
+                self._answered.set()
+        self._gone = True
+        self._ready.set()
+        self._answered.set()
+        if self._forked:  # it died before them: their exit codes are lost
+            threading.Thread(target=self._orphans, daemon=True,
+                             name="template-orphans").start()
+
+    def _orphans(self) -> None:
+        """The template died (killed) before some of its children: each is seen to its end
+        through its pidfd, and reported killed, its own code being lost."""
+        log.warning("llmtrain launch: the template process ended before %d of its "
+                    "processes; their exit codes are lost", len(self._forked))
+        for pid, forked in list(self._forked.items()):
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:  # gone already
+                forked.end(-signal.SIGKILL)
+                continue
+            select.select([pidfd], [], [])
+            os.close(pidfd)
+            forked.end(-signal.SIGKILL)
+
+    def close(self) -> None:
+        """Ends the template (its children live on to their own ends)."""
+        self._gone = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# --- the template's side --------------------------------------------------------------
+
+def preload(compiled: bool, fp8: bool) -> None:
+    """What a worker imports (``compiled``: torch.compile's stack too; ``fp8``: torchao's
+    float8) and a first model
+    build's one-time costs (on meta, of the default shape: whatever the job's, the next
+    build takes milliseconds). Nothing here touches a device."""
+    from llmtrain import collector
+    with collector.paused(freeze=True):  # as `llmtrain train` imports (llmtrain.collector)
+        import torch
+        importlib.import_module("llmtrain.launch.worker")  # the trainer and all it imports
+        from llmtrain.config.sections import ModelConfig
+        from llmtrain.distributed.parallelize import import_fp8
+        from llmtrain.model import Transformer
+        if fp8:
+            import_fp8()
+        if compiled:  # imported as the model is built (most of a 1B model's 1.0 s "shard"
+            # on an H200) and at the first step: 2.6 s here
+            importlib.import_module("torch._inductor.compile_fx")
+    with torch.device("meta"):  # a first model build's one-time costs (0.6 s of 0.6 s here)
+        Transformer(ModelConfig())
+
+
+def _preload_agent() -> None:
+    """torchrun's agent's own imports (llmtrain.launch.agent's), beside a worker's."""
+    from llmtrain import collector
+    with collector.paused(freeze=True):
+        importlib.import_module("torch.distributed.run")
+        importlib.import_module("torch.distributed.elastic.agent.server.local_elastic_agent")
+
+
+def serve(sock_fd: int, compiled: bool, fp8: bool) -> dict:
+    """Imports, then forks on request until the launcher closes its end (then exits).
+    Returns only in a forked child: the request it is to run, its process made ready."""
+    sock = socket.socket(fileno=sock_fd)
+    die_with_parent()
+    for sig in IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    preload(compiled, fp8)
+    _preload_agent()
+    gc.freeze()  # what the children share is never scanned, nor copied by a scan
+    if threading.active_count() > 1:  # a fork would leave its lock behind
+        raise SystemExit("llmtrain template: its imports started a thread: "
+                         f"{[t.name for t in threading.enumerate()]}")
+    import torch
+    if torch.cuda.is_initialized():  # defensive: nothing above may (see the module's doc)
+        raise SystemExit("llmtrain template: its imports initialized CUDA")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
+    sock.send(json.dumps({"ready": True}).encode())
+    while True:
+        readable = select.select([sock, wake_r], [], [])[0]
+        if wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(wake_r, 512):
+                    pass
+            _reap(sock)
+        if sock not in readable:
+            continue
+        data, fds, _flags, _addr = socket.recv_fds(sock, MESSAGE_MAX, MAX_FDS)
+        if not data:  # the launcher closed its end, or ended
+            os._exit(0)
+        request = json.loads(data)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            answer = {"error": f"fork: {e}"}
+        else:
+            if pid == 0:
+                sock.close()
+                signal.set_wakeup_fd(-1)
+                os.close(wake_r)
+                os.close(wake_w)
+                return _ready_child(request, fds)
+            answer = {"pid": pid, "argv": request["argv"]}
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps(answer).encode())
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        sock.send(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _ready_child(request: dict, fds: list[int]) -> dict:
+    """The forked child, made what a fresh ``python`` started with ``request`` would be."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for sig in IGNORED:  # python's own: a KeyboardInterrupt on SIGINT, the rest default
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                      else signal.SIG_DFL)
+    if request["session"]:
+        os.setsid()
+    # each descriptor at the number its launcher gave it (the template holds no other
+    # above 2: subprocess started it with close_fds)
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, target in zip(high, request["fds"]):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    import numpy
+    import torch
+    # a fresh process draws its own seeds (python's random draws at each fork itself); a
+    # device's generators are seeded as it is first used, as in a fresh process
+    numpy.random.seed()
+    torch.default_generator.seed()
+    threads = os.environ.get("OMP_NUM_THREADS")  # read at torch's import in a fresh one
+    if threads:
+        torch.set_num_threads(int(threads))
+    return request
+
+
+def run_python(argv: list[str]) -> int:
+    """``python ARGV...`` in this process (``-m MODULE ARGS`` or ``SCRIPT ARGS``); its exit
+    code. ``sys.path[0]`` is what python would make it: the working folder for a module,
+    the script's folder for a script."""
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        log.error("%s", e.code)  # python writes an exit's message to stderr
+        return 1
+    except BaseException:  # noqa: BLE001 - what python does with an uncaught exception
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
+
+
+def die_with_parent(yes: bool = True) -> None:
+    """This process ends with its parent (Linux's parent-death signal); ``yes=False``
+    lifts that."""
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError):  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL if yes else 0)
+    if yes and os.getppid() == 1:  # it died before the line above
+        os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    request = serve(int(argv[0]), argv[1] == "1", argv[2] == "1")
+    sys.exit(run_python(request["argv"]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
