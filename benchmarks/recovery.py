@@ -21,10 +21,13 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   ``warm_recovery`` event: detected, agreed (who is lost, which spare, which step),
   group formed, restored, first step.
 - **cold**: torchrun restarts every worker; the spare joins the rendezvous; the new
-  processes load the newest checkpoint. Parts from the ``recovery`` event.
-- **cold_prepared**: the cold path with ``--prepared-workers``: each node keeps a worker
-  per local rank that imported torch and llmtrain before the fault, and the restart's
-  ranks run in them (the spawn and the imports skipped).
+  processes load the newest checkpoint. Every process starts afresh and imports torch
+  itself (``--no-prepared-workers --no-template``): the baseline. Parts from the
+  ``recovery`` event.
+- **cold_prepared**: the cold path as ``llmtrain launch`` runs it by default: each node
+  keeps a worker per local rank, forked before the fault from the node's template process
+  (which imported torch and llmtrain once), and the restart's ranks run in them (the
+  spawn and the imports skipped).
 - **shrink** (``node_loss`` only): no spare, ``--nnodes 1:2``, the defaults otherwise:
   the survivor goes on alone at half the world size (the global batch kept, in more
   micro-batches) in its own process, its state resharded in memory from its snapshot and
@@ -45,7 +48,8 @@ an external rendezvous store), ``--nnodes 2:2`` with the third as a spare.
   goes cold, and the survivor restarts alone from the newest checkpoint under torchrun.
   The baseline of the shrink. The lost node is known dead at once (its agent's presence
   connection closes), so the survivor's round completes without torch's last call.
-- **shrink_cold_prepared**: the same with ``--prepared-workers``.
+  Fresh processes, as ``cold``.
+- **shrink_cold_prepared**: the same with the default prepared workers, as ``cold_prepared``.
 - **warm_tp**: the warm path with tensor parallelism: two ranks a node, a tp 2 group each
   (``parallelism.tp`` 2, each node an HSDP replica of its own), one standby node with a
   warm spare per local rank (a node lost whole needs two); a lost rank's place goes to a
@@ -90,6 +94,7 @@ TRAIN = ("--config", "debug_cpu", "--training.steps", "100000",
          "--checkpoint.interval_steps", "20", "--metrics.log_every", "5",
          "--metrics.address", "127.0.0.1", "--metrics.port", "0", "--health.interval_s", "1")
 FAULTS = ("node_loss", "kill_rank", "gpu_bad", "hang")
+FRESH = ("--no-prepared-workers", "--no-template")  # every process imports torch itself
 PATHS = ("warm", "cold", "cold_prepared", "shrink", "shrink_cold", "shrink_cold_prepared",
          "shrink_hsdp", "grow", "warm_tp", "shrink_tp")
 SHRINKS = ("shrink", "shrink_cold", "shrink_cold_prepared", "shrink_hsdp", "grow",
@@ -131,10 +136,10 @@ def one_recovery(workdir: Path, path: str, fault: str, script: str = "") -> dict
     warm = path not in ("cold", "cold_prepared", "shrink_cold", "shrink_cold_prepared")
     with_spare = path not in SHRINKS
     per_node = 2 if path in ("shrink_hsdp", "warm_tp", "shrink_tp") else 1
-    options = {"cold": ("--warm.enable", "false"),
-               "cold_prepared": ("--warm.enable", "false", "--prepared-workers"),
-               "shrink_cold": ("--warm.shrink", "false"),
-               "shrink_cold_prepared": ("--warm.shrink", "false", "--prepared-workers"),
+    options = {"cold": ("--warm.enable", "false", *FRESH),
+               "cold_prepared": ("--warm.enable", "false"),
+               "shrink_cold": ("--warm.shrink", "false", *FRESH),
+               "shrink_cold_prepared": ("--warm.shrink", "false"),
                "shrink_hsdp": ("--nproc-per-node", "2", "--parallelism.dp_replicate", "-1",
                                "--parallelism.dp_shard", "2",
                                "--training.global_batch_size", "32"),

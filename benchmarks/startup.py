@@ -17,6 +17,12 @@
   reference, on the node that compiled it (torch's local cache). On CPU the run dir's
   cache also carries the built C++ kernels; every process still builds inductor's small
   probes of the CPU's vector ISA.
+- **A node's first start** under ``llmtrain launch`` (one node, ``--node-ranks`` ranks,
+  one step): as it runs by default, its processes forked from the node's template
+  process that imported torch and llmtrain once, against every process importing for
+  itself (``--no-template --no-prepared-workers``): the whole command's wall time, rank
+  0's first step after its launch, and the CPU seconds of every process the launcher
+  started (its own included), as ratios.
 - **Construction**, 1B-class shapes (Llama 3.2 1B: dim 2048, 16 layers, vocab 128256,
   tied) on 2 real gloo ranks: llmtrain's meta -> ``parallelize`` -> ``to_empty`` ->
   ``init_weights`` vs the full model on every rank then ``fully_shard``; the slowest
@@ -28,6 +34,7 @@
   its peak RSS against the whole model's float32 bytes shows no rank allocates the model.
 
     python benchmarks/startup.py [--world-sizes 1,2,4] [--repeats 2] [--compile-ranks 2]
+                                 [--node-ranks 2]
                                  [--presets llama3_8b:8,llama3_70b:64] [--skip-construct]
 
 Prints tables, then one JSON line of the figures.
@@ -244,6 +251,49 @@ def compiled_start(nproc: int, run_dir: Path, node_cache: Path, run_dir_cache: b
     return parts(event["phases"], event["since_launch_s"], r["wall"])
 
 
+def node_start(nproc: int, tmp: Path, fresh: bool) -> dict[str, float]:
+    """One node's ``llmtrain launch`` of one step: its wall time, rank 0's first step
+    after its launch, and the CPU seconds of the launcher and all it started (each
+    process is waited for by its parent: the launcher's, the template's, the agent's)."""
+    from llmtrain.events import read_events
+    run_dir = tmp / f"node-{'fresh' if fresh else 'forked'}-{nproc}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = run([sys.executable, "-m", "llmtrain", "launch", "--nnodes", "1",
+                "--nproc-per-node", str(nproc), "--rdzv-endpoint", "127.0.0.1:0",
+                *(("--no-template", "--no-prepared-workers") if fresh else ()),
+                "--config", "debug_cpu", "--training.run_dir", str(run_dir),
+                "--training.steps", "1", "--training.micro_batch_size", str(micro_batch(nproc)),
+                "--checkpoint.enable", "false", "--metrics.prometheus", "false",
+                "--warm.enable", "false"])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    event = [e for e in read_events(str(run_dir), "startup") if e["rank"] == 0][-1]
+    return {"wall": wall, "first_step": event["since_launch_s"],
+            "cpu": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+
+
+def node_starts(tmp: Path, nproc: int, repeats: int, figures: dict) -> None:
+    """A node's first start with its processes forked from its template, against each
+    importing for itself."""
+    sides = {"forked": [], "fresh": []}
+    for _ in range(repeats):  # alternate, so drift in load hits both sides
+        for side, runs in sides.items():
+            runs.append(node_start(nproc, tmp, fresh=side == "fresh"))
+    best = {side: min(runs, key=lambda r: r["cpu"]) for side, runs in sides.items()}
+    print(f"\na node's first start under llmtrain launch, {nproc} ranks, one step "
+          f"(s; least CPU of {repeats})")
+    print(f"{'side':<10}{'wall':>10}{'first step':>12}{'cpu':>10}")
+    for side, r in best.items():
+        print(f"{side:<10}{r['wall']:>10.2f}{r['first_step']:>12.2f}{r['cpu']:>10.2f}")
+    ratios = {k: best["forked"][k] / best["fresh"][k] for k in ("wall", "first_step", "cpu")}
+    print(f"{'ratio':<10}{ratios['wall']:>10.2f}{ratios['first_step']:>12.2f}"
+          f"{ratios['cpu']:>10.2f}")
+    for k, ratio in ratios.items():
+        figures[f"node_start_{k}_forked_over_fresh_r{nproc}"] = round(ratio, 3)
+        for side, r in best.items():
+            figures[f"node_start_{k}_{side}_r{nproc}"] = round(r[k], 2)
+
+
 def stock_start(nproc: int, tmp: Path) -> dict[str, float]:
     out = tmp / f"stock-w{nproc}.json"
     wall = run(worker_cmd(nproc, "stock", str(out), str(micro_batch(nproc))))
@@ -270,6 +320,8 @@ def main() -> None:
     parser.add_argument("--skip-construct", action="store_true")
     parser.add_argument("--compile-ranks", type=int, default=2,
                         help="ranks of the compiled starts (0: skip them)")
+    parser.add_argument("--node-ranks", type=int, default=2,
+                        help="ranks of the node's first start under llmtrain launch (0: skip)")
     parser.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -302,6 +354,8 @@ def main() -> None:
             figures[f"first_step_s_llmtrain_w{w}"] = round(a["first_step"], 2)
             figures[f"first_step_s_stock_w{w}"] = round(b["first_step"], 2)
 
+        if args.node_ranks:
+            node_starts(tmp, args.node_ranks, args.repeats, figures)
         if args.compile_ranks:
             compiled(tmp, args.compile_ranks, args.repeats, figures)
         if not args.skip_construct:

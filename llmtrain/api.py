@@ -253,8 +253,14 @@ class Session:
         new generation (warm path); returns the generation's control group."""
         s, span = self.settings, self.ledger.span
         self.fence.join(self.recovery.membership())  # no rank trains before all name it
+        # a warm generation's members have all come (recovery.spare_store, assemble): one
+        # that dies before its group forms costs the warm path's budget at most, not the
+        # creation timeout (a grow's survivors waited 300 s for a spare killed as it came)
+        timeout_s = (s.reliability.init_timeout_s if category == "startup" else
+                     min(s.reliability.init_timeout_s, s.warm.budget_s))
         with span(category, "process_group"):
-            self.device = init_process_group(s.parallelism, s.reliability, self.world, store)
+            self.device = init_process_group(s.parallelism, s.reliability, self.world, store,
+                                             timeout_s)
         with span(category, "device_mesh"):
             self.mesh = build_mesh(self.device, self._fits(self.world.world_size),
                                    s.reliability.collective_timeout_s, s.parallelism.tp)

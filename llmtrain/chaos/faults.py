@@ -36,6 +36,9 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
                                            it is about to hand to a warm spare
     kill@spare_assigned                    a warm spare dies as soon as it is assigned a
                                            lost rank, before it joins the survivors
+    kill@spare_arrived                     a warm spare dies once every member of its
+                                           new generation has come, before their group
+                                           forms
     hang@replicate:step=12                 every rank's snapshot replication thread stops
                                            (sleeps for ever) before exchanging its first
                                            snapshot of step 12 or later (a snapshot taken
@@ -47,7 +50,9 @@ Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 ``replica`` (a buddy about to send a lost rank's snapshot replica to its warm replacement;
 ``step`` is the snapshot's), ``replicate`` (a rank's replication thread about to exchange
 its snapshot of ``step`` with its buddy), ``spare_assigned`` (a warm spare given a lost
-rank's place; ``step`` is the snapshot it will restore), ``checkpoint_write`` (inside a
+rank's place; ``step`` is the snapshot it will restore), ``spare_arrived`` (the same spare
+once every member of its generation has come, before their group forms),
+``checkpoint_write`` (inside a
 rank's DCP shard write, in the background writer), ``resume`` (a verified checkpoint about
 to be loaded; ``step`` is the checkpoint's), ``data_read`` (a rank reading its batch of
 ``step``, on the data reader's thread when it prefetches), ``prepare_shard`` (``llmtrain
@@ -81,7 +86,7 @@ from llmtrain.config import ConfigError
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
            "badmath", "eio", "error")
 POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica", "replicate",
-          "spare_assigned", "retention", "data_read")
+          "spare_assigned", "spare_arrived", "retention", "data_read")
 
 
 class FaultSpecError(ConfigError):

@@ -192,13 +192,14 @@ def make_deterministic(p: ParallelismConfig, device_type: str,
 
 
 def init_process_group(p: ParallelismConfig, r: ReliabilityConfig, world: WorldInfo,
-                       store: dist.Store) -> torch.device:
-    """Joins the job's default process group; returns this rank's device."""
+                       store: dist.Store, timeout_s: float | None = None) -> torch.device:
+    """Joins the job's default process group, waiting for its members up to ``timeout_s``
+    (``r.init_timeout_s`` by default); returns this rank's device."""
     device = resolve_device(p, world.local_rank)
     make_deterministic(p, device.type)
     dist.init_process_group(
         backend=backend_for(p, device.type), store=store, rank=world.rank, world_size=world.world_size,
-        timeout=timedelta(seconds=r.init_timeout_s),
+        timeout=timedelta(seconds=r.init_timeout_s if timeout_s is None else timeout_s),
         device_id=device if device.type == "cuda" else None)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=r.collective_timeout_s))
     return device

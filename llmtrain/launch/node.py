@@ -215,7 +215,7 @@ def _go(agent: Process, join: bool) -> bool:
 
 
 def _prepare_workers(lc: LaunchConfig, env: dict[str, str], cfg: JobConfig, spawn: Spawn):
-    """With ``--prepared-workers``: this node's prepared workers, started now, beside the
+    """Unless ``--no-prepared-workers``: this node's prepared workers, started now, beside the
     rendezvous (:mod:`llmtrain.launch.prepared`)."""
     if not lc.prepared_workers:
         return None

@@ -2,9 +2,10 @@
 (a compiled job's, torch.compile's stack too) and, on a GPU node, made its CUDA context on
 its device and pinned the host memory a resume loads through, before its attempt begins,
 so that a cold restart skips a worker's spawn and imports (1.6-3 s on a 2-core machine, 7
-s on an H100 node for a compiled run).
+s on an H100 node for a compiled run). Under ``llmtrain launch`` each is forked from the
+node's template process (:mod:`llmtrain.launch.template`), which imported all that once.
 
-With ``--prepared-workers``, ``llmtrain launch`` keeps one per local rank
+By default (``--no-prepared-workers`` turns it off), ``llmtrain launch`` keeps one per local rank
 (:class:`PreparedWorkers`) and starts torchrun with :mod:`llmtrain.launch.handoff` as
 every worker's command. When torchrun starts an attempt's worker, the hand-off passes the
 attempt (command, environment, working folder, stdio) to its local rank's prepared worker
@@ -12,8 +13,9 @@ over a Unix socket in a folder only this user can open (the peer's uid is checke
 as JSON: nothing is unpickled. The prepared worker takes it once, becomes that attempt's
 worker (its environment, ``sys.argv``, the command run as ``python`` would run it), and
 exits when the attempt's work ends. The launcher starts its successor at once; the
-successor listens at once but imports ``PreparedConfig.import_delay_s`` later (or as soon
-as a hand-off comes), so that its imports do not compete with the new attempt's start.
+successor listens at once but prepares (imports, when it was not forked from a template
+that did; its CUDA context) ``PreparedConfig.import_delay_s`` later (or as soon as a
+hand-off comes), so that this does not compete with the new attempt's start.
 
 A prepared worker never shares anything with an attempt before its own: it was started
 after the previous one was taken, and until it is handed an attempt it holds no process

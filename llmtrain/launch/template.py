@@ -10,8 +10,9 @@ environment, the working folder, the descriptors it inherits (by number, as
 ``subprocess.Popen``'s ``pass_fds``; a stdin pipe as 0) and whether it runs in a session
 of its own. It comes as one JSON message on a Unix socket pair only the two processes hold
 (nothing is unpickled). The template forks; the child takes those, resets the signals the
-template ignores, draws new random seeds, and runs the command in this interpreter as
-``python`` would run it. The template reaps its children and reports each one's exit
+template ignores, draws new random seeds, takes its command line as its title (what
+``ps`` and ``pgrep -f`` show; its ``/proc/PID/environ`` stays the template's, which is the
+launcher's), and runs the command in this interpreter as ``python`` would run it. The template reaps its children and reports each one's exit
 code, which :class:`Forked` gives as ``subprocess.Popen`` does.
 
 What a child shares with the template is what its imports made, and nothing of another
@@ -23,7 +24,8 @@ node makes its own context after the fork. That path has not run on a GPU yet.
 Where the template cannot serve (a command that is not Python's, a template that died or
 did not get ready in time), :meth:`Template.spawn` starts a fresh process, as before.
 
-    python -m llmtrain.launch.template SOCKET_FD COMPILED FP8    (started by the launcher)
+    python -m llmtrain.launch.template SOCKET_FD COMPILED FP8 TITLE_ROOM
+        (started by the launcher)
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ MESSAGE_MAX = 1 << 20  # a request: its environment is most of it
 MAX_FDS = 16
 # signals a scheduler or a terminal sends every process of a job: the template outlives
 # them (it ends with its launcher), its children get them as any process does
+# the template's last argument: room in its command line's memory for each child's own
+# (what ps and pgrep -f show), which cannot grow
+TITLE_ROOM = " " * 2048
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
@@ -113,10 +118,14 @@ class Template:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmtrain.launch.template", str(theirs.fileno()),
-             str(int(cfg.compiled)), str(int(cfg.fp8))],
+             str(int(cfg.compiled)), str(int(cfg.fp8)), TITLE_ROOM],
             env={**(os.environ if env is None else env),
                  # torch.cuda.is_available() asks NVML, never the CUDA driver
-                 "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
+                 "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
+                 # a child's title is written over the command line's own memory, never
+                 # its environment's: /proc/PID/environ stays the launcher's, and the
+                 # markers tools find a job's processes by stay there
+                 "SPT_NOENV": "1"},
             pass_fds=(theirs.fileno(),))
         theirs.close()
         self._sock = ours
@@ -124,6 +133,8 @@ class Template:
         self._gone = False
         self._lock = threading.Lock()  # one request at a time
         self._answered = threading.Event()
+        self._answer_lock = threading.Lock()
+        self._waiting = False  # a request waits for its answer
         self._answer: tuple[dict, Forked | None] = ({}, None)
         self._forked: dict[int, Forked] = {}
         threading.Thread(target=self._read, daemon=True, name="template").start()
@@ -161,16 +172,19 @@ class Template:
         request = {"argv": args[1:], "env": env, "cwd": os.getcwd(), "fds": targets,
                    "session": new_session}
         with self._lock:
-            self._answered.clear()
-            try:
+            with self._answer_lock:
+                self._answered.clear()
+                self._answer = ({}, None)  # none yet: a template that dies gives none
+                self._waiting = True
+            with contextlib.suppress(OSError):
                 socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
-                answered = self._answered.wait(self.cfg.fork_timeout_s)
-            except OSError:
-                answered = False
-            answer, forked = self._answer
+                self._answered.wait(self.cfg.fork_timeout_s)
+            with self._answer_lock:  # an answer later than this is killed (_read)
+                self._waiting = False
+                answer, forked = self._answer
         if write is not None:
             os.close(read)
-        if not (answered and forked):
+        if forked is None:
             log.warning("llmtrain launch: the template process did not fork %s (%s); it "
                         "starts afresh", args[1:3], answer.get("error", "no answer"))
             if write is not None:
@@ -198,24 +212,36 @@ class Template:
                 if forked is not None:
                     forked.end(message["exit"])
             else:
-                forked = None
-                if "pid" in message:
-                    forked = self._forked[message["pid"]] = Forked(message["pid"],
-                                                                   message["argv"])
-                self._answer = (message, forked)
-                self._answered.set()
-        self._gone = True
+                self._answered_with(message)
+        closed, self._gone = self._gone, True
         self._ready.set()
         self._answered.set()
-        if self._forked:  # it died before them: their exit codes are lost
-            threading.Thread(target=self._orphans, daemon=True,
+        if self._forked:  # it ended before them: their exit codes are lost
+            threading.Thread(target=self._orphans, args=(closed,), daemon=True,
                              name="template-orphans").start()
 
-    def _orphans(self) -> None:
-        """The template died (killed) before some of its children: each is seen to its end
-        through its pidfd, and reported killed, its own code being lost."""
-        log.warning("llmtrain launch: the template process ended before %d of its "
-                    "processes; their exit codes are lost", len(self._forked))
+    def _answered_with(self, message: dict) -> None:
+        """A fork's answer: the child's pid, or why there is none. A child whose request
+        gave up waiting (and started a fresh process instead) is killed."""
+        forked = Forked(message["pid"], message["argv"]) if "pid" in message else None
+        with self._answer_lock:
+            if forked is not None:
+                self._forked[forked.pid] = forked
+            if self._waiting:
+                self._answer = (message, forked)
+                self._answered.set()
+                return
+        if forked is not None:
+            log.warning("llmtrain launch: the template forked %s too late; killed",
+                        message["argv"][:2])
+            forked.kill()
+
+    def _orphans(self, closed: bool) -> None:
+        """The template ended (``closed``, or killed) before some of its children: each is
+        seen to its end through its pidfd, and reported killed, its own code being lost."""
+        if not closed:
+            log.warning("llmtrain launch: the template process died before %d of its "
+                        "processes; their exit codes are lost", len(self._forked))
         for pid, forked in list(self._forked.items()):
             try:
                 pidfd = os.pidfd_open(pid)
@@ -242,9 +268,9 @@ class Template:
 
 def preload(compiled: bool, fp8: bool) -> None:
     """What a worker imports (``compiled``: torch.compile's stack too; ``fp8``: torchao's
-    float8) and a first model
-    build's one-time costs (on meta, of the default shape: whatever the job's, the next
-    build takes milliseconds). Nothing here touches a device."""
+    float8) and a first model build's one-time costs (on meta, of the default shape:
+    whatever the job's, the next build takes milliseconds). Nothing here touches a
+    device."""
     from llmtrain import collector
     with collector.paused(freeze=True):  # as `llmtrain train` imports (llmtrain.collector)
         import torch
@@ -334,6 +360,9 @@ def _reap(sock: socket.socket) -> None:
 
 def _ready_child(request: dict, fds: list[int]) -> dict:
     """The forked child, made what a fresh ``python`` started with ``request`` would be."""
+    import setproctitle
+    setproctitle.setproctitle(" ".join([sys.executable, *request["argv"]]))
+    setproctitle.setthreadtitle(os.path.basename(sys.executable))  # its name, as before
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for sig in IGNORED:  # python's own: a KeyboardInterrupt on SIGINT, the rest default
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT

@@ -177,6 +177,7 @@ class WarmRecovery:
         has come, its store."""
         fault_points.point("spare_assigned", step)
         self.path.assemble(time.monotonic() + self.cfg.budget_s)
+        fault_points.point("spare_arrived", step)
         return self.path.group_store()
 
     def group_formed(self) -> None:

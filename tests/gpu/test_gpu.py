@@ -556,3 +556,22 @@ def test_a_stuck_nccl_collective_is_aborted_and_the_rank_steps_on_in_a_new_group
     # and the collective's kernel, which the abort flag stops; never NCCL's 120 s timeout
     assert result["raised_s"] < result["spin_s"] + 5, result
     assert result["bitwise_equal"], result
+
+
+def test_a_process_forked_from_the_template_makes_its_own_cuda_context(tmp_path):
+    """``llmtrain launch``'s template imports torch, llmtrain, torchao's float8 and
+    torch.compile's stack without initializing the CUDA driver, so that a worker forked
+    from it can make its own context and run a kernel."""
+    from llmtrain.launch.template import Forked, Template, TemplateConfig
+    script = tmp_path / "cuda_child.py"
+    script.write_text("import torch\nx = torch.ones(4, device='cuda') * 2\n"
+                      "torch.cuda.synchronize()\nprint('ok', x.sum().item(), flush=True)\n")
+    template = Template(TemplateConfig(compiled=True, fp8=True))
+    try:
+        started = time.monotonic()
+        proc = template.spawn([sys.executable, str(script)], env=dict(os.environ))
+        assert isinstance(proc, Forked), "the template did not fork it"
+        assert proc.wait(timeout=300) == 0, "a forked child could not use CUDA"
+        print(f"forked CUDA child: {time.monotonic() - started:.1f} s from the request")
+    finally:
+        template.close()

@@ -202,16 +202,21 @@ def test_when_the_warm_path_goes_cold_the_waiting_spare_joins_the_restart(cluste
         assert torch.equal(reference[name], got[name]), name
 
 
-def test_a_spare_that_dies_once_claimed_sends_the_job_cold_within_the_budget(cluster,
-                                                                          reference):
-    """The claimed spare dies before it joins: the survivor stops waiting for it when
-    warm.budget_s is spent (not after the group's 300 s creation timeout), every rank goes
-    cold, the spare's node joins the restart, and the weights match a run without faults."""
+@pytest.mark.parametrize("point,reason", [
+    ("spare_assigned", "did not come within warm.budget_s=4"),
+    # it came, then died before the group formed: the group's creation waits the budget
+    ("spare_arrived", "DistStoreError")])
+def test_a_spare_that_dies_once_claimed_sends_the_job_cold_within_the_budget(
+        cluster, reference, point, reason):
+    """The claimed spare dies before it joins (or once it came, before the group forms):
+    the survivor stops waiting for it when warm.budget_s is spent (not after the group's
+    300 s creation timeout), every rank goes cold, the spare's node joins the restart, and
+    the weights match a run without faults."""
     c = cluster("2:2", TRAIN)
     budget = ("--warm.budget_s", "4")
     for name in ("node1", "node2"):
         c.start(name, *budget)
-    c.start("spare", *budget, "--reliability.faults", "kill@spare_assigned", spare=True)
+    c.start("spare", *budget, "--reliability.faults", f"kill@{point}", spare=True)
     wait_for_event(c.run, "checkpoint_committed", c.nodes["node1"],
                    where=lambda e: e["step"] == 20, timeout=180)
     c.kill("node2")
@@ -219,7 +224,7 @@ def test_a_spare_that_dies_once_claimed_sends_the_job_cold_within_the_budget(clu
         assert c.wait(name) == ExitCode.CLEAN, c.log(name)
     failure = next(e for e in events(c.run, "failure") if e.get("path") == "warm")
     failed = events(c.run, "warm_recovery_failed")
-    assert len(failed) == 1 and "did not come within warm.budget_s=4" in failed[0]["reason"]
+    assert len(failed) == 1 and reason in failed[0]["reason"], failed
     assert failed[0]["ts"] - failure["ts"] < 4 + 1
     assert not events(c.run, "warm_recovery")
     assert [e["world_size"] for e in events(c.run, "attempt_start")] == [2, 2]

@@ -25,7 +25,9 @@ state = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
          "sid": os.getsid(0) == os.getpid(), "stdin": sys.stdin.readline().strip(),
          "numpy": float(numpy.random.rand()), "random": random.random(),
          "torch_seed": torch.initial_seed(), "left": getattr(llmtrain, "left_by_a_sibling", None),
-         "threads": torch.get_num_threads()}
+         "threads": torch.get_num_threads(),
+         "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(bytes(1)).decode(),
+         "comm": open("/proc/self/comm").read().strip()}
 os.write(int(os.environ["OUT_FD"]), json.dumps(state).encode())
 llmtrain.left_by_a_sibling = True  # what one child changes, the next never sees
 torch.manual_seed(1234)
@@ -86,6 +88,9 @@ def test_a_forked_child_is_what_python_would_have_started(template, script, tmp_
     assert got["path0"] == str(script.parent)  # the script's folder, as python makes it
     assert got["tag"] == "one" and got["stray"] is None  # its env, not the template's
     assert got["sid"] and got["stdin"] == "hello" and got["threads"] == 1
+    # what ps and pgrep -f show: its own command, not its template's
+    assert got["cmdline"].split() == [sys.executable, str(script), "3"], got["cmdline"]
+    assert got["comm"] == Path(sys.executable).name[:15]
     assert time.monotonic() - started < 30
 
 
@@ -139,3 +144,43 @@ def test_a_template_killed_under_its_children_loses_no_child_and_is_not_used_aga
     after = t.spawn([sys.executable, str(sleeper), "0"], env=dict(os.environ))
     assert isinstance(after, subprocess.Popen) and after.wait(timeout=60) == 0
     t.close()
+
+
+def test_a_fork_answered_after_its_request_gave_up_is_killed(tmp_path, caplog):
+    """A template stopped (SIGSTOP, a paused node) past the fork timeout: the request
+    starts a fresh process, and the child the template forks once it runs again is
+    killed, so that no process runs twice."""
+    t = Template(TemplateConfig(fork_timeout_s=1.0))
+    sleeper = tmp_path / "late_sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(60)\n")
+    try:
+        assert t.spawn([sys.executable, str(sleeper)], env=dict(os.environ)).kill() is None
+        os.kill(t.proc.pid, signal.SIGSTOP)
+        proc = t.spawn([sys.executable, str(sleeper)], env=dict(os.environ))
+        assert isinstance(proc, subprocess.Popen)
+        os.kill(t.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while "too late; killed" not in caplog.text:
+            assert time.monotonic() < deadline, "the late fork was never answered"
+            time.sleep(0.05)
+        while set(_running(str(sleeper))) != {proc.pid}:
+            assert time.monotonic() < deadline, _running(str(sleeper))
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+    finally:
+        os.kill(t.proc.pid, signal.SIGCONT)
+        t.close()
+
+
+def _running(text: str) -> list[int]:
+    """The live (not zombie) processes whose command line names ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes()
+                    and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
