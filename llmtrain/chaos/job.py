@@ -195,9 +195,9 @@ class Job:
                   timeout: float = 240) -> dict:
         """Waits for the first step after the recovery, warm or cold; fills in its path,
         time and steps lost. ``node``: the one that held the lost rank; if it lives on
-        without its worker after a warm recovery, it is started again as the next spare
-        (with spares, a standby node still running needs nothing: it has put a new warm
-        spare in the lost one's place itself)."""
+        without its worker after a warm recovery, it is started again as the next spare.
+        A standby node still running has put a new warm spare in the lost one's place
+        itself: with spares that needs nothing; without, the job grows back into it."""
         rec = self.wait(lambda: self.latest("warm_recovery", since)
                         or self.latest("recovery", since), "recovery", timeout)
         v.path = recovery_path(rec)
@@ -206,15 +206,18 @@ class Job:
         v.recover_s = rec["marks"]["first_step"] - v.injected_at
         if v.path != "cold":
             v.restored = rec["step"]
-            # (without spares, the node comes back after its repair, for the job to grow
-            # back into: the standby is ended and started again, as any node)
-            standing = (self.cfg.warm and self.spare_nodes and node in self.standby
+            # A standby whose spare held the rank offers a new spare at once, which the
+            # job may claim within a second: ended then, it would take the claimed spare
+            # with it (a second fault, of the harness's making)
+            standing = (self.cfg.warm and node in self.standby
                         and self.cluster.nodes[node].poll() is None)
             # its agent has no worker left: back as a spare (with TP, a node whose other
             # ranks train on keeps them)
             lost = self.lost_ranks(rec) or []
             others = [r for r, e in self.ranks().items() if e["host"] == node and r not in lost]
-            if node is not None and not standing and not others:
+            if node is not None and standing and not self.spare_nodes:
+                self.taken_back(v, node, v.injected_at)
+            elif node is not None and not standing and not others:
                 self.end_node(node)
                 self.back(v, node)
         else:
@@ -236,10 +239,16 @@ class Job:
         time.sleep(max(0.0, v.injected_at + self.cfg.repair_s - time.time()))
         since = time.time()
         self.start(node)
-        if self.world()[1] == self.cfg.world_size:
+        self.taken_back(v, node, since)
+
+    def taken_back(self, v: Verdict, node: str, since: float) -> None:
+        """Waits for the job to take ``node``, a standby since ``since``, back in: the
+        verdict says how (a warm grow, or a restart) and the time it cost the others."""
+        def came() -> dict | None:
+            return self.latest("warm_grow", since) or self.latest("recovery", since)
+        if came() is None and self.world()[1] == self.cfg.world_size:
             return
-        back = self.wait(lambda: self.latest("warm_grow", since)
-                         or self.latest("recovery", since) or self.ended(since),
+        back = self.wait(lambda: came() or self.ended(since),
                          f"the job to take {node} back", 180)
         if back["event"] == "run_end":  # it reached its last step first: nothing to grow
             return
