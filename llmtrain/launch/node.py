@@ -24,6 +24,10 @@ Workers that exit FATAL or EXCLUDE_NODE stop their own agent (``worker.stop_agen
 torchrun restarts workers whatever their exit code; the other nodes' agents then form a
 new round without this node.
 
+**One import per node**: the launcher first starts the node's template process
+(:mod:`llmtrain.launch.template`), which imports torch and llmtrain while the preflight and
+the gate run; torchrun's agent, the prepared workers and the warm spares are forks of it.
+
 **Spares wait outside the rendezvous** (``--standby``) and join only when a round is
 short of nodes, or wait warm to take a lost rank's place (:mod:`llmtrain.launch.standby`).
 """
