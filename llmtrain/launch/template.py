@@ -9,16 +9,20 @@ would be started with: the command (``-m MODULE ARGS`` or ``SCRIPT ARGS``), the
 environment, the working folder, the descriptors it inherits (by number, as
 ``subprocess.Popen``'s ``pass_fds``; a stdin pipe as 0) and whether it runs in a session
 of its own. It comes as one JSON message on a Unix socket pair only the two processes hold
-(nothing is unpickled). The template forks; the child takes those, resets the signals the
-template ignores, draws new random seeds, takes its command line as its title (what
-``ps`` and ``pgrep -f`` show; its ``/proc/PID/environ`` stays the template's, which is the
-launcher's), and runs the command in this interpreter as ``python`` would run it. The template reaps its children and reports each one's exit
-code, which :class:`Forked` gives as ``subprocess.Popen`` does.
+(nothing is unpickled). The template forks; the child takes those, draws new random
+seeds, takes its command line as its title (what ``ps`` and ``pgrep -f`` show; its
+``/proc/PID/environ`` stays the template's, which is the launcher's), and runs the command
+in this interpreter as ``python`` would run it. The signals a scheduler sends every
+process stay blocked in the template, and in a child until it is ready: one sent to a
+child that early waits for it. The template answers each request with its child's pid
+(a late answer, to a request that gave up, has its child killed), reaps its children and
+reports each one's exit code, which :class:`Forked` gives as ``subprocess.Popen`` does.
 
 What a child shares with the template is what its imports made, and nothing of another
 child: the template never runs a step, opens a process group, connects to a store, seeds
-a generator that training reads or touches CUDA (``torch.cuda.is_available()`` included:
-a CUDA driver initialized before a fork is unusable in the child), so a child on a GPU
+a generator that training reads or touches CUDA (``torch.cuda.is_available()`` asks NVML
+here: a CUDA driver initialized before a fork is unusable in the child; a template whose
+imports did that anyway, where NVML could not answer, refuses to serve), so a child on a GPU
 node makes its own context after the fork. That path has not run on a GPU yet.
 
 Where the template cannot serve (a command that is not Python's, a template that died or
@@ -51,12 +55,14 @@ log = logging.getLogger(__name__)
 
 MESSAGE_MAX = 1 << 20  # a request: its environment is most of it
 MAX_FDS = 16
-# signals a scheduler or a terminal sends every process of a job: the template outlives
-# them (it ends with its launcher), its children get them as any process does
 # the template's last argument: room in its command line's memory for each child's own
 # (what ps and pgrep -f show), which cannot grow
 TITLE_ROOM = " " * 2048
-IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+# signals a scheduler or a terminal sends every process of a job: the template blocks them
+# (it ends with its launcher); its children keep the dispositions a fresh python started by
+# the launcher would have (an ignored SIGHUP under nohup stays ignored), and unblock them
+# once they are ready: one sent meanwhile waits, pending, instead of being lost
+BLOCKED = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP}
 
 
 @dataclass
@@ -134,7 +140,8 @@ class Template:
         self._lock = threading.Lock()  # one request at a time
         self._answered = threading.Event()
         self._answer_lock = threading.Lock()
-        self._waiting = False  # a request waits for its answer
+        self._asked = 0  # the requests' ids
+        self._waiting = 0  # the id of the request waiting for its answer (0: none)
         self._answer: tuple[dict, Forked | None] = ({}, None)
         self._forked: dict[int, Forked] = {}
         threading.Thread(target=self._read, daemon=True, name="template").start()
@@ -169,18 +176,19 @@ class Template:
             read, write = os.pipe()
             fds.append(read)
             targets.append(0)
-        request = {"argv": args[1:], "env": env, "cwd": os.getcwd(), "fds": targets,
-                   "session": new_session}
         with self._lock:
+            self._asked += 1
+            request = {"id": self._asked, "argv": args[1:], "env": env, "cwd": os.getcwd(),
+                       "fds": targets, "session": new_session}
             with self._answer_lock:
                 self._answered.clear()
                 self._answer = ({}, None)  # none yet: a template that dies gives none
-                self._waiting = True
+                self._waiting = request["id"]
             with contextlib.suppress(OSError):
                 socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
                 self._answered.wait(self.cfg.fork_timeout_s)
             with self._answer_lock:  # an answer later than this is killed (_read)
-                self._waiting = False
+                self._waiting = 0
                 answer, forked = self._answer
         if write is not None:
             os.close(read)
@@ -222,12 +230,13 @@ class Template:
 
     def _answered_with(self, message: dict) -> None:
         """A fork's answer: the child's pid, or why there is none. A child whose request
-        gave up waiting (and started a fresh process instead) is killed."""
+        gave up waiting (and started a fresh process instead) is killed, whatever request
+        waits now."""
         forked = Forked(message["pid"], message["argv"]) if "pid" in message else None
         with self._answer_lock:
             if forked is not None:
                 self._forked[forked.pid] = forked
-            if self._waiting:
+            if message["id"] == self._waiting:
                 self._answer = (message, forked)
                 self._answered.set()
                 return
@@ -242,15 +251,16 @@ class Template:
         if not closed:
             log.warning("llmtrain launch: the template process died before %d of its "
                         "processes; their exit codes are lost", len(self._forked))
+        watched = {}
         for pid, forked in list(self._forked.items()):
             try:
-                pidfd = os.pidfd_open(pid)
+                watched[os.pidfd_open(pid)] = forked
             except OSError:  # gone already
                 forked.end(-signal.SIGKILL)
-                continue
-            select.select([pidfd], [], [])
-            os.close(pidfd)
-            forked.end(-signal.SIGKILL)
+        while watched:  # each as it ends
+            for pidfd in select.select(list(watched), [], [])[0]:
+                os.close(pidfd)
+                watched.pop(pidfd).end(-signal.SIGKILL)
 
     def close(self) -> None:
         """Ends the template (its children live on to their own ends)."""
@@ -299,18 +309,17 @@ def serve(sock_fd: int, compiled: bool, fp8: bool) -> dict:
     """Imports, then forks on request until the launcher closes its end (then exits).
     Returns only in a forked child: the request it is to run, its process made ready."""
     sock = socket.socket(fileno=sock_fd)
+    signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)
     die_with_parent()
-    for sig in IGNORED:
-        signal.signal(sig, signal.SIG_IGN)
     preload(compiled, fp8)
     _preload_agent()
     gc.freeze()  # what the children share is never scanned, nor copied by a scan
     if threading.active_count() > 1:  # a fork would leave its lock behind
         raise SystemExit("llmtrain template: its imports started a thread: "
                          f"{[t.name for t in threading.enumerate()]}")
-    import torch
-    if torch.cuda.is_initialized():  # defensive: nothing above may (see the module's doc)
-        raise SystemExit("llmtrain template: its imports initialized CUDA")
+    if _forks_poisoned():  # nothing above may have (see the module's doc)
+        raise SystemExit("llmtrain template: its imports initialized the CUDA driver; its "
+                         "children could not use the GPU (the processes start afresh)")
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -333,7 +342,7 @@ def serve(sock_fd: int, compiled: bool, fp8: bool) -> dict:
         try:
             pid = os.fork()
         except OSError as e:
-            answer = {"error": f"fork: {e}"}
+            answer = {"id": request["id"], "error": f"fork: {e}"}
         else:
             if pid == 0:
                 sock.close()
@@ -341,7 +350,7 @@ def serve(sock_fd: int, compiled: bool, fp8: bool) -> dict:
                 os.close(wake_r)
                 os.close(wake_w)
                 return _ready_child(request, fds)
-            answer = {"pid": pid, "argv": request["argv"]}
+            answer = {"id": request["id"], "pid": pid, "argv": request["argv"]}
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps(answer).encode())
@@ -364,19 +373,23 @@ def _ready_child(request: dict, fds: list[int]) -> dict:
     setproctitle.setproctitle(" ".join([sys.executable, *request["argv"]]))
     setproctitle.setthreadtitle(os.path.basename(sys.executable))  # its name, as before
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for sig in IGNORED:  # python's own: a KeyboardInterrupt on SIGINT, the rest default
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
-                      else signal.SIG_DFL)
     if request["session"]:
         os.setsid()
     # each descriptor at the number its launcher gave it (the template holds no other
-    # above 2: subprocess started it with close_fds)
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 256) for fd in fds]
+    # above 2: subprocess started it with close_fds), by way of numbers above them all
+    targets = request["fds"]
+    if len(targets) != len(fds):
+        raise SystemExit(f"llmtrain template: {len(fds)} of the request's {len(targets)} "
+                         "descriptors came")
+    floor = max([*targets, 255]) + 1
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds]
     for fd in fds:
         os.close(fd)
-    for fd, target in zip(high, request["fds"]):
+    for fd, target in zip(high, targets):
         os.dup2(fd, target)
         os.close(fd)
+    if 0 in targets and sys.stdin is None:  # the template was started without one
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's, as python's
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -389,7 +402,20 @@ def _ready_child(request: dict, fds: list[int]) -> dict:
     threads = os.environ.get("OMP_NUM_THREADS")  # read at torch's import in a fresh one
     if threads:
         torch.set_num_threads(int(threads))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, BLOCKED)
     return request
+
+
+def _forks_poisoned() -> bool:
+    """Whether a child forked now would find CUDA unusable: torch marks that when the
+    driver was initialized before the fork, which ``torch.cuda.is_available()`` does where
+    NVML cannot answer (MIG devices named by UUID, a broken NVML), and FP8's torchao asks
+    it at import. A child forked to ask, then ended."""
+    import torch
+    pid = os.fork()
+    if pid == 0:
+        os._exit(int(torch.cuda._is_in_bad_fork()))
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
 
 
 def run_python(argv: list[str]) -> int:
@@ -409,6 +435,13 @@ def run_python(argv: list[str]) -> int:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
         log.error("%s", e.code)  # python writes an exit's message to stderr
+        return 1
+    except KeyboardInterrupt:  # python ends by the signal itself, for its parent to see
+        sys.excepthook(*sys.exc_info())
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
         return 1
     except BaseException:  # noqa: BLE001 - what python does with an uncaught exception
         sys.excepthook(*sys.exc_info())

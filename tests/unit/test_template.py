@@ -17,7 +17,7 @@ import pytest
 from llmtrain.launch.template import Forked, Template, TemplateConfig
 
 CHILD = """
-import json, os, random, sys
+import json, os, random, signal, sys
 import numpy, torch
 import llmtrain
 state = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
@@ -27,7 +27,10 @@ state = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
          "torch_seed": torch.initial_seed(), "left": getattr(llmtrain, "left_by_a_sibling", None),
          "threads": torch.get_num_threads(),
          "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(bytes(1)).decode(),
-         "comm": open("/proc/self/comm").read().strip()}
+         "comm": open("/proc/self/comm").read().strip(),
+         "sighup": str(signal.getsignal(signal.SIGHUP)),
+         "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+         "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
 os.write(int(os.environ["OUT_FD"]), json.dumps(state).encode())
 llmtrain.left_by_a_sibling = True  # what one child changes, the next never sees
 torch.manual_seed(1234)
@@ -37,7 +40,12 @@ sys.exit(int(sys.argv[1]))
 
 @pytest.fixture(scope="module")
 def template():
-    t = Template(TemplateConfig())
+    """A template started as under ``nohup``: SIGHUP ignored."""
+    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        t = Template(TemplateConfig())
+    finally:
+        signal.signal(signal.SIGHUP, hup)
     yield t
     t.close()
 
@@ -91,6 +99,8 @@ def test_a_forked_child_is_what_python_would_have_started(template, script, tmp_
     # what ps and pgrep -f show: its own command, not its template's
     assert got["cmdline"].split() == [sys.executable, str(script), "3"], got["cmdline"]
     assert got["comm"] == Path(sys.executable).name[:15]
+    # python's own SIGINT handler, an inherited ignore kept (nohup), nothing left blocked
+    assert got["sigint"] and got["sighup"] == str(signal.SIG_IGN) and got["blocked"] == []
     assert time.monotonic() - started < 30
 
 
@@ -100,6 +110,15 @@ def test_children_share_nothing_made_by_a_sibling_and_draw_their_own_seeds(templ
     assert second["left"] is None  # the first's module attribute, and its manual seed:
     assert first["torch_seed"] != second["torch_seed"] != 1234  # each draws its own
     assert first["numpy"] != second["numpy"] and first["random"] != second["random"]
+
+
+def test_a_signal_sent_as_soon_as_a_child_is_forked_is_not_lost(template, tmp_path):
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\ntime.sleep(60)\n")
+    for _ in range(3):
+        proc = template.spawn([sys.executable, str(sleeper)], env=dict(os.environ))
+        proc.terminate()  # before the child could have run a line of its own
+        assert proc.wait(timeout=30) == -signal.SIGTERM
 
 
 def test_a_signal_that_kills_a_child_comes_back_as_popen_gives_it(template, tmp_path):
@@ -159,6 +178,12 @@ def test_a_fork_answered_after_its_request_gave_up_is_killed(tmp_path, caplog):
         proc = t.spawn([sys.executable, str(sleeper)], env=dict(os.environ))
         assert isinstance(proc, subprocess.Popen)
         os.kill(t.proc.pid, signal.SIGCONT)
+        # the next request gets its own child, never the late one
+        other = tmp_path / "other.py"
+        other.write_text("import time\ntime.sleep(60)\n")
+        mine = t.spawn([sys.executable, str(other)], env=dict(os.environ))
+        assert isinstance(mine, Forked) and _running(str(other)) == [mine.pid]
+        mine.kill()
         deadline = time.monotonic() + 30
         while "too late; killed" not in caplog.text:
             assert time.monotonic() < deadline, "the late fork was never answered"
