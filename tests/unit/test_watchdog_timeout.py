@@ -221,6 +221,13 @@ def test_a_pause_of_the_whole_machine_longer_than_the_hang_timeout_is_no_hang(tm
         os.kill(procs[1].pid, signal.SIGCONT)
         time.sleep(0.8)  # rank 1 reads rank 0's beat, 4.3 s old
         os.kill(procs[0].pid, signal.SIGCONT)
+        # each says its pause once its watchdog thread runs again (late, on a loaded
+        # machine: CI once killed the ranks 2 s on, before rank 0's had said it), and
+        # names nobody meanwhile
+        deadline = time.monotonic() + 30
+        while len({e["rank"] for e in events(tmp_path, "process_paused")}) < 2:
+            assert time.monotonic() < deadline, events(tmp_path, "process_paused")
+            time.sleep(0.1)
         time.sleep(2)
     finally:
         for p in procs:
