@@ -63,11 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=d.prepared_workers,
                    help="keep, for each local rank, a worker that has imported torch and "
                         "llmtrain before its attempt starts: a cold restart skips the spawn "
-                        "and the imports (one idle process per GPU meanwhile)")
+                        "and the imports (one idle process per GPU meanwhile; on by default)")
     p.add_argument("--template", action=argparse.BooleanOptionalAction, default=d.template,
-                   help="start each of the node's processes (torchrun's agent, prepared "
-                        "workers, warm spares) afresh, each importing torch itself, instead "
-                        "of forking them from one process that imported it once")
+                   help="fork the node's processes (torchrun's agent, prepared workers, warm "
+                        "spares) from one process that imported torch and llmtrain once; "
+                        "--no-template starts each afresh, importing for itself (on by "
+                        "default)")
 
 
 def from_args(args: argparse.Namespace) -> LaunchConfig:
