@@ -70,7 +70,7 @@ from llmtrain.placement import SPARE_ENV, place, refuse_if_excluded, spare_assig
 from llmtrain.recovery.coordinator import warm_recovery, was_reported
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.interface import Resized
-from llmtrain.recovery.presence import say_bye
+from llmtrain.recovery.presence import RoundWatch, say_bye
 from llmtrain.recovery.warm import Plan, outside_store
 from llmtrain.reliability.guard import IntegrityGuard
 from llmtrain.reliability.health.monitor import start_monitor
@@ -258,9 +258,17 @@ class Session:
         # creation timeout (a grow's survivors waited 300 s for a spare killed as it came)
         timeout_s = (s.reliability.init_timeout_s if category == "startup" else
                      min(s.reliability.init_timeout_s, s.warm.budget_s))
+        fault_points.point("process_group", 0)
         with span(category, "process_group"):
-            self.device = init_process_group(s.parallelism, s.reliability, self.world, store,
-                                             timeout_s)
+            # a cold generation's round may lose a node before its ranks come: see RoundWatch
+            watch = RoundWatch(lambda: outside_store(timedelta(seconds=timeout_s)),
+                               self._round_node_lost, env=os.environ if category == "startup"
+                               else {})
+            try:
+                self.device = init_process_group(s.parallelism, s.reliability, self.world,
+                                                 store, timeout_s)
+            finally:
+                watch.stop()
         with span(category, "device_mesh"):
             self.mesh = build_mesh(self.device, self._fits(self.world.world_size),
                                    s.reliability.collective_timeout_s, s.parallelism.tp)
@@ -276,6 +284,19 @@ class Session:
         group = side_group(s.reliability.collective_timeout_s, "control")
         self.recovery.group_formed()
         return group
+
+    def _round_node_lost(self, nodes: set[str]) -> None:
+        """A node of this cold generation's rendezvous round died before the process group
+        formed: its ranks will never come. Nothing is trained or held yet, so this rank
+        ends RETRYABLE at once, and its agent starts the next round (which drops the dead
+        node) instead of waiting out ``reliability.init_timeout_s`` in torch's creation."""
+        log.error("llmtrain: rendezvous node(s) %s died before the process group formed; "
+                  "rank %d ends for the next round", ", ".join(sorted(nodes)), self.world.rank)
+        self.events.emit("round_node_lost", nodes=sorted(nodes))
+        self.events.close()
+        say_bye()
+        logging.shutdown()
+        os._exit(ExitCode.RETRYABLE)
 
     def _resume(self) -> int:
         """The newest checkpoint's step (0: none, or resuming is off)."""

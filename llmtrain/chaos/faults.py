@@ -39,6 +39,8 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
     kill@spare_arrived                     a warm spare dies once every member of its
                                            new generation has come, before their group
                                            forms
+    hang@process_group                     every rank stops before it joins its process
+                                           group (at its start, and in each generation)
     hang@replicate:step=12                 every rank's snapshot replication thread stops
                                            (sleeps for ever) before exchanging its first
                                            snapshot of step 12 or later (a snapshot taken
@@ -52,6 +54,8 @@ Points: ``step`` (start of a training step), ``loss`` (each micro-batch's loss),
 its snapshot of ``step`` with its buddy), ``spare_assigned`` (a warm spare given a lost
 rank's place; ``step`` is the snapshot it will restore), ``spare_arrived`` (the same spare
 once every member of its generation has come, before their group forms),
+``process_group`` (a rank about to join its process group, at its start and in each warm
+generation; ``step`` is 0),
 ``checkpoint_write`` (inside a
 rank's DCP shard write, in the background writer), ``resume`` (a verified checkpoint about
 to be loaded; ``step`` is the checkpoint's), ``data_read`` (a rank reading its batch of
@@ -72,6 +76,7 @@ they did.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import time
@@ -83,10 +88,12 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.config import ConfigError
 
+log = logging.getLogger(__name__)
+
 ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
            "badmath", "eio", "error")
 POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica", "replicate",
-          "spare_assigned", "spare_arrived", "retention", "data_read")
+          "spare_assigned", "spare_arrived", "retention", "data_read", "process_group")
 
 
 class FaultSpecError(ConfigError):
@@ -216,6 +223,7 @@ class Injector:
         elif fault.action == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.action == "hang":
+            log.warning("fault: rank %d hangs at %s (step %d)", self.rank, fault.point, step)
             while True:
                 time.sleep(3600)
         elif fault.action == "slow":

@@ -46,10 +46,14 @@ with collector.paused():  # torchrun's agent: 0.8 s less CPU to start (llmtrain.
     from llmtrain.exit_codes import ExitCode
     from llmtrain.distributed.rendezvous_wake import close_all, wake
     from llmtrain.recovery.eviction import EvictionWatch
-    from llmtrain.recovery.presence import RDZV_NODE, GoneNodes, hold_presence, say_bye
+    from llmtrain.distributed.process_group import node_name
+    from llmtrain.placement import refuse_if_excluded
+    from llmtrain.recovery.presence import (RDZV_NODE, ROUND_NODES_ENV, GoneNodes,
+                                            hold_presence, say_bye)
     from llmtrain.recovery.roll_call import mark_holder_gone, owner
     from llmtrain.recovery.verdicts import Verdicts
     from llmtrain.recovery.warm import outside_store
+    from llmtrain.reliability.health.exclusion import excluded_hosts
 
 # by name: run as ``python -m llmtrain.launch.agent``, __name__ is "__main__"
 log = logging.getLogger("llmtrain.launch.agent")
@@ -65,6 +69,7 @@ class Agent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         handler = worker_group.spec.rdzv_handler
+        _refuse_if_excluded(handler)
         job = _job_store()
         woken = wake(handler, gone=GoneNodes(job) if job is not None else None)
         if job is not None and woken is not None:
@@ -73,6 +78,14 @@ class Agent(LocalElasticAgent):
         if woken is not None:
             _say(woken.dropped[self._reported:], woken.closed_early[self._reported_early:])
             self._reported, self._reported_early = len(woken.dropped), len(woken.closed_early)
+
+    def _start_workers(self, worker_group: WorkerGroup):
+        # the round's nodes, which a cold generation's ranks watch while their group forms
+        # (torch's c10d rendezvous; another handler's ranks watch none)
+        holder = getattr(worker_group.spec.rdzv_handler, "_state_holder", None)
+        if holder is not None:
+            os.environ[ROUND_NODES_ENV] = ",".join(sorted(map(str, holder.state.participants)))
+        return super()._start_workers(worker_group)
 
 
 class WarmAgent(Agent):
@@ -220,6 +233,18 @@ class WarmAgent(Agent):
 PRESENCE_TIMEOUT = timedelta(seconds=30)
 
 
+def _refuse_if_excluded(handler) -> None:
+    """Exits EXCLUDE_NODE, before its agent joins another round, when this node was
+    excluded from the run (a failed GPU, a corrupted replica). Its workers refuse to start
+    anyway; had the agent joined the round first, the others' ranks waited out the
+    process group's creation timeout (300 s) for ranks that had already left. The
+    rendezvous stays open for the others."""
+    run_dir = os.environ.get("LLMTRAIN_RUN_DIR")
+    if run_dir and node_name() in excluded_hosts(run_dir):
+        handler.shutdown = lambda: True
+        refuse_if_excluded(run_dir)
+
+
 def _job_store():
     """The job's signed namespace in an external rendezvous store, or None."""
     if "LLMTRAIN_RDZV_ENDPOINT" not in os.environ or job_secret() is None:
@@ -295,10 +320,16 @@ def main(argv: list[str]) -> None:
     launcher.LocalElasticAgent = WarmAgent if warm else Agent
     WarmAgent.store_outside = any(a.startswith("--rdzv-conf") and "is_host=0" in a
                                   for a in argv)
+    leaving = True
     try:
         torchrun(argv)
+    except SystemExit as e:
+        # an excluded node leaves for good: the others' rendezvous drops it at once
+        leaving = e.code != ExitCode.EXCLUDE_NODE
+        raise
     finally:
-        say_bye()  # an agent that ends is no loss (one killed is)
+        if leaving:
+            say_bye()  # an agent that ends is no loss (one killed is)
         close_all()
 
 

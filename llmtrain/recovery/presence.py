@@ -16,7 +16,8 @@ waited ``warm.budget_s`` for it, then went cold.
 Each node's torchrun agent holds one too, named for its rendezvous node: when a node dies
 whole, the cold path's rendezvous drops it at once (:class:`GoneNodes`), where torch's
 waited out its keep-alive (6 s with llmtrain's settings), and a standby sees the round
-short of it as soon.
+short of it as soon; a cold generation's ranks whose group is still forming stop waiting
+for its ranks (:class:`RoundWatch`).
 
 What it cannot see: a node whose kernel dies (power, a panic) closes nothing, and its
 ranks' silence is waited out as before. Nor does the listener outlive its store: after a
@@ -41,7 +42,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -326,6 +327,53 @@ def _say_bye(sock: socket.socket) -> None:
 # (:mod:`llmtrain.distributed.rendezvous_wake`) instead of after its keep-alive expired.
 RDZV_NODE = "rdzv-node/"
 GONE_COUNT = "rdzv_gone/count"
+
+
+# the nodes of the rendezvous round a worker was started for (torch's ``host_pid_n``, comma
+# separated), set by llmtrain's torchrun agent (:mod:`llmtrain.launch.agent`)
+ROUND_NODES_ENV = "LLMTRAIN_ROUND_NODES"
+
+
+class RoundWatch:
+    """While a cold generation's process group forms, watches the nodes of the round that
+    started this rank (``$LLMTRAIN_ROUND_NODES``). A node that dies after its round
+    closed and before its ranks joined the group never sends them, and the others waited
+    out the creation's timeout (``reliability.init_timeout_s``, 300 s). Once one of the
+    round's nodes is recorded dead (:func:`node_gone`), ``on_gone(nodes)`` is called, once,
+    on the watching thread: its caller cannot be woken from torch's wait, so it ends the
+    process for the next round. Without the job's store, or outside llmtrain's agent, it
+    watches nothing. Call :meth:`stop` once the group has formed."""
+
+    def __init__(self, connect: Callable[[], SignedStore | None],
+                 on_gone: Callable[[set[str]], None], every_s: float = 0.5,
+                 env: Mapping[str, str] = os.environ):
+        """``connect``: the job's namespace in the rendezvous store (a connection of the
+        watch's own, made on its thread), or None without one."""
+        self.nodes = {n for n in env.get(ROUND_NODES_ENV, "").split(",") if n}
+        self._connect, self._on_gone, self._every_s = connect, on_gone, every_s
+        self._stopped = threading.Event()
+        if self.nodes:
+            threading.Thread(target=self._watch, name="llmtrain-round-watch",
+                             daemon=True).start()
+
+    def _watch(self) -> None:
+        gone_nodes = None
+        while not self._stopped.wait(self._every_s):
+            try:
+                if gone_nodes is None:
+                    job = self._connect()
+                    if job is None:
+                        return
+                    gone_nodes = GoneNodes(job)
+                gone = gone_nodes() & self.nodes
+            except (RuntimeError, OSError, ValueError):  # the store out: look again
+                continue
+            if gone and not self._stopped.is_set():
+                self._on_gone(gone)
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
 
 
 def node_gone(job: SignedStore, node: str) -> None:

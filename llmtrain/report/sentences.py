@@ -72,6 +72,9 @@ SAY: dict[str, Callable[[Event], Said]] = {
     "evicted": lambda e: (_ranks(e.get("ranks")), (
         f"the watchdog evicted rank(s) {_ranks(e.get('ranks'))} after {e.get('id')}, cutting "
         f"their connections, for the warm path to replace them"), "bad"),
+    "round_node_lost": lambda e: (_rank(e), (
+        f"rendezvous node(s) {', '.join(e.get('nodes') or [])} died before the process group "
+        f"formed: the rank ended for the next round, which formed without them"), "bad"),
     "node_excluded": lambda e: (_rank(e), f"host {e.get('host')} excluded: {e.get('reason')}",
                                 "bad"),
     "fatal": lambda e: (_rank(e), (

@@ -14,7 +14,7 @@ from nvml_states import node, write_script
 
 from llmtrain.checkpoint import shard_read, storage
 from llmtrain.exit_codes import ExitCode
-from llmtrain.reliability.health.exclusion import excluded_hosts
+from llmtrain.reliability.health.exclusion import exclude_host, excluded_hosts
 
 STEPS, EVERY = 40, 10  # the job's length and checkpoint interval, unless a test says
 # 128-token sequences: the shrink test's loss tolerance (1e-4) holds with them; with the
@@ -117,6 +117,53 @@ def test_a_cold_restart_runs_in_prepared_workers_that_carry_nothing_of_the_one_b
     assert ref.keys() == got.keys()
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
+
+
+def test_a_node_lost_while_its_round_forms_the_group_is_not_waited_for(cluster):
+    """node2 dies after its rendezvous round closed, while its rank has not joined the
+    process group (it hangs just before): node1's rank, waiting in the group's creation,
+    learns from node2's agent's presence that node2 is gone, and ends for the next round,
+    which forms without node2, rather than waiting out ``reliability.init_timeout_s``."""
+    c = cluster("1:2", (*train_args(steps=4), "--reliability.init_timeout_s", "120",
+                        "--reliability.faults", "env"))
+    c.start("node1")
+    c.start("node2", env={"LLMTRAIN_FAULTS": "hang@process_group"})
+    deadline = time.monotonic() + 120
+    while "hangs at process_group" not in c.log("node2"):
+        assert time.monotonic() < deadline and c.nodes["node2"].poll() is None, c.log("node2")
+        time.sleep(0.2)
+    killed = time.time()
+    c.kill("node2")
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    (dropped,) = events(c.run, "rendezvous_node_dropped")
+    lost = events(c.run, "round_node_lost")
+    assert [e["nodes"] for e in lost] == [[dropped["node"]]], (lost, dropped)
+    # the next round formed without node2, well within the creation's timeout
+    starts = events(c.run, "attempt_start")
+    assert [e["world_size"] for e in starts] == [2, 1], starts
+    assert starts[-1]["ts"] - killed < 60, (starts, killed)
+    assert events(c.run, "run_end")[-1]["steps"] == 4
+
+
+def test_an_excluded_node_leaves_before_its_agent_joins_another_round(cluster):
+    """node2 is excluded (as by a failed GPU) while its agent stays: its worker failed in
+    another way first (a failed GPU's rank that went the cold way did). Its agent leaves
+    (76) instead of joining the next round, and node1's round forms without it at once;
+    had it joined, its worker would have refused to start, and node1's rank waited out
+    ``reliability.init_timeout_s`` in the group's creation for it."""
+    c = cluster("1:2", (*TRAIN, "--reliability.init_timeout_s", "120"))
+    c.start("node1")
+    c.start("node2")
+    second = wait_for_event(c.run, "startup", c.nodes["node1"],
+                            where=lambda e: e["host"] == "node2", timeout=180)
+    exclude_host(str(c.run), "node2", "a test's exclusion")
+    killed = time.time()
+    os.kill(second["pid"], signal.SIGKILL)
+    assert c.wait("node2") == ExitCode.EXCLUDE_NODE, c.log("node2")
+    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    starts = events(c.run, "attempt_start")
+    assert [e["world_size"] for e in starts] == [2, 1], restarts(c.run)
+    assert starts[-1]["ts"] - killed < 60, (starts, killed)
 
 
 def test_without_a_spare_the_job_shrinks_and_keeps_the_data_order(cluster, reference):
