@@ -233,16 +233,26 @@ class WarmAgent(Agent):
 PRESENCE_TIMEOUT = timedelta(seconds=30)
 
 
+def _excluded() -> bool:
+    """Whether this node was excluded from the run (its record in the run directory); a
+    record that cannot be read is said and counts as none (the agent says its bye)."""
+    run_dir = os.environ.get("LLMTRAIN_RUN_DIR")
+    try:
+        return bool(run_dir) and node_name() in excluded_hosts(run_dir)
+    except (OSError, ValueError) as e:
+        log.warning("could not read the run's excluded hosts (%s)", e)
+        return False
+
+
 def _refuse_if_excluded(handler) -> None:
     """Exits EXCLUDE_NODE, before its agent joins another round, when this node was
     excluded from the run (a failed GPU, a corrupted replica). Its workers refuse to start
     anyway; had the agent joined the round first, the others' ranks waited out the
     process group's creation timeout (300 s) for ranks that had already left. The
     rendezvous stays open for the others."""
-    run_dir = os.environ.get("LLMTRAIN_RUN_DIR")
-    if run_dir and node_name() in excluded_hosts(run_dir):
+    if _excluded():
         handler.shutdown = lambda: True
-        refuse_if_excluded(run_dir)
+        refuse_if_excluded(os.environ["LLMTRAIN_RUN_DIR"])
 
 
 def _job_store():
@@ -320,16 +330,15 @@ def main(argv: list[str]) -> None:
     launcher.LocalElasticAgent = WarmAgent if warm else Agent
     WarmAgent.store_outside = any(a.startswith("--rdzv-conf") and "is_host=0" in a
                                   for a in argv)
-    leaving = True
     try:
         torchrun(argv)
-    except SystemExit as e:
-        # an excluded node leaves for good: the others' rendezvous drops it at once
-        leaving = e.code != ExitCode.EXCLUDE_NODE
-        raise
     finally:
-        if leaving:
-            say_bye()  # an agent that ends is no loss (one killed is)
+        # An agent that ends is no loss (one killed is), but an excluded node's leaves
+        # for good, whether it left before a round or its worker stopped it (SIGTERM):
+        # without its bye, the others' rendezvous drops it at once, where a restart's
+        # round waited for it until torchrun's keep-alive expired
+        if not _excluded():
+            say_bye()
         close_all()
 
 

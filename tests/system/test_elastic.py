@@ -242,3 +242,7 @@ def test_a_gpu_failing_mid_run_takes_its_node_out_and_a_spare_goes_on(cluster, t
     # the last checkpoint before the node left is where the spare's round resumed
     assert events(c.run, "checkpoint_loaded")[-1]["step"] == stop
     assert world_sizes(c.run) == [2, 2], restarts(c.run)
+    # node2's agent, stopped by its excluded worker, left without its bye: the restart's
+    # round dropped it at once rather than waiting out its keep-alive
+    (dropped,) = events(c.run, "rendezvous_node_dropped")
+    assert dropped["ts"] < events(c.run, "attempt_start")[-1]["ts"], dropped
