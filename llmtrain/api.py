@@ -70,7 +70,7 @@ from llmtrain.placement import SPARE_ENV, place, refuse_if_excluded, spare_assig
 from llmtrain.recovery.coordinator import warm_recovery, was_reported
 from llmtrain.recovery.fence import Fence
 from llmtrain.recovery.interface import Resized
-from llmtrain.recovery.presence import RoundWatch, say_bye
+from llmtrain.recovery.presence import RoundWatch, round_nodes, say_bye
 from llmtrain.recovery.warm import Plan, outside_store
 from llmtrain.reliability.guard import IntegrityGuard
 from llmtrain.reliability.health.monitor import start_monitor
@@ -258,13 +258,14 @@ class Session:
         # creation timeout (a grow's survivors waited 300 s for a spare killed as it came)
         timeout_s = (s.reliability.init_timeout_s if category == "startup" else
                      min(s.reliability.init_timeout_s, s.warm.budget_s))
-        fault_points.point("process_group", 0)
         with span(category, "process_group"):
-            # a cold generation's round may lose a node before its ranks come: see RoundWatch
-            watch = RoundWatch(lambda: outside_store(timedelta(seconds=timeout_s)),
-                               self._round_node_lost, env=os.environ if category == "startup"
-                               else {})
+            # a cold generation's round may lose a node before its ranks come (RoundWatch)
+            watching = category == "startup" and self.world.local_rank == 0
+            watch = RoundWatch(round_nodes() if watching else set(),
+                               lambda: outside_store(timedelta(seconds=5)),
+                               self._round_node_lost)
             try:
+                fault_points.point("process_group", 0)
                 self.device = init_process_group(s.parallelism, s.reliability, self.world,
                                                  store, timeout_s)
             finally:
@@ -292,7 +293,7 @@ class Session:
         node) instead of waiting out ``reliability.init_timeout_s`` in torch's creation."""
         log.error("llmtrain: rendezvous node(s) %s died before the process group formed; "
                   "rank %d ends for the next round", ", ".join(sorted(nodes)), self.world.rank)
-        self.events.emit("round_node_lost", nodes=sorted(nodes))
+        self.events.emit("round_node_lost", host=self.world.host, nodes=sorted(nodes))
         self.events.close()
         say_bye()
         logging.shutdown()

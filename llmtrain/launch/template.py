@@ -325,7 +325,10 @@ def serve(sock_fd: int, compiled: bool, fp8: bool) -> dict:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)
-    sock.send(json.dumps({"ready": True}).encode())
+    try:
+        sock.send(json.dumps({"ready": True}).encode())
+    except OSError:  # the launcher ended as the imports ran (a config error): no traceback
+        raise SystemExit(0) from None
     while True:
         readable = select.select([sock, wake_r], [], [])[0]
         if wake_r in readable:

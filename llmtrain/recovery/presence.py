@@ -334,25 +334,31 @@ GONE_COUNT = "rdzv_gone/count"
 ROUND_NODES_ENV = "LLMTRAIN_ROUND_NODES"
 
 
-class RoundWatch:
-    """While a cold generation's process group forms, watches the nodes of the round that
-    started this rank (``$LLMTRAIN_ROUND_NODES``). A node that dies after its round
-    closed and before its ranks joined the group never sends them, and the others waited
-    out the creation's timeout (``reliability.init_timeout_s``, 300 s). Once one of the
-    round's nodes is recorded dead (:func:`node_gone`), ``on_gone(nodes)`` is called, once,
-    on the watching thread: its caller cannot be woken from torch's wait, so it ends the
-    process for the next round. Without the job's store, or outside llmtrain's agent, it
-    watches nothing. Call :meth:`stop` once the group has formed."""
+def round_nodes(env: Mapping[str, str] = os.environ) -> set[str]:
+    """The nodes of the rendezvous round this worker was started for; none outside
+    llmtrain's agent."""
+    return {n for n in env.get(ROUND_NODES_ENV, "").split(",") if n}
 
-    def __init__(self, connect: Callable[[], SignedStore | None],
-                 on_gone: Callable[[set[str]], None], every_s: float = 0.5,
-                 env: Mapping[str, str] = os.environ):
+
+class RoundWatch:
+    """While a cold generation's process group forms, watches the ``nodes`` of the round
+    that started this rank (:func:`round_nodes`). A node that dies after its round closed
+    and before its ranks joined the group never sends them, and the others waited out the
+    creation's timeout (``reliability.init_timeout_s``, 300 s). Once one of them is
+    recorded dead (:func:`node_gone`), ``on_gone(nodes)`` is called, once, on the
+    watching thread: its caller cannot be woken from torch's wait, so it ends the process
+    for the next round. One rank a node watches (its agent restarts every worker of the
+    node when one ends), one store read every ``every_s``. Call :meth:`stop` once the
+    group has formed."""
+
+    def __init__(self, nodes: set[str], connect: Callable[[], SignedStore | None],
+                 on_gone: Callable[[set[str]], None], every_s: float = 0.5):
         """``connect``: the job's namespace in the rendezvous store (a connection of the
         watch's own, made on its thread), or None without one."""
-        self.nodes = {n for n in env.get(ROUND_NODES_ENV, "").split(",") if n}
+        self.nodes = nodes
         self._connect, self._on_gone, self._every_s = connect, on_gone, every_s
         self._stopped = threading.Event()
-        if self.nodes:
+        if nodes:
             threading.Thread(target=self._watch, name="llmtrain-round-watch",
                              daemon=True).start()
 

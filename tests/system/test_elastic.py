@@ -120,27 +120,33 @@ def test_a_cold_restart_runs_in_prepared_workers_that_carry_nothing_of_the_one_b
 
 
 def test_a_node_lost_while_its_round_forms_the_group_is_not_waited_for(cluster):
-    """node2 dies after its rendezvous round closed, while its rank has not joined the
-    process group (it hangs just before): node1's rank, waiting in the group's creation,
-    learns from node2's agent's presence that node2 is gone, and ends for the next round,
-    which forms without node2, rather than waiting out ``reliability.init_timeout_s``."""
+    """A node dies after its rendezvous round closed, while its ranks have not joined the
+    process group (every rank of the first attempt hangs just before): the other node's
+    local rank 0, waiting in the group's creation, learns from the dead node's agent's
+    presence that it is gone, and ends; its agent restarts the node's workers for the next
+    round, which forms without the dead node, rather than waiting out
+    ``reliability.init_timeout_s``. The node that survives is the one holding rank 0 (and
+    the group's store), so that nothing but the watch ends the wait."""
     c = cluster("1:2", (*train_args(steps=4), "--reliability.init_timeout_s", "120",
-                        "--reliability.faults", "env"))
-    c.start("node1")
-    c.start("node2", env={"LLMTRAIN_FAULTS": "hang@process_group"})
+                        "--reliability.faults", "env", "--training.micro_batch_size", "4"))
+    for name in ("node1", "node2"):
+        c.start(name, "--nproc-per-node", "2", env={"LLMTRAIN_FAULTS": "hang@process_group"})
+    first = wait_for_event(c.run, "attempt_start", c.nodes["node1"], timeout=180)
+    survivor = first["host"]
+    dead = "node2" if survivor == "node1" else "node1"
     deadline = time.monotonic() + 120
-    while "hangs at process_group" not in c.log("node2"):
-        assert time.monotonic() < deadline and c.nodes["node2"].poll() is None, c.log("node2")
+    while "rank 0 hangs at process_group" not in c.log(survivor):
+        assert time.monotonic() < deadline, c.log(survivor)
         time.sleep(0.2)
     killed = time.time()
-    c.kill("node2")
-    assert c.wait("node1") == ExitCode.CLEAN, c.log("node1")
+    c.kill(dead)
+    assert c.wait(survivor) == ExitCode.CLEAN, c.log(survivor)
     (dropped,) = events(c.run, "rendezvous_node_dropped")
     lost = events(c.run, "round_node_lost")
-    assert [e["nodes"] for e in lost] == [[dropped["node"]]], (lost, dropped)
-    # the next round formed without node2, well within the creation's timeout
+    assert [(e["host"], e["nodes"]) for e in lost] == [(survivor, [dropped["node"]])], lost
+    # the next round formed without the dead node, well within the creation's timeout
     starts = events(c.run, "attempt_start")
-    assert [e["world_size"] for e in starts] == [2, 1], starts
+    assert [e["world_size"] for e in starts] == [4, 2], starts
     assert starts[-1]["ts"] - killed < 60, (starts, killed)
     assert events(c.run, "run_end")[-1]["steps"] == 4
 
