@@ -121,12 +121,13 @@ def test_a_cold_restart_runs_in_prepared_workers_that_carry_nothing_of_the_one_b
 
 def test_a_node_lost_while_its_round_forms_the_group_is_not_waited_for(cluster):
     """A node dies after its rendezvous round closed, while its ranks have not joined the
-    process group (every rank of the first attempt hangs just before): the other node's
-    local rank 0, waiting in the group's creation, learns from the dead node's agent's
-    presence that it is gone, and ends; its agent restarts the node's workers for the next
-    round, which forms without the dead node, rather than waiting out
-    ``reliability.init_timeout_s``. The node that survives is the one holding rank 0 (and
-    the group's store), so that nothing but the watch ends the wait."""
+    process group: every rank of the first attempt stops inside the window the round watch
+    covers, where the survivors' would wait in torch's creation for the dead node's ranks
+    (here they would wait for ever). The surviving node's local rank 0 learns from the dead
+    node's agent's presence that it is gone, and ends; its agent restarts the node's
+    workers for the next round, which forms without the dead node, rather than waiting
+    out ``reliability.init_timeout_s``. The node that survives is the one holding rank 0
+    (and the group's store), so that nothing but the watch ends the wait."""
     c = cluster("1:2", (*train_args(steps=4), "--reliability.init_timeout_s", "120",
                         "--reliability.faults", "env", "--training.micro_batch_size", "4"))
     for name in ("node1", "node2"):
