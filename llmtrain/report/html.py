@@ -295,15 +295,24 @@ def _generation(run: Run, name: str, start: float, end: float, ranks: object,
                   str(ranks), f"{host} (rank 0)" if host else "", resumed, ended])
 
 
+# the events that end an attempt, as its row says them (a round that never formed has no
+# attempt of its own: its loss ends the attempt before it)
+ENDERS = {"hang": "hang", "collective_error": "collective error", "preempted": "preempted",
+          "fatal": "fatal", "warm_recovery_failed": "warm recovery failed",
+          "round_node_lost": "a node of the next round died before its group formed"}
+
+
 def _attempt_ended(run: Run, a: Attempt, events: list[Event]) -> str:
     kinds = {e["event"]: e for e in events}
     if "run_end" in kinds:  # a preemption's agreed save ends with one too
         return ("stopped on request" if kinds["run_end"].get("stopped") else
                 "preempted" if "preempted" in kinds else "finished")
-    enders = [e for e in events if e["event"] in ("hang", "collective_error", "preempted",
-                                                   "fatal", "warm_recovery_failed")]
-    if enders:  # the last of them
-        return enders[-1]["event"].replace("_", " ")
+    enders = [ENDERS[e["event"]] for e in events if e["event"] in ENDERS]
+    if enders:  # the last of them, after what ended the attempt itself where a round died
+        last = enders.pop()
+        formed = [e for e in enders if e != ENDERS["round_node_lost"]]
+        return f"{formed[-1]}, then {last}" if last == ENDERS["round_node_lost"] and formed \
+            else last
     if a.index == len(run.attempts) - 1:
         return "still running, or died without logging why"
     return "died without logging why (no hang or preemption recorded)"

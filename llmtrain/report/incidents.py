@@ -17,7 +17,7 @@ from llmtrain.report.sentences import SAY, sign, where
 
 # A failure's first signs: what a recovery's story names as its detection.
 SIGNS = ("failure", "hang", "collective_error", "evicted", "node_excluded", "stop_vote",
-         "fatal", "preempted", "health")
+         "fatal", "preempted", "health", "round_node_lost")
 PATHS = {"spare": "warm spare", "shrink": "warm shrink", "grow": "warm grow"}
 HEAD = ("at (UTC)", "after first event", "event", "ranks / nodes", "path", "to first step",
         "steps redone", "what happened")

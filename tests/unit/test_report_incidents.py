@@ -228,3 +228,27 @@ def test_ranks_that_say_the_same_are_one_row(tmp_path):
     (b,) = [r for r in off if "on node-b" in r]
     assert "<td>0, 1</td>" in a and "(said 2 times, until" in a
     assert "said" not in b
+
+
+def test_a_node_lost_as_the_next_round_formed_is_the_cold_restarts_detection(tmp_path):
+    """A failed GPU's warm recovery fails; the cold round that follows loses a node before
+    its process group forms (its ranks say ``round_node_lost`` and end), and the round
+    after it trains: the restart names that loss, and the first attempt's row says what
+    ended it and then its round."""
+    log = Log()
+    log.attempt(0, "node-a")
+    log.train(1, 20)
+    log.t += 1
+    log.emit("warm_recovery_failed", step=20, reason="ColdPath: rank 1 was lost with its buddy")
+    log.t += 2
+    log.emit("round_node_lost", rank=0, host="node-a", nodes=["node-b"])
+    log.t += 2
+    log.attempt(1, "node-a", resume=20)
+    log.train(21, 30)
+    log.emit("recovery", total_s=6.0, silent_ranks=[], marks={}, parts_s={})
+    log.write(str(tmp_path / "run"))
+    page = Path(write_report(str(tmp_path / "run"))).read_text(encoding="utf-8")
+    cold = row(section(page, "incidents"), "cold restart")
+    assert "detected: rendezvous node(s) node-b died before the process group formed" in cold
+    assert ("<td>warm recovery failed, then a node of the next round died before its group "
+            "formed</td>") in section(page, "attempts")
