@@ -202,7 +202,7 @@ def run_point(n: int, args) -> dict:
             sync.wait()  # its reports stored
             naive_from = time.time()
         outs = [results.get(timeout=900) for _ in range(lanes)]
-        stored = json.loads(SignedStore(pool, SECRET, "bench").get("round/g0/spares"))
+        stored = json.loads(SignedStore(pool, SECRET, "bench").get("round/g0/decision/0"))
     finally:
         stop_all(workers, stop, server, grace_s=10)
     errors = [o for o in outs if isinstance(o, str)]

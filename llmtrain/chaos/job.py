@@ -95,10 +95,11 @@ class Job:
             if value:
                 return value
             if fatal := self.latest("fatal"):
-                raise JobStopped(f"chaos: no {what}: rank {fatal['rank']} ended the job: "
-                                 f"{fatal['error']}")
+                raise JobStopped(f"chaos: waited for {what} in vain: rank {fatal['rank']} "
+                                 f"ended the job: {fatal['error']}")
             time.sleep(0.2)
-        raise TimeoutError(f"chaos: no {what} within {timeout:.0f} s; see {self.dir}/*.log")
+        raise TimeoutError(f"chaos: waited {timeout:.0f} s for {what} in vain; see "
+                           f"{self.dir}/*.log")
 
     def ended(self, since: float) -> dict | None:
         """The job's end at its last step, since ``since``."""

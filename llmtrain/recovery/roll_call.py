@@ -5,7 +5,9 @@ that it is gone, whichever comes first; the mark comes from the rank as it leave
 from its supervisor (an agent, a standby launcher) when its process died. A live rank
 that has yet to meet the failure says first that it is coming (:func:`stir`), and the
 ``coming`` counter holds how many said so and are not counted yet: the decider waits for
-them (:meth:`llmtrain.recovery.warm.WarmPath.decide`). The keys say
+them (:meth:`llmtrain.recovery.warm.WarmPath.decide`). A rank whose process dies after it
+reported is recorded as such, and if it was deciding, a survivor takes over
+(:func:`died_after_report`). The keys say
 where to mark it: the generation a rank reports to now (``where/<rank>``), the process
 that holds it there (``owner/<rank>``), and the rank a process holds (``rank_of/<holder>``),
 which a shrink or a grow renumbers.
@@ -62,9 +64,47 @@ def mark_gone(store: SignedStore, rank: int, prefix: str | None = None,
         return
     size = store.genuine(f"{prefix}size")
     store.set(f"{prefix}failed", "1")
-    if size and count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
+    if not size:
+        return
+    if count_in(store, prefix, rank, f"gone-{uuid.uuid4().hex}"):
         tally(store, prefix, int(size))
         store.add(f"{prefix}gone", 1)
+    elif holder is not None:  # it reported, then its process died
+        died_after_report(store, prefix, rank)
+
+
+def decider_key(term: int) -> str:
+    """Who decides a generation's plan: the first reporter (term 0), or the survivor that
+    took over from a decider that died (term 1, 2...)."""
+    return f"decider/{term}"
+
+
+def decision_key(term: int) -> str:
+    """Where term ``term``'s decider publishes the plan (or the cold verdict), or where
+    :func:`died_after_report` says that decider died (:data:`ORPHANED`)."""
+    return f"decision/{term}"
+
+
+ORPHANED = "orphaned:"
+
+
+def died_after_report(store: SignedStore, prefix: str, rank: int) -> None:
+    """``rank`` reported, then its process died (its supervisor saw it): it is recorded,
+    for a decider to count it lost; and were it deciding, the survivors waiting for its
+    decision, which will never come, are told at once to choose another decider."""
+    store.append(f"{prefix}died", str(rank))
+    term = 0
+    while (decider := store.genuine(f"{prefix}{decider_key(term)}")) is not None:
+        if decider.decode() == str(rank):  # already decided: this claim changes nothing
+            store.claim(f"{prefix}{decision_key(term)}", f"{ORPHANED}{rank}")
+            return
+        term += 1
+
+
+def died_reporters(store: SignedStore, prefix: str) -> set[int]:
+    """The ranks that reported and then died (:func:`died_after_report`)."""
+    key = f"{prefix}died"
+    return {int(r) for r in store.records(key)} if store.check([key]) else set()
 
 
 def count_in(store: SignedStore, prefix: str, rank: int, token: str) -> bool:

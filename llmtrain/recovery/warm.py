@@ -15,7 +15,9 @@ appended to the generation's report log. The first reporter decides: it waits in
 (no polling) until the tally is complete, at most ``warm.settle_s``; reads the log in one
 request; and stores the plan, under one key every survivor waits for. The ranks that
 neither reported nor are gone are lost. The decider claims a warm spare for each lost
-rank. The first report also sets the generation's ``failed`` key, which wakes each rank's
+rank. A decider whose process dies before its decision is seen dying (its agent, the
+presence listener): the survivors waiting for the plan are told at once, and the first of
+them to claim the next term decides in its place. The first report also sets the generation's ``failed`` key, which wakes each rank's
 :class:`llmtrain.distributed.failure.FailureWatch`: it says the rank is coming (a rank
 that computes meets the failure only at its next collective, and the decider waits for
 it), and on NCCL it aborts the rank's communicators, so ranks blocked behind healthy peers
@@ -58,7 +60,9 @@ from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import rendezvous_store
 from llmtrain.distributed.signed_store import SignedStore, signed
 from llmtrain.recovery import pool
-from llmtrain.recovery.roll_call import coming, count_in, mark_gone, owner, stir, tally
+from llmtrain.recovery.roll_call import (ORPHANED, coming, count_in, decider_key,
+                                         decision_key, died_reporters, mark_gone, owner,
+                                         stir, tally)
 from llmtrain.recovery.sockets import cut
 
 __all__ = ["ColdPath", "Plan", "WarmPath", "buddy_of", "ward_of", "outside_store",
@@ -244,23 +248,28 @@ class WarmPath:
         self.store.append(self._key("reports"),
                           json.dumps({"rank": self.rank, **holdings}) + "\n")
         tally(self.store, self._key(""), self.world_size)
-        first = self.store.add(self._key("reporters"), 1) == 1
+        me = str(self.rank)
+        first = self.store.claim(self._key(decider_key(0)), me).decode() == me
         if first:
             self.store.set(self._key("failed"), "1")
         return first
 
-    def decide(self) -> None:
-        """The decider's part: waits until every rank has reported or is gone, or the
-        reports have settled; reads all reports in one request; stores the plan and claims
-        the spares. The ranks that did not report are lost."""
+    def decide(self, term: int = 0) -> None:
+        """The decider's part (``term``: 0 for the first reporter, one more for each
+        decider that died before its decision): waits until every rank has reported or is
+        gone, or the reports have settled; reads all reports in one request; stores the
+        plan and claims the spares. The ranks that did not report are lost, and so are
+        those that reported and died since."""
         self._settle()
         reports = {}
         for line in self.store.records(self._key("reports")):
             report = json.loads(line)
             reports.setdefault(report.pop("rank"), report)
+        for rank in died_reporters(self.store, self._key("")):
+            reports.pop(rank, None)
         proposal = self._propose(reports)
-        if self.store.claim(self._key("plan"), proposal).decode() == proposal:
-            self._claim_spares(proposal)
+        if self.store.claim(self._key(f"plan/{term}"), proposal).decode() == proposal:
+            self._claim_spares(proposal, term)
 
     def _settle(self) -> None:
         """Waits in the store for ``all_in``, half of ``warm.settle_s`` at a time: done
@@ -289,7 +298,17 @@ class WarmPath:
                     return
 
     def _plan(self, deadline: float) -> Plan:
-        plan_text = self._wait(self._key("spares"), deadline)
+        """The generation's decision; where its decider died before making it, the first
+        survivor to claim the next term decides in its place (a process killed between its
+        report and its decision: a node's processes killed one by one, the OOM killer)."""
+        term, me = 0, str(self.rank)
+        while (plan_text := self._wait(self._key(decision_key(term)), deadline)
+               ).startswith(ORPHANED):
+            term += 1
+            if self.store.claim(self._key(decider_key(term)), me).decode() == me:
+                log.warning("rank %s died deciding generation %d's plan: rank %d decides "
+                            "instead", plan_text.removeprefix(ORPHANED), self.gen, self.rank)
+                self.decide(term)
         if plan_text.startswith("cold:"):
             raise ColdPath(plan_text[5:])
         plan = Plan.from_json(plan_text)
@@ -332,10 +351,10 @@ class WarmPath:
                     local_world_size=self.local_world_size, round_id=self.round_id,
                     lost=lost, sources=sources).to_json()
 
-    def _claim_spares(self, proposal: str) -> None:
+    def _claim_spares(self, proposal: str, term: int) -> None:
         """The winning proposer's part: a registered spare for each lost rank."""
         if proposal.startswith("cold:"):
-            self._go_cold(proposal)
+            self._go_cold(proposal, term)
             return
         plan = Plan.from_json(proposal)
         # not on the lost ranks' nodes, where another node's spare waits; nor beside
@@ -345,11 +364,11 @@ class WarmPath:
         taken = pool.claim(self.store, len(plan.lost), avoid, apart)
         if len(taken) < len(plan.lost):
             r = plan.lost[len(taken)]
-            self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"))
+            self._publish(self._shrink(plan, f"cold:no warm spare waits for rank {r}"), term)
             return
         plan.spares = {str(r): number for r, number in zip(plan.lost, taken)}
         pool.assign(self.store, asdict(plan))
-        self._publish(plan.to_json())
+        self._publish(plan.to_json(), term)
 
     def _kin(self, lost: list[int]) -> list[int]:
         """The surviving buddies and wards of the ``lost`` ranks."""
@@ -357,15 +376,15 @@ class WarmPath:
                                          ward_of(r, self.world_size, self.local_world_size))}
         return sorted(kin - {None} - set(lost))
 
-    def _publish(self, plan: str) -> None:
+    def _publish(self, plan: str, term: int = 0) -> None:
         """The decision every survivor waits for: a plan, or the cold verdict. Published
         by compare-and-set, so a generation has one decision even with two deciders (a
         store that restarted mid-agreement lost the key that made the first one); the
         later one's is dropped, and says so."""
         if plan.startswith("cold:"):
-            self._go_cold(plan)
+            self._go_cold(plan, term)
             return
-        if not self._decided(plan):
+        if not self._decided(plan, term):
             return
         decided = Plan.from_json(plan)
         leaving = decided.lost + decided.dropped
@@ -375,9 +394,9 @@ class WarmPath:
                 self.store.add(f"replaced/{process.decode()}", 1)
         self.store.add("replacements", len(leaving))  # no agent waits for them at the end
 
-    def _decided(self, decision: str) -> bool:
+    def _decided(self, decision: str, term: int) -> bool:
         """Whether ``decision`` is the generation's (no other came first)."""
-        if self.store.claim(self._key("spares"), decision).decode() == decision:
+        if self.store.claim(self._key(decision_key(term)), decision).decode() == decision:
             return True
         log.warning("rank %d's decision for generation %d was not published: another "
                     "decider's came first", self.rank, self.gen)
@@ -486,8 +505,8 @@ class WarmPath:
         out): the agents of the survivors' workers must restart them, not wait."""
         self.store.add("cold", 1)
 
-    def _go_cold(self, verdict: str) -> None:
-        if self._decided(verdict):
+    def _go_cold(self, verdict: str, term: int) -> None:
+        if self._decided(verdict, term):
             self.store.add("cold", 1)  # agents waiting on a dead worker restart it
 
     def _wait(self, key: str, deadline: float) -> str:

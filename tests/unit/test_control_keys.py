@@ -124,14 +124,14 @@ def test_a_forged_report_and_plan_decide_nothing(server, forged):
     assert paths[0].report({"own": [4], "replicas": [4]})
     paths[0].decide()
     # rank 1 counted lost all the same (unsigned, its forged report made "every rank alive")
-    assert store.get("round/g0/spares") == b"cold:no warm spare waits for rank 1"
+    assert store.get("round/g0/decision/0") == b"cold:no warm spare waits for rank 1"
     assert forged() == ["round/g0/reports"]
     # a plan key the survivors of the next generation wait for, written by a stranger
     later = WarmPath(cfg, store, "round", 0, 2, 1, gen=1)
-    evil.set(f"{NAMESPACE}round/g1/spares", json.dumps({"gen": 2}))
+    evil.set(f"{NAMESPACE}round/g1/decision/0", json.dumps({"gen": 2}))
     with pytest.raises(Exception, match="no plan within"):
         later._plan(time.monotonic() + 0.5)
-    assert "round/g1/spares" in forged()
+    assert "round/g1/decision/0" in forged()
 
 
 def test_a_signed_value_is_bound_to_its_key_and_job(server):

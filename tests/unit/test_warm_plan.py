@@ -460,3 +460,32 @@ def test_a_lost_ranks_spare_is_not_put_beside_its_buddy_or_ward(monkeypatch, cap
             assert plan.spares == {"1": away.number} and said == []
         else:
             assert plan.spares == {"1": beside.number} and "node7" in said[0], said
+
+
+def test_a_decider_that_dies_before_its_plan_is_replaced_by_a_survivor_at_once():
+    """A node's processes killed one by one: rank 0 dies without a word, rank 1 reports
+    first (so it decides) and dies before it has decided. Its supervisor sees it die,
+    which tells the survivors waiting for its plan at once, and one of them decides in
+    its place, counting rank 1 among the lost: the job shrinks to node2's replica, well
+    within the budget (before, they waited out warm.budget_s for a plan, then went cold)."""
+    store = signed_store()
+    tp2 = lambda n: (n // 2, 1) if n >= 2 else "too few"  # noqa: E731 - (replicas, shard)
+    cfg = WarmConfig(enable=True, settle_s=0.3, budget_s=5)
+    decider = WarmPath(cfg, store, "round", 1, 4, 2, shapes=tp2)
+    WarmPath(cfg, store, "round", 0, 4, 2, shapes=tp2)
+    for r, process in ((0, "node1:10"), (1, "node1:11")):
+        store.set(f"round/g0/owner/{r}", process)
+    assert decider.report(held([8], [8], 3))  # the first report: rank 1 decides
+    survivors = threading.Thread(target=lambda: out.update(agree_all(
+        store, {2: held([8], [8], 0), 3: held([8], [8], 1)}, 4, local_world=2, shapes=tp2)))
+    out, start = {}, time.monotonic()
+    survivors.start()
+    time.sleep(0.2)  # the survivors wait for rank 1's plan
+    mark_gone(store, 0, holder="node1:10")
+    mark_gone(store, 1, holder="node1:11")  # its supervisor saw it die
+    survivors.join()
+    plan = out[2]
+    assert out[3] == plan, out
+    assert (plan.kind, plan.lost, plan.kept, plan.world_size) == ("shrink", [0, 1], [2, 3], 2)
+    assert time.monotonic() - start < 4  # not the budget's 5 s
+    assert store.add("cold", 0) == 0
