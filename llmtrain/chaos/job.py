@@ -217,8 +217,10 @@ class Job:
             lost = self.lost_ranks(rec) or []
             others = [r for r, e in self.ranks().items() if e["host"] == node and r not in lost]
             if node is not None and standing and not self.spare_nodes:
-                self.taken_back(v, node, v.injected_at)
-            elif node is not None and not standing and not others:
+                # unless it ends instead: a standby that joined a cold restart as a node
+                # ends, as any node does, once a shrink has dropped its last rank
+                standing = self.taken_back(v, node, v.injected_at, or_ends=True)
+            if node is not None and not standing and not others:
                 self.end_node(node)
                 self.back(v, node)
         else:
@@ -242,20 +244,29 @@ class Job:
         self.start(node)
         self.taken_back(v, node, since)
 
-    def taken_back(self, v: Verdict, node: str, since: float) -> None:
+    def taken_back(self, v: Verdict, node: str, since: float, or_ends: bool = False) -> bool:
         """Waits for the job to take ``node``, a standby since ``since``, back in: the
-        verdict says how (a warm grow, or a restart) and the time it cost the others."""
+        verdict says how (a warm grow, or a restart) and the time it cost the others.
+        ``or_ends``: False as soon as the node's launcher ends instead (nothing of it is
+        left to take back)."""
         def came() -> dict | None:
             return self.latest("warm_grow", since) or self.latest("recovery", since)
+
+        def gone() -> dict | None:
+            return ({"event": "node_ended"} if or_ends and self.cluster.nodes[node].poll()
+                    is not None else None)
         if came() is None and self.world()[1] == self.cfg.world_size:
-            return
-        back = self.wait(lambda: came() or self.ended(since),
+            return True
+        back = self.wait(lambda: came() or self.ended(since) or gone(),
                          f"the job to take {node} back", 180)
+        if back["event"] == "node_ended":
+            return False
         if back["event"] == "run_end":  # it reached its last step first: nothing to grow
-            return
+            return True
         v.returned = "grow" if back["event"] == "warm_grow" else "cold"
         v.return_s = (back["total_s"] if v.returned == "grow" else
                       back["marks"]["first_step"] - since)
+        return True
 
     @staticmethod
     def lost_ranks(rec: dict) -> list[int] | None:
