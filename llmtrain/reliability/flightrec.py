@@ -265,8 +265,10 @@ class _Group:
         return [], None
 
     def stuck(self, ranks: list[int], dumped: set[int],
-              newest: dict[int, tuple[str, Collective]]) -> tuple[list[Finding], _Head | None]:
-        """Rule 2: the collective the group is stuck in, and who is not in it."""
+              newest: dict[int, tuple[str, Collective]], calling: frozenset[int] = frozenset()
+              ) -> tuple[list[Finding], _Head | None]:
+        """Rule 2: the collective the group is stuck in, and who is not in it. ``calling``:
+        the ranks whose training thread's stack is inside a torch.distributed call."""
         live = [r for r in ranks if r in dumped]
         recorded = [c for r in live for c in self.calls.get(r, {}).values() if not c.gloo]
         started = [c.seq for c in recorded if c.state == "started"]
@@ -283,10 +285,23 @@ class _Group:
                         and any(o.state != "scheduled" for o in records.values()))
         never = sorted(r for r in live if self.last.get(r, 0) < seq)
         entered = sorted(set(live) - set(queued) - set(never))
-        # a rank that went on past it shows it ended: then every member had come
-        left = any(self._left(r, c, newest) for r, c in records.items() if r in entered)
-        inside = [] if left else [r for r in entered if r in records and records[r].inside]
+        # a rank that went on past it shows it ended: then every member had come, and a
+        # rank gloo still shows inside only holds its work object; unless its stack is in
+        # a collective's call and it went nowhere since: gloo ends a collective on each rank
+        # once that rank has what it needs, and a member stopped midway leaves the others
+        # that still wait for its part inside
+        done = [r for r, c in records.items() if r in entered and self._left(r, c, newest)]
+        inside = [r for r in entered if r in records and records[r].inside and r not in done
+                  and (not done or r in calling)]
         missing = sorted(set(ranks) - dumped)
+        if done and inside and missing:
+            text = (f"{_gone(missing)}; rank(s) {sorted(done)} completed {what} and went on, "
+                    f"rank(s) {inside} wait in it: rank(s) {missing} stopped before their "
+                    f"part of it was done")
+            return [Finding("missing", text, self.label, seq, missing, inside)], _Head(
+                2, f"rank(s) {inside} wait in {what}, which rank(s) {sorted(done)} completed: "
+                   f"rank(s) {missing} (no dump) stopped before their part of it was done",
+                missing, inside, self.collective(ref), ref.created_ns)
         findings = [Finding("never_arrived", f"rank {r} never arrived at {ref.op} #{seq} on "
                             f"{self.label}: {self._whereabouts(r, newest)}", self.label, seq,
                             [r], entered) for r in never]
@@ -465,6 +480,7 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
                                 f"give --world-size"))
 
     newest = _newest(groups)
+    calling = frozenset(r for r, stack in stacks.items() if _in_a_call(stack))
     heads, summary = [], {}
     for g in groups.values():
         if g.name in config:
@@ -477,7 +493,7 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
         for check in (g.desync, g.late):
             f, h = check(g.members)
             found, group_heads = found + f, group_heads + [h] * bool(h)
-        f, h = g.stuck(g.members, set(dumps), newest)
+        f, h = g.stuck(g.members, set(dumps), newest, calling)
         if not found or any(x.ranks for x in f):  # a desync or a late rank explains the rest
             found, group_heads = found + f, group_heads + [h] * bool(h)
         if g.known_from == "the dumps" and any(x.kind in _FAULTS for x in found):
@@ -523,6 +539,13 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
                   collective=head.collective if head else None, missing_dumps=missing,
                   details=[f.text for f in findings], findings=findings, groups=summary,
                   stacks={r: s for r, s in stacks.items() if r in culprits or r in stuck[:1]})
+
+
+def _in_a_call(stack: str) -> bool:
+    """Whether a Python stack's innermost frame is inside torch.distributed (a collective's
+    call or its wait)."""
+    frames = [line for line in stack.splitlines() if line.lstrip().startswith("File ")]
+    return bool(frames) and "/torch/distributed/" in frames[-1]
 
 
 def _newest(groups: dict[str, _Group]) -> dict[int, tuple[str, Collective]]:

@@ -328,3 +328,30 @@ def test_a_write_begun_after_a_rank_blocked_does_not_make_it_a_culprit():
     r = analyze(dumps, world_size=4)
     assert r.culprits == [0], r.verdict
     assert any(f.kind == "blocked" and f.waiting == [1] for f in r.findings), r.details
+
+
+def test_a_rank_left_inside_a_collective_others_completed_waits_for_the_stopped_member():
+    """TP pairs [0, 1] and [2, 3], DP pairs [0, 2] and [1, 3]; rank 0 stopped (no dump)
+    midway through the world's all-reduce #9, after ranks 1 and 2 had what they needed
+    from it: they completed it and went on to their TP all-reduce #169, where rank 2 waits
+    for rank 3; rank 3 still waits in #9 (its stack is in the call) for rank 0's part.
+    Rank 0 alone is to blame: rank 3 is blocked, not a rank that never arrived (seen in a
+    chaos run: rank 3 was evicted with rank 0 and the job went cold)."""
+    def at(seq, pg, ns, done=True):
+        return {**entry(seq, sizes=((4,),), pg=pg, done=done), "time_created_ns": ns}
+    tp_a, tp_b, world = ("7", "mesh_tp"), ("8", "mesh_tp"), ("0", "default_pg")
+    waiting = ('  File "/venv/lib/python3.11/site-packages/torch/distributed/'
+               'distributed_c10d.py", line 3252, in all_reduce\n    work.wait()\n')
+    dumps = {1: dump(1, at(168, tp_a, 100), at(9, world, 150), at(169, tp_a, 200, done=False)),
+             2: dump(2, at(168, tp_b, 100), at(9, world, 150), at(169, tp_b, 200, done=False)),
+             3: dump(3, at(168, tp_b, 100), at(9, world, 150, done=False), stack=waiting)}
+    r = analyze(dumps, world_size=4)
+    assert r.culprits == [0], r.verdict
+    assert any(f.kind == "blocked" and 3 in f.waiting for f in r.findings), r.details
+    assert r.verdict.startswith("rank(s) [3] wait in gloo:all_reduce #9 on process group "
+                                "default_pg"), r.verdict
+    assert "which rank(s) [1, 2] completed: rank(s) [0] (no dump) stopped" in r.verdict
+    # the same dumps without the stack: rank 3 may only hold its finished work object, as
+    # gloo leaves it unretired until freed, and it is blamed for #169 as before
+    computing = {**dumps, 3: dump(3, at(168, tp_b, 100), at(9, world, 150, done=False))}
+    assert analyze(computing, world_size=4).culprits == [0, 3]
