@@ -17,7 +17,8 @@ request; and stores the plan, under one key every survivor waits for. The ranks 
 neither reported nor are gone are lost. The decider claims a warm spare for each lost
 rank. A decider whose process dies before its decision is seen dying (its agent, the
 presence listener): the survivors waiting for the plan are told at once, and the first of
-them to claim the next term decides in its place. The first report also sets the generation's ``failed`` key, which wakes each rank's
+them to claim the next term decides in its place. The first report also sets the
+generation's ``failed`` key, which wakes each rank's
 :class:`llmtrain.distributed.failure.FailureWatch`: it says the rank is coming (a rank
 that computes meets the failure only at its next collective, and the decider waits for
 it), and on NCCL it aborts the rank's communicators, so ranks blocked behind healthy peers

@@ -307,12 +307,12 @@ def _attempt_ended(run: Run, a: Attempt, events: list[Event]) -> str:
     if "run_end" in kinds:  # a preemption's agreed save ends with one too
         return ("stopped on request" if kinds["run_end"].get("stopped") else
                 "preempted" if "preempted" in kinds else "finished")
-    enders = [ENDERS[e["event"]] for e in events if e["event"] in ENDERS]
-    if enders:  # the last of them, after what ended the attempt itself where a round died
-        last = enders.pop()
-        formed = [e for e in enders if e != ENDERS["round_node_lost"]]
-        return f"{formed[-1]}, then {last}" if last == ENDERS["round_node_lost"] and formed \
-            else last
+    enders = [e["event"] for e in events if e["event"] in ENDERS]
+    if enders:  # the last of them
+        before = [k for k in enders[:-1] if k != "round_node_lost"]
+        if enders[-1] == "round_node_lost" and before:  # what ended it, then its next round
+            return f"{ENDERS[before[-1]]}, then {ENDERS['round_node_lost']}"
+        return ENDERS[enders[-1]]
     if a.index == len(run.attempts) - 1:
         return "still running, or died without logging why"
     return "died without logging why (no hang or preemption recorded)"
