@@ -1,11 +1,15 @@
 """This process's collective flight recorder (``TORCH_FR_BUFFER_SIZE``, gloo and NCCL): what
 it holds, for a hang's diagnosis (:mod:`llmtrain.reliability.watchdog`), and the collective
 the training thread is stuck in, for a rank that must leave a failed generation
-(:mod:`llmtrain.recovery.coordinator`)."""
+(:mod:`llmtrain.recovery.coordinator`); and, beside it in both, where each thread's Python
+stack stands."""
 
 from __future__ import annotations
 
 import json
+import sys
+import threading
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -57,3 +61,10 @@ def _group(entry: dict) -> tuple[str, str]:
     """An entry's group: its name and its description ("" without one)."""
     pg = entry.get("process_group") or ["?"]
     return str(pg[0]), str(pg[1]) if len(pg) > 1 else ""
+
+
+def thread_stacks() -> dict[str, str]:
+    """Each thread's Python stack, by the thread's name."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return {names.get(ident, str(ident)): "".join(traceback.format_stack(frame))
+            for ident, frame in sys._current_frames().items()}

@@ -4,12 +4,18 @@ to kill it (its node is cut off from the network), its peers can shut their own 
 every connection to it. A collective stuck on that rank then fails at once, as it does
 when a killed rank's connections close, and the warm path replaces the rank. gloo in
 torch 2.13 has no abort: this is the survivors' way out that keeps them alive.
+
+:func:`connections` says, for a rank that is stuck, what the kernel holds of each of its
+connections: whether a peer's close or reset ever arrived, and what data waits each way.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import struct
+import termios
 from collections.abc import Iterator
 
 
@@ -57,3 +63,37 @@ def cut(peers: set[str]) -> int:
         except OSError:
             continue
     return done
+
+
+# the kernel's TCP states (include/net/tcp_states.h), as tcp_info's first byte gives them
+_STATES = {1: "established", 2: "syn_sent", 3: "syn_recv", 4: "fin_wait1", 5: "fin_wait2",
+           6: "time_wait", 7: "closed", 8: "close_wait", 9: "last_ack", 10: "listen",
+           11: "closing"}
+
+
+def connections(limit: int = 64) -> list[dict]:
+    """This process's TCP connections (at most ``limit``), as the kernel holds them: each
+    one's ends (``peer`` None once it was reset), its state, and the bytes queued each way
+    (``unread``: received, not yet read by this process; ``unsent``: written, not yet
+    acknowledged). ``close_wait`` with a live reader: the peer closed, and this process
+    never looked; ``established`` to a peer known dead: its close never arrived."""
+    found = []
+    for s in _tcp_sockets():
+        state = _STATES.get(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0], "?")
+        if state == "listen":
+            continue
+        try:
+            peer = _endpoint(s.getpeername())
+        except OSError:  # reset, or never connected
+            peer = None
+        found.append({"local": _endpoint(s.getsockname()), "peer": peer, "state": state,
+                      "unread": _queued(s, termios.FIONREAD),
+                      "unsent": _queued(s, termios.TIOCOUTQ)})
+        if len(found) == limit:
+            break
+    return found
+
+
+def _queued(s: socket.socket, request: int) -> int:
+    """SIOCINQ (FIONREAD) or SIOCOUTQ (TIOCOUTQ) of a TCP socket: bytes waiting."""
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), request, b"\0" * 4))[0]

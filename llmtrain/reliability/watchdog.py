@@ -47,10 +47,8 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
-import traceback
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -61,7 +59,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch.distributed as dist
 
 from llmtrain.config import ReliabilityConfig
-from llmtrain.distributed.flight_recorder import flight_recorder
+from llmtrain.distributed.flight_recorder import flight_recorder, thread_stacks
 from llmtrain.distributed.process_group import open_store
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
@@ -97,12 +95,6 @@ def configure_diagnostics(cfg: ReliabilityConfig, run_dir: str) -> None:
         target = os.path.join(run_dir, "diagnostics", "nccl-timeout")
         makedirs(target)
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(target, "rank-"))
-
-
-def thread_stacks() -> dict[str, str]:
-    names = {t.ident: t.name for t in threading.enumerate()}
-    return {names.get(ident, str(ident)): "".join(traceback.format_stack(frame))
-            for ident, frame in sys._current_frames().items()}
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """Cutting a stuck peer's connections from this side (llmtrain/recovery/sockets.py) and
 evicting a rank whose agent does not answer, with real sockets and a real store."""
 
+import contextlib
 import json
 import signal
 import socket
@@ -44,6 +45,41 @@ def test_a_receive_stuck_on_a_silent_peer_ends_when_its_connection_is_cut():
         healthy_peer.sendall(b"x")
         assert other.recv(1) == b"x"
         for s in (stuck_peer, ours, healthy_peer, other):
+            s.close()
+
+
+def test_each_connection_says_whether_its_peers_close_or_reset_arrived_and_what_waits():
+    """What a stuck rank's event carries of its connections: one whose peer closed
+    cleanly (close_wait, its unread bytes counted), one the peer reset (closed, no peer
+    left), and one alive with data this side wrote and the peer has not read."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        closed_by_peer, closer = _pair(server)
+        reset_by_peer, resetter = _pair(server)
+        alive, reader = _pair(server)
+        closer.sendall(b"abc")
+        closer.close()  # a FIN after the data
+        reset_by_peer.sendall(b"x")
+        time.sleep(0.1)
+        resetter.close()  # unread data on its side: the kernel resets the connection
+        alive.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        alive.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            for _ in range(10_000):  # until the peer's window and this side's buffer fill
+                alive.send(b"y" * 4096)
+        time.sleep(0.2)
+        found = {c["local"]: c for c in sockets.connections()}
+
+        def seen(s: socket.socket) -> dict:
+            return found[f"127.0.0.1:{s.getsockname()[1]}"]
+        assert seen(closed_by_peer) | {"local": None} == {
+            "local": None, "peer": f"127.0.0.1:{server.getsockname()[1]}",
+            "state": "close_wait", "unread": 3, "unsent": 0}
+        assert (seen(reset_by_peer)["state"], seen(reset_by_peer)["peer"]) == ("closed", None)
+        assert seen(alive)["state"] == "established" and seen(alive)["unsent"] > 0
+        assert seen(reader)["unread"] > 0
+        assert len(sockets.connections(limit=2)) == 2
+        for s in (closed_by_peer, reset_by_peer, alive, reader):
             s.close()
 
 

@@ -260,6 +260,10 @@ def test_a_rank_stuck_in_a_collective_nothing_ends_leaves_for_a_spare(tmp_path):
     assert (ended.value.error_index, ended.value.exit_code) == (0, ExitCode.RETRYABLE)
     (stuck,) = events(tmp_path, "collective_stuck")
     assert stuck["rank"] == 0 and stuck["collective"]["op"] == "gloo:all_reduce", stuck
+    # where it waited, and that the peer's connections stayed open (nothing closed them)
+    assert "all_reduce" in stuck["stack"].splitlines()[-2], stuck["stack"]
+    assert stuck["connections"] and {c["state"] for c in stuck["connections"]} == {
+        "established"}, stuck
     left = json.loads((tmp_path / "left.json").read_text())
     assert stuck["ts"] - left < 10, stuck  # 0.5 s here: a quarter of the 1 s budget after
     assert namespace.genuine("round/g0/seen/0").startswith(b"gone-")  # counted out, at once
