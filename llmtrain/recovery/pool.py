@@ -128,6 +128,19 @@ def withdraw(store: SignedStore, holder: str) -> bool:
     return True
 
 
+def withdraw_node(store: SignedStore, host: str) -> list[int]:
+    """Takes every spare waiting on node ``host`` out of the pool, as that node leaves the
+    job (a GPU of its failed: the node is excluded, its launcher exits, and its spares go
+    with it); returns their places. Done before the node's rank says it is gone: a claim
+    made meanwhile took such a spare, which never came, and the recovery waited
+    ``warm.budget_s`` for it, then went cold (seen in a chaos run with tensor parallelism:
+    66 s, where a spare elsewhere, or a shrink, takes seconds)."""
+    gone = [n for n in _open_places(store) if _host(store, n) == host and leave_pool(store, n)]
+    if gone:
+        log.info("the spare(s) at place(s) %s leave the pool with their node %s", gone, host)
+    return gone
+
+
 def claim(store: SignedStore, wanted: int, avoid: frozenset[str] = frozenset(),
           apart: frozenset[str] = frozenset()) -> list[int]:
     """Claims ``wanted`` spares of the pool; returns their numbers. Fewer than ``wanted``

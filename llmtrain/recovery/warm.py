@@ -58,7 +58,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from llmtrain.config import WarmConfig
-from llmtrain.distributed.process_group import rendezvous_store
+from llmtrain.distributed.process_group import node_name, rendezvous_store
 from llmtrain.distributed.signed_store import SignedStore, signed
 from llmtrain.recovery import pool
 from llmtrain.recovery.roll_call import (ORPHANED, coming, count_in, decider_key,
@@ -203,8 +203,11 @@ class WarmPath:
         return lambda store: stir(store, prefix, rank)
 
     def leave(self) -> None:
-        """This rank leaves on purpose (its GPU failed): the survivors need not wait
-        ``warm.settle_s`` for its report."""
+        """This rank leaves on purpose: its GPU failed, so its node leaves the job. The
+        node's waiting spares leave the pool first, so that the survivors (whom the mark
+        wakes) claim none of them; then the survivors need not wait ``warm.settle_s`` for
+        its report."""
+        pool.withdraw_node(self.store, node_name())
         mark_gone(self.store, self.rank)
 
     @property

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 
 from llmtrain.config import WarmConfig
+from llmtrain.distributed.process_group import node_name
 from llmtrain.recovery.pool import (PoolPlace, assignment, claim, join_pool, leave_pool,
                                     spares_ready, spares_waiting)
 from llmtrain.recovery.roll_call import coming, mark_gone, owner
@@ -373,6 +374,26 @@ def test_a_lost_tp_rank_without_a_spare_drops_its_whole_node_and_its_live_peer_l
     out = agree_all(store, survivors, 4, local_world=2, shapes=fsdp)
     assert all(isinstance(v, ColdPath) and "where a whole replica stays" in str(v)
                for v in out.values()), out
+
+
+def test_a_rank_whose_gpu_failed_takes_its_nodes_waiting_spare_out_of_the_pool_first():
+    """Two replicas of a tp 2 group. Rank 0 runs as the spare of a standby node, whose
+    other spare still waits, and its GPU fails: the node is excluded, and its launcher's
+    exit takes that spare along. Rank 0 takes it out of the pool as it leaves, before its
+    peers learn it is gone, so they shrink to the other replica rather than claim it.
+    (Seen in a chaos run: claimed, it never came; the recovery waited warm.budget_s, 30 s,
+    for it, then went cold, 66 s in all.)"""
+    store = signed_store()
+    here = node_name()  # the leaving rank's node, as the spare's launcher names it
+    doomed = PoolPlace(store, budget_s=5, holder=owner(11, here))
+    cfg = WarmConfig(enable=True, settle_s=0.3, budget_s=5)
+    WarmPath(cfg, store, "round", 0, 4, 2).leave()  # its GPU failed
+    assert spares_waiting(store) == 0 and doomed.leave()  # out of the pool, as said
+    tp2 = lambda n: (n // 2, 1) if n >= 2 else "too few"  # noqa: E731 - (replicas, shard)
+    survivors = {1: held([8], [8], 3), 2: held([8], [8], 0), 3: held([8], [8], 1)}
+    out = agree_all(store, survivors, 4, local_world=2, shapes=tp2)
+    assert {(p.kind, tuple(p.kept), tuple(p.spares.items())) for p in out.values()} == {
+        ("shrink", (2, 3), ())}, out
 
 
 def test_a_second_grow_in_a_generation_is_not_answered_by_the_first_ones_none():
