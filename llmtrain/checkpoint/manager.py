@@ -43,6 +43,7 @@ from llmtrain.checkpoint.shard_read import DamagedCheckpoint
 from llmtrain.checkpoint.staging import ReusedBufferStager
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.config import CheckpointConfig, ConfigError, Settings
+from llmtrain.distributed.flight_recorder import pending_on
 from llmtrain.distributed.group_names import OFF_THREAD
 from llmtrain.events import EventLog
 from llmtrain.fsio import is_local
@@ -156,6 +157,7 @@ class CheckpointManager:
                                         "pinned staging block (checkpoint.direct_io) have not "
                                         "run on a GPU")
         self.inflight: Future | None = None
+        self.inflight_step: int | None = None  # the step of the write in flight (or last)
         self.staging: Future | None = None  # the copy of the save in flight
         self.staging_wait_s = 0.0  # how long the training thread waited for that copy
         self.last_save_time = time.monotonic()
@@ -276,7 +278,7 @@ class CheckpointManager:
         self.events.emit_once("checkpoint_staged", step=step, blocking_s=blocked)
         # ``inflight`` completes only after the bookkeeping of ``_done``, so that waiting
         # for it means the save is recorded and retention has run.
-        self.inflight = Future()
+        self.inflight, self.inflight_step = Future(), step
 
         def finished(write: Future) -> None:
             try:
@@ -378,9 +380,20 @@ class CheckpointManager:
             self.staging_wait_s += time.perf_counter() - start
 
     def wait(self, timeout: float | None = None) -> None:
-        """Waits for the write in flight (TimeoutError after ``timeout``)."""
-        if self.inflight is not None:
+        """Waits for the write in flight (TimeoutError after ``timeout``, naming the
+        checkpoint and the collective its I/O group waits in, if any)."""
+        if self.inflight is None:
+            return
+        try:
             self.inflight.result(timeout)
+        except futures.TimeoutError:
+            io = f"{OFF_THREAD}checkpoint_io"
+            stuck = pending_on(io)
+            where = (f": it waits in {stuck['op']} #{stuck['seq']} on {io}, entered "
+                     f"{(time.time_ns() - stuck['entered_ns']) / 1e9:.1f} s ago" if stuck
+                     else "")
+            raise TimeoutError(f"the write of checkpoint {self.inflight_step} did not end "
+                               f"within {timeout:.1f} s{where}") from None
 
     def apply_retention(self) -> None:
         """Removes what :func:`storage.retention_victims` retires; a checkpoint whose

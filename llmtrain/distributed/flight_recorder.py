@@ -57,6 +57,19 @@ def stuck_collective(since_ns: int, before_ns: int) -> dict | None:
             "pg": group_label(*_group(newest)), "entered_ns": newest.get("time_created_ns")}
 
 
+def pending_on(desc: str) -> dict | None:
+    """The newest collective on the group described ``desc`` (its ``group_desc``) that has
+    not ended: ``op``, ``seq`` and ``entered_ns``; None when none waits there, or the
+    recorder is off. What a wait for that group's thread is stuck behind."""
+    waiting = [e for e in flight_recorder()["entries"]
+               if _group(e)[1] == desc and not e.get("retired", True)]
+    if not waiting:
+        return None
+    newest = max(waiting, key=lambda e: e.get("time_created_ns") or 0)
+    return {"op": newest.get("profiling_name"), "seq": newest.get("collective_seq_id"),
+            "entered_ns": newest.get("time_created_ns")}
+
+
 def _group(entry: dict) -> tuple[str, str]:
     """An entry's group: its name and its description ("" without one)."""
     pg = entry.get("process_group") or ["?"]

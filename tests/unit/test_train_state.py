@@ -5,6 +5,7 @@ import gc
 import hashlib
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -306,3 +307,27 @@ def test_a_save_refused_midway_costs_only_itself_not_every_later_save(group, tmp
         manager.save(step, state)
     assert [e["step"] for e in read_events(run, "checkpoint_failed")] == [1]
     assert [e["step"] for e in read_events(run, "checkpoint_committed")] == [2, 3]
+
+
+def test_a_write_that_does_not_end_in_time_names_its_checkpoint(group, tmp_path):
+    """A leave waits for the write in flight up to its budget: one that outlasts it says
+    which checkpoint it was (and, where one waits, its I/O group's collective), not a bare
+    TimeoutError; the write itself goes on and commits once it can."""
+    from llmtrain.checkpoint.manager import CheckpointManager
+    from llmtrain.config import CheckpointConfig
+    from llmtrain.events import EventLog, read_events
+
+    _, _, _, state = _after_one_step(group)
+    release = threading.Event()
+    run = str(tmp_path / "run")
+    manager = CheckpointManager(CheckpointConfig(mode="async_thread"), str(tmp_path / "ckpt"),
+                                manifest_base={}, events=EventLog(run, 0),
+                                device=torch.device("cpu"), control_group=dist.group.WORLD,
+                                fence=lambda what: release.wait(30))  # storage that stalls
+    manager.save(1, state)
+    with pytest.raises(TimeoutError, match=r"^the write of checkpoint 1 did not end within "
+                                           r"0\.3 s$"):
+        manager.wait(0.3)
+    release.set()
+    manager.wait(30)
+    assert [e["step"] for e in read_events(run, "checkpoint_committed")] == [1]

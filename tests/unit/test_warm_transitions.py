@@ -5,8 +5,10 @@ the failure watch of a generation left behind never acts on the next one. And th
 a generation that failed, on gloo: a rank stuck in a collective that nothing ends leaves
 for a spare."""
 
+import gc
 import json
 import os
+import threading
 import time
 from concurrent.futures import Future
 from datetime import timedelta
@@ -19,6 +21,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch
+from llmtrain.distributed.flight_recorder import pending_on
 from llmtrain.distributed.process_group import WorldInfo, side_group
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
@@ -267,3 +270,32 @@ def test_a_rank_stuck_in_a_collective_nothing_ends_leaves_for_a_spare(tmp_path):
     left = json.loads((tmp_path / "left.json").read_text())
     assert stuck["ts"] - left < 10, stuck  # 0.5 s here: a quarter of the 1 s budget after
     assert namespace.genuine("round/g0/seen/0").startswith(b"gone-")  # counted out, at once
+
+
+def _a_write_waiting_on_a_peer(rank: int, run_dir: str) -> None:
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "200"  # before any group, as the trainer sets it
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    io = dist.new_group(backend="gloo", group_desc="off_thread:checkpoint_io")
+    if rank == 1:
+        time.sleep(1.0)  # late to the write's collective
+        dist.all_reduce(torch.ones(2), group=io)
+        return
+    write = threading.Thread(target=lambda: dist.all_reduce(torch.ones(2), group=io))
+    write.start()
+    time.sleep(0.5)
+    waiting = pending_on("off_thread:checkpoint_io")
+    assert waiting is not None and waiting["op"] == "gloo:all_reduce", waiting
+    assert time.time_ns() - waiting["entered_ns"] > 0.3e9
+    assert pending_on("control") is None
+    write.join()
+    gc.collect()  # gloo retires an entry once its work object is freed
+    assert pending_on("off_thread:checkpoint_io") is None
+
+
+def test_a_checkpoint_write_that_does_not_end_says_which_collective_it_waits_in(tmp_path):
+    """What a leave that waited out warm.budget_s for a checkpoint's write says (seen in a
+    chaos run with TP 2: a survivor's write waited in its I/O group's collective, the
+    others' had failed, and the job went cold 30 s later with a bare TimeoutError): the
+    write's collective, from the flight recorder, while it waits and not after."""
+    spawn(_a_write_waiting_on_a_peer, args=(str(tmp_path),), nprocs=2)
