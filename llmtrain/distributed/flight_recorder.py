@@ -1,12 +1,13 @@
 """This process's collective flight recorder (``TORCH_FR_BUFFER_SIZE``, gloo and NCCL): what
 it holds, for a hang's diagnosis (:mod:`llmtrain.reliability.watchdog`), and the collective
 the training thread is stuck in, for a rank that must leave a failed generation
-(:mod:`llmtrain.recovery.coordinator`); and, beside it in both, where each thread's Python
-stack stands."""
+(:mod:`llmtrain.recovery.coordinator`); and, beside it, where each thread's Python stack
+stands, and what each native thread waits in."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import traceback
@@ -81,3 +82,28 @@ def thread_stacks() -> dict[str, str]:
     names = {t.ident: t.name for t in threading.enumerate()}
     return {names.get(ident, str(ident)): "".join(traceback.format_stack(frame))
             for ident, frame in sys._current_frames().items()}
+
+
+def native_threads() -> dict[str, list[str]]:
+    """What each native thread of this process waits in, as the kernel says (its
+    ``wchan``; ``running`` for one on a CPU), grouped by thread name: gloo's loop
+    threads (``gloo_tcp_loop``, one per group) wait in epoll while they watch their
+    connections; one waiting on a lock (``futex...``) handles no connection's close.
+    Empty where ``/proc`` cannot be read."""
+    found: dict[str, list[str]] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rpartition(") ")[2][:1]
+            with open(f"/proc/self/task/{tid}/wchan") as f:
+                wait = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        found.setdefault(name, []).append("running" if state == "R" else wait or state)
+    return {name: sorted(waits) for name, waits in sorted(found.items())}

@@ -45,7 +45,7 @@ from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Sn
 from llmtrain.config import ConfigError, Settings
 from llmtrain.distributed.failure import (NCCL_WARM_PROVEN, FailureWatch, abort_groups,
                                           broke_a_collective, nccl_problems)
-from llmtrain.distributed.flight_recorder import stuck_collective, thread_stacks
+from llmtrain.distributed.flight_recorder import native_threads, stuck_collective, thread_stacks
 from llmtrain.distributed.group_names import OFF_THREAD
 from llmtrain.distributed.process_group import (WorldInfo, backend_for, device_type,
                                                 resolve_device, side_group)
@@ -234,16 +234,17 @@ class WarmRecovery:
         # what ended nothing, for whoever reads why: where the training thread waits, and
         # whether each connection's close or reset from its peer ever arrived
         stack = thread_stacks().get(threading.main_thread().name, "")
-        held = connections()
+        held, threads = connections(), native_threads()
         log.error("rank %d is stuck in %s #%s on %s, entered %.1f s ago, before its "
                   "generation failed, which nothing has ended since: it leaves, for a spare "
-                  "to take its place. Its connections: %s. Its training thread:\n%s",
-                  self.world.rank, stuck["op"], stuck["seq"], stuck["pg"], waited,
+                  "to take its place. Its connections: %s. Its native threads: %s. Its "
+                  "training thread:\n%s", self.world.rank, stuck["op"], stuck["seq"],
+                  stuck["pg"], waited,
                   "; ".join(f"{c['local']}->{c['peer']} {c['state']} unread {c['unread']} "
-                            f"unsent {c['unsent']}" for c in held), stack)
+                            f"unsent {c['unsent']}" for c in held), threads, stack)
         self.events.emit("collective_stuck", host=self.world.host, waited_s=round(waited, 3),
                          collective={k: stuck[k] for k in ("pg", "seq", "op")},
-                         stack=stack[-4000:], connections=held)
+                         stack=stack[-4000:], connections=held, threads=threads)
         self.events.close()
 
         def say_gone() -> None:

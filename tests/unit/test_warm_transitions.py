@@ -8,6 +8,7 @@ for a spare."""
 import gc
 import json
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -21,7 +22,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from llmtrain.config import JobConfig
 from llmtrain.distributed.failure import FailureWatch
-from llmtrain.distributed.flight_recorder import pending_on
+from llmtrain.distributed.flight_recorder import native_threads, pending_on
 from llmtrain.distributed.process_group import WorldInfo, side_group
 from llmtrain.events import EventLog
 from llmtrain.exit_codes import ExitCode
@@ -267,6 +268,9 @@ def test_a_rank_stuck_in_a_collective_nothing_ends_leaves_for_a_spare(tmp_path):
     assert "all_reduce" in stuck["stack"].splitlines()[-2], stuck["stack"]
     assert stuck["connections"] and {c["state"] for c in stuck["connections"]} == {
         "established"}, stuck
+    # gloo's loop threads watch their connections (in epoll); the training thread waits
+    loops = stuck["threads"]["gloo_tcp_loop"]
+    assert any("epoll" in w for w in loops) and not any("futex" in w for w in loops), loops
     left = json.loads((tmp_path / "left.json").read_text())
     assert stuck["ts"] - left < 10, stuck  # 0.5 s here: a quarter of the 1 s budget after
     assert namespace.genuine("round/g0/seen/0").startswith(b"gone-")  # counted out, at once
@@ -299,3 +303,20 @@ def test_a_checkpoint_write_that_does_not_end_says_which_collective_it_waits_in(
     others' had failed, and the job went cold 30 s later with a bare TimeoutError): the
     write's collective, from the flight recorder, while it waits and not after."""
     spawn(_a_write_waiting_on_a_peer, args=(str(tmp_path),), nprocs=2)
+
+
+def test_each_native_thread_says_what_it_waits_in(one_rank):
+    """What a stuck rank's event carries of its native threads: gloo's loop threads (one
+    a group) waiting in epoll on their connections, and a thread blocked on a lock
+    waiting on a futex, which is how a loop that stopped handling its connections shows."""
+    held = threading.Lock()
+    held.acquire()
+    blocked = threading.Thread(target=held.acquire, daemon=True)
+    blocked.start()
+    time.sleep(0.2)
+    threads = native_threads()
+    held.release()
+    blocked.join()
+    assert any("epoll" in w for w in threads["gloo_tcp_loop"]), threads  # the world's
+    assert not any("futex" in w for w in threads["gloo_tcp_loop"]), threads
+    assert any("futex" in w for w in threads[Path(sys.executable).name[:15]]), threads
