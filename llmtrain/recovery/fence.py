@@ -122,8 +122,13 @@ class Fence:
 
     def join(self, token: str) -> None:
         """This rank is a member of ``token``'s membership; called by every member before
-        its group forms. Raises Fenced when the store already names a newer one."""
-        self.token, self.expected = token, None
+        its group forms. Raises Fenced when the store already names a newer one. The
+        token changes under the lock that the watchdog's look holds: a look that read the
+        store before the join, and compared what it read with the new token after it, took
+        the membership this rank was leaving for a newer one without it, and fenced the
+        rank out of the recovery it was joining (seen in a chaos run, which went cold)."""
+        with self._lock:
+            self.token, self.expected = token, None
         if self.store is None:
             return
         current = self._ask(lambda store: store.claim(KEY, token)).decode()
@@ -149,7 +154,8 @@ class Fence:
     def expect(self, token: str) -> None:
         """This rank agreed to join ``token``'s membership (a warm recovery): a peer that
         joins it first does not make this rank a cut-off one meanwhile."""
-        self.expected = token
+        with self._lock:
+            self.expected = token
 
     def check(self, what: str) -> None:
         """Raises Fenced unless the store names this rank's membership now."""

@@ -66,6 +66,39 @@ def test_a_survivor_is_not_superseded_by_the_membership_it_agreed_to_join(server
     assert "re-formed as 1-a/g2 without this rank" in survivor.superseded()
 
 
+def test_a_look_that_read_the_store_before_a_join_never_fences_the_joining_rank(
+        server, tmp_path, monkeypatch):
+    """The watchdog looks (on its thread) while the training thread joins the recovery's
+    membership: the look read the store's g0 before the join and compares after it. It
+    must compare with the membership it read against, never call g0 a newer one without
+    this rank (a chaos run caught a rank fenced so: "re-formed as .../g2 without this rank
+    (it was .../g3)", and the job went cold)."""
+    survivor = Fence(client(server), EventLog(str(tmp_path), rank=1), 2.0)
+    survivor.join("1-a/g0")
+    read, go = threading.Event(), threading.Event()
+    current = Fence._current
+
+    def read_then_pause(self, store):
+        held = current(self, store)
+        read.set()
+        go.wait(5)
+        return held
+    monkeypatch.setattr(Fence, "_current", read_then_pause)
+    looked = []
+    look = threading.Thread(target=lambda: looked.append(survivor.superseded()))
+    look.start()
+    assert read.wait(5)
+    monkeypatch.setattr(Fence, "_current", current)
+    joining = threading.Thread(target=survivor.join, args=("1-a/g1",))
+    joining.start()
+    time.sleep(0.3)  # the join waits for the look, or (unfixed) ends before it
+    go.set()
+    look.join(5)
+    joining.join(5)
+    assert looked == [None] and survivor.refused is None
+    assert survivor.superseded() is None and survivor.membership() == "1-a/g1"
+
+
 def test_a_rank_that_cannot_reach_the_store_cannot_prove_it_is_a_member(tmp_path):
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            use_libuv=True)
