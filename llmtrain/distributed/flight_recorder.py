@@ -51,24 +51,29 @@ def stuck_collective(since_ns: int, before_ns: int) -> dict | None:
            if not _group(e)[1].startswith(OFF_THREAD)]
     if not own:
         return None
-    newest = max(own, key=lambda e: e.get("time_created_ns") or 0)
+    newest = _newest(own)
     if newest.get("retired", True) or (newest.get("time_created_ns") or 0) >= before_ns:
         return None
-    return {"op": newest.get("profiling_name"), "seq": newest.get("collective_seq_id"),
-            "pg": group_label(*_group(newest)), "entered_ns": newest.get("time_created_ns")}
+    return _described(newest)
 
 
 def pending_on(desc: str) -> dict | None:
     """The newest collective on the group described ``desc`` (its ``group_desc``) that has
-    not ended: ``op``, ``seq`` and ``entered_ns``; None when none waits there, or the
+    not ended: ``op``, ``seq``, ``pg`` and ``entered_ns``; None when none waits there, or the
     recorder is off. What a wait for that group's thread is stuck behind."""
     waiting = [e for e in flight_recorder()["entries"]
                if _group(e)[1] == desc and not e.get("retired", True)]
-    if not waiting:
-        return None
-    newest = max(waiting, key=lambda e: e.get("time_created_ns") or 0)
-    return {"op": newest.get("profiling_name"), "seq": newest.get("collective_seq_id"),
-            "entered_ns": newest.get("time_created_ns")}
+    return _described(_newest(waiting)) if waiting else None
+
+
+def _newest(entries: list[dict]) -> dict:
+    return max(entries, key=lambda e: e.get("time_created_ns") or 0)
+
+
+def _described(entry: dict) -> dict:
+    """An entry as the callers name a collective: ``op``, ``seq``, ``pg``, ``entered_ns``."""
+    return {"op": entry.get("profiling_name"), "seq": entry.get("collective_seq_id"),
+            "pg": group_label(*_group(entry)), "entered_ns": entry.get("time_created_ns")}
 
 
 def _group(entry: dict) -> tuple[str, str]:
