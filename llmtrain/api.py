@@ -323,8 +323,8 @@ class Session:
 
     # -- the warm path's side of a new generation (recovery.coordinator.Job) -----------
 
-    def leave_group(self, deadline: float) -> None:
-        self.checkpoints.wait(max(0.0, deadline - time.monotonic()))
+    def leave_group(self, deadline: float, stuck_s: float) -> None:
+        self.checkpoints.leave(max(0.0, deadline - time.monotonic()), stuck_s)
         abandon()
         self.watchdog.new_generation()
 

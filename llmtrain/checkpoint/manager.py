@@ -16,6 +16,11 @@ control's votes (:mod:`llmtrain.control`).
 
 Nothing fails silently: a failed write or commit is a ``checkpoint_failed`` event, a
 failed retention pass a ``checkpoint_retention_failed`` one, both with the error.
+
+A recovery that leaves the job's groups waits for the write in flight (``leave``), which
+may commit yet; one that waits in an I/O-group collective its lost peer never ends is
+let go of instead (``disown``): the recovery goes on without it, and it writes nothing
+more.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from llmtrain.fsio import is_local
 log = logging.getLogger(__name__)
 
 SAVE_ERRORS = (Exception, CheckpointException)
+IO_GROUP = f"{OFF_THREAD}checkpoint_io"  # the description of the writes' gloo group
 
 
 class CheckpointUnreadable(RuntimeError):
@@ -117,6 +123,25 @@ class IndexingPlanner(DefaultSavePlanner):
         return super().create_global_plan(all_plans)
 
 
+class Disowned(RuntimeError):
+    """A file write of a save the manager let go of (:meth:`CheckpointManager.disown`)."""
+
+
+class _Owned:
+    """A save's fence: the job's (``fence``), and once the manager let go of the save,
+    a refusal of every file it would still create, commit or remove."""
+
+    def __init__(self, fence: Callable[[str], None], step: int):
+        self.fence, self.step = fence, step
+        self.disowned: str | None = None  # why the manager let go of it
+
+    def __call__(self, what: str) -> None:
+        if self.disowned is not None:
+            raise Disowned(f"{what} refused: the write of checkpoint {self.step} was let go "
+                           f"of ({self.disowned})")
+        self.fence(what)
+
+
 def forget_plans(key: str) -> None:
     """Drops what DCP's save planners and :class:`IndexingPlanner` keep under ``key``
     (O(world x items) on the coordinator), once no save will use it again."""
@@ -158,6 +183,8 @@ class CheckpointManager:
                                         "run on a GPU")
         self.inflight: Future | None = None
         self.inflight_step: int | None = None  # the step of the write in flight (or last)
+        self.inflight_since_ns = 0  # when it began
+        self.owned: _Owned | None = None  # its fence, which disown() closes
         self.staging: Future | None = None  # the copy of the save in flight
         self.staging_wait_s = 0.0  # how long the training thread waited for that copy
         self.last_save_time = time.monotonic()
@@ -174,7 +201,7 @@ class CheckpointManager:
         failed run's close does not wait for them (``close``'s bound)."""
         if self.generation >= 0:
             forget_plans(self._plans_key())
-        self.io_group = dist.new_group(backend="gloo", group_desc=f"{OFF_THREAD}checkpoint_io")
+        self.io_group = dist.new_group(backend="gloo", group_desc=IO_GROUP)
         self.control_group = control_group
         self.generation = next(_GROUPS_BOUND)
 
@@ -244,14 +271,15 @@ class CheckpointManager:
             self.events.emit_once("checkpoint_skipped", step=step, reason=why_not)
             return
         self.last_save_time = time.monotonic()
-        start = time.perf_counter()
+        start, since_ns = time.perf_counter(), time.time_ns()
+        owned = _Owned(self.fence, step)
         try:
             planner = self.planner()
             writer = storage.CommitWriter(
                 storage.step_dir(self.url, step),
                 {**self.manifest_base, "step": step, "world_size": self.world,
                  "integrity_checked": checked},
-                thread_count=self.cfg.writer_threads, fence=self.fence,
+                thread_count=self.cfg.writer_threads, fence=owned,
                 raw=self.cfg.format == "raw",
                 # a sync save is the training thread's own wait: nothing to leave room for
                 nice=self.cfg.writer_nice if self.cfg.mode != "sync" else 0,
@@ -277,14 +305,20 @@ class CheckpointManager:
         blocked = time.perf_counter() - start
         self.events.emit_once("checkpoint_staged", step=step, blocking_s=blocked)
         # ``inflight`` completes only after the bookkeeping of ``_done``, so that waiting
-        # for it means the save is recorded and retention has run.
-        self.inflight, self.inflight_step = Future(), step
+        # for it means the save is recorded and retention has run. A write let go of
+        # (disown) records nothing when it ends: the manager has gone on without it.
+        inflight = self.inflight = Future()
+        self.inflight_step, self.inflight_since_ns, self.owned = step, since_ns, owned
 
         def finished(write: Future) -> None:
             try:
-                self._done(write, step, start, blocked)
+                if owned.disowned is None:
+                    self._done(write, step, start, blocked)
+                else:
+                    log.info("the write of checkpoint %d, let go of, ended: %s", step,
+                             describe(write.exception()) if write.exception() else "done")
             finally:
-                self.inflight.set_result(None)
+                inflight.set_result(None)
         future.add_done_callback(finished)
         if final:
             self.wait()
@@ -387,13 +421,64 @@ class CheckpointManager:
         try:
             self.inflight.result(timeout)
         except futures.TimeoutError:
-            io = f"{OFF_THREAD}checkpoint_io"
-            stuck = pending_on(io)
-            where = (f": it waits in {stuck['op']} #{stuck['seq']} on {io}, entered "
+            stuck = self._pending()
+            where = (f": it waits in {stuck['op']} #{stuck['seq']} on {IO_GROUP}, entered "
                      f"{(time.time_ns() - stuck['entered_ns']) / 1e9:.1f} s ago" if stuck
                      else "")
             raise TimeoutError(f"the write of checkpoint {self.inflight_step} did not end "
                                f"within {timeout:.1f} s{where}") from None
+
+    def _pending(self) -> dict | None:
+        """The I/O-group collective the write in flight waits in, if any (the flight
+        recorder's; None with it off)."""
+        return pending_on(IO_GROUP, self.inflight_since_ns)
+
+    def leave(self, timeout: float, stuck_s: float) -> None:
+        """Waits, as a recovery leaves the job's groups, for the write in flight, which
+        may still commit (its collectives done, a rank writing or committing), up to
+        ``timeout`` (then TimeoutError, as :meth:`wait`). A write still inside an I/O-group
+        collective once ``stuck_s`` have passed is let go of instead (:meth:`disown`): a
+        lost peer's end of it that nothing failed holds it until gloo's 30-minute
+        timeout, and every survivor's recovery with it (seen in chaos runs: the others'
+        writes failed at once, one rank's waited on in a gather with the dead coordinator,
+        the new generation waited for that rank, and the job went cold after
+        ``warm.budget_s``)."""
+        if not self.writing():
+            return
+        end = time.monotonic() + timeout
+        look = time.monotonic() + min(stuck_s, timeout)  # the first look, then every 0.1 s
+        while not futures.wait([self.inflight], max(0.0, look - time.monotonic())).done:
+            stuck = self._pending()
+            if stuck is not None:
+                self.disown(f"a recovery left the job's groups while it waited "
+                            f"{(time.time_ns() - stuck['entered_ns']) / 1e9:.1f} s in "
+                            f"{stuck['op']} #{stuck['seq']} on {IO_GROUP}",
+                            {k: stuck[k] for k in ("pg", "seq", "op")})
+                return
+            if time.monotonic() >= end:
+                self.wait(0)  # TimeoutError: which write, and where it is
+            look = min(end, time.monotonic() + 0.1)  # it writes or commits: look again
+
+    def disown(self, reason: str, collective: dict | None = None) -> None:
+        """Lets go of the write in flight: every file it would still create, commit or
+        remove is refused (so it can never mix files into a later save of the same step,
+        nor commit one the job went back from), its end records nothing, the next save
+        does not wait for it, and the stager makes new buffers for the next save (the
+        write may still read its own). Its thread ends when its collective does (gloo's
+        timeout, at worst), holding those buffers until then. A ``checkpoint_disowned``
+        event says which write, why, and where it waited. A write in a separate process
+        (``checkpoint.mode = async_process``) keeps the fence it was sent with: the job's
+        next membership refuses it there."""
+        if not self.writing():
+            return
+        self.owned.disowned = reason
+        step, self.inflight, self.staging = self.inflight_step, None, None
+        if self.stager is not None:
+            self.stager.release()
+        self.events.emit("checkpoint_disowned", step=step, reason=reason,
+                         collective=collective)
+        warn(f"checkpoint {step} is let go of, unwritten: {reason}; the newest committed "
+             f"checkpoint stands")
 
     def apply_retention(self) -> None:
         """Removes what :func:`storage.retention_victims` retires; a checkpoint whose
@@ -610,6 +695,9 @@ class Checkpointing(Protocol):
 
     def wait(self, timeout: float | None = None) -> None: ...
 
+    def leave(self, timeout: float, stuck_s: float) -> None:
+        """Waits for the write in flight as a recovery leaves (see CheckpointManager)."""
+
     def resume(self, state: TrainState) -> int:
         """The state from the newest checkpoint that verifies; its step (0: none)."""
 
@@ -647,6 +735,9 @@ class NoCheckpoints:
         pass
 
     def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def leave(self, timeout: float, stuck_s: float) -> None:
         pass
 
     def resume(self, state) -> int:

@@ -186,6 +186,11 @@ class ReusedBufferStager(AsyncStager):
         self.copy_s = time.perf_counter() - start
         return staged
 
+    def release(self) -> None:
+        """Forgets the buffers: a write let go of may still read them (the manager's
+        ``disown``), so the next save makes its own."""
+        self._buffers, self._seen = None, {}
+
     def synchronize_staging(self) -> None:
         """Staging ends with its future: nothing more to wait for."""
 

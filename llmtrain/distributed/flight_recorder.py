@@ -57,11 +57,12 @@ def stuck_collective(since_ns: int, before_ns: int) -> dict | None:
     return _described(newest)
 
 
-def pending_on(desc: str) -> dict | None:
-    """The newest collective on the group described ``desc`` (its ``group_desc``) that has
-    not ended: ``op``, ``seq``, ``pg`` and ``entered_ns``; None when none waits there, or the
-    recorder is off. What a wait for that group's thread is stuck behind."""
-    waiting = [e for e in flight_recorder()["entries"]
+def pending_on(desc: str, since_ns: int = 0) -> dict | None:
+    """The newest collective on the group described ``desc`` (its ``group_desc``) entered
+    since ``since_ns`` that has not ended: ``op``, ``seq``, ``pg`` and ``entered_ns``; None
+    when none waits there, or the recorder is off. What a wait for that group's thread is
+    stuck behind (``since_ns``: when that work began; an older wait is another's)."""
+    waiting = [e for e in flight_recorder(since_ns)["entries"]
                if _group(e)[1] == desc and not e.get("retired", True)]
     return _described(_newest(waiting)) if waiting else None
 

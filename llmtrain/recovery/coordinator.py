@@ -89,8 +89,9 @@ class Job(Protocol):
     registry: StateRegistry
     checkpoints: Checkpointing  # writing(): a save's write in flight
 
-    def leave_group(self, deadline: float) -> None:
-        """Ends this generation: waits (bounded) for checkpoint work, abandons its groups."""
+    def leave_group(self, deadline: float, stuck_s: float) -> None:
+        """Ends this generation: waits for checkpoint work until ``deadline`` (a write
+        still in an I/O collective after ``stuck_s`` is let go of), abandons its groups."""
 
     def rejoin(self, store: dist.Store) -> dist.ProcessGroup:
         """Forms the next generation on ``store``; returns its control group."""
@@ -157,6 +158,9 @@ class WarmRecovery:
         self.left_early = False  # the health monitor marked this rank gone (its GPU failed)
         self.recovered: dict | None = None  # the last recovery, until its first step is done
         self.watch: FailureWatch | None = None  # this generation's
+        # A wait that the failure should have ended by now, and that nothing will: this
+        # rank's collective (_leave_if_stuck), or its checkpoint write's (leave_group).
+        self.stuck_s = w.budget_s / 4
 
     def membership(self) -> str:
         return membership(self.round_id, self.path.gen)
@@ -225,7 +229,7 @@ class WarmRecovery:
         as its connections close. A rank computing far from its next collective comes,
         and is left alone."""
         woke = time.time_ns()
-        if disarmed.wait(self.cfg.budget_s / 4):
+        if disarmed.wait(self.stuck_s):
             return
         stuck = stuck_collective(since_ns, woke)
         if stuck is None or disarmed.is_set():  # it computes, or met the failure just now
@@ -344,7 +348,7 @@ class WarmRecovery:
             self.watch.disarm()
         if not self.left:
             self.left = True
-            self.job.leave_group(deadline)
+            self.job.leave_group(deadline, self.stuck_s)
 
     def let_go(self, step: int, signalled: bool, group: dist.ProcessGroup) -> None:
         """A preemption's save of ``step`` is committed. With no spare waiting to take

@@ -83,6 +83,9 @@ SAY: dict[str, Callable[[Event], Said]] = {
         f"restart would fail the same way, so the job stopped"), "bad"),
     "checkpoint_failed": lambda e: (_rank(e), f"checkpoint of step {e.get('step')} failed: "
                                               f"{short(e.get('error'), 300)}", "bad"),
+    "checkpoint_disowned": lambda e: (_rank(e), f"checkpoint of step {e.get('step')} let "
+                                                f"go of, unwritten: "
+                                                f"{short(e.get('reason'), 300)}", "warn"),
     "checkpoint_rejected": lambda e: (_rank(e), (
         f"checkpoint of step {e.get('step')} rejected: "
         + "; ".join(map(str, e.get("problems") or []))), "bad"),

@@ -67,7 +67,7 @@ class Job:
         self.checkpoints = Saves(writing)
         self.fails_to_leave, self.left = fails_to_leave, 0
 
-    def leave_group(self, deadline: float) -> None:
+    def leave_group(self, deadline: float, stuck_s: float) -> None:
         self.left += 1
         if self.fails_to_leave is not None:
             raise self.fails_to_leave
@@ -303,6 +303,65 @@ def test_a_checkpoint_write_that_does_not_end_says_which_collective_it_waits_in(
     others' had failed, and the job went cold 30 s later with a bare TimeoutError): the
     write's collective, from the flight recorder, while it waits and not after."""
     spawn(_a_write_waiting_on_a_peer, args=(str(tmp_path),), nprocs=2)
+
+
+def _a_write_its_peer_never_meets(rank: int, run_dir: str) -> None:
+    from llmtrain.checkpoint import storage
+    from llmtrain.checkpoint.manager import CheckpointManager
+    from llmtrain.checkpoint.state import TrainState
+    from llmtrain.config import CheckpointConfig
+
+    go = Path(run_dir) / "go"
+
+    def stalls(what: str) -> None:  # rank 1's storage, until rank 0 let go of its write
+        while not go.exists():
+            time.sleep(0.05)
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "200"  # before any group, as the trainer sets it
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    job, url = Job(), f"{run_dir}/ckpt"
+    state = TrainState(job.registry, rank, 2)
+    manager = CheckpointManager(CheckpointConfig(mode="async_thread"), url, manifest_base={},
+                                events=EventLog(run_dir, rank), device=torch.device("cpu"),
+                                control_group=dist.group.WORLD,
+                                fence=stalls if rank == 1 else lambda what: None)
+    manager.save(1, state)
+    if rank == 0:  # its write waits in the I/O group's last gather for rank 1's, which
+        write = manager.inflight  # holds its connections open and does not come
+        began = time.monotonic()
+        try:
+            manager.leave(20.0, stuck_s=0.5)
+        finally:
+            go.touch()  # rank 1's write goes on now, and so does the old one, to its commit
+        (Path(run_dir) / "left_s").write_text(str(time.monotonic() - began))
+        assert not manager.writing() and manager.staged()
+        write.result(30)
+        assert storage.read_manifest(storage.step_dir(url, 1)) is None  # refused
+    manager.wait(30)
+    manager.bind_groups(dist.group.WORLD)  # a new generation's I/O group, as a rejoin makes
+    manager.save(2, state)  # the next save neither waits for the old write nor reads its
+    manager.wait(30)  # buffers, and commits
+    assert storage.read_manifest(storage.step_dir(url, 2)) is not None
+
+
+def test_a_checkpoint_write_stuck_on_a_lost_peer_is_let_go_of_and_writes_nothing(tmp_path):
+    """A recovery's leave waits for the write in flight, which may still commit; one that
+    still waits in an I/O-group collective after a quarter of warm.budget_s (0.5 s here)
+    is let go of (seen in chaos runs: a survivor's write waited in a gather with its dead
+    coordinator that gloo never failed, the new generation waited for that survivor, and
+    the job went cold 30 s later). Here rank 1's write stalls before its first file, and
+    rank 0's waits in the last gather. Once let go of, its end records nothing, and when
+    the collective does end (rank 1's write goes on), its commit is refused; the next
+    save goes on, and commits. Without it the leave waits 20 s, and raises."""
+    spawn(_a_write_its_peer_never_meets, args=(str(tmp_path),), nprocs=2)
+    assert float((tmp_path / "left_s").read_text()) < 5.0
+    (disowned,) = events(tmp_path, "checkpoint_disowned")
+    assert disowned["rank"] == 0 and disowned["step"] == 1, disowned
+    assert disowned["collective"]["pg"].endswith("off_thread:checkpoint_io"), disowned
+    assert "gather" in disowned["collective"]["op"], disowned
+    mine = [e["step"] for e in events(tmp_path, "checkpoint_committed")
+            + events(tmp_path, "checkpoint_failed") if e["rank"] == 0]
+    assert mine == [2], mine  # the old write's end recorded nothing
 
 
 def test_each_native_thread_says_what_it_waits_in(one_rank):
