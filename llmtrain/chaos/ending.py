@@ -14,7 +14,8 @@ from dataclasses import asdict
 from llmtrain.chaos.job import Job
 from llmtrain.chaos.processes import kill_tree
 from llmtrain.chaos.summary import weighted
-from llmtrain.chaos.timeline import measured_ettr, sizes, skipped_at_last, time_below
+from llmtrain.chaos.timeline import (measured_ettr, restarts, sizes, skipped_at_last,
+                                     time_below)
 from llmtrain.checkpoint import storage
 from llmtrain.distributed.signed_store import SignedStore
 
@@ -168,6 +169,7 @@ def judge(job: Job, killed: dict[str, dict], kinds_result: dict, compare_at) -> 
     result["shrinks"] = sum(v.path == "shrink" for v in job.verdicts)
     result["grows"] = sum(v.returned == "grow" for v in job.verdicts)
     result["below_full_s"] = time_below(events, job.cfg.world_size)
+    result["restarts"] = restarts(events)
     _weights(job, result, end, compare_at)
     result["verdicts"] = [asdict(v) for v in job.verdicts]
     if job.cfg.mix:

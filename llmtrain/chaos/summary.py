@@ -118,6 +118,10 @@ def _end_lines(result: dict) -> list[str]:
         lines.append(f"launchers still running a minute after the job ended, killed: "
                      f"{', '.join(result['nodes_killed_after_the_end'])} (see their logs; "
                      f"the verdict has the spare pool as it was)")
+    for r in result.get("restarts", []):
+        lines.append(f"cold restart at +{r['at_s']:.1f} s (rank 0 on {r['host']}, restart "
+                     f"{r['restart_count']}) after: "
+                     + "; ".join(r["after"] or ["nothing any rank or launcher said"]))
     if result.get("shrinks") or result.get("grows"):
         lines.append(f"shrinks {result['shrinks']}, grows back {result['grows']}; "
                      f"{result['below_full_s']:.0f} s below full size")

@@ -1,6 +1,6 @@
 """What a chaos job's event log says about the run as a whole: when it changed size, how
-long it ran short, which steps it skipped for good, and its measured ETTR against the
-Young/Daly model's."""
+long it ran short, which steps it skipped for good, what led to each cold restart, and its
+measured ETTR against the Young/Daly model's."""
 
 from __future__ import annotations
 
@@ -60,3 +60,34 @@ def skipped_at_last(events: list[dict]) -> list[int]:
             last[e["step"]] = max(last.get(e["step"], 0.0), e["ts"])
     return sorted(step for step, ts in last.items()
                   if not any(t > ts and to < step for t, to in back))
+
+
+# what the ranks and launchers say before a cold restart, in the order it would lead there
+RESTART_CAUSES = ("failure", "collective_stuck", "checkpoint_abandoned", "checkpoint_disowned",
+                  "warm_recovery_failed", "fenced", "fatal", "run_end", "node_exit")
+
+
+def restarts(events: list[dict], shown: int = 6) -> list[dict]:
+    """Each cold restart (an attempt after the first): seconds after the first attempt,
+    the node and restart count of its rank 0, and what led to it: the last ``shown``
+    events of ``RESTART_CAUSES`` since the attempt before, each as "kind (who): what".
+    A restart that no fault's row explains (one after the job's stop, a recovery that
+    went cold between faults) still says what came before it."""
+    starts = [e for e in events if e["event"] == "attempt_start"]
+    found = []
+    for before, start in zip(starts, starts[1:]):
+        causes = [e for e in events if e["event"] in RESTART_CAUSES
+                  and before["ts"] <= e["ts"] < start["ts"]]
+        found.append({"at_s": round(start["ts"] - starts[0]["ts"], 1),
+                      "host": start.get("host"), "restart_count": start.get("restart_count"),
+                      "after": [_said(e) for e in causes[-shown:]]})
+    return found
+
+
+def _said(event: dict) -> str:
+    who = f"rank {event['rank']}" if event.get("rank") is not None else event.get("host")
+    what = (event.get("reason") or event.get("error")
+            or (f"exit {event['exit_code']}" if "exit_code" in event else "")
+            or (f"step {event.get('steps')}, stopped {event.get('stopped')}"
+                if event["event"] == "run_end" else ""))
+    return f"{event['event']} ({who}): {str(what)[:200]}"
