@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain import fault_points
-from llmtrain.checkpoint.manager import Checkpointing
+from llmtrain.checkpoint.interface import Checkpointing
 from llmtrain.checkpoint.snapshots import (Schedule, Snapshot, SnapshotError, Snapshots,
                                            shares_cores)
 from llmtrain.config import ConfigError, Settings

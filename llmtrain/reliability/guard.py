@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from llmtrain.reliability.integrity import Integrity, TrainingDiverged
 
 if TYPE_CHECKING:
-    from llmtrain.checkpoint.manager import Checkpointing
+    from llmtrain.checkpoint.interface import Checkpointing
     from llmtrain.recovery.interface import Recovery
     from llmtrain.reliability.watchdog import WatchdogLike
 

@@ -21,8 +21,8 @@ from functools import cached_property
 import pytest
 
 from conftest import ROOT
-from llmtrain.checkpoint.manager import (CheckpointManager, Checkpointing, NoCheckpoints,
-                                         checkpoints_for)
+from llmtrain.checkpoint.interface import Checkpointing, NoCheckpoints
+from llmtrain.checkpoint.manager import CheckpointManager, checkpoints_for
 from llmtrain.control import RunControl
 from llmtrain.distributed.compile_cache import (CompileCache, CompileCaching, NoCompileCache,
                                                 compile_cache_for)

@@ -5,10 +5,10 @@ the failure watch of a generation left behind never acts on the next one. And th
 a generation that failed, on gloo: a rank stuck in a collective that nothing ends leaves
 for a spare."""
 
+import ctypes
 import gc
 import json
 import os
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -368,14 +368,20 @@ def test_each_native_thread_says_what_it_waits_in(one_rank):
     """What a stuck rank's event carries of its native threads: gloo's loop threads (one
     a group) waiting in epoll on their connections, and a thread blocked on a lock
     waiting on a futex, which is how a loop that stopped handling its connections shows."""
-    held = threading.Lock()
+    held, named = threading.Lock(), threading.Event()
     held.acquire()
-    blocked = threading.Thread(target=held.acquire, daemon=True)
+
+    def blocks() -> None:  # under its own native name (a thread takes its creator's, which
+        ctypes.CDLL(None).prctl(15, b"held-on-a-lock", 0, 0, 0)  # xdist renames)
+        named.set()
+        held.acquire()
+    blocked = threading.Thread(target=blocks, daemon=True)
     blocked.start()
+    named.wait(5)
     time.sleep(0.2)
     threads = native_threads()
     held.release()
     blocked.join()
     assert any("epoll" in w for w in threads["gloo_tcp_loop"]), threads  # the world's
     assert not any("futex" in w for w in threads["gloo_tcp_loop"]), threads
-    assert any("futex" in w for w in threads[Path(sys.executable).name[:15]]), threads
+    assert [w for w in threads["held-on-a-lock"] if "futex" in w], threads  # (PR_SET_NAME)
