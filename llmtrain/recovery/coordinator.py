@@ -223,8 +223,9 @@ class WarmRecovery:
         connections) waited on in their all-reduce; the decider counted it lost after
         half of ``warm.budget_s``, with its buddy blocked behind it, and the job went cold
         (102 s). gloo's source shows how: when a connection closes, the operations it
-        fails are the ones still queued, not a send already partly written and waiting for
-        the socket to drain (TP all-reduces move whole activations). The rank then says
+        fails are the ones still queued, not a send already partly written nor a message
+        already partly read (TP all-reduces move whole activations; see
+        docs/recovery.md). The rank then says
         it is gone and exits: a spare takes its place, and a peer blocked on it is freed
         as its connections close. A rank computing far from its next collective comes,
         and is left alone."""
