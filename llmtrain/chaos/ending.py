@@ -114,6 +114,9 @@ def compare(job: Job, train_args: tuple[str, ...], script: str, final_step: int)
             f"--nproc-per-node={job.cfg.world_size}", *worker,
             *train_args, "--training.steps", str(final_step), *schedule,
             "--training.run_dir", str(ref), "--health.monitor", "false",
+            # nothing is injected, and nothing restarts it: a watchdog's false alarm (a
+            # rank starved for a few seconds on a loaded machine) ended one
+            "--reliability.watchdog", "false",
             # (a script skips them only if its loop asks run.skipping())
             "--integrity.skip_steps", skips,
             "--checkpoint.interval_steps", str(final_step),

@@ -86,7 +86,9 @@ def restarts(events: list[dict], shown: int = 6) -> list[dict]:
 
 def _said(event: dict) -> str:
     who = f"rank {event['rank']}" if event.get("rank") is not None else event.get("host")
+    stuck = event.get("collective") or {}
     what = (event.get("reason") or event.get("error")
+            or (f"{stuck.get('op')} #{stuck.get('seq')} on {stuck.get('pg')}" if stuck else "")
             or (f"exit {event['exit_code']}" if "exit_code" in event else "")
             or (f"step {event.get('steps')}, stopped {event.get('stopped')}"
                 if event["event"] == "run_end" else ""))

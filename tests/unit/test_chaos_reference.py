@@ -31,6 +31,8 @@ def test_each_cold_restart_says_what_came_before_it():
     events = [ev(10, "attempt_start", host="node1", restart_count=0),
               ev(12, "step", step=1),
               ev(20, "failure", rank=1, error="RuntimeError: Connection closed by peer"),
+              ev(49, "collective_stuck", rank=2, waited_s=7.5, collective={
+                  "pg": "default_pg", "seq": 54, "op": "gloo:all_reduce"}),
               ev(50, "warm_recovery_failed", rank=3, reason="TimeoutError: the write of "
                                                             "checkpoint 10 did not end"),
               ev(60, "run_end", rank=0, steps=31, stopped=True),
@@ -40,11 +42,12 @@ def test_each_cold_restart_says_what_came_before_it():
     assert restarts(events) == [{
         "at_s": 58.0, "host": "node1", "restart_count": 1,
         "after": ["failure (rank 1): RuntimeError: Connection closed by peer",
+                  "collective_stuck (rank 2): gloo:all_reduce #54 on default_pg",
                   "warm_recovery_failed (rank 3): TimeoutError: the write of checkpoint 10 "
                   "did not end",
                   "run_end (rank 0): step 31, stopped True", "node_exit (node2): exit 1"]}]
     assert restarts(events, shown=1)[0]["after"] == ["node_exit (node2): exit 1"]
-    assert restarts(events[:6]) == []  # one attempt: no restart
+    assert restarts(events[:7]) == []  # one attempt: no restart
     result = {"finished": False, "steps": 31, "faults": 0, "detected": 0, "correct": 0,
               "committed_checkpoints_lost": [], "verdicts": [],
               "restarts": restarts(events, shown=2)}
