@@ -85,7 +85,7 @@ def lost_checkpoints(job: Job) -> list[int]:
 
 
 def _reference_run(argv: list[str], log) -> int:
-    """Runs the reference (torchrun and its workers, a session of their own); ends them
+    """Runs the reference (its launcher and workers, a session of their own); ends them
     all if this is interrupted."""
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -108,11 +108,12 @@ def compare(job: Job, train_args: tuple[str, ...], script: str, final_step: int)
     skips = ",".join(map(str, skipped_at_last(job.events())))
     # the job's LR schedule (llmtrain's trainer; a script's schedule is its own, and
     # must not depend on training.steps, which the reference ends at the job's end)
-    worker = ["-m", "llmtrain", "train"] if not script else [script]
     schedule = [] if script else ["--optim.decay_steps", str(job.cfg.steps)]
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={job.cfg.world_size}", *worker,
-            *train_args, "--training.steps", str(final_step), *schedule,
+    # one node of all the ranks, launched as the job's nodes are (its template imports
+    # once for them all); port 0: its agent's store takes a free port
+    argv = [sys.executable, "-m", "llmtrain", "launch", "--rdzv-endpoint=127.0.0.1:0",
+            f"--nproc-per-node={job.cfg.world_size}", "--max-restarts=0",
+            *(["--script", script] if script else []), *train_args, "--training.steps", str(final_step), *schedule,
             "--training.run_dir", str(ref), "--health.monitor", "false",
             # nothing is injected, and nothing restarts it: a watchdog's false alarm (a
             # rank starved for a few seconds on a loaded machine) ended one

@@ -424,7 +424,7 @@ def test_resume_on_the_gpu_is_bitwise_equal(tmp_path, uninterrupted, fmt):
     faulty = tmp_path / "faulty"
     check(llmtrain(faulty, *RESUME, "--checkpoint.format", fmt, "--reliability.faults",
                    "kill@retention:rank=0,step=8,restart=0", nproc=1,
-                   torchrun_args=("--max-restarts", "1")))
+                   max_restarts=1))
     assert [e["step"] for e in events(faulty, "checkpoint_loaded")] == [8]
     got = _weights(faulty, 16)
     differ = [name for name in uninterrupted if not torch.equal(uninterrupted[name], got[name])]

@@ -49,7 +49,7 @@ def test_killed_and_restarted_run_ends_bitwise_equal(tmp_path, reference):
     check(llmtrain(
         faulty, *args, "--reliability.faults", "kill@checkpoint_write:rank=0,step=12,"
         "restart=0;kill@step:rank=1,step=17,restart=1", nproc=2,
-        torchrun_args=("--max-restarts", "2")))
+        max_restarts=2))
     loaded = events(faulty, "checkpoint_loaded")
     assert [e["step"] for e in loaded] == [6, 12]
     assert all(e["planned_ranks"] == [] for e in loaded), loaded  # read in place, unplanned
@@ -168,7 +168,7 @@ def test_a_peer_killed_during_resume_leaves_the_checkpoint_committed(tmp_path):
     check(llmtrain(run, "--training.steps", "12", *CKPT, nproc=2))
     check(llmtrain(run, "--training.steps", "14", *CKPT,
                    "--reliability.faults", "kill@resume:rank=1,restart=0", nproc=2,
-                   torchrun_args=("--max-restarts", "1")))
+                   max_restarts=1))
     assert events(run, "checkpoint_rejected") == []
     (unreadable,) = [e for e in events(run, "checkpoint_unreadable") if e["rank"] == 0]
     assert unreadable["step"] == 12 and "load failed" in unreadable["errors"][0]

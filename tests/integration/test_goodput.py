@@ -16,7 +16,7 @@ def test_goodput_closes_over_a_kill_and_a_restart(tmp_path):
     check(llmtrain(run, "--training.steps", "160", "--checkpoint.interval_steps", "40",
                    "--metrics.log_every", "10",
                    "--reliability.faults", "kill@step:rank=1,step=75,restart=0", nproc=2,
-                   torchrun_args=("--max-restarts", "1")))
+                   max_restarts=1))
     ended = time.time()
 
     # The goodput event is rank 0's account at the end of training; the log, read back

@@ -74,7 +74,7 @@ def test_a_tp_run_resumed_after_a_kill_ends_bitwise_equal(tmp_path, tp_run):
     20, bit for bit."""
     run = tmp_path / "killed"
     train(run, *TP2, *CKPT, *SHORT, "--reliability.faults",
-          "kill@step:rank=3,step=14,restart=0", torchrun_args=("--max-restarts", "1"),
+          "kill@step:rank=3,step=14,restart=0", max_restarts=1,
           steps=20)
     assert [e["step"] for e in events(run, "checkpoint_loaded")] == [10]
     assert_bitwise_equal(final_weights(tp_run[0], 20), final_weights(run, 20))

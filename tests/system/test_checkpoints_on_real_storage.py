@@ -243,7 +243,8 @@ def test_sigterm_saves_then_exits_for_a_restart_and_a_stop_request_ends_the_run(
     if launcher == "alone":
         assert proc.returncode == ExitCode.RETRYABLE
     resumed = llmtrain_start(run, "--training.steps", "100000", "--checkpoint.interval_steps",
-                             "0", "--metrics.log_every", "1", nproc=nproc)
+                             "0", "--metrics.log_every", "1", nproc=nproc,
+                             torchrun=True)
     wait_for_event(run, "step", resumed, where=lambda e: e["step"] >= step + 2)
     stop = subprocess.run([sys.executable, "-m", "llmtrain", "stop", str(run), "--reason",
                            "the test"], capture_output=True, text=True, cwd=ROOT)
