@@ -149,8 +149,9 @@ def cmd_health(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    with collector.paused(freeze=True):  # torch too: its preflight, gate and store lease need it
-        importlib.import_module("torch.distributed")
+    # not torch: the node's template imports it for the agent and the workers, and a
+    # launcher of its own would delay the template's start by its 1.3 s of CPU
+    with collector.paused(freeze=True):
         from llmtrain.launch.config import from_args
         from llmtrain.launch.node import launch
     cfg = _config(args, rest)

@@ -28,14 +28,17 @@ import posixpath
 import struct
 import sysconfig
 import time
+from typing import TYPE_CHECKING
 
 import fsspec
 import numpy as np
-import torch
 
 from llmtrain.config import ConfigError, DataConfig
 from llmtrain.exit_codes import FatalError
 from llmtrain.fsio import is_local, join, write_atomic
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"LLMTOK01"
 HEADER = struct.Struct("<8sIIQ8x")  # magic, itemsize, reserved, count, padding: 32 bytes
@@ -165,6 +168,7 @@ class TokenDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        import torch  # here, not at the top: a launcher's preflight opens the data without it
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
         k = bisect.bisect_right(self.starts, i) - 1

@@ -43,6 +43,7 @@ import subprocess
 import time
 from collections.abc import MutableMapping
 
+from llmtrain import collector
 from llmtrain.config import ConfigError, JobConfig
 from llmtrain.distributed.signed_store import (SECRET_ENV, job_secret, new_secret,
                                                report_forged_to, require_secret)
@@ -133,8 +134,11 @@ def launch(cfg: JobConfig, lc: LaunchConfig, train_args: list[str]) -> int:
     template = Template(TemplateConfig(compiled=cfg.parallelism.compile,
                                        fp8=cfg.parallelism.fp8 != "none")) \
         if lc.template else None
-    from llmtrain.launch.store import Lease  # imports torch: not at the CLI's start
-    lease = Lease(lc.rdzv_endpoint) if lc.external_store else None
+    lease = None
+    if lc.external_store:  # a client of the store: the launcher's one use of torch
+        with collector.paused(freeze=True):
+            from llmtrain.launch.store import Lease
+        lease = Lease(lc.rdzv_endpoint)
     try:
         return _launch(cfg, lc, train_args, template.spawn if template else subprocess.Popen)
     finally:
