@@ -31,6 +31,14 @@ ELSEWHERE = ("kill_rank", "node_loss", "gpu_bad")
 RANK_KINDS = tuple(k for k in KINDS if k not in STORAGE_KINDS + ELSEWHERE)
 
 
+def verdict_of(proc: subprocess.CompletedProcess, work: Path) -> dict:
+    """The run's verdict; a run that ended without one fails with what it printed."""
+    verdict = work / "verdict.json"
+    assert verdict.exists(), (f"chaos exited {proc.returncode} without a verdict\n"
+                              f"{proc.stdout[-3000:]}{proc.stderr[-4000:]}")
+    return json.loads(verdict.read_text())
+
+
 def failed(verdict: dict, table: str) -> str:
     """The run's table, then the verdict that failed, whole (a dict in an assertion's
     message is cut short)."""
@@ -60,7 +68,7 @@ def test_every_fault_is_detected_diagnosed_and_survived(tmp_path, faultfs):
                            "--faults", ",".join(RANK_KINDS), "--interval", "0.5",
                            "--seed", "1", "--rank", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    verdict = json.loads((work / "verdict.json").read_text())
+    verdict = verdict_of(proc, work)
     table = proc.stdout[-6000:]
     # nodes in network namespaces where the machine allows: always in CI, which runs as root
     assert not (IN_CI and verdict["left_out"]), verdict["left_out"]
@@ -139,7 +147,7 @@ def test_storage_and_store_faults_cost_no_checkpoint_and_no_restart(tmp_path, fa
                            "--steps", "4000", "--checkpoint-every", "10", "--interval", "0.5",
                            "--seed", "1", "--faults", ",".join(STORAGE_KINDS)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    verdict = json.loads((work / "verdict.json").read_text())
+    verdict = verdict_of(proc, work)
     table = proc.stdout[-4000:]
     assert sorted(verdict["kinds"]) == sorted(STORAGE_KINDS), table
     for v in verdict["verdicts"]:
@@ -182,7 +190,7 @@ def test_without_spares_lost_nodes_shrink_the_job_and_come_back_into_it(tmp_path
                            "--checkpoint-every", "10", "--interval", "0.5", "--seed", "18",
                            "--rank", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
-    verdict = json.loads((work / "verdict.json").read_text())
+    verdict = verdict_of(proc, work)
     table = proc.stdout[-4000:]
     paths = [(v["kind"], v["path"], v["returned"]) for v in verdict["verdicts"]]
     assert paths == [("hang", "shrink", "grow"), ("kill_rank", "shrink", "grow"),
@@ -241,7 +249,7 @@ def test_with_tp_inside_each_node_every_warm_fault_is_recovered_warm(tmp_path, f
                            "--steps", "2000", "--checkpoint-every", "10", "--interval", "0.5",
                            "--seed", "1", "--rank", "0", *more],
                           cwd=ROOT, capture_output=True, text=True, timeout=540)
-    verdict = json.loads((work / "verdict.json").read_text())
+    verdict = verdict_of(proc, work)
     table = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert sorted(v["kind"] for v in verdict["verdicts"]) == sorted(
         ("kill_rank", "node_loss", "gpu_bad", "hang")), table
