@@ -113,7 +113,8 @@ def compare(job: Job, train_args: tuple[str, ...], script: str, final_step: int)
     # once for them all); port 0: its agent's store takes a free port
     argv = [sys.executable, "-m", "llmtrain", "launch", "--rdzv-endpoint=127.0.0.1:0",
             f"--nproc-per-node={job.cfg.world_size}", "--max-restarts=0",
-            *(["--script", script] if script else []), *train_args, "--training.steps", str(final_step), *schedule,
+            *(["--script", script] if script else []), *train_args,
+            "--training.steps", str(final_step), *schedule,
             "--training.run_dir", str(ref), "--health.monitor", "false",
             # nothing is injected, and nothing restarts it: a watchdog's false alarm (a
             # rank starved for a few seconds on a loaded machine) ended one
