@@ -100,13 +100,14 @@ def sigstop(pid: int, within_s: float = 5.0) -> None:
 
 def llmtrain_command(run_dir: Path, *overrides: str, nproc: int | None = None,
                      max_restarts: int = 0, torchrun: bool = False, env: dict | None = None,
-                     ) -> tuple[list[str], dict]:
+                     port: int | None = None) -> tuple[list[str], dict]:
     """The command line and environment of ``llmtrain train`` on the debug preset: alone,
     or with ``nproc`` ranks on one node through ``llmtrain launch`` (the path the docs give
     a job: the preflight, the exit codes, and one import for the node, its template forking
     torchrun's agent and the prepared workers that take the ranks), or with ``torchrun``
     through plain ``torchrun --standalone`` (each rank importing for itself). Both restart
-    a failed attempt ``max_restarts`` times; exporters listen on loopback only."""
+    a failed attempt ``max_restarts`` times; exporters listen on loopback only. ``port``:
+    the launcher's rendezvous port (None: a free one)."""
     train = ["--config", "debug_cpu", "--training.run_dir", str(run_dir),
              "--metrics.address", "127.0.0.1", *overrides]
     if not nproc:
@@ -116,11 +117,10 @@ def llmtrain_command(run_dir: Path, *overrides: str, nproc: int | None = None,
                f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m",
                "llmtrain", "train", *train]
     else:  # a known port, as on a cluster: the watchdogs meet in the agent's store, which
-        # outlives every rank (with port 0 they meet in rank 0's, and a rank stuck in a
-        # hang that rank 0 reported never learns the verdict: torchrun kills it 30 s later)
+        # outlives every rank (with port 0, in rank 0's)
+        port = free_port() if port is None else port
         cmd = [sys.executable, "-m", "llmtrain", "launch", f"--nproc-per-node={nproc}",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={max_restarts}",
-               *train]
+               f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}", *train]
     return cmd, {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
 
 

@@ -12,6 +12,9 @@ environment variable ``LLMTRAIN_FAULTS``) lists faults separated by ``;``::
     kill@resume:rank=1                     SIGKILL rank 1 as it starts loading a checkpoint
     hang@step:rank=1,step=5                rank 1 stops in Python (sleeps for ever)
     sigstop@step:rank=1,step=5             rank 1 SIGSTOPs itself, watchdog thread and all
+    starve@step:rank=1,step=5,seconds=3    rank 1 keeps its interpreter busy for 3 s, its
+                                           lock held: the process runs, its watchdog
+                                           thread cannot (a starved rank, not a stopped one)
     desync@step:rank=1,step=5              every rank joins an extra collective at step 5:
                                            rank 1 an all_gather, the others an all_reduce
     desync_size@step:rank=1,step=5         the same, all ranks all_reduce, rank 1 a larger
@@ -79,6 +82,7 @@ import errno
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -90,7 +94,7 @@ from llmtrain.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("kill", "hang", "sigstop", "desync", "desync_size", "slow", "nan", "bitflip",
+ACTIONS = ("kill", "hang", "sigstop", "starve", "desync", "desync_size", "slow", "nan", "bitflip",
            "badmath", "eio", "error")
 POINTS = ("step", "loss", "checkpoint_write", "resume", "prepare_shard", "replica", "replicate",
           "spare_assigned", "spare_arrived", "retention", "data_read", "process_group")
@@ -109,6 +113,7 @@ class Fault:
     restart: int = 0
     factor: int = 1
     bit: int = 20  # bitflip: which bit of the value (20: a high mantissa bit of a float32)
+    seconds: int = 3  # starve: how long
     id: str | None = None  # a fault armed at run time: once per rank, any restart
 
     def matches(self, point: str, rank: int, step: int, restart: int) -> bool:
@@ -136,9 +141,11 @@ def parse(spec: str) -> list[Fault]:
             if key == "id" and value.isidentifier():
                 keys[key] = value
                 continue
-            if key not in ("rank", "step", "restart", "factor", "bit") or not value.isdigit():
+            if key not in ("rank", "step", "restart", "factor", "bit", "seconds") \
+                    or not value.isdigit():
                 raise FaultSpecError(f"reliability.faults: in {item!r}, {pair!r} is not "
-                                     f"rank=N, step=N, restart=N, factor=N, bit=N or id=NAME")
+                                     f"rank=N, step=N, restart=N, factor=N, bit=N, seconds=N "
+                                     f"or id=NAME")
             keys[key] = int(value)
         faults.append(Fault(action, point, **keys))
     return faults
@@ -204,7 +211,7 @@ class Injector:
         return target
 
     def _strike(self, fault: Fault, step: int, target):
-        if fault.action in ("nan", "bitflip", "hang"):
+        if fault.action in ("nan", "bitflip", "hang", "starve"):
             if fault in self._struck:
                 return target
             self._struck.add(fault)
@@ -222,6 +229,10 @@ class Injector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.action == "starve":
+            log.warning("fault: rank %d keeps its interpreter for %d s at %s (step %d)",
+                        self.rank, fault.seconds, fault.point, step)
+            _starve(fault.seconds)
         elif fault.action == "hang":
             log.warning("fault: rank %d hangs at %s (step %d)", self.rank, fault.point, step)
             while True:
@@ -252,6 +263,20 @@ class Injector:
                              for _ in range(dist.get_world_size())], t)
         else:
             dist.all_reduce(t)
+
+
+def _starve(seconds: float) -> None:
+    """Busy for ``seconds`` with the interpreter's lock held (a switch interval longer than
+    that: no other thread of the process gets it), as a long call that keeps the lock, or a
+    machine with more work than cores, starves a rank's watchdog thread."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 1)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(before)
 
 
 def collective_device(backend: str) -> torch.device:

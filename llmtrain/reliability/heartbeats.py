@@ -38,6 +38,7 @@ import numpy as np
 from llmtrain.distributed.signed_store import SignedStore
 
 from llmtrain.reliability import flightrec
+from llmtrain.reliability.liveness import Liveness
 
 LISTED = 8  # ranks a summary names per party (the rest are counted), and the top stragglers
 _ARRIVALS = 512  # recent collectives whose arrival times a rank publishes each window
@@ -103,25 +104,31 @@ class Party:
         return f"{self.ranks}" + (f" and {more} more" if more > 0 else "")
 
 
-def summarize(beats: dict[int, dict], now: float, stale_s: float) -> dict:
-    """A block's heartbeats as one bounded record: stale ones, and quiet ranks compacted
-    per (group, seq, call, inside)."""
+def summarize(beats: dict[int, dict], now: float, stale_s: float,
+              liveness: Liveness | None = None) -> dict:
+    """A block's heartbeats as one bounded record: stale ones (and of those, the ones
+    ``liveness`` sees running: starved, not stopped), and quiet ranks compacted per
+    (group, seq, call, inside)."""
     silent = [[r, round(now - b["wall"], 3), b["step"], b["phase"]]
               for r, b in sorted(beats.items()) if now - b["wall"] > stale_s]
+    running = [r for r, *_ in silent
+               if liveness is not None and liveness.running(r, beats[r], now)]
     at: dict[tuple, Party] = defaultdict(Party)
     for r, b in sorted(beats.items()):
         for pg, (seq, call, inside, wait_s, usual_s) in (b.get("at") or {}).items():
             at[pg, seq, call, inside].add(1, [r], wait_s, usual_s)
-    return {"wall": now, "silent": silent,
+    return {"wall": now, "silent": silent, "running": running,
             "at": [[*key, p.count, p.ranks, p.wait_s, p.usual_s] for key, p in at.items()]}
 
 
 @dataclass
 class World:
     """Rank 0's view of every block: each silent rank's (seconds silent, step, phase), the
-    quiet ranks' parties by (group, seq, call, inside), and the leaders whose summary was
-    stale, so that rank 0 read their blocks itself."""
+    silent ranks seen running by a peer on their host, the quiet ranks' parties by (group,
+    seq, call, inside), and the leaders whose summary was stale, so that rank 0 read their
+    blocks itself."""
     silent: dict[int, tuple[float, int, str]] = field(default_factory=dict)
+    running: set[int] = field(default_factory=set)
     at: dict[tuple, Party] = field(default_factory=lambda: defaultdict(Party))
     stale: list[int] = field(default_factory=list)
 
@@ -129,6 +136,7 @@ class World:
         late = max(0.0, now - summary["wall"])  # the summary's age adds to every silence
         for r, age, step, phase in summary["silent"]:
             self.silent[r] = (age + late, step, phase)
+        self.running.update(summary.get("running", ()))
         for pg, seq, call, inside, count, ranks, wait_s, usual_s in summary["at"]:
             self.at[pg, seq, call, inside].add(count, ranks, wait_s + late * inside, usual_s)
 
@@ -173,13 +181,17 @@ def not_arrived(world: World, factor: float, floor_s: float) -> tuple[str, list[
     return None
 
 
-def awaited(world: World, stale_s: float, factor: float) -> tuple[str, list[int]] | None:
+def awaited(world: World, stale_s: float, factor: float,
+            starved: bool = False) -> tuple[str, list[int]] | None:
     """(reason, ranks named) when ranks have waited inside a collective longer than
     ``stale_s`` (and ``factor`` times its usual duration) while other ranks send no
     heartbeat: those are stopped (SIGSTOP, a process frozen whole), since a rank's watchdog
     thread beats even while its training thread waits or computes. Named as soon as that
-    is seen, not after the hang timeout: their peers wait for them and cannot go on."""
-    silent = {r: s for r, s in world.silent.items() if s[0] > stale_s}
+    is seen, not after the hang timeout: their peers wait for them and cannot go on. A
+    silent rank a peer on its host saw running is starved, not stopped: not named (the
+    hang timeout still judges its silence); ``starved`` names those instead."""
+    silent = {r: s for r, s in world.silent.items()
+              if s[0] > stale_s and (r in world.running) == starved}
     if not factor or not silent:
         return None
     for (pg, seq, call, inside), waiting in sorted(world.at.items(), key=lambda kv: kv[0][:2]):
@@ -189,7 +201,8 @@ def awaited(world: World, stale_s: float, factor: float) -> tuple[str, list[int]
         longest = max(s[0] for s in silent.values())
         return (f"rank(s) {ranks} sent no heartbeat for up to {longest:.1f} s while rank(s) "
                 f"{waiting.named()} waited {waiting.wait_s:.1f} s in {call.split()[0]} #{seq} "
-                f"on {pg}: stopped or frozen"), ranks
+                f"on {pg}: " + ("running, but starved" if starved else "stopped or frozen")
+                ), ranks
     return None
 
 
@@ -245,6 +258,7 @@ class ControlPlane:
         # interval. Silence alone names a rank only past the hang timeout; silence while
         # others wait for it in a collective, at once (:func:`awaited`).
         self.stale_s = 1.5 * heartbeat_interval_s
+        self.liveness = Liveness(self.stale_s)  # silent ranks on this host: starved or stopped
         self.since_ns = 0  # arrivals before this (an older generation of the groups) are past
 
     def _members(self, leader: int) -> range:
@@ -292,7 +306,7 @@ class ControlPlane:
         summary."""
         beats = self.beats(self.members) if beats is None else beats
         self.store.set(f"node/{self.rank}", json.dumps(summarize(beats, time.time(),
-                                                                 self.stale_s)))
+                                                                 self.stale_s, self.liveness)))
 
     def world(self) -> World:
         """Rank 0: every block's summary; a block whose summary is missing, stale, or made
@@ -308,7 +322,8 @@ class ControlPlane:
             if summary is None or now - summary["wall"] > self.stale_s \
                     or summary["wall"] < self.since_ns / 1e9:
                 world.stale.append(leader)
-                summary = summarize(self.beats(self._members(leader)), now, self.stale_s)
+                summary = summarize(self.beats(self._members(leader)), now, self.stale_s,
+                                    self.liveness)
             world.add(summary, now)
         return world
 

@@ -46,7 +46,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -68,6 +67,7 @@ from llmtrain.reliability import flightrec
 from llmtrain.recovery import sockets
 from llmtrain.reliability.heartbeats import (ControlPlane, World, awaited, positions, silence,
                                              summarize, verdict)
+from llmtrain.reliability.liveness import HOST, beat_fields
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,6 @@ if TYPE_CHECKING:
     from llmtrain.recovery.interface import Evict
     from llmtrain.recovery.fence import Fence
 
-HOST = socket.gethostname()
 # Steps a run must show before its hang timeout is learned from their pace, and how many
 # recent ones that pace is taken from.
 _LEARN_AFTER_STEPS, _RECENT_STEPS = 3, 100
@@ -197,6 +196,8 @@ class Watchdog:
         # Rank 0's latest estimate of the slowest ranks; ranks that were among them and are
         # no longer are shown at the median.
         self._slowdowns: dict[int, float] = {}
+        # silent ranks seen starved, by the step and phase of their last beat (one event each)
+        self._starved: dict[int, tuple[int, str]] = {}
 
     def diagnosing(self) -> contextlib.AbstractContextManager:
         """Around a step: a desync PyTorch detects becomes this watchdog's diagnosis."""
@@ -324,7 +325,7 @@ class Watchdog:
             self.store.add(key, 1 if long else -1)
             self._counted_long = long
         self.plane.publish(
-            {"step": self.step, "phase": self.phase, "wall": time.time(), "host": HOST,
+            {"step": self.step, "phase": self.phase, "wall": time.time(), **beat_fields(),
              "progress_age": time.monotonic() - self.progress, "long": long,
              "at": positions(self._recorder()["entries"], time.time_ns(), self._judged_from_ns)
              if self.quiet else None})
@@ -417,17 +418,36 @@ class Watchdog:
                 if silent > self.timeout:
                     return "hang", silence(r, silent, beat["step"], beat["phase"])
                 if silent > self.plane.stale_s and self.quiet:  # while this rank waits?
-                    found = awaited(self._seen_with(r, beat), self.plane.stale_s,
-                                    self.cfg.not_arrived_factor)
+                    world = self._seen_with(r, beat)
+                    found = awaited(world, self.plane.stale_s, self.cfg.not_arrived_factor)
                     if found:
                         return "hang", found[0]
+                    self._note_starved(world)
         if self.rank != 0:
             return None
         world = self._read_in_time(self.plane.world)
         if world is None:
             return None
-        return verdict(world, self.timeout, self.cfg.not_arrived_factor,
-                       self.cfg.not_arrived_floor_s, self.plane.stale_s)
+        found = verdict(world, self.timeout, self.cfg.not_arrived_factor,
+                        self.cfg.not_arrived_floor_s, self.plane.stale_s)
+        if found is None:
+            self._note_starved(world)
+        return found
+
+    def _note_starved(self, world: World) -> None:
+        """Silent ranks that others wait for in a collective, which a peer on their host saw
+        running (:mod:`llmtrain.reliability.liveness`): starved, not stopped, so not named
+        hung; a ``starved`` event and a warning each, once per silence."""
+        found = awaited(world, self.plane.stale_s, self.cfg.not_arrived_factor, starved=True)
+        for r in (found[1] if found else []):
+            since = world.silent[r][1:]  # (its last beat's step and phase)
+            if self._starved.get(r) == since:
+                continue
+            self._starved[r] = since
+            self.events.emit("starved", starved_rank=r, silent_s=round(world.silent[r][0], 3),
+                             step=world.silent[r][1], reason=found[0])
+            log.warning("llmtrain watchdog (rank %s): %s; the hang timeout (%.0f s) judges "
+                        "it if it stays silent", self.rank, found[0], self.timeout)
 
     def _read_in_time(self, read):
         """``read()``, or None when the store took longer than a heartbeat interval to
@@ -452,7 +472,7 @@ class Watchdog:
                "at": positions(self._recorder()["entries"], time.time_ns(), self._judged_from_ns)}
         world = World()
         world.add(summarize({rank: {**beat, "at": None}, self.rank: own}, now,
-                            self.plane.stale_s), now)
+                            self.plane.stale_s, self.plane.liveness), now)
         return world
 
     def _peer_in_long_phase(self, age: float) -> bool:
@@ -517,19 +537,15 @@ class Watchdog:
         if not self._responding.acquire(blocking=False):
             while True:  # the other thread of this rank is already at it
                 time.sleep(3600)
-        url = join(self.diagnostics, event["id"])
-        dump = {"rank": self.rank, "host": HOST, "pid": os.getpid(),
-                "step": self.step, "phase": self.phase, "error": self.error,
-                "progress_age_s": time.monotonic() - self.progress,
-                **self._recorder(), "stacks": thread_stacks()}
-        write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
-        self.store.set(f"dumped/{event['id']}/{self.rank}", "1")
-        done = f"done/{event['id']}"
-        if leader:
-            self.store.set(done, json.dumps(self._evicted(event, self._report(event, url))))
-        no_word = not leader and self._await([done], self.cfg.dump_timeout_s + 60)
-        said = None if no_word else self.store.genuine(done)
-        verdict = json.loads(said) if said else {"evicted": [], "cut": []}
+        try:
+            verdict = self._decide(event, leader)
+        except (RuntimeError, OSError) as e:  # (c10d's store errors are RuntimeErrors)
+            # the store went away meanwhile (it lived in a rank that has left: a job whose
+            # agents' endpoint was not known): nobody can evict anyone, so the hang ends cold
+            log.warning("llmtrain watchdog (rank %s): the store failed while this rank awaited "
+                        "the hang's verdict (%s: %s): it leaves for a restart", self.rank,
+                        type(e).__name__, str(e).splitlines()[0][:200])
+            verdict = {"evicted": [], "cut": []}
         evicted = verdict["evicted"]
         while self.rank in evicted:  # its agent kills this process (or it is cut off)
             time.sleep(3600)
@@ -548,6 +564,24 @@ class Watchdog:
             log.warning("rank %d leaves without telling the agents (%s: %s)", self.rank,
                         type(e).__name__, str(e).splitlines()[0][:200])
         os._exit(ExitCode.RETRYABLE)
+
+    def _decide(self, event: dict, leader: bool) -> dict[str, list]:
+        """This rank's dump; the leader's report and verdict (who is evicted, which
+        connections the others cut), which the others await (none, past the dump timeout
+        and a minute: nobody is evicted)."""
+        url = join(self.diagnostics, event["id"])
+        dump = {"rank": self.rank, "host": HOST, "pid": os.getpid(),
+                "step": self.step, "phase": self.phase, "error": self.error,
+                "progress_age_s": time.monotonic() - self.progress,
+                **self._recorder(), "stacks": thread_stacks()}
+        write_atomic(join(url, f"rank-{self.rank:05d}.json"), json.dumps(dump).encode())
+        self.store.set(f"dumped/{event['id']}/{self.rank}", "1")
+        done = f"done/{event['id']}"
+        if leader:
+            self.store.set(done, json.dumps(self._evicted(event, self._report(event, url))))
+        no_word = not leader and self._await([done], self.cfg.dump_timeout_s + 60)
+        said = None if no_word else self.store.genuine(done)
+        return json.loads(said) if said else {"evicted": [], "cut": []}
 
     def _evicted(self, event: dict, culprits: list[int]) -> dict[str, list]:
         """The verdict: the ranks a hang's leader has leave for the warm path to replace

@@ -34,9 +34,13 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
     # rank 0 waits in a collective rank 1 never reaches: named by the collective's usual
     # duration (a 1 s floor here), before the 5 s hang timeout
     patience += ("--reliability.not_arrived_floor_s", "1") if fault == "hang" else ()
+    # The hang's job takes port 0: its agent picks a free port that only its ranks learn,
+    # so their watchdogs meet in the store of rank 0, which reports the hang and leaves.
+    # Rank 1, stuck in the hang, loses the store while it awaits the verdict: it must leave
+    # too (it logged the lost store every second until torchrun killed it 30 s later).
     proc = llmtrain_start(run, *WATCH, *patience, "--training.global_batch_size",
                           str(8 * nproc), "--reliability.faults", f"{fault}@step:rank=1,step=6",
-                          nproc=nproc)
+                          nproc=nproc, port=0 if fault == "hang" else None)
     if fault == "sigstop":
         # A stopped process ignores SIGTERM, so torchrun would wait out its 30 s grace
         # before its SIGKILL: once the watchdog has reported, kill it as an operator would.
@@ -46,6 +50,9 @@ def test_fault_is_diagnosed_and_restartable(tmp_path, fault, verdict_words, culp
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert f"exitcode  : {int(ExitCode.RETRYABLE)}" in stderr  # the live rank(s)
+    if fault == "hang":  # both left with it, none was killed
+        assert stderr.count(f"exitcode  : {int(ExitCode.RETRYABLE)}") == 2, stderr[-3000:]
+        assert "exitcode  : -9" not in stderr, stderr[-3000:]
     # a desync is seen in the heartbeats (ranks waiting in one collective with different
     # calls) long before the hang timeout; hangs wait for it
     [hang] = events(run, "collective_error" if fault == "desync" else "hang")
@@ -85,6 +92,27 @@ def test_three_times_slower_rank_is_reported_as_straggler(tmp_path):
     assert found and {e["straggler_rank"] for e in found} == {1}
     assert 2.0 < found[-1]["slowdown"] < 6.0, found
     assert events(run, "hang") == []
+
+
+def test_a_starved_rank_is_not_taken_for_a_stopped_one(tmp_path):
+    """Rank 1 keeps its interpreter busy for 3 s at step 8, its lock held: its process runs,
+    its watchdog thread cannot beat (as on a machine with more work than cores), while rank
+    0 waits for it in a collective. Its silence passes the 1.5 s that names a stopped rank
+    at once; rank 0's watchdog, on the same host, sees its process use CPU meanwhile: a
+    ``starved`` event names it, no hang, and the run trains on to its end. (A rank starved
+    3.6 s on a loaded machine was named "stopped or frozen" and evicted, and its replica's
+    survivor went cold.) The hang timeout's floor and the not-arrived floor are raised past
+    the starvation: those detectors judge longer silences and waits, not this one."""
+    run = tmp_path / "run"
+    check(llmtrain(run, "--training.steps", "24", "--checkpoint.enable", "false",
+                   "--reliability.hang_timeout_floor_s", "15",
+                   "--reliability.not_arrived_floor_s", "15",
+                   "--reliability.faults", "starve@step:rank=1,step=8,seconds=3", nproc=2))
+    [starved] = events(run, "starved")
+    assert starved["starved_rank"] == 1 and starved["rank"] == 0, starved
+    assert starved["silent_s"] > 1.5 and "running, but starved" in starved["reason"], starved
+    assert events(run, "hang") == []
+    assert events(run, "run_end")[0]["steps"] == 24
 
 
 def test_healthy_run_raises_no_false_alarm(tmp_path):
