@@ -2,26 +2,22 @@
 materialized shard by shard, the model gets bitwise the weights of a plain model built
 whole with the same seed.
 
-Run by torchrun, this file is also the worker: ``test_init.py OUT SEED`` builds the model
-the trainer's way and saves the gathered full weights to OUT.
+Each rank (:func:`worker`, forked from the test worker's server) builds the model the
+trainer's way; rank 0 saves the gathered full weights.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from llmtrain.config import ModelConfig, ParallelismConfig
 from llmtrain.model import INIT_BLOCK_ELEMENTS, Transformer
+from ranks import spawn
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 SEED = 5
 
 # The embedding and output tables (40009 x 16) span three init blocks, and an odd row count
@@ -33,7 +29,7 @@ PARALLELISM = ParallelismConfig(device="cpu", param_dtype="float32",
                                 activation_checkpoint="selective")
 
 
-def worker(out: str, seed: int) -> None:
+def worker(rank: int, world: int, out: str, seed: int) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -41,7 +37,9 @@ def worker(out: str, seed: int) -> None:
 
     from llmtrain.distributed.parallelize import parallelize
 
-    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{out}.store", world), rank=rank,
+                            world_size=world)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     with torch.device("meta"):
         model = Transformer(CFG)
@@ -65,12 +63,7 @@ def reference(seed: int) -> dict[str, torch.Tensor]:
 def test_sharded_init_is_bitwise_the_full_construction(nproc, tmp_path):
     assert CFG.vocab_size * CFG.dim > INIT_BLOCK_ELEMENTS
     out = tmp_path / "weights.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", __file__, str(out), str(SEED)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    spawn(worker, args=(nproc, str(out), SEED), nprocs=nproc)
     got = torch.load(out)
     want, other = reference(SEED), reference(SEED + 1)
     assert got.keys() == want.keys()
@@ -78,7 +71,3 @@ def test_sharded_init_is_bitwise_the_full_construction(nproc, tmp_path):
         assert torch.equal(got[name], value), name
         if not name.endswith("norm.weight"):  # norms start at 1 whatever the seed
             assert not torch.equal(got[name], other[name]), name
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]))

@@ -17,6 +17,7 @@ from llmtrain.checkpoint import storage
 from llmtrain.checkpoint.shard_read import ShardReader
 from llmtrain.config import load_config
 from llmtrain.exit_codes import ExitCode
+from ranks import spawn
 from test_checkpoint import assert_bitwise_equal, final_weights
 from test_hf import transformers_agree
 
@@ -93,21 +94,59 @@ def fp8_dcp_run(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("fmt, layout", [("raw", (4, 1)), ("raw", (2, 2)), ("dcp", (4, 1))],
                          ids=["raw-tp1_dp4", "raw-tp2_dp1", "dcp-tp1_dp4"])
 def test_a_tp2_dp2_checkpoint_loads_at_another_layout_with_equal_values(
-        layout, fmt, tp_run, fp8_dcp_run):
+        layout, fmt, tp_run, fp8_dcp_run, tmp_path):
     """Loaded into the model sharded at tp 1 x dp 4 or tp 2 x dp 1 (as a resume loads it),
     every weight, gathered whole, equals the checkpoint's value read with no process
     group: DCP reshards the tp 2 x dp 2 pieces onto the new ones."""
     nproc, tp = layout
     root = (tp_run[0] if fmt == "raw" else fp8_dcp_run) / "checkpoints"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", str(Path(__file__).with_name("tp_layout_load.py")),
-         storage.step_dir(str(root), 10), "--parallelism.tp", str(tp),
-         "--training.micro_batch_size", "1"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "differ: []" in proc.stdout
+    url = storage.step_dir(str(root), 10)
+    spawn(load_at_layout, args=(nproc, str(tmp_path / "store"), url,
+                                ["--parallelism.tp", str(tp), "--training.micro_batch_size", "1"]),
+          nprocs=nproc)
+
+
+def load_at_layout(rank: int, world: int, store: str, url: str, overrides: list[str]) -> None:
+    """One rank of :func:`test_a_tp2_dp2_checkpoint_loads_at_another_layout_with_equal_values`:
+    loads the checkpoint at ``url`` into llmtrain's model sharded at this layout (the world
+    size and the ``--parallelism.tp`` in ``overrides``), as a resume does; rank 0 then
+    checks that every weight, gathered whole, equals the checkpoint's value read with no
+    process group. Every rank fails when rank 0 names a weight that differs."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from llmtrain import sharded_model
+    from llmtrain.checkpoint.shard_read import load_unsharded
+    from llmtrain.config import parse_overrides
+    from llmtrain.distributed.process_group import build_mesh
+
+    torch.set_num_threads(1)
+    cfg = load_config("debug_cpu", parse_overrides(overrides))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)
+    cpu = torch.device("cpu")
+    mesh = build_mesh(cpu, cfg.mesh_shape(world), 60.0, cfg.parallelism.tp)
+    model = sharded_model.build(cfg, mesh, cpu, lambda part: contextlib.nullcontext()).model
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=ShardReader(url))
+    whole = {name: value.full_tensor() if isinstance(value, DTensor) else value
+             for name, value in state["model"].items()}
+    differ: list[str] = []
+    if rank == 0:
+        saved = load_unsharded(url)["model"]
+        differ = sorted(name for name in saved.keys() | whole.keys() if name not in whole
+                        or name not in saved or not torch.equal(saved[name], whole[name]))
+    # every rank leaves with rank 0's verdict, and none before rank 0 has given it: a peer
+    # that tore down its gloo connections while rank 0 still compared made another abort
+    verdict = torch.tensor([len(differ)])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    dist.destroy_process_group()
+    assert differ == [] and verdict.item() == 0, f"mesh {tuple(mesh.shape)}: differ {differ}"
 
 
 def test_a_tp_checkpoint_resumes_a_data_parallel_run(tmp_path, tp_run):

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from needs import unavailable
+from ranks import spawn
 from storage_fixtures import fuse_mounts, is_mounted
 from llmtrain.chaos.nfs import NfsMount, nfs_problem
 
@@ -252,34 +253,31 @@ def test_s3_env_reaches_subprocesses(s3_url):
     assert fsspec.open(f"{s3_url}/from-child").open().read() == b"child"
 
 
-# --------------------------------------------------------------------------- DCP under torchrun
-DCP_SCRIPT = """
-import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-torch.manual_seed(0)  # same "replicated" state on every rank; plus a per-rank entry
-state = {"w": torch.randn(256, 64), "step": torch.tensor(7), f"rank{rank}": torch.full((10,), float(rank))}
-dcp.save(state, checkpoint_id=sys.argv[1])
-target = {"w": torch.zeros(256, 64), "step": torch.tensor(0), f"rank{rank}": torch.zeros(10)}
-dcp.load(target, checkpoint_id=sys.argv[1])
-assert all(torch.equal(target[k], v) for k, v in state.items()), rank
-dist.barrier()
-print(f"rank {rank} ok", flush=True)
-dist.destroy_process_group()
-"""
+# --------------------------------------------------------------------------- DCP on 2 ranks
+def dcp_roundtrip_rank(rank: int, ckpt: str, store: str) -> None:
+    """Saves a "replicated" state (the same on every rank) plus an entry of this rank's
+    through DCP to ``ckpt``, and loads it back."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    state = {"w": torch.randn(256, 64), "step": torch.tensor(7),
+             f"rank{rank}": torch.full((10,), float(rank))}
+    dcp.save(state, checkpoint_id=ckpt)
+    target = {"w": torch.zeros(256, 64), "step": torch.tensor(0),
+              f"rank{rank}": torch.zeros(10)}
+    dcp.load(target, checkpoint_id=ckpt)
+    assert all(torch.equal(target[k], v) for k, v in state.items()), rank
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_dcp_two_rank_roundtrip_through_bindfs(bindfs_dirs, tmp_path):
     mnt, root = bindfs_dirs
-    script = tmp_path / "dcp_roundtrip.py"
-    script.write_text(textwrap.dedent(DCP_SCRIPT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(script), str(mnt / "ckpt")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    assert "rank 0 ok" in r.stdout and "rank 1 ok" in r.stdout
+    spawn(dcp_roundtrip_rank, args=(str(mnt / "ckpt"), str(tmp_path / "store")), nprocs=2)
     files = sorted(os.listdir(root / "ckpt"))
     assert ".metadata" in files and {"__0_0.distcp", "__1_0.distcp"} <= set(files), files
     assert is_mounted(mnt)

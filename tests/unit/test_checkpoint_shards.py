@@ -20,71 +20,66 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import ROOT
 from llmtrain.checkpoint import checksum, in_place, index, range_read, shard_write, storage
 from llmtrain.checkpoint.index import RAW
 from llmtrain.checkpoint.safe_unpickle import stored_object
 from llmtrain.checkpoint.shard_read import (DamagedCheckpoint, ShardReader, item_sum,
                                             load_unsharded)
+from ranks import spawn
 
 # Three ranks: ranks 0-1 save a 2-way sharded state (the raw format, the dcp format, and
 # main's format: DCP's stock FsspecWriter, which CommitWriter wrapped before the raw
 # format), then all three load it 3-way sharded (the dcp and stock ones with DCP's stock
 # reader too), and rank 0 loads it into a plain nn.Linear without any process group.
 # Shard(1) makes every 3-way shard a non-contiguous part of a saved one.
-RESHARD = """
-import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from llmtrain.checkpoint import storage
-from llmtrain.checkpoint.shard_read import ShardReader
-dist.init_process_group("gloo")
-rank, root = dist.get_rank(), sys.argv[1]
-full = {"weight": torch.randn(6, 10, generator=torch.Generator().manual_seed(0)),
-        "bias": torch.arange(6.0), "rows": torch.arange(35, dtype=torch.bfloat16).reshape(7, 5),
-        "rep": torch.arange(4.0)}
-place = {"weight": Shard(1), "bias": Shard(0), "rows": Shard(0), "rep": Replicate()}
-def sharded(mesh, zeros):
-    return {k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, [place[k]])
-            for k, v in full.items()}
-mesh2, mesh3 = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [0, 1, 2])
-two = dist.new_group([0, 1])
-for fmt, make in (("new", lambda u: storage.CommitWriter(u, {"step": 1}, thread_count=2)),
-                  ("dcp", lambda u: storage.CommitWriter(u, {"step": 1}, thread_count=2,
-                                                         raw=False)),
-                  ("old", FsspecWriter)):
-    url = f"{root}/{fmt}"
-    if rank < 2:
-        dcp.save(sharded(mesh2, False), storage_writer=make(url), process_group=two)
-    dist.barrier()
-    readers = [ShardReader(url, threads=3)] + ([FsspecReader(url)] if fmt != "new" else [])
-    for reader in readers:
-        got = sharded(mesh3, True)
-        dcp.load(got, storage_reader=reader)
-        want = sharded(mesh3, False)
-        for k in full:
-            assert torch.equal(got[k].to_local(), want[k].to_local()), (fmt, k, rank, reader)
-    if rank == 0:
-        model = torch.nn.Linear(10, 6)
-        sd = model.state_dict()
-        dcp.load(sd, storage_reader=ShardReader(url), no_dist=True)
-        model.load_state_dict(sd)
-        assert torch.equal(model.weight, full["weight"]) and torch.equal(model.bias, full["bias"])
-    dist.barrier()
-print("ok", rank)
-dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort there
-"""
+def reshard_rank(rank: int, root: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", 3), rank=rank,
+                            world_size=3)
+    full = {"weight": torch.randn(6, 10, generator=torch.Generator().manual_seed(0)),
+            "bias": torch.arange(6.0),
+            "rows": torch.arange(35, dtype=torch.bfloat16).reshape(7, 5),
+            "rep": torch.arange(4.0)}
+    place = {"weight": Shard(1), "bias": Shard(0), "rows": Shard(0), "rep": Replicate()}
+
+    def sharded(mesh, zeros):
+        return {k: distribute_tensor(torch.zeros_like(v) if zeros else v, mesh, [place[k]])
+                for k, v in full.items()}
+    mesh2, mesh3 = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [0, 1, 2])
+    two = dist.new_group([0, 1])
+    for fmt, make in (("new", lambda u: storage.CommitWriter(u, {"step": 1}, thread_count=2)),
+                      ("dcp", lambda u: storage.CommitWriter(u, {"step": 1}, thread_count=2,
+                                                             raw=False)),
+                      ("old", FsspecWriter)):
+        url = f"{root}/{fmt}"
+        if rank < 2:
+            dcp.save(sharded(mesh2, False), storage_writer=make(url), process_group=two)
+        dist.barrier()
+        readers = [ShardReader(url, threads=3)] + ([FsspecReader(url)] if fmt != "new" else [])
+        for reader in readers:
+            got = sharded(mesh3, True)
+            dcp.load(got, storage_reader=reader)
+            want = sharded(mesh3, False)
+            for k in full:
+                assert torch.equal(got[k].to_local(), want[k].to_local()), (fmt, k, rank, reader)
+        if rank == 0:
+            model = torch.nn.Linear(10, 6)
+            sd = model.state_dict()
+            dcp.load(sd, storage_reader=ShardReader(url), no_dist=True)
+            model.load_state_dict(sd)
+            assert torch.equal(model.weight, full["weight"]) and torch.equal(model.bias,
+                                                                             full["bias"])
+        dist.barrier()
+    dist.destroy_process_group()  # a gloo group left to the interpreter's exit can abort there
 
 
 def test_two_rank_checkpoints_of_both_formats_load_on_three_ranks_and_unsharded(tmp_path):
-    script = tmp_path / "reshard.py"
-    script.write_text(RESHARD)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=3", str(script), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    spawn(reshard_rank, args=(str(tmp_path),), nprocs=3)
     for fmt in ("new", "dcp"):
         assert storage.verify(str(tmp_path / fmt), checksums=True) == []
     assert storage.read_manifest(str(tmp_path / "dcp"))["format"] == "dcp"
