@@ -214,13 +214,15 @@ def cmd_chaos(args: argparse.Namespace, rest: list[str]) -> int:
                             reference=not args.no_reference, warm=not args.cold,
                             mix=mix, mix_source=source, netns=not args.no_netns,
                             spares=args.spares, repair_s=args.repair_s,
-                            script=args.script)
+                            script=args.script, pace=args.pace)
     if cfg.spares is not None and cfg.spares < 0:
         raise ConfigError(f"--spares {cfg.spares}: a count of nodes, 0 or more")
     if cfg.spares == 0 and cfg.nodes < 2:
         raise ConfigError("--spares 0 needs --nodes 2 or more: the job goes on one node short")
     if cfg.tp < 1:
         raise ConfigError(f"--tp {cfg.tp}: a node's ranks, 1 or more")
+    if cfg.pace < 1:
+        raise ConfigError(f"--pace {cfg.pace}: a factor of the job's fastest step, 1 or more")
     if cfg.rank is not None and not 0 <= cfg.rank < cfg.world_size:
         raise ConfigError(f"--rank {cfg.rank}: the job has ranks 0..{cfg.world_size - 1}")
     if cfg.checkpoint_every < 1:
@@ -340,6 +342,11 @@ def _chaos_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --spares 0: a lost node returns this long after its fault")
     p.add_argument("--rank", type=int, default=None,
                    help="the rank every rank-level fault hits (default: a random one)")
+    p.add_argument("--pace", type=int, default=1,
+                   help="the job's steps last this many times its fastest early step (a "
+                        "sleep; the arithmetic is the same): faults come by the clock, so "
+                        "a fast job only trains more steps, which the fault-free reference "
+                        "trains again")
     p.add_argument("--checkpoint-every", type=int, default=20,
                    help="the job's checkpoint interval in steps (the last faults come "
                         "3 intervals before the end)")

@@ -222,7 +222,10 @@ class Chaos:
         self.leave_out(why_not)
         fewest = self.cfg.nodes - (self.spare_nodes == 0)  # no spare: one node short
         faults_file = self.dir / "faults.txt"  # run-time faults (``reliability.faults``)
-        faults_file.write_text("")
+        # the pace: every rank's steps from step 5 on, in every attempt, last ``pace`` times
+        # its fastest before (the reference, without it, trains the same arithmetic)
+        faults_file.write_text(f"slow@step:step=5,factor={self.cfg.pace},id=pace\n"
+                               if self.cfg.pace > 1 else "")
         cluster = LocalCluster(self.dir, self.dir / "run", f"{fewest}:{self.cfg.nodes}",
                                (*self.launch_args, *self.train_args,
                                 "--checkpoint.url", str(mount.mount)),

@@ -30,6 +30,10 @@ class ChaosConfig:
     spares: int | None = None      # spare nodes waiting (None: two warm, one cold); 0: the
                                    # job shrinks without the lost node until it returns
     repair_s: float = 20.0         # with no spares: a lost node returns this long after
+    pace: int = 1                  # the job's steps last this many times its fastest early
+                                   # step (a sleep: the same arithmetic), where faults come
+                                   # by the clock: a fast job only trains more steps, which
+                                   # the fault-free reference then trains again
     store_stall_s: float = 30.0    # how long store_stall stops the store: more than the
                                    # fence's timeout (and torchrun's keep-alive's 15 s)
     mix: dict[str, float] | None = None  # kind -> weight (``load_mix``): draws by weight
