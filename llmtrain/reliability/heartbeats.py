@@ -160,7 +160,8 @@ def not_arrived(world: World, factor: float, floor_s: float) -> tuple[str, list[
     """(reason, ranks named) when ranks have waited in collective #N of a group longer
     than ``factor`` times its usual duration (``floor_s`` at least) while quiet ranks of
     the group have entered only earlier ones: #N cannot finish without them. None when
-    ``factor`` is 0 or nothing qualifies."""
+    ``factor`` is 0 or nothing qualifies. A rank silent since it said where it was, whom
+    a peer on its host saw running, is starved, not behind: where it was is old news."""
     if not factor:
         return None
     for (pg, seq, call, inside), waiting in sorted(world.at.items(), key=lambda kv: kv[0][:2]):
@@ -172,7 +173,8 @@ def not_arrived(world: World, factor: float, floor_s: float) -> tuple[str, list[
         behind = Party()
         for (pg2, seq2, _, _), p in world.at.items():
             if pg2 == pg and seq2 < seq:
-                behind.add(p.count, p.ranks, 0.0, None)
+                ranks = [r for r in p.ranks if r not in world.running]
+                behind.add(p.count - (len(p.ranks) - len(ranks)), ranks, 0.0, None)
         if behind.count:
             return (f"rank(s) {behind.named()} have not arrived at {call.split()[0]} #{seq} "
                     f"on {pg}: rank(s) {waiting.named()} have waited there "

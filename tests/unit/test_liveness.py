@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llmtrain.reliability.heartbeats import ControlPlane, awaited
+from llmtrain.reliability.heartbeats import ControlPlane, World, awaited, not_arrived
 from llmtrain.reliability.liveness import HOST, Liveness, process_clock
 from conftest import signed_store
 
@@ -104,3 +104,18 @@ def test_rank_0_names_a_silent_stopped_rank_and_only_notes_a_starved_one(spawn):
     reason, ranks = awaited(world, ps[0].stale_s, 10.0)
     assert ranks == [0] and reason.endswith("stopped or frozen"), reason
     os.kill(busy.pid, signal.SIGCONT)
+
+
+def test_where_a_starved_rank_said_it_was_does_not_make_it_behind():
+    """Rank 2 said it waited in #6, then went silent; ranks 0 and 1 wait in #7 well past
+    its usual time. Stopped, rank 2 is behind and named; seen running, it is starved: its
+    position is old news, and nobody is named (unless another rank is behind with it)."""
+    def world(running: set[int], also_behind: list[int] = ()) -> World:
+        w = World(silent={2: (3.0, 5, "forward")}, running=running)
+        w.at["default_pg", 7, "gloo:all_reduce", True].add(2, [0, 1], 4.0, 0.1)
+        w.at["default_pg", 6, "gloo:all_gather", False].add(1 + len(also_behind),
+                                                            [2, *also_behind], 0.0, 0.1)
+        return w
+    assert not_arrived(world(set()), 10.0, 3.0)[1] == [2]
+    assert not_arrived(world({2}), 10.0, 3.0) is None
+    assert not_arrived(world({2}, also_behind=[3]), 10.0, 3.0)[1] == [3]
