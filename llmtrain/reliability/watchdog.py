@@ -445,7 +445,7 @@ class Watchdog:
                 continue
             self._starved[r] = since
             self.events.emit("starved", starved_rank=r, silent_s=round(world.silent[r][0], 3),
-                             step=world.silent[r][1], reason=found[0])
+                             step=self.step, reason=found[0])
             log.warning("llmtrain watchdog (rank %s): %s; the hang timeout (%.0f s) judges "
                         "it if it stays silent", self.rank, found[0], self.timeout)
 

@@ -66,8 +66,8 @@ SAY: dict[str, Callable[[Event], Said]] = {
         f"rank {e.get('straggler_rank')} on {e.get('host')} is {e.get('slowdown')}× slower "
         f"than the others (step {e.get('step')})"), "warn"),
     "starved": lambda e: (str(e.get("starved_rank")), (
-        f"rank {e.get('starved_rank')} sent no heartbeat for {e.get('silent_s')} s at step "
-        f"{e.get('step')} while its peers waited for it, but its process ran: starved (a "
+        f"rank {e.get('starved_rank')} sent no heartbeat for {e.get('silent_s')} s while "
+        f"its peers waited for it in step {e.get('step')}, but its process ran: starved (a "
         f"loaded machine, or a long call that keeps the interpreter), not stopped; not "
         f"named hung"), "warn"),
     "preempted": lambda e: (_rank(e), f"signal {e.get('signal')} at step {e.get('step')}",
