@@ -312,8 +312,12 @@ def test_a_node_lost_without_a_spare_shrinks_the_job_and_a_spare_that_comes_grow
     (no restart, no checkpoint read). A spare that comes later is taken in at a step
     boundary, its shard resharded from rank 0's memory. Each part trains as a cold resume
     at its world size would, bit for bit: at 1 rank from the checkpoint of step 10, then
-    at 2 ranks from that run's checkpoint of the grow's step. Every checkpoint is kept."""
+    at 2 ranks from that run's checkpoint of the grow's step. Every checkpoint is kept.
+    Saves are synchronous: the cold resumes start from the checkpoint of step 10, and an
+    async write of it still in flight at step 15 (a loaded CI machine) died with rank 1
+    and was never committed, as it should not be."""
     job = ("--training.steps", "80", "--checkpoint.interval_steps", "10",
+           "--checkpoint.mode", "sync",
            "--checkpoint.keep_last", "100", "--warm.snapshot_every", "10",
            "--metrics.log_every", "1", "--metrics.address", "127.0.0.1", "--metrics.port", "0")
     slow = tmp_path / "faults.txt"  # armed while the spare starts: time only, not numbers
