@@ -202,8 +202,9 @@ class Session:
         self._build = build
         with self.ledger.span("startup", "store_connect"):
             self._recovery_for(None, plan, held)
-        self._components(self.recovery.spare_store(plan["step"]), "restart", spare=True)
-        self._begin(self.guard.restored(self.recovery.join_as_spare(Plan.from_assignment(plan))))
+        assigned = Plan.from_assignment(plan)
+        self._components(self.recovery.spare_store(assigned), "restart", spare=True)
+        self._begin(self.guard.restored(self.recovery.join_as_spare(assigned)))
         return self
 
     def _recovery_for(self, job_store: dist.Store | None, plan: dict | None,

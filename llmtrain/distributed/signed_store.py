@@ -269,9 +269,12 @@ class SignedStore:
     def wait_genuine(self, key: str, timeout: timedelta) -> bytes | None:
         """The value at ``key`` once a signed one stands there, or None after ``timeout``.
         It waits in the store (no polling) for the key to appear; past a forged value
-        (reported), it looks every 50 ms until a genuine write replaces it."""
+        (reported), it looks every 50 ms until a genuine write replaces it. Under a
+        millisecond left counts as none: c10d gets it as 0 ms, which a TCPStore takes as
+        expired but a HashStore as no timeout at all (a test's warm generation, looking
+        2 µs before its deadline, waited for ever)."""
         deadline = time.monotonic() + timeout.total_seconds()
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) >= 0.001:
             import torch.distributed as dist
             try:
                 self.raw.wait([key], timedelta(seconds=left))

@@ -177,12 +177,12 @@ class WarmRecovery:
         return evict(outside_store(timedelta(seconds=30), via), ranks,
                      wait_s=self.cfg.evict_wait_s)
 
-    def spare_store(self, step: int) -> dist.Store:
-        """A spare's way in (to restore ``step``): once every member of the generation
+    def spare_store(self, plan: Plan) -> dist.Store:
+        """A spare's way in (its place in ``plan``): once every member of the generation
         has come, its store."""
-        fault_points.point("spare_assigned", step)
-        self.path.assemble(time.monotonic() + self.cfg.budget_s)
-        fault_points.point("spare_arrived", step)
+        fault_points.point("spare_assigned", plan.step)
+        self.path.assemble(time.monotonic() + self.cfg.budget_s, plan)
+        fault_points.point("spare_arrived", plan.step)
         return self.path.group_store()
 
     def group_formed(self) -> None:
@@ -423,7 +423,7 @@ class WarmRecovery:
                 raise self.shrunk(plan, {"failure_detected": detected, "agreed": agreed},
                                   failed_at=step)
             self.path.enter(plan.gen)
-            self.path.assemble(deadline)
+            self.path.assemble(deadline, plan)
             control = self.job.rejoin(self.path.group_store())
             formed = time.time()
             self.restore(plan, deadline)

@@ -53,8 +53,9 @@ class Recovery(Protocol):
         """How the watchdog has a hang's stuck ranks leave for spares (None: every hang
         goes cold)."""
 
-    def spare_store(self, step: int) -> dist.Store:
-        """A spare's (or a resized rank's) way into the running job, to restore ``step``."""
+    def spare_store(self, plan: Plan) -> dist.Store:
+        """A spare's (or a resized rank's) way into the running job, its place in
+        ``plan``."""
 
     def join_as_spare(self, plan: Plan) -> int:
         """A spare's (or a resized rank's) state, restored; returns its step."""
@@ -106,7 +107,7 @@ class NoWarmRecovery:
     def evictor(self) -> Evict | None:
         return None  # a hang's ranks are not evicted for spares: it goes cold
 
-    def spare_store(self, step: int) -> dist.Store:
+    def spare_store(self, plan: Plan) -> dist.Store:
         raise ColdPath("a warm spare (or a resized rank) needs the warm path: warm.enable "
                        "and a store outside the workers (llmtrain launch)")
 

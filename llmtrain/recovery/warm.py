@@ -70,6 +70,8 @@ __all__ = ["ColdPath", "Plan", "WarmPath", "buddy_of", "ward_of", "outside_store
            "job_namespace"]
 
 log = logging.getLogger(__name__)
+# how often a rank waiting for its generation to form looks for a member known dead
+LOOK_S = 0.5
 
 
 class ColdPath(RuntimeError):
@@ -320,19 +322,49 @@ class WarmPath:
             raise ColdPath(f"rank {self.rank} reported too late and was counted as lost")
         return plan
 
-    def assemble(self, deadline: float) -> None:
-        """Waits until every member of this generation (survivors and spares) has come to
-        form its group; ColdPath when one has not by ``deadline`` (a claimed spare that died
-        or is too slow), so that no rank waits in the group's creation for its much longer
-        timeout (``reliability.init_timeout_s``)."""
+    def assemble(self, deadline: float, plan: Plan) -> None:
+        """Waits until every member of this generation (survivors and spares of ``plan``)
+        has come to form its group. ColdPath as soon as one is known dead
+        (:meth:`_lost_before_forming`), or when one has not come by ``deadline`` (a claimed
+        spare too slow), so that no rank waits in the group's creation for its much longer
+        timeout (``reliability.init_timeout_s``). (A spare claimed by a survivor that was
+        killed next, as a node's ranks are killed one by one, waited out warm.budget_s;
+        its launcher then joined the job, which had restarted cold without it meanwhile,
+        as a node, and the healthy job restarted once more.)"""
         if self.store.add(self._key("arrived"), 1) == self.world_size:
             self.store.set(self._key("assembled"), "1")
+        while True:
+            try:
+                self._wait(self._key("assembled"), min(deadline, time.monotonic() + LOOK_S))
+                return
+            except ColdPath:
+                if time.monotonic() >= deadline:
+                    missing = self.world_size - self.store.add(self._key("arrived"), 0)
+                    raise ColdPath(f"{missing} member(s) of generation {self.gen} did not "
+                                   f"come within warm.budget_s={self.cfg.budget_s}") from None
+            lost = self._lost_before_forming(plan)
+            if lost:
+                raise ColdPath(lost)
+
+    def _lost_before_forming(self, plan: Plan) -> str | None:
+        """Why this generation cannot form, where a member is known dead already: one that
+        entered it and died or left (its supervisor, or the presence listener, marked it
+        gone here), or a survivor of ``plan`` that reported in the failed generation and
+        died after (:func:`died_after_report`). None while none is known; a store that does
+        not answer tells nothing (the budget still bounds the wait)."""
+        survivors = ({r for r in plan.kept if r >= 0} if plan.kept
+                     else set(range(plan.world_size)) - set(plan.lost))
         try:
-            self._wait(self._key("assembled"), deadline)
-        except ColdPath:
-            missing = self.world_size - self.store.add(self._key("arrived"), 0)
-            raise ColdPath(f"{missing} member(s) of generation {self.gen} did not come within "
-                           f"warm.budget_s={self.cfg.budget_s}") from None
+            if self.store.check([self.failed_key()]):
+                return (f"a member of generation {self.gen} was lost before it formed (its "
+                        f"process died, or it left)")
+            died = died_reporters(self.store, self._key("", plan.gen - 1)) & survivors
+        except RuntimeError:  # DistError: the store went away for now
+            return None
+        if died:
+            return (f"rank(s) {sorted(died)} reported the failure of generation "
+                    f"{plan.gen - 1}, then died before generation {self.gen} formed")
+        return None
 
     def _propose(self, reports: dict[int, dict]) -> str:
         lost = [r for r in range(self.world_size) if r not in reports]

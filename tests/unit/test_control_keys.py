@@ -202,3 +202,14 @@ def test_the_job_secret_comes_from_the_scheduler_or_the_only_launcher(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         job_secret({SECRET_FILE_ENV: str(tmp_path / "missing")})
     assert JobConfig()  # the config needs nothing of it
+
+
+@pytest.mark.parametrize("kind", ["tcp", "hash"])
+def test_a_wait_with_under_a_millisecond_left_ends_at_once(server, kind):
+    """A timedelta under a millisecond reaches c10d as 0 ms, which a TCPStore takes as
+    expired and a HashStore as no timeout at all: a wait for a key that never comes, with
+    0.4 ms left, returns None at once on both (on a HashStore it waited for ever)."""
+    store = SignedStore(server if kind == "tcp" else dist.HashStore(), b"k" * 32, JOB)
+    began = time.monotonic()
+    assert store.wait_genuine("never", timedelta(microseconds=400)) is None
+    assert time.monotonic() - began < 1.0

@@ -12,9 +12,9 @@ from llmtrain.config import WarmConfig
 from llmtrain.distributed.process_group import node_name
 from llmtrain.recovery.pool import (PoolPlace, assignment, claim, join_pool, leave_pool,
                                     spares_ready, spares_waiting)
-from llmtrain.recovery.roll_call import coming, mark_gone, owner
+from llmtrain.recovery.roll_call import coming, died_after_report, mark_gone, owner
 from llmtrain.recovery.verdicts import Verdicts, agreements
-from llmtrain.recovery.warm import ColdPath, WarmPath, buddy_of
+from llmtrain.recovery.warm import ColdPath, Plan, WarmPath, buddy_of
 from conftest import signed_store
 
 
@@ -510,3 +510,41 @@ def test_a_decider_that_dies_before_its_plan_is_replaced_by_a_survivor_at_once()
     assert (plan.kind, plan.lost, plan.kept, plan.world_size) == ("shrink", [0, 1], [2, 3], 2)
     assert time.monotonic() - start < 4  # not the budget's 5 s
     assert store.add("cold", 0) == 0
+
+
+def test_a_generation_whose_member_is_known_dead_is_given_up_at_once_not_after_the_budget():
+    """Generation 1 of 2 ranks: rank 0 was lost and a spare takes its place; rank 1, the
+    survivor, reported the failure of generation 0. The spare waits for the generation to
+    form: when rank 1 dies now (its supervisor records it), or when a member that entered
+    generation 1 dies there, the spare goes cold within a look or two, not after its 30 s
+    budget (a spare waited out its budget, then its launcher joined the job that had
+    restarted without it, as a node, and the job restarted once more). A lost rank that
+    reported and died before the plan is the spare's own place: no reason to give up."""
+    cfg = WarmConfig(enable=True, budget_s=30)
+    plan = Plan(gen=1, step=10, world_size=2, local_world_size=1, round_id="round",
+                lost=[0], sources={"0": 1})
+
+    def waits(store) -> tuple[float, str]:
+        spare = WarmPath(cfg, store, "round", 0, 2, 1, gen=1)
+        began = time.monotonic()
+        with pytest.raises(ColdPath) as e:
+            spare.assemble(time.monotonic() + cfg.budget_s, plan)
+        return time.monotonic() - began, str(e.value)
+
+    store = signed_store()
+    died_after_report(store, "round/g0/", 0)  # the lost rank: the spare takes its place
+    threading.Timer(0.3, died_after_report, args=(store, "round/g0/", 1)).start()
+    took, why = waits(store)
+    assert took < 2.0 and why == ("rank(s) [1] reported the failure of generation 0, then "
+                                  "died before generation 1 formed"), (took, why)
+
+    store = signed_store()
+    WarmPath(cfg, store, "round", 1, 2, 1, gen=1)  # rank 1 enters generation 1...
+    threading.Timer(0.3, mark_gone, args=(store, 1)).start()  # ...and dies there
+    took, why = waits(store)
+    assert took < 2.0 and "was lost before it formed" in why, (took, why)
+
+    short = WarmConfig(enable=True, budget_s=1)  # nobody known dead: the budget still ends it
+    with pytest.raises(ColdPath, match="did not come within warm.budget_s=1"):
+        WarmPath(short, signed_store(), "round", 0, 2, 1, gen=1).assemble(
+            time.monotonic() + 1, plan)
