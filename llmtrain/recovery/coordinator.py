@@ -270,23 +270,33 @@ class WarmRecovery:
         self.snapshots.forget_own()
 
     def leave(self) -> bool:
-        """This rank leaves on purpose (its GPU failed), unsaved: the survivors go on."""
+        """This rank leaves on purpose (its GPU failed), unsaved, at a step's end: the
+        survivors go on. On gloo its connections to them are cut now, when none of its
+        training collectives is in flight, so their next one fails at once rather than
+        when this process has closed."""
         if not self.left_early:
             self.path.leave()
+        if dist.get_backend() == "gloo":
+            self.path.cut_from_peers()
         return True
 
     def leave_early(self) -> None:
         """The health monitor's thread saw this rank's GPU fail: the rank is marked gone
-        now, which wakes its peers blocked in the step's collectives (their failure
-        watch on NCCL; on gloo, this rank's connections to them are cut), rather than at
-        the step's end. A collective of this rank's that fails after it is then its own
-        failure: it leaves, never reports as a survivor."""
+        now, rather than at the step's end. On NCCL that wakes its peers blocked in the
+        step's collectives (their failure watch aborts them; read from torch's source,
+        never run with two or more ranks: see warm_path_unproven). A collective of this
+        rank's that fails after it is then its own failure: it leaves, never reports as
+        a survivor.
+
+        On gloo this rank's connections are not cut here. The cut came at any point of
+        the step, so it could sever a message mid-transfer, and gloo never fails a
+        receive it has partly read: a TP chaos run's buddy of the failed rank waited in
+        their HSDP all-reduce until it left as stuck, and the job went cold. A gloo
+        job's GPU failure is a scripted one, its step goes on: this rank cuts its
+        connections at the step's end (:meth:`leave`), and its peers fail cleanly at
+        their next collective."""
         self.left_early = True
-        # on NCCL, the peers' failure watch aborts their collectives (read from torch's
-        # source, never run with two or more ranks: see warm_path_unproven)
         self.path.leave()
-        if dist.get_backend() == "gloo":  # gloo has no abort: its connections are cut
-            self.path.cut_from_peers()
 
     def give_up(self) -> None:
         self.path.give_up()

@@ -276,6 +276,65 @@ def test_a_rank_stuck_in_a_collective_nothing_ends_leaves_for_a_spare(tmp_path):
     assert namespace.genuine("round/g0/seen/0").startswith(b"gone-")  # counted out, at once
 
 
+def _gpu_fails_mid_step(rank: int, port: int, run_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    os.environ |= {"LLMTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{port}", "LLMTRAIN_RDZV_ID": "test"}
+    rec, control = recovery(run_dir, client(port), rank, 2, Job())
+    rec.cfg.budget_s = 60.0  # no stuck rank may leave: what ends a wait is the test's
+    rec.stuck_s = 15.0
+    dist.barrier(group=control)
+    grads, steps = torch.ones(1 << 20), 40  # a step's gradient all-reduces, 4 MB each
+    mid_step, early = threading.Event(), []
+    if rank == 1:  # the health monitor's thread, as it sees this rank's GPU fail
+        def monitor() -> None:
+            mid_step.wait()
+            rec.leave_early()
+            early.append(done)
+        threading.Thread(target=monitor, daemon=True).start()
+    result = Path(run_dir) / f"rank{rank}.json"
+    done = 0
+    for done in range(1, steps + 1):
+        dist.all_reduce(grads)
+        if done == 5:
+            mid_step.set()
+    if rank == 1:  # the step's end: it leaves, and its process lives on a while
+        left = time.time()
+        rec.leave()
+        result.write_text(json.dumps({"early_at": early and early[0], "done": done,
+                                      "left": left}))
+        other = Path(run_dir) / "rank0.json"
+        deadline = time.monotonic() + 10
+        while not other.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
+    try:  # the next step's first collective, with a peer that has left
+        dist.all_reduce(grads)
+        failed = None
+    except RuntimeError as e:
+        failed = str(e)
+    result.write_text(json.dumps({"done": done, "failed": failed, "at": time.time()}))
+    os._exit(0)
+
+
+def test_a_rank_whose_gpu_fails_mid_step_cuts_its_connections_at_the_steps_end(tmp_path):
+    """On gloo, a rank whose GPU fails (the health monitor's thread sees it mid-step) says
+    it is gone at once but cuts its connections only at the step's end, as it leaves:
+    cut mid-step, a connection severed in the middle of a message leaves the peer's
+    receive waiting until the group's timeout (seen in a TP chaos run: the failed rank's
+    HSDP buddy waited in their gradient all-reduce, left as stuck, and the job went cold).
+    Every all-reduce of the step then completes on both ranks, and the peer's next one
+    fails at once, not when the leaver's process ends (10 s later here)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    server, _ = served()
+    spawn(_gpu_fails_mid_step, args=(server.port, str(tmp_path)), nprocs=2)
+    leaver = json.loads((tmp_path / "rank1.json").read_text())
+    peer = json.loads((tmp_path / "rank0.json").read_text())
+    assert leaver["early_at"] and leaver["early_at"] < 40, leaver  # it failed mid-step
+    assert leaver["done"] == peer["done"] == 40, (leaver, peer)  # and the step completed
+    assert peer["failed"] and peer["at"] - leaver["left"] < 5, (leaver, peer)
+
+
 def _a_write_waiting_on_a_peer(rank: int, run_dir: str) -> None:
     os.environ["TORCH_FR_BUFFER_SIZE"] = "200"  # before any group, as the trainer sets it
     dist.init_process_group("gloo", init_method=f"file://{run_dir}/pg", rank=rank,
