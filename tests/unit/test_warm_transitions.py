@@ -285,24 +285,24 @@ def _gpu_fails_mid_step(rank: int, port: int, run_dir: str) -> None:
     rec.stuck_s = 15.0
     dist.barrier(group=control)
     grads, steps = torch.ones(1 << 20), 40  # a step's gradient all-reduces, 4 MB each
-    mid_step, early = threading.Event(), []
+    mid_step, said = threading.Event(), threading.Event()
     if rank == 1:  # the health monitor's thread, as it sees this rank's GPU fail
         def monitor() -> None:
             mid_step.wait()
             rec.leave_early()
-            early.append(done)
+            said.set()
         threading.Thread(target=monitor, daemon=True).start()
     result = Path(run_dir) / f"rank{rank}.json"
-    done = 0
+    done, early_at = 0, None
     for done in range(1, steps + 1):
         dist.all_reduce(grads)
-        if done == 5:
+        if done == 5 and rank == 1:  # it fails here; rank 0 waits in the next one
             mid_step.set()
+            early_at = done if said.wait(10) else None
     if rank == 1:  # the step's end: it leaves, and its process lives on a while
         left = time.time()
         rec.leave()
-        result.write_text(json.dumps({"early_at": early and early[0], "done": done,
-                                      "left": left}))
+        result.write_text(json.dumps({"early_at": early_at, "done": done, "left": left}))
         other = Path(run_dir) / "rank0.json"
         deadline = time.monotonic() + 10
         while not other.exists() and time.monotonic() < deadline:
@@ -330,7 +330,7 @@ def test_a_rank_whose_gpu_fails_mid_step_cuts_its_connections_at_the_steps_end(t
     spawn(_gpu_fails_mid_step, args=(server.port, str(tmp_path)), nprocs=2)
     leaver = json.loads((tmp_path / "rank1.json").read_text())
     peer = json.loads((tmp_path / "rank0.json").read_text())
-    assert leaver["early_at"] and leaver["early_at"] < 40, leaver  # it failed mid-step
+    assert leaver["early_at"] == 5, leaver  # it said it was gone after 5 of 40
     assert leaver["done"] == peer["done"] == 40, (leaver, peer)  # and the step completed
     assert peer["failed"] and peer["at"] - leaver["left"] < 5, (leaver, peer)
 
