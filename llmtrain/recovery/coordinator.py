@@ -156,6 +156,7 @@ class WarmRecovery:
         self.control: dist.ProcessGroup | None = None  # the generation's, once started
         self.left = False  # this generation's groups were left (never twice)
         self.left_early = False  # the health monitor marked this rank gone (its GPU failed)
+        self.on_gpu = device_type(cfg.parallelism) == "cuda"
         self.recovered: dict | None = None  # the last recovery, until its first step is done
         self.watch: FailureWatch | None = None  # this generation's
         # A wait that the failure should have ended by now, and that nothing will: this
@@ -288,15 +289,18 @@ class WarmRecovery:
         rank's that fails after it is then its own failure: it leaves, never reports as
         a survivor.
 
-        On gloo this rank's connections are not cut here. The cut came at any point of
-        the step, so it could sever a message mid-transfer, and gloo never fails a
-        receive it has partly read: a TP chaos run's buddy of the failed rank waited in
-        their HSDP all-reduce until it left as stuck, and the job went cold. A gloo
-        job's GPU failure is a scripted one, its step goes on: this rank cuts its
-        connections at the step's end (:meth:`leave`), and its peers fail cleanly at
-        their next collective."""
+        On gloo on the CPU this rank's connections are not cut here. The cut came at any
+        point of the step, so it could sever a message mid-transfer, which gloo may never
+        fail: a TP chaos run's buddy of the failed rank waited in their HSDP all-reduce
+        until it left as stuck, and the job went cold. There a GPU failure is a scripted
+        one and the step goes on: this rank cuts its connections at the step's end
+        (:meth:`leave`), and its peers fail cleanly at their next collective. With gloo
+        pinned on GPUs a failing GPU may never end its step, so the cut comes now, at
+        that risk (never run with two or more ranks)."""
         self.left_early = True
         self.path.leave()
+        if self.on_gpu and dist.get_backend() == "gloo":
+            self.path.cut_from_peers()
 
     def give_up(self) -> None:
         self.path.give_up()
