@@ -300,6 +300,8 @@ class WarmRecovery:
         self.left_early = True
         self.path.leave()
         if self.on_gpu and dist.get_backend() == "gloo":
+            log.warning("rank %d: its GPU failed on gloo: its connections are cut now, mid-"
+                        "step (a path never run with two or more ranks)", self.world.rank)
             self.path.cut_from_peers()
 
     def give_up(self) -> None:
