@@ -147,16 +147,16 @@ class WarmRecovery:
         # never further apart than checkpoints: warm must not redo more than cold
         most = (min(w.snapshot_max_every, c.interval_steps)
                 if c.enable and c.interval_steps else w.snapshot_max_every)
+        device = resolve_device(cfg.parallelism, world.local_rank)
         self.snapshots = Snapshots(
             Schedule(w.snapshot_every, w.snapshot_budget, most), world.rank,
             buddy=path.buddy, ward=path.ward, events=events,
-            shares_cores=shares_cores(resolve_device(cfg.parallelism, world.local_rank),
-                                      path.local_world_size))
+            shares_cores=shares_cores(device, path.local_world_size))
         self.replication: dist.ProcessGroup | None = None  # the generation's, once formed
         self.control: dist.ProcessGroup | None = None  # the generation's, once started
         self.left = False  # this generation's groups were left (never twice)
         self.left_early = False  # the health monitor marked this rank gone (its GPU failed)
-        self.on_gpu = device_type(cfg.parallelism) == "cuda"
+        self.on_gpu = device.type == "cuda"
         self.recovered: dict | None = None  # the last recovery, until its first step is done
         self.watch: FailureWatch | None = None  # this generation's
         # A wait that the failure should have ended by now, and that nothing will: this
